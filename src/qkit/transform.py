@@ -1,0 +1,135 @@
+"""The weight-transform layer: which tensors are quantized (rules), with what scheme, and the manifest.
+
+Every command is a view of this layer: ``quantize`` writes what ``quantize_state_dict`` yields,
+``inspect`` measures what it throws away, ``eval`` loads what it keeps into a model.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from qkit import __version__
+from qkit.errors import InputError
+from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.schemes.registry import scheme_from_dict
+
+MANIFEST_FORMAT = "qkit"
+MANIFEST_VERSION = 1
+
+# A projection inside a transformer block: 2-D, ``.weight``, under ``layers.N`` / ``h.N`` / ``blocks.N``
+# (llama, qwen, mistral, gpt-2, ...), and not a norm or an embedding.
+_BLOCK = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
+_NOT_PROJ = re.compile(r"norm|embed|(^|\.)ln_")
+
+
+def is_block_projection(name: str, shape: tuple[int, ...]) -> bool:
+    """True for the default targets: the 2-D linear weights inside the transformer blocks."""
+    return len(shape) == 2 and name.endswith(".weight") and bool(_BLOCK.search(name)) and not _NOT_PROJ.search(name)
+
+
+KEEP_ORIGINAL = "none"  # the scheme word in ``--keep none:GLOB`` that leaves a tensor unquantized
+_KEEP_ALIASES = {"int8": "int8-row", "int4": "int4-g128"}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Which tensors get which scheme.
+
+    A tensor is a candidate when it is a block projection (``is_block_projection``) or matches an
+    ``include`` glob, and is not matched by an ``exclude`` glob. A candidate gets the scheme of the
+    first ``overrides`` glob it matches (``--keep SCHEME:GLOB``; scheme ``none`` keeps it unquantized),
+    else the default scheme. Globs are ``fnmatch`` patterns over full tensor names (``*`` crosses dots).
+    """
+
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    overrides: tuple[tuple[str, Scheme | None], ...] = field(default=())
+
+    def scheme_for(self, name: str, shape: tuple[int, ...], default: Scheme) -> Scheme | None:
+        candidate = is_block_projection(name, shape) or any(fnmatch.fnmatchcase(name, g) for g in self.include)
+        if not candidate or any(fnmatch.fnmatchcase(name, g) for g in self.exclude):
+            return None
+        for glob, scheme in self.overrides:
+            if fnmatch.fnmatchcase(name, glob):
+                return scheme
+        return default
+
+    @classmethod
+    def parse(
+        cls,
+        include: Iterable[str] = (),
+        exclude: Iterable[str] = (),
+        keep: Iterable[str] = (),
+        scale_dtype: str | torch.dtype | None = None,
+    ) -> Rules:
+        """Build rules from CLI words; ``keep`` items are ``SCHEME:GLOB`` (``int8:*.down_proj.*``)."""
+        overrides: list[tuple[str, Scheme | None]] = []
+        for item in keep:
+            word, sep, glob = item.partition(":")
+            if not sep or not glob or not word:
+                raise InputError(f"--keep {item!r} must be SCHEME:GLOB, e.g. int8:'*.mlp.down_proj.weight'")
+            word = word.strip().lower()
+            scheme = None if word == KEEP_ORIGINAL else get_scheme(_KEEP_ALIASES.get(word, word), scale_dtype)
+            overrides.append((glob, scheme))
+        return cls(tuple(include), tuple(exclude), tuple(overrides))
+
+
+def plan(
+    shapes: Iterable[tuple[str, tuple[int, ...]]], scheme: Scheme, rules: Rules | None = None
+) -> dict[str, Scheme | None]:
+    """``{name: scheme or None}`` for every tensor, in the given order."""
+    rules = rules or Rules()
+    return {name: rules.scheme_for(name, shape, scheme) for name, shape in shapes}
+
+
+def quantize_state_dict(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    scheme: Scheme,
+    rules: Rules | None = None,
+    *,
+    on_tensor: Callable[[str], None] | None = None,
+) -> Iterator[tuple[str, QuantizedTensor | torch.Tensor]]:
+    """Stream ``(name, tensor)`` -> ``(name, QuantizedTensor)`` for targets, ``(name, tensor)`` otherwise.
+
+    One tensor at a time: memory is bounded by the largest tensor, whatever the iterable holds.
+    """
+    rules = rules or Rules()
+    for name, w in tensors:
+        s = rules.scheme_for(name, tuple(w.shape), scheme)
+        yield name, (quantize_tensor(w, s, name=name) if s is not None else w)
+        if on_tensor is not None:
+            on_tensor(name)
+
+
+def manifest_entry(qt: QuantizedTensor) -> dict:
+    return {"scheme": qt.scheme.to_dict(), "shape": list(qt.shape), "dtype": str(qt.dtype).removeprefix("torch.")}
+
+
+def new_manifest(scheme: Scheme, rules: Rules | None = None) -> dict:
+    """The checkpoint-level manifest; ``tensors`` is filled per quantized tensor by the writer."""
+    rules = rules or Rules()
+    return {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "qkit_version": __version__,
+        "scheme": scheme.to_dict(),
+        "rules": {
+            "include": list(rules.include),
+            "exclude": list(rules.exclude),
+            "keep": [[g, s.name if s else KEEP_ORIGINAL] for g, s in rules.overrides],
+        },
+        "tensors": {},
+    }
+
+
+def entry_to_spec(entry: dict) -> tuple[Scheme, tuple[int, ...], torch.dtype]:
+    """Read one manifest tensor entry back: ``(scheme, shape, original dtype)``."""
+    dtype = getattr(torch, str(entry.get("dtype", "")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"manifest entry {entry} has an unknown dtype; re-create the checkpoint")
+    return scheme_from_dict(entry["scheme"]), tuple(int(d) for d in entry["shape"]), dtype

@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny llama models built from a config (never downloaded) and the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+    "Water boils at one hundred degrees. The sun rises in the east and sets in the west. "
+) * 4
+
+
+def make_tokenizer(directory: Path):
+    """A small byte-level BPE tokenizer trained here, with a ChatML-style chat template."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([TINY_TEXT], vocab_size=300, min_frequency=1, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok.save_pretrained(str(directory))
+    return tok
+
+
+def make_tiny_llama(directory: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 304, tie: bool = True):
+    """Write a tiny random llama (config + model.safetensors + tokenizer) to ``directory``; return the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qkit.checkpoint import ShardWriter
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden + 32,  # not a multiple of 64: exercises short groups
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config).eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(str(directory))
+    writer = ShardWriter(directory)
+    seen = set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        writer.add(name, t)
+    writer.close()
+    make_tokenizer(directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny llama model directory (2 layers, hidden 64, 14 projection matrices). Do not modify it."""
+    d = tmp_path_factory.mktemp("tiny") / "model"
+    make_tiny_llama(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model (SmolLM2-135M-Instruct), fetched and converted once into the qkit cache."""
+    from qkit.models import resolve
+
+    return resolve(None).directory
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
