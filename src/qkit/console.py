@@ -18,14 +18,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-_out = Console(highlight=False, soft_wrap=False)
+
+def _console(stderr: bool) -> Console:
+    # Wide tables stay whole when the output is a file or a pipe (logs, CI, the README's examples).
+    probe = Console(stderr=stderr)
+    return Console(stderr=stderr, highlight=False, width=None if probe.is_terminal else 200)
+
+
+_out = _console(stderr=False)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def use_stderr_for_tables(flag: bool) -> None:
     """With ``--json -`` the JSON owns stdout; tables and notes move to stderr."""
     global _out
-    _out = Console(stderr=flag, highlight=False, soft_wrap=False)
+    _out = _console(stderr=flag)
 
 
 def error(message: str) -> None:
@@ -37,7 +44,7 @@ def warn(message: str) -> None:
 
 
 def note(message: str, style: str | None = None) -> None:
-    _out.print(Text(message, style=style) if style else message)
+    _out.print(Text(message, style=style) if style else message, soft_wrap=True)
 
 
 def table(

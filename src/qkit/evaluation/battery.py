@@ -1,0 +1,75 @@
+"""The 16-question factual battery: prompts, batched greedy generation and the scorer.
+
+An answer counts when one accepted string appears in the model's output, case-insensitively and on
+word boundaries (so "Paris" counts in "It is Paris." but not in "Parisian"). Prompts use the model's
+chat template where it has one, else ``Question: ...\\nAnswer:``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from qkit.evaluation.corpora import data_file
+
+
+@dataclass(frozen=True)
+class Question:
+    question: str
+    answers: tuple[str, ...]
+
+
+def load_battery(name: str = "battery.json") -> list[Question]:
+    data = json.loads(data_file(name).read_text())
+    return [Question(q["question"], tuple(q["answers"])) for q in data["questions"]]
+
+
+def is_correct(output: str, answers: tuple[str, ...] | list[str]) -> bool:
+    """True when any accepted answer appears in ``output`` (case-insensitive, on word boundaries)."""
+    return any(re.search(rf"(?<!\w){re.escape(a)}(?!\w)", output, flags=re.IGNORECASE) for a in answers)
+
+
+def build_prompts(tokenizer, questions: list[str]) -> list[str]:
+    if getattr(tokenizer, "chat_template", None):
+        return [
+            tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions
+        ]
+    return [f"Question: {q}\nAnswer:" for q in questions]
+
+
+def encode_batch(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Left-padded batch (generation appends on the right). Chat prompts already hold special tokens."""
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, repetition_penalty: float) -> list[str]:
+    """Greedy answers for all prompts in one batch; decoding stops per sequence at EOS."""
+    from transformers import GenerationConfig
+
+    batch = encode_batch(tokenizer, prompts)
+    device = next(model.parameters()).device
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        repetition_penalty=repetition_penalty,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.inference_mode():
+        out = model.generate(**{k: v.to(device) for k, v in batch.items()}, generation_config=config)
+    new = out[:, batch["input_ids"].shape[1] :].cpu()
+    return tokenizer.batch_decode(new, skip_special_tokens=True)
+
+
+def model_repetition_penalty(model) -> float:
+    """The repetition penalty of the model's own generation config (1.0 when it sets none)."""
+    gc = getattr(model, "generation_config", None)
+    value = getattr(gc, "repetition_penalty", None) if gc is not None else None
+    return float(value) if value else 1.0

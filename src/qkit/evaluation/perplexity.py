@@ -1,0 +1,122 @@
+"""Perplexity, KL divergence and top-1 agreement over the same corpus tokens.
+
+The corpus's first ``tokens`` tokens are cut into non-overlapping windows of ``window`` tokens; within
+each window, position ``t`` (1..w-1) is predicted from positions ``< t``, so ``tokens - n_windows``
+positions are scored (the first token of each window has no context and is not scored).
+
+For a model with log-probabilities ``log q`` and the reference's ``log p`` at each scored position::
+
+    nll_t  = -log q(x_t)
+    ppl    = exp(mean nll),   SE(ppl) = ppl * SE(mean nll)          (delta method, as mlx-lm reports it)
+    KL_t   = sum_v p(v) (log p(v) - log q(v))                       (nats, reference || model)
+    top1_t = [argmax p == argmax q]
+
+The reference's log-probabilities are computed once and reused by every row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qkit.errors import InputError
+
+
+@dataclass
+class TokenScores:
+    """Per scored position: ``nll`` float64 [n], ``kl`` float64 [n], ``top1`` bool [n]."""
+
+    nll: torch.Tensor
+    kl: torch.Tensor
+    top1: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return int(self.nll.numel())
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll.mean().item())
+
+    @property
+    def perplexity_se(self) -> float:
+        return self.perplexity * _se(self.nll)
+
+    @property
+    def kld(self) -> float:
+        return self.kl.mean().item()
+
+    @property
+    def kld_se(self) -> float:
+        return _se(self.kl)
+
+    @property
+    def top1_match(self) -> float:
+        return self.top1.double().mean().item()
+
+    def change_against(self, reference: TokenScores) -> tuple[float, float]:
+        """Perplexity change vs ``reference`` in percent, with its paired standard error.
+
+        Both score the same tokens, so the per-token difference ``d = nll - nll_ref`` gives the change
+        ``exp(mean d) - 1`` and, by the delta method, SE ``exp(mean d) * SE(mean d)``; far tighter than
+        comparing two independent perplexity SEs.
+        """
+        d = self.nll - reference.nll
+        ratio = math.exp(d.mean().item())
+        return 100 * (ratio - 1), 100 * ratio * _se(d)
+
+
+def _se(x: torch.Tensor) -> float:
+    n = x.numel()
+    return x.std(unbiased=True).item() / math.sqrt(n) if n > 1 else float("nan")
+
+
+def split_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
+    """Non-overlapping windows of ``window`` tokens; a last shorter window is kept if it has >= 2 tokens."""
+    if window < 2:
+        raise InputError(f"--window must be at least 2 tokens, got {window}")
+    chunks = [ids[i : i + window] for i in range(0, ids.numel(), window)]
+    return [c for c in chunks if c.numel() >= 2]
+
+
+def position_logprobs(model, window_ids: torch.Tensor) -> torch.Tensor:
+    """log-softmax over the vocabulary at each position but the last: float32 ``[w-1, V]``."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(input_ids=window_ids[None].to(device), use_cache=False).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+class CorpusReference:
+    """The reference's log-probabilities over the corpus windows, computed once."""
+
+    def __init__(self, model, ids: torch.Tensor, window: int):
+        self.windows = split_windows(ids, window)
+        if not self.windows:
+            raise InputError("the corpus has fewer than 2 tokens; pass a longer text")
+        self.ref_logprobs = [position_logprobs(model, w) for w in self.windows]
+        self.ref_argmax = [lp.argmax(-1) for lp in self.ref_logprobs]
+
+    @property
+    def scored_tokens(self) -> int:
+        return sum(w.numel() - 1 for w in self.windows)
+
+    def own_scores(self) -> TokenScores:
+        """The reference's own scores, from the stored log-probabilities (no second forward pass)."""
+        nll = torch.cat([-lp.gather(1, w[1:, None]).squeeze(1).double() for w, lp in zip(self.windows, self.ref_logprobs)])
+        return TokenScores(nll, torch.zeros_like(nll), torch.ones(nll.numel(), dtype=torch.bool))
+
+    def score(self, model, chunk: int = 512) -> TokenScores:
+        """Score ``model`` on the same windows against the stored reference."""
+        nll, kl, top1 = [], [], []
+        for w, ref_lp, ref_top in zip(self.windows, self.ref_logprobs, self.ref_argmax):
+            lp = position_logprobs(model, w)
+            targets = w[1:]
+            nll.append(-lp.gather(1, targets[:, None]).squeeze(1).double())
+            for s in range(0, lp.shape[0], chunk):  # chunked: exp(ref) would be another [w, V] otherwise
+                p_lp, q_lp = ref_lp[s : s + chunk], lp[s : s + chunk]
+                kl.append((p_lp.exp() * (p_lp - q_lp)).sum(-1).double())
+            top1.append(lp.argmax(-1) == ref_top)
+        return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1))

@@ -1,0 +1,299 @@
+"""``qkit eval``: one row per scheme, computed from the same transform ``qkit quantize`` writes.
+
+The reference model is loaded once. Its corpus log-probabilities, battery answers and greedy
+continuations are computed once. For each scheme the model's quantized matrices are replaced in place
+by the dequantized output of ``qkit.api.quantize_model`` (which also writes the real checkpoint to a
+temporary directory, so the size column is the size that scheme writes), the row is measured, and the
+original weights are restored at the end. Nothing else changes between rows.
+"""
+
+from __future__ import annotations
+
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from qkit import __version__
+from qkit.api import quantize_model
+from qkit.checkpoint import checkpoint_bytes, iter_quantized, tensor_shapes
+from qkit.errors import InputError
+from qkit.evaluation.agreement import agreement, reference_continuation
+from qkit.evaluation.battery import build_prompts, generate_answers, is_correct, load_battery, model_repetition_penalty
+from qkit.evaluation.corpora import load_corpus
+from qkit.evaluation.perplexity import CorpusReference, TokenScores
+from qkit.evaluation.stats import mcnemar_exact, wilson_interval
+from qkit.models import ModelRef, load, resolve
+from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor, get_scheme
+from qkit.transform import is_block_projection
+
+REFERENCE = "reference"
+COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the reference's has collapsed
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """Every default of ``qkit eval``, defined once."""
+
+    schemes: tuple[str, ...] = DEFAULT_SCHEMES
+    reference: str | None = None  # when MODEL is a qkit checkpoint: the model it was made from
+    corpus: str | None = None
+    tokens: int = 2048
+    window: int | None = None  # default: min(2048, the model's maximum context)
+    agree_tokens: int = 9
+    battery_tokens: int = 32
+    repetition_penalty: bool = True
+    scale_dtype: str = "fp16"
+    device: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class Row:
+    scheme: str
+    bits_per_weight: float
+    size_bytes: int
+    perplexity: float
+    perplexity_se: float
+    perplexity_change_pct: float
+    perplexity_change_se_pct: float
+    kld: float
+    kld_se: float
+    top1_match: float
+    battery_correct: int
+    battery_total: int
+    battery_ci95: tuple[float, float]
+    battery_answers: list[bool]
+    battery_outputs: list[str]
+    mcnemar_only_reference: int
+    mcnemar_only_row: int
+    mcnemar_p: float
+    agreement: int
+    agreement_total: int
+    agreement_ci95: tuple[float, float]
+    seconds: float
+    matrices: int
+
+
+@dataclass
+class EvalReport:
+    rows: list[Row]
+    provenance: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"rows": [asdict(r) for r in self.rows], "provenance": self.provenance, "notes": self.notes}
+
+
+class _Swapper:
+    """Replace a model's quantized matrices in place, keeping one copy of the originals to restore."""
+
+    def __init__(self, model):
+        self.model = model
+        self.originals: dict[str, torch.Tensor] = {}
+
+    def apply(self, tensors: dict[str, QuantizedTensor]) -> None:
+        with torch.no_grad():
+            for name, qt in tensors.items():
+                p = self.model.get_parameter(name)
+                if tuple(p.shape) != qt.shape:
+                    raise InputError(f"{name}: checkpoint shape {list(qt.shape)} != model shape {list(p.shape)}; pass the matching --reference")
+                if name not in self.originals:
+                    self.originals[name] = p.detach().clone()
+                p.copy_(qt.dequantize(p.dtype))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, w in self.originals.items():
+                self.model.get_parameter(name).copy_(w)
+
+
+def evaluate(
+    model: str | Path | None = None,
+    *,
+    options: EvalOptions = EvalOptions(),
+    on_status: Callable[[str], None] | None = None,
+) -> EvalReport:
+    """Evaluate MODEL under every scheme (or a saved qkit checkpoint against its reference)."""
+    say = on_status or (lambda _m: None)
+    torch.manual_seed(options.seed)
+    if options.tokens < 2:
+        raise InputError(f"--tokens must be at least 2, got {options.tokens}")
+    if options.agree_tokens < 1:
+        raise InputError(f"--agree-tokens must be at least 1, got {options.agree_tokens}")
+    target = resolve(model)
+    checkpoint: ModelRef | None = None
+    if target.is_quantized:
+        checkpoint, ref = target, resolve(options.reference)
+        schemes: list[str] = []
+    else:
+        if options.reference is not None:
+            raise InputError("--reference is only for evaluating a saved qkit checkpoint; drop it or pass a checkpoint as MODEL")
+        ref = target
+        schemes = [get_scheme(s, options.scale_dtype).name for s in options.schemes]  # validate names first
+    corpus = load_corpus(options.corpus)
+
+    say("loading the reference model")
+    loaded = load(ref=ref, device=options.device)
+    lm, tok = loaded.model, loaded.tokenizer
+    if tok is None:
+        raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
+    max_ctx = int(getattr(lm.config, "max_position_embeddings", 2048) or 2048)
+    window = options.window or min(2048, max_ctx)
+    if window > max_ctx:
+        raise InputError(f"--window {window} exceeds the model's maximum context {max_ctx}; pass --window {max_ctx} or less")
+    ids = torch.tensor(tok(corpus.text, add_special_tokens=False)["input_ids"][: options.tokens])
+    if ids.numel() < options.tokens:
+        say(f"note: the corpus has only {ids.numel()} tokens; using all of them")
+
+    t0 = time.perf_counter()
+    say("reference: perplexity")
+    corpus_ref = CorpusReference(lm, ids, window)
+    battery = load_battery()
+    prompts = build_prompts(tok, [q.question for q in battery])
+    rp = model_repetition_penalty(lm) if options.repetition_penalty else 1.0
+    say("reference: greedy continuations for agreement")
+    continuation = reference_continuation(lm, tok, prompts, options.agree_tokens)
+
+    def measure(name: str, bits: float, size: int, matrices: int, started: float, ref_row: Row | None) -> Row:
+        if ref_row is not None:
+            say(f"{name}: perplexity and KL divergence")
+        scores: TokenScores = corpus_ref.score(lm) if ref_row is not None else ref_scores
+        say(f"{name}: battery")
+        outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp)
+        answers = [is_correct(o, q.answers) for o, q in zip(outputs, battery)]
+        say(f"{name}: agreement")
+        agree = agreement(lm, continuation)
+        k, n = int(agree.sum()), int(agree.numel())
+        if ref_row is None:
+            change, change_se, (only_ref, only_row, p) = 0.0, 0.0, (0, 0, 1.0)
+        else:
+            change, change_se = scores.change_against(ref_scores)
+            only_ref, only_row, p = mcnemar_exact(ref_row.battery_answers, answers)
+        return Row(
+            scheme=name,
+            bits_per_weight=bits,
+            size_bytes=size,
+            perplexity=scores.perplexity,
+            perplexity_se=scores.perplexity_se,
+            perplexity_change_pct=change,
+            perplexity_change_se_pct=change_se,
+            kld=scores.kld,
+            kld_se=scores.kld_se,
+            top1_match=scores.top1_match,
+            battery_correct=sum(answers),
+            battery_total=len(answers),
+            battery_ci95=wilson_interval(sum(answers), len(answers)),
+            battery_answers=answers,
+            battery_outputs=outputs,
+            mcnemar_only_reference=only_ref,
+            mcnemar_only_row=only_row,
+            mcnemar_p=p,
+            agreement=k,
+            agreement_total=n,
+            agreement_ci95=wilson_interval(k, n),
+            seconds=time.perf_counter() - started,
+            matrices=matrices,
+        )
+
+    ref_scores = corpus_ref.own_scores()
+    shapes = tensor_shapes(ref.directory)
+    ref_targets = [n for n, s in shapes if is_block_projection(n, s)]
+    ref_bits = 8 * lm.get_parameter(ref_targets[0]).element_size() if ref_targets else float("nan")
+    rows = [measure(REFERENCE, ref_bits, checkpoint_bytes(ref.directory), 0, t0, None)]
+
+    swapper = _Swapper(lm)
+    try:
+        if checkpoint is not None:
+            t1 = time.perf_counter()
+            quantized = {n: v for n, v in iter_quantized(checkpoint.directory) if isinstance(v, QuantizedTensor)}
+            swapper.apply(quantized)
+            bits = 8 * sum(q.nbytes for q in quantized.values()) / max(1, sum(q.numel for q in quantized.values()))
+            label = f"checkpoint ({'+'.join(sorted({q.scheme.name for q in quantized.values()}))})"
+            rows.append(measure(label, bits, checkpoint_bytes(checkpoint.directory), len(quantized), t1, rows[0]))
+        for name in schemes:
+            t1 = time.perf_counter()
+            say(f"{name}: quantizing")
+            with tempfile.TemporaryDirectory(prefix="qkit-eval-") as tmp:
+                result = quantize_model(
+                    ref=ref, output=Path(tmp) / name, scheme=name, scale_dtype=options.scale_dtype, collect=True, device="cpu"
+                )
+            swapper.apply(result.quantized)
+            rows.append(measure(name, result.bits_per_weight, result.bytes_after, result.matrices, t1, rows[0]))
+            swapper.restore()
+    finally:
+        swapper.restore()
+
+    provenance = {
+        "model": ref.spec,
+        "model_kind": ref.kind,
+        "model_source": ref.provenance,
+        "checkpoint": str(checkpoint.directory) if checkpoint else None,
+        "corpus": corpus.provenance(),
+        "tokenizer": getattr(tok, "name_or_path", None) or type(tok).__name__,
+        "tokenizer_class": type(tok).__name__,
+        "tokens": int(ids.numel()),
+        "scored_tokens": corpus_ref.scored_tokens,
+        "window": window,
+        "battery": {"questions": len(battery), "max_new_tokens": options.battery_tokens, "repetition_penalty": rp,
+                    "chat_template": bool(getattr(tok, "chat_template", None))},
+        "agreement": {"prompts": len(prompts), "tokens_per_prompt": options.agree_tokens},
+        "scale_dtype": options.scale_dtype,
+        "seed": options.seed,
+        "qkit_version": __version__,
+        "torch_version": torch.__version__,
+        "device": str(next(lm.parameters()).device),
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "seconds_total": time.perf_counter() - t0,
+    }
+    return EvalReport(rows, provenance, interpret(rows))
+
+
+def interpret(rows: list[Row]) -> list[str]:
+    """What the numbers do and do not support, in words."""
+    ref = rows[0]
+    notes: list[str] = []
+    others = rows[1:]
+    if not others:
+        return notes
+    collapsed = [r for r in others if r.perplexity >= COLLAPSE_FACTOR * ref.perplexity]
+    for r in collapsed:
+        notes.append(f"{r.scheme} collapsed: perplexity {r.perplexity:,.0f} is {r.perplexity / ref.perplexity:,.0f}x the reference's {ref.perplexity:.2f}.")
+    for r in others:
+        if r in collapsed:
+            continue
+        lo = r.perplexity_change_pct - 2 * r.perplexity_change_se_pct
+        hi = r.perplexity_change_pct + 2 * r.perplexity_change_se_pct
+        if lo <= 0 <= hi:
+            notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) is indistinguishable from the reference on these tokens.")
+        else:
+            notes.append(f"{r.scheme}: perplexity {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) against the reference, a real difference on these tokens.")
+    survivors = sorted((r for r in others if r not in collapsed and r.bits_per_weight < 6), key=lambda r: r.perplexity)
+    if len(survivors) > 1:
+        notes.append("4-bit rows from best to worst perplexity: " + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
+    distinct = [r for r in others if r.mcnemar_p < 0.05]
+    if distinct:
+        notes.append("battery differences distinguishable from the reference (exact McNemar p < 0.05): "
+                     + ", ".join(f"{r.scheme} ({r.battery_correct}/{r.battery_total}, p={r.mcnemar_p:.3f})" for r in distinct) + ".")
+    if len(distinct) < len(others):
+        same = [r.scheme for r in others if r.mcnemar_p >= 0.05]
+        notes.append(f"battery differences of {', '.join(same)} against the reference are not distinguishable "
+                     f"(exact McNemar p >= 0.05): with {ref.battery_total} questions, a difference needs at least "
+                     f"{_min_discordant(0.05)} answers changing in one direction to count.")
+    best = max(others, key=lambda r: r.agreement)
+    notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
+                 f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
+    return notes
+
+
+def _min_discordant(alpha: float) -> int:
+    """Smallest n such that n discordant pairs all in one direction reach exact McNemar p < alpha."""
+    n = 1
+    while 2 * 0.5**n >= alpha:
+        n += 1
+    return n
