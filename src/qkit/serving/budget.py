@@ -1,0 +1,356 @@
+"""How many resident tokens fit on a card: weights in each format, KV cache per token, what is left.
+
+For one card, model and weight format::
+
+    free_for_kv = gpu_bytes - weight_bytes - reserve_bytes
+    max_tokens  = floor(free_for_kv / kv_bytes_per_token)        (0 when free_for_kv < one token)
+
+A row *does not fit* when the weights and the reserve alone exceed the card, has *no room* when not
+one token of cache is left, and is *misleading* when it fits but ``max_tokens`` is below one
+conversation (``conversation`` tokens, 4,096 by default): the model loads, then cannot hold a chat.
+
+Weight bytes are what qkit would store (``stored_bytes``, the same arithmetic as ``QuantizedTensor``
+storage): the block projections (``qkit.transform.is_block_projection``: attention q/k/v/o and MLP
+matrices inside the layers) in the format's scheme, everything else (embeddings, norms, biases, an
+untied lm head) kept at fp16. With a model directory the tensor shapes come from its safetensors
+headers (exact); with a config.json or a preset from a llama-style layout (gated MLP) of that config.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError
+from qkit.schemes import get_scheme
+from qkit.schemes.registry import AbsmaxScheme, NF4Scheme, Scheme
+from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, read_config_file
+from qkit.transform import is_block_projection
+
+GIB = 2**30
+FP16_BYTES = torch.float16.itemsize
+DEFAULT_GPUS_GIB: tuple[float, ...] = (8.0, 16.0, 24.0)
+DEFAULT_RESERVE_GIB = 1.0  # CUDA context, activations, allocator slack
+DEFAULT_CONVERSATION = 4096
+# The budget's formats: label -> qkit scheme name (None: the fp16 baseline, nothing quantized).
+FORMATS: dict[str, str | None] = {"fp16": None, "int8": "int8-row", "int4-g128": "int4-g128", "nf4": "nf4"}
+DEFAULT_FORMATS: tuple[str, ...] = tuple(FORMATS)
+
+# Common shapes, each the layout of a published model (so the parameter counts are real ones).
+PRESETS: dict[str, dict[str, Any]] = {
+    "7b": {  # Mistral-7B-v0.1: 7.24B parameters
+        "model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000, "tie_word_embeddings": False,
+    },
+    "13b": {  # Llama-2-13B: 13.0B parameters, full multi-head attention
+        "model_type": "llama", "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
+        "head_dim": 128, "hidden_size": 5120, "intermediate_size": 13824, "vocab_size": 32000, "tie_word_embeddings": False,
+    },
+    "70b": {  # Llama-2-70B: 69.0B parameters
+        "model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 128, "hidden_size": 8192, "intermediate_size": 28672, "vocab_size": 32000, "tie_word_embeddings": False,
+    },
+}
+DEFAULT_MODEL_WORD = "default"  # ``qkit budget default``: the pinned default model
+PRESET_SOURCES = {"7b": "Mistral-7B layout", "13b": "Llama-2-13B layout", "70b": "Llama-2-70B layout"}
+
+
+# --------------------------------------------------------------------------- weight bytes
+
+
+def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    # As ``qkit.schemes.quantized`` views a weight: [shape[0], prod(rest)]; 1-D as [1, n].
+    if len(shape) == 0:
+        return (1, 1)
+    if len(shape) == 1:
+        return (1, shape[0])
+    return (shape[0], math.prod(shape[1:]))
+
+
+def stored_bytes(scheme: Scheme, shape: tuple[int, ...]) -> int:
+    """Bytes ``quantize_tensor(w, scheme).nbytes`` would report for a weight of ``shape``, without a tensor.
+
+    absmax 8-bit: ``n`` int8 codes; 4-bit: ``ceil(n/2)`` packed bytes; plus ``prod(scale_shape)`` scales.
+    nf4: ``ceil(n/2)`` packed bytes plus ``ceil(n/block_size)`` absmax values. Scales in ``scale_dtype``.
+    """
+    rows, cols = _as_2d(tuple(shape))
+    n = rows * cols
+    scale = scheme.scale_dtype.itemsize
+    if isinstance(scheme, NF4Scheme):
+        return math.ceil(n / 2) + math.ceil(n / scheme.block_size) * scale
+    if isinstance(scheme, AbsmaxScheme):
+        codes = math.ceil(n / 2) if scheme.packed else n
+        return codes + math.prod(scheme.granularity.scale_shape((rows, cols))) * scale
+    raise InputError(f"unsupported scheme {scheme!r}")  # pragma: no cover - the registry makes only these
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """Weights of one model in one format."""
+
+    format: str
+    scheme: str | None
+    total_bytes: int
+    parameters: int
+    quantized_parameters: int  # parameters in block projections (stored in the scheme)
+    quantized_bytes: int  # their bytes in the scheme
+    fp16_parameters: int  # everything else, at fp16
+
+    @property
+    def projection_bits_per_weight(self) -> float:
+        if self.scheme is None or not self.quantized_parameters:
+            return 8.0 * FP16_BYTES
+        return 8 * self.quantized_bytes / self.quantized_parameters
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.total_bytes / self.parameters
+
+
+def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> WeightBytes:
+    """Sum the stored bytes of every tensor: block projections in ``fmt``'s scheme, the rest in fp16."""
+    if fmt not in FORMATS:
+        raise InputError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
+    scheme_name = FORMATS[fmt]
+    scheme = get_scheme(scheme_name) if scheme_name else None
+    total = params = qparams = qbytes = 0
+    for name, shape in shapes:
+        n = math.prod(shape)
+        params += n
+        if scheme is not None and is_block_projection(name, tuple(shape)):
+            b = stored_bytes(scheme, tuple(shape))
+            qparams += n
+            qbytes += b
+            total += b
+        else:
+            total += n * FP16_BYTES
+    return WeightBytes(fmt, scheme_name, total, params, qparams, qbytes, params - qparams)
+
+
+def llama_shapes(arch: Architecture) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor names and shapes of a llama-style decoder (gated MLP, RMSNorm) with ``arch``'s sizes.
+
+    Tied embeddings are stored once (no ``lm_head.weight``), as a checkpoint stores them.
+    """
+    h, q, kv, ff = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.intermediate
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (arch.vocab, h))]
+    for i in range(arch.layers):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (ff, h)),
+            (p + "mlp.up_proj.weight", (ff, h)),
+            (p + "mlp.down_proj.weight", (h, ff)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if arch.attention_bias:
+            out += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)), (p + "self_attn.v_proj.bias", (kv,))]
+    out.append(("model.norm.weight", (h,)))
+    if not arch.tie_word_embeddings:
+        out.append(("lm_head.weight", (arch.vocab, h)))
+    return out
+
+
+def directory_shapes(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
+    """Exact tensor shapes of a model directory from its safetensors headers (no data read).
+
+    A qkit checkpoint's quantized weights are reported with their original shapes from the manifest.
+    """
+    from qkit.checkpoint import read_manifest, tensor_shapes
+
+    manifest = read_manifest(directory)
+    entries = (manifest or {}).get("tensors", {})
+    out = []
+    for name, shape in tensor_shapes(directory):
+        base, _, part = name.rpartition(".")
+        if base in entries:
+            if part == "qweight":
+                out.append((base, tuple(entries[base]["shape"])))
+            continue
+        out.append((name, shape))
+    return out
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def max_tokens(gpu_bytes: int, weight_bytes: int, reserve_bytes: int, kv_bytes_per_token: int) -> int:
+    """Resident tokens that fit: ``floor((gpu - weights - reserve) / kv_per_token)``, 0 when nothing is left."""
+    free = gpu_bytes - weight_bytes - reserve_bytes
+    return max(0, free // kv_bytes_per_token)
+
+
+def fit_status(gpu_bytes: int, weight_bytes: int, reserve_bytes: int, tokens: int, conversation: int) -> str:
+    """``does not fit`` | ``no room for cache`` | ``fits, < 1 conversation`` | ``fits``."""
+    if weight_bytes + reserve_bytes > gpu_bytes:
+        return "does not fit"
+    if tokens == 0:
+        return "no room for cache"
+    if tokens < conversation:
+        return "fits, < 1 conversation"
+    return "fits"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    label: str
+    source: str  # "preset (...)", "config.json", "safetensors headers"
+    architecture: Architecture
+    shapes: list[tuple[str, tuple[int, ...]]] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    gpu_gib: float
+    model: str
+    format: str
+    scheme: str | None
+    parameters: int
+    projection_bits_per_weight: float
+    bits_per_weight: float
+    weight_bytes: int
+    kv_bytes_per_token: int
+    free_bytes: int
+    max_tokens: int
+    conversations: int
+    status: str
+
+    @property
+    def misleading(self) -> bool:
+        return self.status == "fits, < 1 conversation"
+
+
+@dataclass(frozen=True)
+class BudgetTable:
+    gpu_gib: float
+    rows: list[BudgetRow]
+    misleading: list[BudgetRow]
+    sentence: str
+
+
+@dataclass(frozen=True)
+class BudgetReport:
+    tables: list[BudgetTable]
+    models: list[dict[str, Any]]
+    reserve_gib: float
+    kv_dtype: str
+    conversation: int
+    formats: dict[str, str | None]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for t, td in zip(self.tables, d["tables"]):
+            for row, rd in zip(t.rows, td["rows"]):
+                rd["misleading"] = row.misleading
+            td.pop("misleading")
+        return d
+
+
+def model_specs(
+    models: Sequence[str] = (), presets: Sequence[str] = (), configs: Sequence[str | Path] = ()
+) -> list[ModelSpec]:
+    """Presets, config.json files and model arguments (a ``.json`` path counts as a config; the word
+    ``default`` is the pinned default model) as specs."""
+    specs: list[ModelSpec] = []
+    for p in presets:
+        key = p.strip().lower()
+        if key not in PRESETS:
+            raise InputError(f"unknown preset {p!r}; use one of {', '.join(PRESETS)}")
+        arch = architecture_from_config(PRESETS[key], key)
+        specs.append(ModelSpec(key, f"preset ({PRESET_SOURCES[key]})", arch, llama_shapes(arch)))
+    config_paths = list(configs) + [m for m in models if str(m).endswith(".json")]
+    for c in config_paths:
+        arch = architecture_from_config(read_config_file(c), str(c))
+        specs.append(ModelSpec(Path(c).parent.name or str(c), "config.json (llama layout)", arch, llama_shapes(arch)))
+    for m in models:
+        if str(m).endswith(".json"):
+            continue
+        from qkit.models import read_config, resolve
+
+        ref = resolve(None if m == DEFAULT_MODEL_WORD else m)
+        arch = architecture_from_config(read_config(ref.directory), ref.spec)
+        label = "default" if ref.kind == "default" else Path(ref.spec).name or ref.spec
+        specs.append(ModelSpec(label, "safetensors headers", arch, directory_shapes(ref.directory)))
+    return specs
+
+
+def budget(
+    *,
+    models: Sequence[str] = (),
+    presets: Sequence[str] = (),
+    configs: Sequence[str | Path] = (),
+    gpus_gib: Sequence[float] = DEFAULT_GPUS_GIB,
+    reserve_gib: float = DEFAULT_RESERVE_GIB,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    kv_dtype: str = DEFAULT_KV_DTYPE,
+    conversation: int = DEFAULT_CONVERSATION,
+) -> BudgetReport:
+    """One table per card size: every model x format with weights, KV per token and tokens that fit.
+
+    With no models, presets or configs, the three presets are used.
+    """
+    if not formats:
+        raise InputError(f"--formats needs at least one of {', '.join(FORMATS)}")
+    if not gpus_gib or any(g <= 0 for g in gpus_gib):
+        raise InputError(f"--gpu needs positive card sizes in GiB, e.g. 8,16,24 (got {list(gpus_gib)})")
+    if reserve_gib < 0:
+        raise InputError(f"--reserve must be >= 0 GiB (got {reserve_gib})")
+    if conversation < 1:
+        raise InputError(f"--conversation must be at least 1 token (got {conversation})")
+    if not (models or presets or configs):
+        presets = tuple(PRESETS)
+    specs = model_specs(models, presets, configs)
+    weights = {(i, f): weight_bytes(s.shapes, f) for i, s in enumerate(specs) for f in formats}
+    reserve = round(reserve_gib * GIB)
+    tables = []
+    for g in gpus_gib:
+        gpu = round(g * GIB)
+        rows = []
+        for i, s in enumerate(specs):
+            per_token = s.architecture.kv_bytes_per_token(kv_dtype)
+            for f in formats:
+                w = weights[(i, f)]
+                tokens = max_tokens(gpu, w.total_bytes, reserve, per_token)
+                rows.append(
+                    BudgetRow(
+                        gpu_gib=g, model=s.label, format=f, scheme=w.scheme, parameters=w.parameters,
+                        projection_bits_per_weight=w.projection_bits_per_weight, bits_per_weight=w.bits_per_weight,
+                        weight_bytes=w.total_bytes, kv_bytes_per_token=per_token,
+                        free_bytes=gpu - w.total_bytes - reserve, max_tokens=tokens,
+                        conversations=tokens // conversation,
+                        status=fit_status(gpu, w.total_bytes, reserve, tokens, conversation),
+                    )
+                )
+        misleading = [r for r in rows if r.misleading]
+        tables.append(BudgetTable(g, rows, misleading, misleading_sentence(g, misleading, conversation)))
+    models_info = [
+        {"label": s.label, "source": s.source, "architecture": s.architecture.to_dict(),
+         "parameters": weights[(i, formats[0])].parameters} for i, s in enumerate(specs)
+    ]
+    return BudgetReport(tables, models_info, reserve_gib, kv_dtype, conversation, {f: FORMATS[f] for f in formats})
+
+
+def misleading_sentence(gpu_gib: float, rows: Sequence[BudgetRow], conversation: int) -> str:
+    if not rows:
+        return f"On {gpu_gib:g} GiB every row that fits holds at least one {conversation:,}-token conversation."
+    names = "; ".join(f"{r.model} {r.format} ({r.max_tokens:,} tokens)" for r in rows)
+    return (
+        f"On {gpu_gib:g} GiB, \"it fits\" is misleading for {names}: the weights load, but the cache left "
+        f"holds less than one {conversation:,}-token conversation."
+    )
+
+
+def parse_floats(text: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as exc:
+        raise InputError(f"{what} must be comma-separated numbers, e.g. 8,16,24 (got {text!r})") from exc

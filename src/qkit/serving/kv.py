@@ -1,0 +1,327 @@
+"""KV cache size: the formula, the attention variants, and a measurement of what a model allocates.
+
+For every layer a decoder keeps one key and one value vector per kv head and per resident token::
+
+    kv_bytes_per_token = 2 x layers x kv_heads x head_dim x bytes_per_element
+    kv_bytes           = kv_bytes_per_token x tokens x users
+
+(Qwen2.5-0.5B: 24 layers, 2 kv heads, head dim 64, fp16 -> 2*24*2*64*2 = 12,288 bytes per token.)
+Grouped-query attention (GQA) shares each kv head between ``heads / kv_heads`` query heads; full
+multi-head attention (MHA) has ``kv_heads = heads`` and multi-query attention (MQA) ``kv_heads = 1``,
+so the same model's cache under MHA and MQA bounds the GQA saving from both sides.
+
+The formula assumes every layer keeps every token (full attention); a sliding-window layer keeps at
+most its window, which ``measure_kv`` would show as a mismatch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError, ModelLoadError
+
+# Dtype names accepted for the cache; bytes per element come from torch itself, not from a table.
+KV_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+}
+DEFAULT_KV_DTYPE = "fp16"
+DEFAULT_TOKENS = 2048
+DEFAULT_USERS = 1
+# Three ways to hold the same 65,536 resident tokens: the cache only depends on their total.
+EQUIVALENT_SPLITS: tuple[tuple[int, int], ...] = ((32, 2048), (64, 1024), (128, 512))
+MEASURE_SEED = 0
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    key = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}.get(name, name)
+    if key not in KV_DTYPES:
+        raise InputError(f"unknown cache dtype {name!r}; use one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[key]
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a cache dtype name (``fp16`` -> 2), from ``torch.dtype.itemsize``."""
+    return kv_dtype(name).itemsize
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
+    """``2 x layers x kv_heads x head_dim x bytes_per_element`` (the 2: one key and one value)."""
+    return 2 * layers * kv_heads * head_dim * bytes_per_element
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shape numbers of a decoder that the serving analyses need (read from a config.json)."""
+
+    name: str
+    model_type: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @property
+    def attention(self) -> str:
+        if self.kv_heads == self.heads:
+            return "MHA"
+        return "MQA" if self.kv_heads == 1 else f"GQA ({self.heads // self.kv_heads} query heads per kv head)"
+
+    def kv_bytes_per_token(self, dtype: str = DEFAULT_KV_DTYPE, kv_heads: int | None = None) -> int:
+        return kv_bytes_per_token(self.layers, self.kv_heads if kv_heads is None else kv_heads, self.head_dim, dtype_bytes(dtype))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _first(config: dict[str, Any], *keys: str) -> Any:
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    return None
+
+
+def architecture_from_config(config: dict[str, Any], name: str = "config") -> Architecture:
+    """Read an ``Architecture`` from a Hugging Face config dict (llama/qwen/mistral names, gpt-2 fallbacks).
+
+    Multimodal configs with a ``text_config`` use the text model. Raises ``ModelLoadError`` naming the
+    missing key when the config does not describe a decoder.
+    """
+    if isinstance(config.get("text_config"), dict):
+        config = {**config["text_config"], "model_type": config["text_config"].get("model_type", config.get("model_type"))}
+    layers = _first(config, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(config, "num_attention_heads", "n_head")
+    hidden = _first(config, "hidden_size", "n_embd", "d_model")
+    missing = [k for k, v in (("num_hidden_layers", layers), ("num_attention_heads", heads), ("hidden_size", hidden)) if v is None]
+    if missing:
+        raise ModelLoadError(f"config {name} has no {', '.join(missing)}; pass the config.json of a decoder-only language model")
+    kv_heads = _first(config, "num_key_value_heads", "num_kv_heads")
+    if kv_heads is None:
+        kv_heads = 1 if config.get("multi_query") else heads
+    head_dim = config.get("head_dim") or hidden // heads
+    intermediate = _first(config, "intermediate_size", "n_inner") or 4 * hidden
+    model_type = str(config.get("model_type", "unknown"))
+    try:
+        arch = Architecture(
+            name=name,
+            model_type=model_type,
+            layers=int(layers),
+            heads=int(heads),
+            kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            hidden=int(hidden),
+            intermediate=int(intermediate),
+            vocab=int(config.get("vocab_size") or 0),
+            # transformers' own default is to tie; llama-family configs always say which.
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"config {name} has a non-integer shape field ({exc}); fix the config.json") from exc
+    if min(arch.layers, arch.heads, arch.kv_heads, arch.head_dim) < 1 or arch.heads % arch.kv_heads:
+        raise ModelLoadError(
+            f"config {name}: {arch.heads} heads and {arch.kv_heads} kv heads do not make a valid attention layout; fix the config.json"
+        )
+    return arch
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config.json given with ``--config`` (a file, or a directory holding one)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise InputError(f"no such config file: {path}; pass the path of a model's config.json")
+    try:
+        config = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"malformed {p} ({exc}); fix the JSON") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"malformed {p}: not a JSON object; pass a model's config.json")
+    return config
+
+
+def resolve_architecture(model: str | None = None, config: str | Path | None = None) -> tuple[Architecture, dict[str, Any]]:
+    """``(Architecture, raw config dict)`` from a MODEL argument or a ``--config`` path (never both)."""
+    if model is not None and config is not None:
+        raise InputError("give either MODEL or --config, not both")
+    if config is not None:
+        raw = read_config_file(config)
+        return architecture_from_config(raw, str(config)), raw
+    from qkit.models import read_config, resolve
+
+    ref = resolve(model)
+    raw = read_config(ref.directory)
+    return architecture_from_config(raw, ref.spec), raw
+
+
+# --------------------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class KVReport:
+    architecture: Architecture
+    dtype: str
+    tokens: int
+    users: int
+    bytes_per_token: int
+    total_bytes: int
+    variants: list[dict[str, Any]]  # GQA/MHA/MQA: kv_heads, bytes_per_token, total_bytes, ratio vs model
+    equivalent_splits: list[dict[str, Any]]  # users x tokens that hold the same total
+    measured: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "architecture": self.architecture.to_dict()}
+
+
+def kv_report(
+    *,
+    model: str | None = None,
+    config: str | Path | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    users: int = DEFAULT_USERS,
+    dtype: str = DEFAULT_KV_DTYPE,
+    measure: bool = False,
+    device: str | None = None,
+) -> KVReport:
+    """The KV cache of MODEL (or a config.json) for ``tokens`` per user and ``users`` users.
+
+    With ``measure`` the model (random weights from a ``--config``) runs once on a ``tokens``-token
+    prompt with the cache on, and the bytes of the key/value tensors it allocated are summed.
+    """
+    if tokens < 1 or users < 1:
+        raise InputError(f"--tokens and --users must be at least 1 (got {tokens} and {users})")
+    kv_dtype(dtype)
+    arch, raw = resolve_architecture(model, config)
+    per_token = arch.kv_bytes_per_token(dtype)
+    variants = []
+    for label, kv in (("this model", arch.kv_heads), ("MHA (kv heads = heads)", arch.heads), ("MQA (1 kv head)", 1)):
+        pt = arch.kv_bytes_per_token(dtype, kv_heads=kv)
+        variants.append(
+            {"attention": label, "kv_heads": kv, "bytes_per_token": pt, "total_bytes": pt * tokens * users,
+             "relative_to_model": pt / per_token}
+        )
+    splits = [{"users": u, "tokens": t, "resident_tokens": u * t, "total_bytes": per_token * u * t} for u, t in EQUIVALENT_SPLITS]
+    measured = None
+    if measure:
+        measured = measure_kv(model=model, config_dict=raw if config is not None else None, tokens=tokens, dtype=dtype, device=device)
+        measured["formula_bytes"] = per_token * tokens
+        measured["matches_formula"] = measured["bytes"] == per_token * tokens
+    return KVReport(arch, dtype, tokens, users, per_token, per_token * tokens * users, variants, splits, measured)
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """The key and value tensors held by a transformers cache (``DynamicCache.layers``, or legacy tuples)."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None:
+        out = []
+        for layer in layers:
+            out += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)]
+        return out
+    if isinstance(cache, (tuple, list)):  # legacy ((k, v), ...) format
+        return [t for pair in cache for t in pair if isinstance(t, torch.Tensor)]
+    raise ModelLoadError(f"unrecognised cache object {type(cache).__name__}; qkit kv --measure needs a transformers DynamicCache")
+
+
+def allocated_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (what was allocated, not what a view shows)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def cache_kwarg(model: Any) -> str:
+    """The name a model's ``forward`` takes its cache under (``cache`` in transformers 5, else ``past_key_values``)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def model_from_config(config_dict: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = MEASURE_SEED):
+    """A causal LM with seeded random weights built from a config dict (no weights are read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = dict(config_dict)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ModelLoadError("the config has no 'model_type'; pass a Hugging Face config.json")
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+        torch.manual_seed(seed)
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"cannot build a {model_type} model from the config ({str(exc).splitlines()[0][:160]})") from exc
+    return lm.eval().to(device)
+
+
+def measure_kv(
+    *,
+    model: str | None = None,
+    config_dict: dict[str, Any] | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    dtype: str = DEFAULT_KV_DTYPE,
+    device: str | None = None,
+) -> dict[str, Any]:
+    """Run the model in ``dtype`` on ``tokens`` seeded random token ids with the cache on; sum the cache.
+
+    Returns ``{"bytes", "tensors", "layers", "tokens", "dtype", "shape"}``; ``bytes`` is the sum of the
+    distinct storages of the cache's key and value tensors (shape ``[1, kv_heads, tokens, head_dim]``).
+    """
+    from qkit.models import load, parse_device
+
+    torch_dtype = kv_dtype(dtype)
+    if torch_dtype.itemsize < 2:
+        raise InputError(f"--measure runs the model in the cache dtype, and {dtype} models do not run here; use fp16, bf16 or fp32")
+    dev = parse_device(device)
+    if config_dict is not None:
+        lm = model_from_config(config_dict, torch_dtype, dev)
+    else:
+        lm = load(model, device=dev, dtype=torch_dtype).model
+    vocab = int(lm.config.get_text_config().vocab_size)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(MEASURE_SEED)).to(dev)
+    with torch.inference_mode():
+        out = lm(input_ids=ids, use_cache=True, logits_to_keep=1)
+    tensors = cache_tensors(output_cache(out))
+    if not tensors:
+        raise ModelLoadError("the model returned no KV cache; qkit kv --measure needs a decoder that supports use_cache")
+    return {
+        "bytes": allocated_bytes(tensors),
+        "tensors": len(tensors),
+        "layers": len(tensors) // 2,
+        "tokens": tokens,
+        "dtype": str(tensors[0].dtype).removeprefix("torch."),
+        "shape": list(tensors[0].shape),
+        "seed": MEASURE_SEED,
+    }
+
+
+def human_bytes(n: float) -> str:
+    """Binary units (KiB, MiB, GiB), the units GPU memory is sold in."""
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{n:,.0f} B"
