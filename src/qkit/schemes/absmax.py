@@ -9,9 +9,13 @@ For each unit ``u`` (a tensor, a row or a group, see ``qkit.granularity``)::
 
 The *stored* scale (after the cast to ``scale_dtype``) is the one used both to quantize and to
 dequantize, so an in-memory result and a saved-and-reloaded one are bit-identical, and the error of
-every weight is at most half a step of that stored scale (the fp16 rounding of the scale moves
-``absmax/scale`` by at most ``qmax * 2**-11``, far less than the half step that ``clamp`` could cost).
-A unit of zeros has scale 0 and gives zeros, never NaN.
+every weight is at most half a step of that stored scale: the round-to-nearest cast of a scale that is
+a normal number of ``scale_dtype`` moves ``absmax/scale`` by at most ``qmax * 2**-11`` (fp16) or
+``qmax * 2**-9`` (bf16), less than the half step that ``clamp`` could cost. A scale that is subnormal
+in ``scale_dtype`` (fp16: ``absmax < qmax * 2**-14``, far below any real weight) has a coarse absolute
+grid, so where its rounding would put ``absmax/scale`` above ``qmax + 1/2`` (or flush it to 0 for a
+nonzero unit) it is moved up one step of ``scale_dtype``: then ``scale >= absmax/qmax`` and the bound
+holds. A unit of zeros has scale 0 and gives zeros, never NaN.
 """
 
 from __future__ import annotations
@@ -25,7 +29,11 @@ def absmax_scales(units: torch.Tensor, bits: int, scale_dtype: torch.dtype) -> t
     """``units``: float ``[n_units, unit_len]`` -> stored scales ``[n_units, 1]`` in ``scale_dtype``."""
     qmax = 2 ** (bits - 1) - 1
     absmax = units.abs().amax(dim=1, keepdim=True)
-    return (absmax / qmax).to(scale_dtype)
+    scales = (absmax / qmax).to(scale_dtype)
+    # Only subnormal scales can be rounded down this far (see the module docstring); the test is on
+    # the small scales tensor, and a non-finite scale compares False and is left for the caller.
+    rounded_too_low = absmax > scales.float() * (qmax + 0.5)
+    return torch.where(rounded_too_low, torch.nextafter(scales, torch.full_like(scales, float("inf"))), scales)
 
 
 def quantize_absmax(

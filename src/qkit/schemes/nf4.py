@@ -9,7 +9,9 @@ boundary; a last, shorter block gets its own absmax). Codes are chosen as bitsan
     code   = bucketize(scaled, midpoints)   midpoints of adjacent levels in fp32; a value exactly on
                                             a midpoint takes the lower level (``right=False``)
 
-Codes are always computed from the fp32 absmax; the absmax is then stored in ``scale_dtype``
+(The codes are computed by :func:`nf4_codes`, a lookup on each value's top 12 bits plus one compare,
+which equals ``bucketize`` exactly and is several times faster on CPU.) Codes are always computed from
+the fp32 absmax; the absmax is then stored in ``scale_dtype``
 (fp16 by default: 4 + 16/64 = 4.25 bits per weight) and dequantization is ``NF4[code] * stored_absmax``
 in fp32, which with ``scale_dtype=float32`` equals bitsandbytes' ``dequantize_4bit`` exactly.
 """
@@ -42,6 +44,15 @@ NF4_LEVELS = (
 )
 
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+_LUTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+# Code lookup by the top 12 bits of an fp32 value (sign, 8 exponent bits, 3 mantissa bits): each such
+# bucket is an interval of floats of one sign, 1/8 of a binade wide. Adjacent NF4 midpoints of one
+# sign are at least 1.28x apart, so a bucket holds at most one midpoint (checked when the table is
+# built), and the code of any x in the bucket is ``CODE_LO[key] + (x > THRESHOLD[key])``, with
+# ``THRESHOLD`` the midpoint inside the bucket (+inf if none). This equals ``bucketize`` exactly.
+_KEY_SHIFT = 20
+_KEY_MASK = (1 << (32 - _KEY_SHIFT)) - 1
 
 
 def nf4_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,32 +64,77 @@ def nf4_tables(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.
     return _TABLES[device]
 
 
+def _code_luts(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CODE_LO int32[4096], THRESHOLD fp32[4096])`` for :func:`nf4_codes` (cached per device)."""
+    if device not in _LUTS:
+        _, midpoints = nf4_tables("cpu")
+        keys = torch.arange(_KEY_MASK + 1, dtype=torch.int64)
+        first = keys << _KEY_SHIFT  # the bucket's bit patterns run from ``first`` to ``last``
+        last = first | ((1 << _KEY_SHIFT) - 1)
+
+        def as_float(bits: torch.Tensor) -> torch.Tensor:  # uint32 bit pattern (held in int64) -> fp32
+            return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32)
+
+        a, b = as_float(first), as_float(last)
+        low, high = torch.minimum(a, b), torch.maximum(a, b)  # negative buckets run backwards
+        code_low = torch.bucketize(low, midpoints)
+        code_high = torch.bucketize(high, midpoints)
+        finite = torch.isfinite(low) & torch.isfinite(high)
+        if bool(((code_high - code_low)[finite] > 1).any()):  # pragma: no cover - a property of the levels
+            raise RuntimeError("NF4 lookup table: a bucket holds two midpoints; lower _KEY_SHIFT")
+        inner = midpoints[code_low.clamp(max=len(midpoints) - 1)]
+        threshold = torch.where(code_high > code_low, inner, torch.full_like(low, float("inf")))
+        _LUTS[device] = (code_low.to(torch.int32).to(device), threshold.to(device))
+    return _LUTS[device]
+
+
+def nf4_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scaled`` ``[m]`` (contiguous) -> int32 codes ``[m]``, equal to
+    ``torch.bucketize(scaled, midpoints)`` (``right=False``: a value exactly on a midpoint takes the
+    lower level) for every finite value, in a few vectorised passes instead of a binary search each.
+    """
+    code_lo, threshold = _code_luts(scaled.device)
+    key = (scaled.view(torch.int32) >> _KEY_SHIFT).bitwise_and_(_KEY_MASK)  # int32 indices: no int64 copy
+    # x > t  <=>  t - x < 0: the sign of an IEEE difference is exact (it is 0 only when x == t), and
+    # t = +inf gives +inf. The sign bit, shifted down arithmetically, is -1 where x > t, else 0.
+    up = threshold.index_select(0, key).sub_(scaled).view(torch.int32).bitwise_right_shift_(31)
+    return code_lo.index_select(0, key).sub_(up)
+
+
 def quantize_nf4(
     w: torch.Tensor, block_size: int, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Any-shape float ``w`` -> ``(packed uint8[ceil(n/2)], absmax[ceil(n/block_size)] in scale_dtype)``.
 
+    Byte for byte bitsandbytes' ``quantize_4bit`` output, the padding nibble of an odd ``n`` included
+    (bitsandbytes pads the scaled values with 0.0, so the pad is code 7). One matrix at a time: the
+    scaled values of the full blocks and of the tail are written into one buffer (no ``torch.cat``).
     Non-finite input gives a non-finite absmax; callers check it (see ``qkit.transform``).
     """
-    _, midpoints = nf4_tables(w.device)
     flat = w.reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.float()
     n = flat.numel()
     full = n - n % block_size
-    blocks = flat[:full].view(-1, block_size)
-    absmax = blocks.abs().amax(dim=1)
-    scaled = blocks * (1.0 / absmax.clamp(min=1e-38)).unsqueeze(1)
-    # No clamp to [-1, 1] as bitsandbytes does: bucketize maps anything beyond the outer midpoints
-    # to code 0 or 15 either way, so the codes are identical and one pass is saved.
-    codes = torch.bucketize(scaled.view(-1), midpoints, out_int32=True)
+    n_full = full // block_size
+    absmax = torch.empty(-(-n // block_size), dtype=torch.float32, device=flat.device)
+    scaled = torch.empty(n + n % 2, dtype=torch.float32, device=flat.device)
+    if n_full:
+        blocks = flat[:full].view(n_full, block_size)
+        torch.amax(blocks.abs(), dim=1, out=absmax[:n_full])
+        # bitsandbytes: A * (1.0 / absmax.clamp(min=1e-38)); the same two roundings, bit for bit.
+        # No clamp of the result to [-1, 1] as bitsandbytes does: values beyond the outer midpoints
+        # get code 0 or 15 either way, so the codes are identical and a pass is saved.
+        inverse = (1.0 / absmax[:n_full].clamp(min=1e-38)).unsqueeze(1)
+        torch.mul(blocks, inverse, out=scaled[:full].view(n_full, block_size))
     if full < n:
         tail = flat[full:]
         tail_max = tail.abs().amax()
-        tail_codes = torch.bucketize(tail / tail_max.clamp(min=1e-38), midpoints, out_int32=True)
-        codes = torch.cat([codes, tail_codes])
-        absmax = torch.cat([absmax, tail_max.reshape(1)])
-    return pack_nibbles(codes), absmax.to(scale_dtype)
+        absmax[n_full] = tail_max
+        torch.div(tail, tail_max.clamp(min=1e-38), out=scaled[full:n])  # bitsandbytes divides here
+    if n % 2:
+        scaled[n] = 0.0
+    return pack_nibbles(nf4_codes(scaled)), absmax.to(scale_dtype)
 
 
 def dequantize_nf4(

@@ -2,7 +2,8 @@
 
 Order (the same as bitsandbytes' NF4 storage): for the flattened code sequence ``c``, byte ``i`` holds
 ``c[2i]`` in its high nibble and ``c[2i+1]`` in its low nibble: ``byte = (c[2i] << 4) | c[2i+1]``.
-An odd count is padded with one zero code. Packed shape: ``[ceil(n / 2)]`` (uint8).
+An odd count is padded with one code ``pad`` (0 unless a caller needs another: NF4 pads with the code
+of 0.0, as bitsandbytes does). Packed shape: ``[ceil(n / 2)]`` (uint8).
 """
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ from __future__ import annotations
 import torch
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes (any shape, integer values 0..15) into ``uint8[ceil(n/2)]``."""
-    flat = codes.reshape(-1).to(torch.uint8)
+def pack_nibbles(codes: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    """Pack integer codes (any shape and integer dtype, values 0..15) into ``uint8[ceil(n/2)]``.
+
+    The shift and the ``or`` run in the codes' own dtype on the ``n/2`` pairs; the one conversion to
+    uint8 is the last step, so int32 codes are not first copied to uint8.
+    """
+    flat = codes.reshape(-1)
     if flat.numel() % 2:
-        flat = torch.nn.functional.pad(flat, (0, 1))
+        flat = torch.cat([flat, flat.new_full((1,), pad)])
     pairs = flat.view(-1, 2)
-    return (pairs[:, 0] << 4) | pairs[:, 1]
+    return ((pairs[:, 0] << 4) | pairs[:, 1]).to(torch.uint8)
 
 
 def unpack_nibbles(packed: torch.Tensor, n: int) -> torch.Tensor:
