@@ -24,6 +24,7 @@ from qkit.checkpoint import (
     write_json,
 )
 from qkit.errors import InputError
+from qkit.export import QKIT, prepare_export
 from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
@@ -47,6 +48,7 @@ class QuantizeResult:
     seconds: float
     schemes_used: dict[str, int] = field(default_factory=dict)
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
+    format: str = QKIT  # or an export format (qkit.export.FORMATS)
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +62,7 @@ class QuantizeResult:
             "bytes_after": self.bytes_after,
             "seconds": self.seconds,
             "schemes_used": dict(sorted(self.schemes_used.items())),
+            "format": self.format,
         }
 
 
@@ -75,6 +78,7 @@ def quantize_model(
     force: bool = False,
     device: str | None = "cpu",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    format: str = QKIT,
     allow_pickle: bool = False,
     collect: bool = False,
     ref: ModelRef | None = None,
@@ -85,6 +89,8 @@ def quantize_model(
 
     Streams: one source tensor at a time (memory-mapped), output flushed shard by shard.
     ``on_start(n_targets)`` and ``on_tensor(name)`` (after each quantized tensor) drive a progress bar.
+    ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
+    libraries load (see ``qkit.export``); a scheme the format cannot express is refused before any work.
     """
     t0 = time.perf_counter()
     out = Path(output)
@@ -95,16 +101,19 @@ def quantize_model(
     ref = ref or resolve(model, allow_pickle=allow_pickle)
     if ref.is_quantized:
         raise InputError(f"{ref.spec} is already a qkit checkpoint; quantize the original model instead")
-    targets = {n: s for n, s in plan(tensor_shapes(ref.directory), default, rules).items() if s is not None}
+    shapes = dict(tensor_shapes(ref.directory))
+    targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
+    manifest = new_manifest(default, rules)
+    export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest)
     if on_start:
         on_start(len(targets))
-    manifest = new_manifest(default, rules)
     result = QuantizeResult(out, ref.spec, default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0)
+    result.format = QKIT if export is None else export.format.name
     qbytes = 0
     with atomic_directory(out, force) as tmp:
-        writer = ShardWriter(tmp, manifest, max_shard_bytes)
+        writer = export.writer(tmp, max_shard_bytes) if export else ShardWriter(tmp, manifest, max_shard_bytes)
         for name, tensor in iter_tensors(ref.directory):
             s = targets.get(name)
             if s is None:
@@ -122,7 +131,7 @@ def quantize_model(
                 on_tensor(name)
         writer.close()
         config = read_config(ref.directory)
-        config["quantization_config"] = {
+        config["quantization_config"] = export.quantization_config() if export else {
             "quant_method": "qkit",
             "format_version": manifest["format_version"],
             "qkit_version": __version__,

@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import shutil
+import struct
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,15 +206,55 @@ def read_manifest(directory: Path) -> dict | None:
     return merged
 
 
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+
+
+def _read_header(path: Path, fh) -> tuple[dict, int]:
+    """A safetensors file's header (8-byte little-endian length, then JSON) and where its data starts."""
+    try:
+        size = os.fstat(fh.fileno()).st_size
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > size - 8:
+            raise ValueError("the header is longer than the file")
+        header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        if any(8 + n + int(v["data_offsets"][1]) > size for v in header.values()):
+            raise ValueError("a tensor ends past the end of the file")
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise CheckpointError(
+            f"{path} is not a readable safetensors file (truncated or corrupt: {str(exc).splitlines()[0]}); "
+            "re-download or re-create it"
+        ) from exc
+    return header, 8 + n
+
+
 def iter_tensors(directory: Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Stream every stored tensor ``(name, tensor)``, one at a time, from memory-mapped shards."""
+    """Stream every stored tensor ``(name, tensor)``, one at a time, in each shard's sorted key order.
+
+    Each tensor is read with plain file reads into its own buffer, not through a memory map: a mapped
+    shard keeps every page it has touched resident until it is closed (the whole shard, counted in the
+    process's RSS), while a read leaves only the page cache behind. Peak memory: the tensor being read.
+    """
     for path in weight_files(directory):
-        with open_safetensors(path, device) as f:
-            for key in f.keys():
-                try:
-                    yield key, f.get_tensor(key)
-                except (SafetensorError, OSError, ValueError) as exc:
-                    raise CheckpointError(f"{path}: cannot read tensor {key} ({exc}); re-download or re-create it") from exc
+        with open(path, "rb") as fh:
+            header, start = _read_header(path, fh)
+            for key in sorted(header):
+                info = header[key]
+                dtype = _ST_DTYPES.get(info.get("dtype"))
+                if dtype is None:
+                    raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}; convert it")
+                begin, end = (int(x) for x in info["data_offsets"])
+                buf = torch.empty(end - begin, dtype=torch.uint8)
+                fh.seek(start + begin)
+                if fh.readinto(buf.numpy()) != end - begin:
+                    raise CheckpointError(f"{path}: cannot read tensor {key} (file truncated); re-download or re-create it")
+                t = buf.view(dtype).reshape(info["shape"]) if end > begin else torch.empty(info["shape"], dtype=dtype)
+                yield key, (t if str(device) == "cpu" else t.to(device))
 
 
 def tensor_shapes(directory: Path) -> list[tuple[str, tuple[int, ...]]]:

@@ -248,8 +248,18 @@ def load(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     ref: ModelRef | None = None,
+    device_map: str | dict[str, Any] | None = None,
 ) -> LoadedModel:
-    """Load MODEL as a transformers causal LM (quantized checkpoints dequantized) plus its tokenizer."""
+    """Load MODEL as a transformers causal LM (quantized checkpoints dequantized) plus its tokenizer.
+
+    ``device_map`` (``"auto"``, ``"balanced"``, ``"sequential"`` or an explicit ``{module: device}``):
+    spread the model over every visible GPU and CPU memory with accelerate's big-model loading instead
+    of putting it whole on ``device``. What it costs: modules placed on the CPU run there (with a GPU
+    present, accelerate copies their weights to the GPU on *every* forward pass, so each forward moves
+    all CPU-placed weights over PCIe); activations cross devices at each split (small); the dispatch
+    hooks add a little Python overhead per module. A qkit checkpoint is first dequantized in CPU
+    memory, then dispatched. Without a GPU, ``"auto"`` keeps everything on the CPU.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -277,8 +287,11 @@ def load(
             lm.tie_weights()
         else:
             lm = AutoModelForCausalLM.from_pretrained(
-                str(ref.directory), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None
+                str(ref.directory), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None,
+                **({"device_map": _check_device_map(device_map)} if device_map is not None else {}),
             )
+        if device_map is not None and ref.is_quantized:
+            lm = _dispatch(lm, _check_device_map(device_map), dtype)
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise ModelLoadError(
@@ -287,8 +300,37 @@ def load(
         raise ModelLoadError(f"cannot load {ref.spec} ({str(exc).splitlines()[0][:200]})") from exc
     except (OSError, RuntimeError, KeyError) as exc:
         raise ModelLoadError(f"cannot load {ref.spec} ({str(exc).splitlines()[0][:200]}); check the model files") from exc
-    lm.eval().to(dev)
+    lm.eval()
+    if device_map is None:
+        lm.to(dev)
     return LoadedModel(lm, load_tokenizer(ref.directory, trust_remote_code), ref, manifest)
+
+
+_DEVICE_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_device_map(device_map: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(device_map, dict) or device_map in _DEVICE_MAP_WORDS:
+        return device_map
+    raise InputError(f"unknown device map {device_map!r}; use one of {', '.join(_DEVICE_MAP_WORDS)}")
+
+
+def _dispatch(lm, device_map: str | dict[str, Any], dtype: torch.dtype):
+    """Spread an in-memory model over the devices (what ``from_pretrained(device_map=...)`` does on load)."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    if isinstance(device_map, str):
+        no_split = list(getattr(lm, "_no_split_modules", None) or [])
+        max_memory = None
+        if device_map != "sequential":
+            max_memory = get_balanced_memory(lm, no_split_module_classes=no_split, dtype=dtype,
+                                             low_zero=device_map == "balanced_low_0")
+        device_map = infer_auto_device_map(lm, max_memory=max_memory, no_split_module_classes=no_split, dtype=dtype)
+    lm.hf_device_map = dict(device_map)
+    if {str(d) for d in device_map.values()} <= {"cpu"}:
+        return lm.to("cpu")  # nothing to spread: no hooks
+    return dispatch_model(lm, device_map=device_map)
 
 
 def copy_aux_files(src: Path, dst: Path) -> None:

@@ -1,0 +1,221 @@
+"""compressed-tensors ``pack-quantized``: the layout vLLM and transformers load for int4/int8 weight-only.
+
+Matched against compressed-tensors 0.20.1 (``compressors/pack_quantized``: ``pack_to_int32`` /
+``unpack_from_int32``; ``quantization/quant_args.py``: ``QuantizationArgs``, which rejects unknown keys).
+Per quantized linear ``M`` with weight ``[out, in]``, for qkit's symmetric absmax codes ``q``:
+
+* ``M.weight_packed`` int32 ``[out, ceil(in * bits / 32)]``: ``32 / bits`` values per word, the first
+  column in the lowest bits, each stored as ``q + 2**(bits-1)`` (``q + 8`` for 4 bits, ``q + 128`` for
+  8 bits); a row's last word is padded with zero bits. Little-endian bytes, as safetensors stores them.
+* ``M.weight_scale`` ``[out, in / group]`` (group) or ``[out, 1]`` (channel), in the weights' dtype: the
+  library allocates the scale in the dtype of the weight it replaces, so qkit stores it there and refuses
+  a scale dtype that dtype cannot hold exactly (fp16 scales on a bf16 model).
+* ``M.weight_shape`` int64 ``[2]`` = ``[out, in]``.
+
+Dequantization on the library side is ``q * weight_scale`` in the scale's dtype; the product of an
+8-bit integer and a 16-bit-or-fp32 scale is exact before the final rounding, so it is bit-identical to
+qkit's ``dequantize(dtype=weight dtype)`` (tested).
+
+Config: one ``config_groups`` entry per scheme (``targets: ["Linear"]`` when one scheme covers every
+quantized linear, else the exact module names), ``ignore`` = the linear modules left unquantized.
+Refused: nf4 (use ``--format bitsandbytes``), per-tensor scales (vLLM's weight-only kernels take channel
+or group scales), and a group size that does not divide every quantized matrix's input width.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from qkit.errors import ExportError
+from qkit.export.common import ExportPlan, check_linear_targets, dtype_name
+from qkit.granularity import PerGroup, PerRow
+from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
+from qkit.schemes.packing import pack_nibbles, unpack_nibbles
+
+NAME = "compressed-tensors"
+STORED = ("weight_packed", "weight_scale", "weight_shape")
+# A scale dtype the weight dtype holds exactly (every fp16 and bf16 value is an fp32 value).
+_EXACT_IN = {
+    torch.float32: {torch.float32, torch.float16, torch.bfloat16},
+    torch.float16: {torch.float16},
+    torch.bfloat16: {torch.bfloat16},
+}
+
+
+def _pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``[rows, cols]`` (0..2**bits-1) -> int32 ``[rows, ceil(cols*bits/32)]``, first column lowest."""
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for is little-endian
+        raise ExportError("compressed-tensors export needs a little-endian machine")
+    per_word = 32 // bits
+    pad = (-codes.shape[1]) % per_word
+    if pad:  # compressed-tensors pads after the offset, so the padding bits are zeros
+        codes = torch.nn.functional.pad(codes, (0, pad))
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)  # byte j: column 2j low nibble, 2j+1 high nibble
+    return codes.contiguous().view(torch.int32)
+
+
+def _unpack_int32(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`_pack_int32`: int32 ``[rows, words]`` -> uint8 codes ``[rows, cols]``."""
+    b = packed.contiguous().view(torch.uint8)
+    if bits == 4:
+        b = torch.stack((b & 0x0F, b >> 4), dim=-1).reshape(b.shape[0], -1)
+    return b[:, :cols]
+
+
+def _swap_nibbles(b: torch.Tensor) -> torch.Tensor:
+    return (b << 4) | (b >> 4)  # uint8: the shifted-out bits drop
+
+
+def _largest_dividing_group(widths: set[int], below: int) -> int | None:
+    """The largest power-of-two group size below ``below`` (and at least 16) that divides every width."""
+    g = math.gcd(*widths)
+    size = 1 << ((below - 1).bit_length() - 1) if below > 1 else 0
+    while size >= 16:
+        if g % size == 0:
+            return size
+        size //= 2
+    return None
+
+
+class CompressedTensorsFormat:
+    name = NAME
+
+    def check(self, plan: ExportPlan) -> None:
+        check_linear_targets(plan, NAME)
+        by_scheme: dict[str, list[str]] = {}
+        for tensor, s in plan.targets.items():
+            by_scheme.setdefault(s.name, []).append(tensor)
+        for tensor, s in sorted(plan.targets.items()):
+            if isinstance(s, NF4Scheme):
+                raise ExportError(
+                    "compressed-tensors has no NF4 codebook: export nf4 with --format bitsandbytes, "
+                    "or choose int4-g64 / int4-row for --format compressed-tensors"
+                )
+            if not isinstance(s.granularity, (PerGroup, PerRow)):
+                row = f"int{s.bits}-row"
+                raise ExportError(
+                    f"--format compressed-tensors cannot express {s.name} (one scale per matrix: vLLM's "
+                    f"weight-only kernels take channel or group scales); use {row} or int{s.bits}-g64"
+                )
+            wdtype = plan.dtypes.get(tensor, plan.model_dtype)
+            if s.scale_dtype not in _EXACT_IN.get(wdtype, set()):
+                raise ExportError(
+                    f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(wdtype)}), which "
+                    f"cannot hold {dtype_name(s.scale_dtype)} scales exactly; quantize with --scale-dtype "
+                    f"{ {torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(wdtype, 'fp32') }"
+                )
+        for name, tensors in sorted(by_scheme.items()):
+            s = plan.targets[tensors[0]]
+            if not isinstance(s.granularity, PerGroup):
+                continue
+            g = s.granularity.size
+            widths = {plan.shapes[t][1] for t in tensors}
+            bad = sorted(t for t in tensors if plan.shapes[t][1] % g)
+            if bad:
+                w = plan.shapes[bad[0]][1]
+                alt = _largest_dividing_group(widths, g)
+                fix = (
+                    f"int{s.bits}-g{alt} can (it divides every width: {', '.join(map(str, sorted(widths)))})"
+                    if alt else f"int{s.bits}-row can"
+                )
+                raise ExportError(
+                    f"compressed-tensors (and vLLM's kernels) need the group size to divide every quantized "
+                    f"matrix's input width: {bad[0]} is {w} wide ({w} = {w / g:g} x {g}), so {name} cannot be "
+                    f"exported; {fix}"
+                )
+
+    def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
+        s = qt.scheme
+        rows, cols = qt.shape
+        if s.bits == 4 and cols % 8 == 0:
+            # No padding: qkit's byte is (c[2j] << 4) | c[2j+1], compressed-tensors' is c[2j] | (c[2j+1] << 4),
+            # so each byte just swaps its nibbles (one pass instead of unpack + repack).
+            packed = _swap_nibbles(qt.qweight).view(rows, cols // 2).view(torch.int32)
+        elif s.bits == 4:
+            packed = _pack_int32(unpack_nibbles(qt.qweight, rows * cols).view(rows, cols), 4)  # codes are q + 8
+        else:
+            packed = _pack_int32((qt.qweight.to(torch.int16) + 128).to(torch.uint8), 8)
+        module = name.removesuffix(".weight")
+        return {
+            f"{module}.weight_packed": packed,
+            f"{module}.weight_scale": qt.scales.reshape(rows, -1).to(qt.dtype),
+            f"{module}.weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
+        }
+
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
+        """``tensors``: ``weight_packed``, ``weight_scale``, ``weight_shape`` of one module."""
+        if not isinstance(scheme, AbsmaxScheme):
+            raise ExportError(f"a compressed-tensors module cannot hold {scheme.name}; re-export the checkpoint")
+        rows, cols = (int(v) for v in tensors["weight_shape"].tolist())
+        if scheme.bits == 4 and cols % 8 == 0:
+            qweight = _swap_nibbles(tensors["weight_packed"].contiguous().view(torch.uint8).reshape(-1))
+        elif scheme.bits == 4:
+            qweight = pack_nibbles(_unpack_int32(tensors["weight_packed"], 4, cols))
+        else:
+            codes = _unpack_int32(tensors["weight_packed"], 8, cols)
+            qweight = (codes.to(torch.int16) - 128).to(torch.int8)
+        stored = tensors["weight_scale"]
+        scales = stored.to(scheme.scale_dtype)
+        if not torch.equal(scales.to(stored.dtype), stored):
+            raise ExportError(
+                f"weight_scale ({stored.dtype}) does not fit {scheme.scale_dtype} exactly; the checkpoint was "
+                "changed after export"
+            )
+        return QuantizedTensor(scheme, qweight, scales.reshape(scheme.granularity.scale_shape((rows, cols))),
+                               (rows, cols), dtype)
+
+    def infer_scheme(self, quantization_config: dict, module: str, tensors: dict[str, torch.Tensor]) -> Scheme:
+        """The qkit scheme of a module of a compressed-tensors checkpoint that qkit did not write."""
+        groups = quantization_config.get("config_groups") or {}
+        if len(groups) != 1:
+            raise ExportError(
+                "this compressed-tensors checkpoint has several config groups and no qkit-export.json; "
+                "qkit verify checks qkit exports and single-group checkpoints"
+            )
+        w = next(iter(groups.values())).get("weights") or {}
+        bits, strategy = w.get("num_bits"), w.get("strategy")
+        if w.get("type") != "int" or not w.get("symmetric", True) or bits not in (4, 8) or strategy not in ("group", "channel"):
+            raise ExportError(
+                f"qkit reads symmetric int4/int8 group or channel schemes, not {w}; verify another checkpoint"
+            )
+        from qkit.schemes import get_scheme
+
+        name = f"int{bits}-g{w.get('group_size')}" if strategy == "group" else f"int{bits}-row"
+        return get_scheme(name, tensors["weight_scale"].dtype)
+
+    def quantization_config(self, plan: ExportPlan) -> dict:
+        by_scheme: dict[Scheme, list[str]] = {}
+        for module, s in sorted(plan.quantized_modules.items()):
+            by_scheme.setdefault(s, []).append(module)
+        groups = {}
+        for i, (s, modules) in enumerate(sorted(by_scheme.items(), key=lambda kv: (-len(kv[1]), kv[0].name))):
+            group = isinstance(s.granularity, PerGroup)
+            groups[f"group_{i}"] = {
+                "targets": ["Linear"] if len(by_scheme) == 1 else modules,
+                "weights": {
+                    "num_bits": s.bits,
+                    "type": "int",
+                    "symmetric": True,
+                    "strategy": "group" if group else "channel",
+                    "group_size": s.granularity.size if group else None,
+                    "dynamic": False,
+                },
+                "input_activations": None,
+                "output_activations": None,
+            }
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": groups,
+            "ignore": plan.kept_linears,
+            "kv_cache_scheme": None,
+            "global_compression_ratio": None,
+        }
+
+
+FORMAT = CompressedTensorsFormat()

@@ -1,0 +1,347 @@
+"""``qkit verify CHECKPOINT``: does the target library read an export exactly as qkit means it?
+
+Two models are built from the same files:
+
+* **qkit's side**: every quantized module's stored tensors are read back by qkit (``Format.decode``)
+  into the ``QuantizedTensor`` qkit wrote, dequantized with qkit's own ``dequantize`` to the model's
+  dtype, and loaded into a plain transformers model;
+* **the library's side**: ``AutoModelForCausalLM.from_pretrained`` on the directory, i.e. transformers
+  with compressed-tensors or with bitsandbytes, exactly as a user loads it.
+
+First, qkit's reading must reproduce, byte for byte, the codes and scales qkit quantized (their sha256 is
+recorded per tensor in ``qkit-export.json`` at export), so an encoding error cannot hide behind a decoder
+that shares it. Then (1) every quantized weight is compared tensor by tensor: the library's dequantized weight
+(compressed-tensors: the dense weight it decompresses on the first forward; bitsandbytes:
+``bitsandbytes.functional.dequantize_4bit``) against qkit's. Both compute ``q * scale`` exactly and round
+once to the model's dtype, so they must be bit-identical in fp32; in fp16/bf16 they may differ by one
+rounding step (``|a - b| <= eps(dtype) * |b|``). (2) The logits of both models on a fixed prompt are
+compared: ``max |a - b| <= LOGITS_RTOL * max(1, max |b|)`` (1e-4 in fp32, 2e-2 in 16-bit dtypes).
+
+bitsandbytes on CPU: on a CPU with AVX512-BF16, ``Linear4bit.forward`` (bitsandbytes 0.50.2) repacks the
+weight into a bf16 kernel layout (absmax rounded to bf16, compute in bf16, every input width a multiple
+of the block size). That path depends on the machine, so ``verify`` reads through bitsandbytes' generic
+CPU path (``dequantize_4bit`` + matmul, the same on every machine); ``fast_cpu_kernel=True`` keeps the
+machine's path and the bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from qkit.checkpoint import iter_tensors, tensor_shapes
+from qkit.errors import ExportError, InputError, ModelLoadError
+from qkit.export import EXPORT_MANIFEST, get_format
+from qkit.export.common import Format, fingerprint
+from qkit.models import load_tokenizer, parse_device, read_config
+from qkit.schemes import QuantizedTensor
+from qkit.transform import entry_to_spec
+
+PROMPT = "The capital of France is Paris. Water boils at one hundred degrees, and the quick brown fox"
+LOGITS_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class TensorCheck:
+    name: str
+    scheme: str
+    shape: tuple[int, ...]
+    max_abs_diff: float
+    mismatched: int  # elements outside the tolerance
+    identical: bool
+    # qkit's reading of the file reproduces the codes and scales qkit wrote (sha256 in qkit-export.json);
+    # None when the checkpoint has no qkit-export.json (not written by qkit).
+    matches_export: bool | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "scheme": self.scheme, "shape": list(self.shape), "max_abs_diff": self.max_abs_diff,
+                "mismatched": self.mismatched, "identical": self.identical, "matches_export": self.matches_export}
+
+
+@dataclass
+class VerifyResult:
+    checkpoint: str
+    format: str
+    library: str  # "transformers 5.24.0 + compressed-tensors 0.20.1"
+    dtype: str
+    device: str
+    prompt_tokens: int
+    logits_max_abs_diff: float
+    logits_scale: float  # max |logit| of qkit's model
+    logits_tolerance: float
+    weight_rule: str
+    tensors: list[TensorCheck] = field(default_factory=list)
+
+    @property
+    def weights_ok(self) -> bool:
+        return all(t.mismatched == 0 and t.matches_export is not False for t in self.tensors)
+
+    @property
+    def logits_ok(self) -> bool:
+        return self.logits_max_abs_diff <= self.logits_tolerance
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.tensors) and self.weights_ok and self.logits_ok
+
+    def by_scheme(self) -> dict[str, dict]:
+        """Per scheme: tensors, how many are bit-identical, the largest weight difference."""
+        out: dict[str, dict] = {}
+        for t in self.tensors:
+            row = out.setdefault(t.scheme, {"tensors": 0, "identical": 0, "within_tolerance": 0, "max_abs_diff": 0.0,
+                                            "match_export": 0})
+            row["tensors"] += 1
+            row["match_export"] += t.matches_export is True
+            row["identical"] += t.identical
+            row["within_tolerance"] += t.mismatched == 0
+            row["max_abs_diff"] = max(row["max_abs_diff"], t.max_abs_diff)
+        return dict(sorted(out.items()))
+
+    def to_dict(self) -> dict:
+        return {
+            "checkpoint": self.checkpoint, "format": self.format, "library": self.library, "dtype": self.dtype,
+            "device": self.device, "prompt_tokens": self.prompt_tokens, "weight_rule": self.weight_rule,
+            "logits_max_abs_diff": self.logits_max_abs_diff, "logits_scale": self.logits_scale,
+            "logits_tolerance": self.logits_tolerance, "weights_ok": self.weights_ok, "logits_ok": self.logits_ok,
+            "passed": self.passed, "by_scheme": self.by_scheme(), "tensors": [t.to_dict() for t in self.tensors],
+        }
+
+
+# --------------------------------------------------------------------------- reading an export
+
+
+def checkpoint_format(directory: Path) -> tuple[str, dict]:
+    """``(format name, quantization_config)`` of an exported checkpoint; ``InputError`` for anything else."""
+    qc = read_config(directory).get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+        return "compressed-tensors", qc
+    if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":
+        return "bitsandbytes", qc
+    raise InputError(
+        f"{directory} is not a compressed-tensors pack-quantized or bitsandbytes nf4 checkpoint "
+        f"(quant_method {method!r}); verify checks what `qkit quantize --format compressed-tensors|bitsandbytes` writes"
+    )
+
+
+def _stored_parts(fmt_name: str, keys: list[str]) -> dict[str, str]:
+    """Stored key -> its module, for the keys that belong to quantized modules."""
+    out = {}
+    if fmt_name == "compressed-tensors":
+        from qkit.export.compressed_tensors import STORED
+
+        for k in keys:
+            module, _, part = k.rpartition(".")
+            if part in STORED:
+                out[k] = module
+        return out
+    from qkit.export.bitsandbytes import QUANT_STATE, STORED
+
+    modules = {k.removesuffix(f".weight.{QUANT_STATE}") for k in keys if k.endswith(f".weight.{QUANT_STATE}")}
+    for k in keys:
+        for part in STORED:
+            module = k.removesuffix("." + part)
+            if module != k and module in modules:
+                out[k] = module
+    return out
+
+
+def iter_decoded(directory: Path) -> Iterator[tuple[str, QuantizedTensor | torch.Tensor, bool | None]]:
+    """Stream an export as qkit reads it: ``(name, QuantizedTensor or tensor, matches_export)``.
+
+    ``matches_export``: for a quantized weight, whether the decoded codes and scales have the sha256 that
+    ``qkit-export.json`` recorded when qkit wrote them (None without that file, or for other tensors).
+    """
+    directory = Path(directory)
+    fmt_name, qc = checkpoint_format(directory)
+    fmt: Format = get_format(fmt_name)
+    sidecar = directory / EXPORT_MANIFEST
+    entries = json.loads(sidecar.read_text())["tensors"] if sidecar.is_file() else None
+    parts_of = _stored_parts(fmt_name, [k for k, _ in tensor_shapes(directory)])
+    n_parts = 3 if fmt_name == "compressed-tensors" else 4
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in iter_tensors(directory):
+        module = parts_of.get(key)
+        if module is None:
+            yield key, t, None
+            continue
+        parts = held.setdefault(module, {})
+        parts[key.removeprefix(module + ".")] = t
+        if len(parts) < n_parts:
+            continue
+        del held[module]
+        name = f"{module}.weight"
+        if entries is not None:
+            if name not in entries:
+                raise ExportError(f"{name} is quantized in the weights but not in {EXPORT_MANIFEST}; re-export")
+            scheme, _, dtype = entry_to_spec(entries[name])
+        else:
+            scheme = fmt.infer_scheme(qc, module, parts)
+            dtype = parts["weight_scale"].dtype if fmt_name == "compressed-tensors" else getattr(
+                torch, fmt.quant_state(parts)["dtype"])
+        qt = fmt.decode(parts, scheme, dtype)
+        recorded = (entries or {}).get(name, {}).get("sha256")
+        yield name, qt, (None if recorded is None else fingerprint(qt) == recorded)
+    if held:
+        raise ExportError(f"{directory}: {', '.join(sorted(held))} lack some of their stored tensors; re-export")
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Loading draws tqdm bars (compressed-tensors) and logs a kernel warning (bitsandbytes) on stderr.
+
+    tqdm reads ``TQDM_DISABLE`` only when it is first imported, so stderr is captured instead; errors still
+    propagate as exceptions.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: initialise, only slower
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
+def _library_version(fmt_name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    pkg = "compressed-tensors" if fmt_name == "compressed-tensors" else "bitsandbytes"
+    try:
+        return f"transformers {version('transformers')} + {pkg} {version(pkg)}"
+    except PackageNotFoundError as exc:
+        raise InputError(f"verifying a {fmt_name} checkpoint needs the {pkg} package; pip install {pkg}") from exc
+
+
+def _prompt_ids(directory: Path, vocab: int) -> torch.Tensor:
+    tok = load_tokenizer(directory)
+    if tok is not None:
+        ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+        if ids.numel() and int(ids.max()) < vocab:
+            return ids
+    return (torch.arange(24) * 7 + 3).remainder(vocab).unsqueeze(0)  # no tokenizer: fixed ids
+
+
+def _within(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int, bool]:
+    """``(max |a-b|, elements outside the rule, bit-identical)``; the rule is in the module docstring."""
+    identical = torch.equal(a, b)
+    if identical:
+        return 0.0, 0, True
+    diff = (a.float() - b.float()).abs()
+    if b.dtype == torch.float32:
+        bad = int((diff > 0).sum())
+    else:
+        bad = int((diff > torch.finfo(b.dtype).eps * b.float().abs()).sum())
+    return float(diff.max()), bad, False
+
+
+def verify_checkpoint(
+    checkpoint: str | Path, *, device: str | None = None, fast_cpu_kernel: bool = False
+) -> VerifyResult:
+    """Load ``checkpoint`` with its target library and compare it with qkit's reading (see the module doc)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = Path(checkpoint)
+    if not directory.is_dir():
+        raise InputError(f"no such checkpoint directory: {checkpoint}; pass the -o directory of qkit quantize --format ...")
+    fmt_name, _ = checkpoint_format(directory)
+    library = _library_version(fmt_name)
+    dev = parse_device(device)
+
+    with _quiet():
+        config = AutoConfig.from_pretrained(str(directory))
+        del config.quantization_config
+        dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        # qkit's side: its own reading of the exported bytes, dequantized by qkit.
+        state, schemes, dense, matches = {}, {}, {}, {}
+        for name, value, match in iter_decoded(directory):
+            if isinstance(value, QuantizedTensor):
+                dense[name] = value.dequantize(dtype)
+                schemes[name] = value.scheme.name
+                matches[name] = match
+                state[name] = dense[name]
+            else:
+                state[name] = value
+        with _no_init():  # every weight is loaded next; random init would cost seconds for nothing
+            ours = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        missing = ours.load_state_dict(state, strict=False).missing_keys
+        tied = set(getattr(ours, "_tied_weights_keys", None) or [])
+        if [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
+            raise ModelLoadError(f"{directory} does not match its config (missing {missing[:3]}); re-export it")
+        ours.tie_weights()
+        ours.eval().to(dev)
+        # The library's side: exactly how a user loads the directory.
+        try:
+            theirs = AutoModelForCausalLM.from_pretrained(str(directory), device_map={"": str(dev)}, dtype=dtype)
+        except Exception as exc:  # transformers and the quantization libraries raise many types
+            raise ModelLoadError(
+                f"transformers could not load {directory} with {fmt_name} ({str(exc).splitlines()[0][:200]}); "
+                "re-export it, or report the versions shown by `pip show transformers " + fmt_name + "`"
+            ) from exc
+        theirs.eval()
+        if fmt_name == "bitsandbytes" and not fast_cpu_kernel:
+            for m in theirs.modules():
+                if hasattr(m, "support_avx512bf16_for_cpu"):
+                    m.support_avx512bf16_for_cpu = False
+
+        ids = _prompt_ids(directory, config.vocab_size).to(dev)
+        checks = []
+        with torch.no_grad():
+            if fmt_name == "bitsandbytes":  # before a forward can repack the weights for the CPU fast path
+                checks = _compare_weights(theirs, dense, schemes, matches, fmt_name)
+            ref_logits = ours(ids).logits.float()
+            lib_logits = theirs(ids).logits.float()  # compressed-tensors decompresses on this first forward
+            if fmt_name == "compressed-tensors":
+                checks = _compare_weights(theirs, dense, schemes, matches, fmt_name)
+    scale = float(ref_logits.abs().max())
+    rtol = LOGITS_RTOL.get(dtype, 2e-2)
+    if fmt_name == "bitsandbytes" and fast_cpu_kernel:
+        rtol = LOGITS_RTOL[torch.bfloat16]
+    return VerifyResult(
+        checkpoint=str(directory), format=fmt_name, library=library, dtype=str(dtype).removeprefix("torch."),
+        device=str(dev), prompt_tokens=int(ids.shape[1]),
+        logits_max_abs_diff=float((lib_logits - ref_logits).abs().max()), logits_scale=scale,
+        logits_tolerance=rtol * max(1.0, scale),
+        weight_rule="bit-identical" if dtype == torch.float32 else f"within one rounding of {dtype}",
+        tensors=checks,
+    )
+
+
+def _compare_weights(model, dense: dict[str, torch.Tensor], schemes: dict[str, str], matches: dict[str, bool | None],
+                     fmt_name: str) -> list[TensorCheck]:
+    checks = []
+    for name in sorted(dense):
+        got = _library_weight(model, name.removesuffix(".weight"), fmt_name).to(dense[name].device)
+        diff, bad, same = _within(got, dense[name])
+        checks.append(TensorCheck(name, schemes[name], tuple(dense[name].shape), diff, bad, same, matches[name]))
+    return checks
+
+
+def _library_weight(model, module: str, fmt_name: str) -> torch.Tensor:
+    """The dense weight the target library computes for ``module``."""
+    m = model.get_submodule(module)
+    if fmt_name == "bitsandbytes":
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state)
+    w = getattr(m, "weight", None)
+    if w is None or not w.is_floating_point():
+        raise ExportError(f"compressed-tensors left {module} compressed after a forward pass; cannot compare it")
+    return w.detach()
