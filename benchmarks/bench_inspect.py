@@ -25,24 +25,13 @@ import time
 from collections.abc import Callable
 
 import torch
+from _timing import round_robin
 
 from qkit.inspect.errors import iter_projections, weight_errors
 from qkit.models import resolve
 from qkit.schemes import DEFAULT_SCHEMES, get_scheme, quantize_tensor
 
 TARGET_S = 30.0
-
-
-def round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for label, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[label].append(time.perf_counter() - t0)
-    return times
 
 
 def main() -> int:

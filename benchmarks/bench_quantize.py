@@ -31,26 +31,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _timing import round_robin
 
 from qkit.api import quantize_model
 from qkit.checkpoint import iter_tensors
 from qkit.models import resolve
 from qkit.schemes import DEFAULT_SCHEMES, get_scheme, quantize_tensor
 from qkit.transform import is_block_projection
-
-
-def round_robin(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Time every ``fn`` once per round, ``repeats`` rounds (after one warm-up round), so that all rows
-    see the same machine load; on a shared machine this matters more than anything else."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for label, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[label].append(time.perf_counter() - t0)
-    return times
 
 
 def load_matrices(directory: Path) -> list[tuple[str, torch.Tensor]]:

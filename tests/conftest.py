@@ -33,8 +33,21 @@ def make_tokenizer(directory: Path):
     return tok
 
 
-def make_tiny_llama(directory: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = 304, tie: bool = True):
-    """Write a tiny random llama (config + model.safetensors + tokenizer) to ``directory``; return the model."""
+def make_tiny_llama(
+    directory: Path,
+    *,
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 64,
+    intermediate: int | None = None,
+    vocab: int = 304,
+    tie: bool = True,
+    dtype: torch.dtype = torch.float32,
+):
+    """Write a tiny random llama (config + model.safetensors + tokenizer) to ``directory``; return the model.
+
+    ``intermediate`` defaults to ``2 * hidden + 32``: not a multiple of 64, so it exercises short groups.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from qkit.checkpoint import ShardWriter
@@ -43,7 +56,7 @@ def make_tiny_llama(directory: Path, *, seed: int = 0, layers: int = 2, hidden: 
     config = LlamaConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=2 * hidden + 32,  # not a multiple of 64: exercises short groups
+        intermediate_size=intermediate or 2 * hidden + 32,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -53,8 +66,9 @@ def make_tiny_llama(directory: Path, *, seed: int = 0, layers: int = 2, hidden: 
         eos_token_id=2,
         pad_token_id=0,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config).to(dtype).eval()
     directory.mkdir(parents=True, exist_ok=True)
+    config.dtype = dtype
     config.save_pretrained(str(directory))
     writer = ShardWriter(directory)
     seen = set()

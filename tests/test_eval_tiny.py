@@ -71,3 +71,23 @@ def test_eval_restores_the_reference_weights(tiny_model_dir, corpus_file):
     a = evaluate(tiny_model_dir, options=EvalOptions(schemes=("int4-tensor",), corpus=corpus_file, **FAST))
     b = evaluate(tiny_model_dir, options=EvalOptions(schemes=(), corpus=corpus_file, **FAST))
     assert a.rows[0].perplexity == b.rows[0].perplexity
+
+
+def test_device_map_auto_gives_the_same_rows(tiny_model_dir, corpus_file):
+    """--device-map auto (accelerate's dispatch) is the same computation: on a CPU-only machine every
+    module lands on the CPU and the rows are identical to the plain path's."""
+    opts = EvalOptions(schemes=("nf4",), corpus=corpus_file, **FAST)
+    plain = evaluate(tiny_model_dir, options=opts).rows
+    import dataclasses
+
+    mapped = evaluate(tiny_model_dir, options=dataclasses.replace(opts, device_map="auto")).rows
+    for a, b in zip(plain, mapped):
+        assert (a.perplexity, a.kld, a.agreement, a.battery_answers) == (b.perplexity, b.kld, b.agreement, b.battery_answers)
+
+
+def test_outliers_accept_a_device_map(tiny_model_dir):
+    from qkit.inspect.outliers import residual_outliers
+
+    a = residual_outliers(tiny_model_dir, prompt="The quick brown fox")
+    b = residual_outliers(tiny_model_dir, prompt="The quick brown fox", device_map="auto")
+    assert a.per_layer == b.per_layer

@@ -29,27 +29,9 @@ LOGITS_RTOL = 1e-4  # the stated tolerance for fp32 (qkit.export.verify.LOGITS_R
 def make_llama(directory: Path, *, hidden: int = 128, intermediate: int = 256, layers: int = 2,
                dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
     """A tiny llama whose input widths (128, 256) every group size up to 128 divides."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import make_tiny_llama
 
-    from conftest import make_tokenizer
-    from qkit.checkpoint import ShardWriter
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=304, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    directory.mkdir(parents=True, exist_ok=True)
-    config.dtype = dtype
-    config.save_pretrained(str(directory))
-    writer = ShardWriter(directory)
-    seen = set()
-    for name, t in model.state_dict().items():
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            writer.add(name, t)
-    writer.close()
-    make_tokenizer(directory)
+    make_tiny_llama(directory, seed=seed, layers=layers, hidden=hidden, intermediate=intermediate, dtype=dtype)
     return directory
 
 

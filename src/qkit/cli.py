@@ -47,6 +47,14 @@ JsonOpt = Annotated[
 DeviceOpt = Annotated[
     Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N. Default: CUDA when available, else CPU.")
 ]
+DeviceMapOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--device-map",
+        help="auto | balanced | sequential: spread the model over all GPUs and CPU memory (accelerate); "
+        "CPU-placed layers run slower, see the README.",
+    ),
+]
 ScaleDtypeOpt = Annotated[str, typer.Option("--scale-dtype", help="Dtype the scales are stored (and applied) in: fp16, bf16, fp32.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow custom model code from the model's repository.")]
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickled .bin/.pt weights (can run code).")]
@@ -181,6 +189,7 @@ def eval_(
     no_repetition_penalty: Annotated[bool, typer.Option("--no-repetition-penalty", help="Pure greedy battery answers (ignore the model's repetition penalty).")] = False,
     scale_dtype: Annotated[Optional[str], typer.Option("--scale-dtype", help="Scale dtype for every scheme [default: fp16].")] = None,
     device: DeviceOpt = None,
+    device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
@@ -198,6 +207,7 @@ def eval_(
         "agree_tokens": agree_tokens,
         "scale_dtype": scale_dtype,
         "device": device,
+        "device_map": device_map,
     }
     options = dataclasses.replace(_eval_defaults(), **{k: v for k, v in given.items() if v is not None})
     if no_repetition_penalty:
@@ -675,13 +685,14 @@ def inspect_outliers_(
     threshold: Annotated[float, typer.Option("--threshold", help="A dimension is an outlier where its max |h| is this many times the median dimension's.")] = _iout.OUTLIER_THRESHOLD,
     top: Annotated[int, typer.Option("--top", help="Largest dimensions to list per layer.")] = _iout.TOP_DIMS,
     device: DeviceOpt = None,
+    device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Residual-stream outliers: largest dimensions per layer, their persistence, a histogram, and tensor-wide INT8."""
     _json_target(json_path)
     console.status("loading the model and running the prompt")
     r = _iout.residual_outliers(model, prompt=prompt, corpus_tokens=corpus_tokens, layer=layer, exclude_top=exclude_top,
-                       threshold=threshold, top=top, device=device)
+                       threshold=threshold, top=top, device=device, device_map=device_map)
     console.table(
         ["layer", "max |h|", "median dim max", "largest dimensions (dim: max |h|)", "outliers"],
         [[f"{p['layer']}", _g(p["max"]), _g(p["median_dim_max"]),

@@ -81,7 +81,9 @@ class LoadedModel:
 
 
 def read_config(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / "config.json"
+    """The parsed config.json of a model directory (or the config file itself, if given one)."""
+    path = Path(directory)
+    path = path if path.is_file() else path / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{directory} has no config.json; pass a Hugging Face model directory, a .gguf file or a hub id")
     try:

@@ -49,6 +49,7 @@ class EvalOptions:
     repetition_penalty: bool = True
     scale_dtype: str = "fp16"
     device: str | None = None
+    device_map: str | None = None  # "auto" etc.: spread the reference over several devices (accelerate)
     seed: int = 0
 
 
@@ -138,7 +139,7 @@ def evaluate(
     corpus = load_corpus(options.corpus)
 
     say("loading the reference model")
-    loaded = load(ref=ref, device=options.device)
+    loaded = load(ref=ref, device=options.device, device_map=options.device_map)
     lm, tok = loaded.model, loaded.tokenizer
     if tok is None:
         raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
@@ -279,7 +280,7 @@ def interpret(rows: list[Row]) -> list[str]:
     distinct = [r for r in others if r.mcnemar_p < 0.05]
     if distinct:
         notes.append("battery differences distinguishable from the reference (exact McNemar p < 0.05): "
-                     + ", ".join(f"{r.scheme} ({r.battery_correct}/{r.battery_total}, p={r.mcnemar_p:.3f})" for r in distinct) + ".")
+                     + ", ".join(f"{r.scheme} ({r.battery_correct}/{r.battery_total}, {_p(r.mcnemar_p)})" for r in distinct) + ".")
     if len(distinct) < len(others):
         same = [r.scheme for r in others if r.mcnemar_p >= 0.05]
         notes.append(f"battery differences of {', '.join(same)} against the reference are not distinguishable "
@@ -289,6 +290,10 @@ def interpret(rows: list[Row]) -> list[str]:
     notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
                  f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
     return notes
+
+
+def _p(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
 
 
 def _min_discordant(alpha: float) -> int:

@@ -350,15 +350,17 @@ def residual_outliers(
     threshold: float = OUTLIER_THRESHOLD,
     top: int = TOP_DIMS,
     device: str | None = None,
+    device_map: str | None = None,
     loaded: Any = None,
 ) -> OutliersReport:
     """Run a prompt through MODEL, capture the residual stream after every layer and analyse it.
 
-    ``loaded``: an already loaded ``qkit.models.LoadedModel`` (skips loading).
+    ``loaded``: an already loaded ``qkit.models.LoadedModel`` (skips loading). ``device_map``: spread the
+    model over several devices (see ``qkit.models.load``).
     """
     from qkit.models import load
 
-    loaded = loaded or load(model, device=device)
+    loaded = loaded or load(model, device=device, device_map=device_map)
     ids, source = prompt_ids(loaded.tokenizer, prompt=prompt, corpus_tokens=corpus_tokens)
     hidden = residual_stream(loaded.model, ids)
     return analyse_hidden(

@@ -54,7 +54,8 @@ class QuantizedTensor:
         return dequantize(self, dtype)
 
 
-def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view a scheme quantizes: ``[shape[0], prod(shape[1:])]``; 1-D as ``[1, n]``."""
     if len(shape) == 0:
         return (1, 1)
     if len(shape) == 1:
@@ -76,7 +77,7 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
     if isinstance(scheme, NF4Scheme):
         qweight, scales = quantize_nf4(w, scheme.block_size, scheme.scale_dtype)
     elif isinstance(scheme, AbsmaxScheme):
-        q, scales = quantize_absmax(w.reshape(_as_2d(shape)), scheme.bits, scheme.granularity, scheme.scale_dtype)
+        q, scales = quantize_absmax(w.reshape(as_2d(shape)), scheme.bits, scheme.granularity, scheme.scale_dtype)
         # 4-bit codes are stored offset-binary: q + 8 maps -8..7 to 0..15.
         qweight = pack_nibbles((q + 8).to(torch.uint8)) if scheme.packed else q
     else:  # pragma: no cover - the registry only makes the two kinds
@@ -100,7 +101,7 @@ def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.T
     scheme = qt.scheme
     if isinstance(scheme, NF4Scheme):
         return dequantize_nf4(qt.qweight, qt.scales, qt.shape, scheme.block_size, dtype)
-    rows, cols = _as_2d(qt.shape)
+    rows, cols = as_2d(qt.shape)
     if scheme.packed:
         q = (unpack_nibbles(qt.qweight, rows * cols).to(torch.int8) - 8).view(rows, cols)
     else:

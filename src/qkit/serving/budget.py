@@ -28,6 +28,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.schemes import get_scheme
+from qkit.schemes.quantized import as_2d
 from qkit.schemes.registry import AbsmaxScheme, NF4Scheme, Scheme
 from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, read_config_file
 from qkit.transform import is_block_projection
@@ -63,22 +64,13 @@ PRESET_SOURCES = {"7b": "Mistral-7B layout", "13b": "Llama-2-13B layout", "70b":
 # --------------------------------------------------------------------------- weight bytes
 
 
-def _as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
-    # As ``qkit.schemes.quantized`` views a weight: [shape[0], prod(rest)]; 1-D as [1, n].
-    if len(shape) == 0:
-        return (1, 1)
-    if len(shape) == 1:
-        return (1, shape[0])
-    return (shape[0], math.prod(shape[1:]))
-
-
 def stored_bytes(scheme: Scheme, shape: tuple[int, ...]) -> int:
     """Bytes ``quantize_tensor(w, scheme).nbytes`` would report for a weight of ``shape``, without a tensor.
 
     absmax 8-bit: ``n`` int8 codes; 4-bit: ``ceil(n/2)`` packed bytes; plus ``prod(scale_shape)`` scales.
     nf4: ``ceil(n/2)`` packed bytes plus ``ceil(n/block_size)`` absmax values. Scales in ``scale_dtype``.
     """
-    rows, cols = _as_2d(tuple(shape))
+    rows, cols = as_2d(tuple(shape))
     n = rows * cols
     scale = scheme.scale_dtype.itemsize
     if isinstance(scheme, NF4Scheme):

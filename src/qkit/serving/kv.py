@@ -17,7 +17,6 @@ most its window, which ``measure_kv`` would show as a mismatch.
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -140,18 +139,12 @@ def architecture_from_config(config: dict[str, Any], name: str = "config") -> Ar
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A config.json given with ``--config`` (a file, or a directory holding one)."""
+    from qkit.models import read_config
+
     p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
+    if not p.exists():
         raise InputError(f"no such config file: {path}; pass the path of a model's config.json")
-    try:
-        config = json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"malformed {p} ({exc}); fix the JSON") from exc
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"malformed {p}: not a JSON object; pass a model's config.json")
-    return config
+    return read_config(p)
 
 
 def resolve_architecture(model: str | None = None, config: str | Path | None = None) -> tuple[Architecture, dict[str, Any]]:
