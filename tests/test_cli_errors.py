@@ -168,3 +168,30 @@ def test_quantize_json_to_stdout(tiny_model_dir, tmp_path):
     assert data["matrices"] == 14 and data["scheme"] == "int4-row"
     # int4-row on widths 64 (q,k,v,o,gate,up) and 160 (down): bits = 4 + 16/in per matrix, weighted by size
     assert 4.0 < data["bits_per_weight"] < 4.3
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["quantize", "--bogus"], "No such option: --bogus"),
+        (["eval", "--tokens", "abc"], "Invalid value for '--tokens'"),
+        (["inspect", "next-token"], "Missing argument"),
+    ],
+)
+def test_usage_errors_are_one_line_from_the_real_entry_point(args, needle):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "qkit", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_bare_command_shows_help_and_exits_zero():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "qkit"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "quantize" in proc.stdout

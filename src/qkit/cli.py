@@ -832,11 +832,30 @@ def inspect_next_token_(
 
 
 def main() -> None:
+    """Entry point: usage errors and ``QkitError`` become one line on stderr and exit code 2."""
+    import importlib
+
+    # typer vendors click in some versions: take the exception classes from wherever typer's come from.
+    cx = importlib.import_module(typer.BadParameter.__module__)
+    no_args = getattr(cx, "NoArgsIsHelpError", ())
     try:
-        app()
-    except QkitError as exc:  # raised outside a command body (e.g. while parsing)
+        code = app(standalone_mode=False)
+    except no_args as exc:  # bare ``qkit`` or a bare sub-app: show its help
+        text = exc.ctx.get_help()  # typer's rich help prints itself and returns ""
+        if text:
+            print(text)
+        sys.exit(0)
+    except cx.UsageError as exc:  # unknown option, missing argument, bad value
+        where = exc.ctx.command_path if exc.ctx is not None else "qkit"
+        console.error(f"{exc.format_message()} (see '{where} --help')")
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        console.error("interrupted; nothing was written")
+        sys.exit(130)
+    except QkitError as exc:  # raised outside a command body
         console.error(str(exc))
         sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from qkit.evaluation.battery import build_prompts, generate_answers, is_correct,
 from qkit.evaluation.corpora import load_corpus
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
-from qkit.models import ModelRef, load, resolve
+from qkit.models import ModelRef, load, parse_device, resolve
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor, get_scheme
 from qkit.transform import is_block_projection
 
@@ -126,6 +126,7 @@ def evaluate(
         raise InputError(f"--tokens must be at least 2, got {options.tokens}")
     if options.agree_tokens < 1:
         raise InputError(f"--agree-tokens must be at least 1, got {options.agree_tokens}")
+    parse_device(options.device)  # a bad --device fails before anything is loaded
     target = resolve(model)
     checkpoint: ModelRef | None = None
     if target.is_quantized:
