@@ -214,17 +214,35 @@ def test_absmax_requantization_with_fp32_scales_keeps_codes_and_scale_within_one
 @PROPS
 @given(w=matrices(), sd=st.sampled_from(SCALE_DTYPES))
 def test_nf4_requantization_is_exact(w, sd):
-    """Exact for every scale dtype: the largest weight of a block scales to ``+-1`` (within two ulps),
-    so it gets code 0 or 15, level ``+-1`` and dequantizes to exactly ``+-a_s`` (``a_s`` the stored
-    absmax, exact in fp32); no other ``|level * a_s|`` exceeds it, so the re-quantized block has absmax
-    ``a_s`` again (stored unchanged), and each ``fl(level * a_s) * fl(1 / a_s)`` is within a few ulps of
-    its level, which is at least 0.04 away from any midpoint: the same codes, the same values."""
+    """Exact values for every scale dtype: the largest weight of a block scales to ``+-1`` (within two
+    ulps), so it gets code 0 or 15, level ``+-1`` and dequantizes to exactly ``+-a_s`` (``a_s`` the
+    stored absmax, exact in fp32); no other ``|level * a_s|`` exceeds it, so the re-quantized block has
+    absmax ``a_s`` again (stored unchanged), and each ``fl(level * a_s) * fl(1 / a_s)`` is within a few
+    ulps of its level, which is at least 0.04 away from any midpoint: the same codes, the same values.
+
+    One exception for the codes, not the values: codes follow bitsandbytes and are chosen from the fp32
+    absmax, so a block whose absmax underflows the scale dtype (fp16: below 2**-25) keeps its codes
+    but stores absmax 0 and dequantizes to zeros; re-quantizing those zeros gives code 7 (level 0) and
+    zeros again. The values are identical either way; the codes are, wherever the stored absmax is not 0."""
     scheme = get_scheme("nf4", scale_dtype=sd)
     qt = quantize_tensor(w, scheme)
     qt2 = quantize_tensor(qt.dequantize(), scheme)
-    assert torch.equal(qt2.qweight, qt.qweight)
-    assert torch.equal(qt2.scales, qt.scales)
     assert torch.equal(qt2.dequantize(), qt.dequantize())
+    assert torch.equal(qt2.scales, qt.scales)
+    n = w.numel()
+    codes = lambda q: torch.stack([q >> 4, q & 15], 1).reshape(-1)[:n]  # noqa: E731
+    kept = (qt.scales != 0).repeat_interleave(64)[:n]  # blocks whose stored absmax did not underflow
+    assert torch.equal(codes(qt2.qweight)[kept], codes(qt.qweight)[kept])
+    assert (codes(qt2.qweight)[~kept] == 7).all()
+
+
+def test_nf4_block_whose_fp16_absmax_underflows_dequantizes_to_zeros():
+    """The case above, pinned: 1.06e-36 gets code 15 (as in bitsandbytes) but its fp16 absmax is 0."""
+    qt = quantize_tensor(torch.tensor([[1.06e-36]]), get_scheme("nf4"))
+    assert qt.qweight.tolist() == [0xF7] and qt.scales.tolist() == [0.0]
+    assert qt.dequantize().tolist() == [[0.0]]
+    qt2 = quantize_tensor(qt.dequantize(), get_scheme("nf4"))
+    assert qt2.qweight.tolist() == [0x77] and torch.equal(qt2.dequantize(), qt.dequantize())
 
 
 @pytest.mark.parametrize("name", SCHEMES)

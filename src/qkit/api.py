@@ -28,6 +28,7 @@ from qkit.export import QKIT, prepare_export
 from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, new_manifest, plan
 
 load = _load
@@ -70,8 +71,8 @@ def quantize_model(
     model: str | Path | None = None,
     *,
     output: str | Path,
-    scheme: str = "nf4",
-    scale_dtype: str = "fp16",
+    scheme: str = DEFAULT_SCHEME,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     keep: Sequence[str] = (),

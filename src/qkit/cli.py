@@ -15,6 +15,7 @@ import typer
 
 from qkit import console
 from qkit.errors import QkitError
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 
 app = typer.Typer(
     name="qkit",
@@ -108,10 +109,10 @@ def _parse_size(text: str) -> int:
 @handles_errors
 def quantize(
     model: ModelArg = None,
-    scheme: Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")] = "nf4",
+    scheme: Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")] = DEFAULT_SCHEME,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (refused if it exists, unless --force).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
-    scale_dtype: ScaleDtypeOpt = "fp16",
+    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     include: Annotated[list[str], typer.Option("--include", help="Also quantize tensors matching this glob (repeatable).")] = [],
     exclude: Annotated[list[str], typer.Option("--exclude", help="Never quantize tensors matching this glob (repeatable).")] = [],
     keep: Annotated[list[str], typer.Option("--keep", help="SCHEME:GLOB, e.g. int8:'*.down_proj.weight' or none:GLOB (repeatable).")] = [],
@@ -595,7 +596,7 @@ def inspect_errors_(
     model: ModelArg = None,
     scheme: SchemesOpt = [],
     per_matrix: Annotated[bool, typer.Option("--per-matrix", help="Also print every matrix's relative error under each scheme.")] = False,
-    scale_dtype: ScaleDtypeOpt = "fp16",
+    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
 ) -> None:
     """Relative error ||W - W_hat||_F / ||W||_F of every projection matrix under each scheme."""
@@ -635,7 +636,7 @@ def inspect_matrix_(
     args: Annotated[Optional[list[str]], typer.Argument(help="[MODEL] [NAME]: a tensor name as in the checkpoint, e.g. model.layers.12.mlp.down_proj.weight; without NAME, the top matrices by max/std.", show_default=False, metavar="[MODEL] [NAME]")] = None,
     scheme: SchemesOpt = [],
     top: Annotated[int, typer.Option("--top", help="Without NAME: how many matrices to list.")] = _ierrors.TOP_MATRICES,
-    scale_dtype: ScaleDtypeOpt = "fp16",
+    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
 ) -> None:
     """One matrix: statistics, outliers beyond 6 sigma, error per scheme, int4 levels used. Without NAME: the top 10 by max/std."""
@@ -759,7 +760,7 @@ def inspect_sensitivity_(
     suggest: Annotated[Optional[int], typer.Option("--suggest", help="Units the suggestion keeps [default: the fewest covering half the summed KL, at most a tenth].")] = None,
     threshold: Annotated[float, typer.Option("--threshold", help="Outlier channel: max |x| at least this many times the median channel's.")] = _iout.OUTLIER_THRESHOLD,
     rows: Annotated[int, typer.Option("--rows", help="Ranked units to print (all are in --json).")] = 30,
-    scale_dtype: ScaleDtypeOpt = "fp16",
+    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
 ) -> None:

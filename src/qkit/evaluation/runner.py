@@ -28,6 +28,7 @@ from qkit.evaluation.corpora import load_corpus
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.models import ModelRef, load, parse_device, resolve
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor, get_scheme
 from qkit.transform import is_block_projection
 
@@ -47,7 +48,7 @@ class EvalOptions:
     agree_tokens: int = 9
     battery_tokens: int = 32
     repetition_penalty: bool = True
-    scale_dtype: str = "fp16"
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
     device: str | None = None
     device_map: str | None = None  # "auto" etc.: spread the reference over several devices (accelerate)
     seed: int = 0

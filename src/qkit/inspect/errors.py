@@ -35,6 +35,7 @@ from qkit.checkpoint import open_safetensors, tensor_shapes, weight_files
 from qkit.errors import InputError
 from qkit.granularity import PerRow, PerTensor
 from qkit.models import ModelRef, resolve
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.absmax import quantize_absmax
 from qkit.transform import is_block_projection
@@ -345,7 +346,7 @@ def weight_errors(
     model: str | Path | None = None,
     *,
     schemes: Sequence[str] = DEFAULT_SCHEMES,
-    scale_dtype: str = "fp16",
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
     names: Sequence[str] | None = None,
     ref: ModelRef | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -407,7 +408,7 @@ def inspect_matrix(
     *,
     name: str,
     schemes: Sequence[str] = DEFAULT_SCHEMES,
-    scale_dtype: str = "fp16",
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
     ref: ModelRef | None = None,
 ) -> MatrixReport:
     """Statistics, per-scheme relative error and int4 per-tensor level usage of one matrix."""

@@ -41,6 +41,7 @@ from qkit.inspect.outliers import (
     encode,
     outlier_mask,
 )
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.schemes import get_scheme, quantize_tensor
 from qkit.transform import _KEEP_ALIASES, is_block_projection
 
@@ -247,7 +248,7 @@ def rank_sensitivity(
     keep: str = KEEP_SCHEME,
     suggest: int | None = None,
     threshold: float = OUTLIER_THRESHOLD,
-    scale_dtype: str = "fp16",
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
     device: str | None = None,
     loaded: Any = None,
     on_start: Callable[[int], None] | None = None,

@@ -26,6 +26,8 @@ SCALE_DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {v: k for k, v in SCALE_DTYPES.items()}
 SUPPORTED_BITS = (4, 8)
+DEFAULT_SCHEME = "nf4"  # what ``qkit quantize`` writes when no --scheme is given
+DEFAULT_SCALE_DTYPE = "fp16"  # the bits-per-weight column of the README assumes fp16 scales
 
 
 @dataclass(frozen=True)
