@@ -346,16 +346,18 @@ def rank_sensitivity(
 
     # Whole model at ``scheme``, then the mixed model; originals restored at the end.
     saved = {n: params[n].detach().clone() for n in names}
-    try:
+
+    def apply(which, scheme) -> None:  # quantize the original weights of ``which`` in place
         with torch.no_grad():
-            for n in names:
-                params[n].copy_(quantize_tensor(saved[n], s, name=n).dequantize(saved[n].dtype))
+            for n in which:
+                params[n].copy_(quantize_tensor(saved[n], scheme, name=n).dequantize(saved[n].dtype))
+
+    try:
+        apply(names, s)
         report.kl_all = mean_kl(ref_logp, runner.logits(0))
         if on_unit:
             on_unit("all")
-        with torch.no_grad():
-            for n in kept:
-                params[n].copy_(quantize_tensor(saved[n], k, name=n).dequantize(saved[n].dtype))
+        apply(kept, k)
         report.kl_mixed = mean_kl(ref_logp, runner.logits(0))
         if on_unit:
             on_unit("mixed")
