@@ -271,20 +271,25 @@ def iter_quantized(directory: Path, device: str = "cpu") -> Iterator[tuple[str, 
     manifest = read_manifest(directory) or {"tensors": {}}
     entries = manifest["tensors"]
     held: dict[str, dict[str, torch.Tensor]] = {}
+    schemes: dict[str, tuple] = {}
     for key, t in iter_tensors(directory, device):
         base, dot, part = key.rpartition(".")
-        if dot and part in ("qweight", "scales") and base in entries:
+        if dot and base in entries:
+            if base not in schemes:
+                schemes[base] = entry_to_spec(entries[base])
+            scheme, shape, dtype = schemes[base]
+            if part not in scheme.parts:
+                raise CheckpointError(f"checkpoint {directory}: unexpected tensor {key} for scheme {scheme.name}; re-create it")
             parts = held.setdefault(base, {})
             parts[part] = t
-            if len(parts) == 2:
-                scheme, shape, dtype = entry_to_spec(entries[base])
-                yield base, QuantizedTensor(scheme, parts["qweight"], parts["scales"], shape, dtype)
-                del held[base]
+            if len(parts) == len(scheme.parts):
+                yield base, QuantizedTensor.from_parts(scheme, parts, shape, dtype)
+                del held[base], schemes[base]
         else:
             yield key, t
     if held:
         raise CheckpointError(
-            f"checkpoint {directory} lacks the qweight or scales of {', '.join(sorted(held))}; re-create it"
+            f"checkpoint {directory} lacks stored parts (qweight, scales, ...) of {', '.join(sorted(held))}; re-create it"
         )
 
 

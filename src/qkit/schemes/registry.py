@@ -1,5 +1,16 @@
 """Scheme registry: one registered name -> one frozen scheme config.
 
+A scheme is any frozen dataclass with ``name``, ``kind``, ``bits``, ``scale_dtype``, ``to_dict()``,
+``parts`` (the stored tensor names, ``("qweight", "scales")`` plus any extra), and the two halves of
+its storage format::
+
+    encode(w: float Tensor[any shape]) -> dict[part name, Tensor]      (no I/O, runs on w's device)
+    decode(parts: dict[part name, Tensor], shape, dtype) -> Tensor[shape] in dtype
+
+Scheme families register here too (``register_family``): a regular expression over names and a
+factory, e.g. ``int{4,8}-g{N}``. Other modules (``qkit.schemes.ggml``, ``qkit.schemes.fp4``) register
+their schemes on import; ``qkit.schemes`` imports them all.
+
 The six named schemes of the quality table are registered at import. The absmax group family
 parses on demand: ``int{4,8}-g{N}`` (``int4-g64``, ``int8-g128``, ...) gives ``AbsmaxScheme(bits,
 PerGroup(N))``, the same family as the registered ``int4-g128``. ``scale_dtype`` (fp16 by default, the
@@ -10,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +31,9 @@ import torch
 
 from qkit.errors import SchemeError
 from qkit.granularity import Granularity, PerGroup, PerRow, PerTensor
+from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
+from qkit.schemes.nf4 import dequantize_nf4, quantize_nf4
+from qkit.schemes.packing import pack_nibbles, unpack_nibbles
 
 SCALE_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
@@ -44,9 +60,30 @@ class AbsmaxScheme:
         if self.bits not in SUPPORTED_BITS:
             raise SchemeError(f"scheme {self.name!r}: bits must be one of {SUPPORTED_BITS}, got {self.bits}")
 
+    parts = ("qweight", "scales")
+
     @property
     def packed(self) -> bool:
         return self.bits == 4
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scales = quantize_absmax(w.reshape(as_2d(tuple(w.shape))), self.bits, self.granularity, self.scale_dtype)
+        return {"qweight": self.pack_codes(q), "scales": scales}
+
+    def pack_codes(self, q: torch.Tensor) -> torch.Tensor:
+        """int8 codes ``[rows, cols]`` -> stored ``qweight``: 4-bit codes offset-binary (``q + 8``) and packed."""
+        return pack_nibbles((q + 8).to(torch.uint8)) if self.packed else q.to(torch.int8)
+
+    def codes(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+        """Stored ``qweight`` -> int8 codes ``[rows, cols]`` in ``[-qmax-1, qmax]``."""
+        rows, cols = as_2d(shape)
+        if self.packed:
+            return (unpack_nibbles(parts["qweight"], rows * cols).to(torch.int8) - 8).view(rows, cols)
+        return parts["qweight"].view(rows, cols)
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        q = self.codes(parts, shape)
+        return dequantize_absmax(q, parts["scales"], self.granularity, dtype).reshape(shape)
 
     def to_dict(self) -> dict[str, Any]:
         g = self.granularity
@@ -72,9 +109,18 @@ class NF4Scheme:
     bits = 4
     packed = True
 
+    parts = ("qweight", "scales")
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise SchemeError(f"NF4 block size must be positive, got {self.block_size}")
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        qweight, scales = quantize_nf4(w, self.block_size, self.scale_dtype)
+        return {"qweight": qweight, "scales": scales}
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nf4(parts["qweight"], parts["scales"], shape, self.block_size, dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -87,10 +133,20 @@ class NF4Scheme:
         }
 
 
-Scheme = AbsmaxScheme | NF4Scheme
+def as_2d(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D view a scheme quantizes: ``[shape[0], prod(shape[1:])]``; 1-D as ``[1, n]``."""
+    if len(shape) == 0:
+        return (1, 1)
+    if len(shape) == 1:
+        return (1, shape[0])
+    return (shape[0], math.prod(shape[1:]))
+
+
+# Any registered scheme class (AbsmaxScheme, NF4Scheme, and those of qkit.schemes.ggml / fp4).
+Scheme = Any
 
 _REGISTRY: dict[str, Scheme] = {}
-_GROUP_FAMILY = re.compile(r"^int(\d+)-g(\d+)$")
+_FAMILIES: list[tuple[re.Pattern[str], Callable[[re.Match[str]], Scheme | None], str]] = []
 
 
 def register(scheme: Scheme) -> Scheme:
@@ -112,6 +168,22 @@ for _s in (
 ):
     register(_s)
 DEFAULT_SCHEMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def register_family(pattern: str, factory: Callable[[re.Match[str]], Scheme | None], spelling: str) -> None:
+    """Register a family of names: ``factory(match)`` builds the scheme (or None: not a member).
+
+    ``spelling`` is how error messages name the family, e.g. ``"int4-gN / int8-gN"``.
+    """
+    _FAMILIES.append((re.compile(pattern), factory, spelling))
+
+
+register_family(
+    r"^int(\d+)-g(\d+)$",
+    lambda m: AbsmaxScheme(m.group(0), int(m.group(1)), PerGroup(int(m.group(2))))
+    if int(m.group(1)) in SUPPORTED_BITS and int(m.group(2)) > 0 else None,
+    "int4-gN / int8-gN for another group size N",
+)
 
 
 def scheme_names() -> list[str]:
@@ -138,18 +210,17 @@ def get_scheme(name: str, scale_dtype: str | torch.dtype | None = None) -> Schem
     """
     name = name.strip().lower()
     scheme = _REGISTRY.get(name)
-    if scheme is None:
-        m = _GROUP_FAMILY.match(name)
-        if m and int(m.group(1)) in SUPPORTED_BITS and int(m.group(2)) > 0:
-            scheme = AbsmaxScheme(name, int(m.group(1)), PerGroup(int(m.group(2))))
+    for pattern, factory, _ in _FAMILIES:
+        if scheme is not None:
+            break
+        m = pattern.match(name)
+        scheme = factory(m) if m else None
     if scheme is None:
         close = difflib.get_close_matches(name, scheme_names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise SchemeError(
-            f"unknown scheme {name!r}{hint}; valid schemes: {', '.join(scheme_names())}, "
-            "or int4-gN / int8-gN for another group size N"
-        )
-    if scale_dtype is not None:
+        families = "".join(f", or {spelling}" for _, _, spelling in _FAMILIES)
+        raise SchemeError(f"unknown scheme {name!r}{hint}; valid schemes: {', '.join(scheme_names())}{families}")
+    if scale_dtype is not None and not getattr(scheme, "fixed_scale_dtype", False):
         scheme = dataclasses.replace(scheme, scale_dtype=parse_scale_dtype(scale_dtype))
     return scheme
 
@@ -157,7 +228,7 @@ def get_scheme(name: str, scale_dtype: str | torch.dtype | None = None) -> Schem
 def scheme_from_dict(d: dict[str, Any]) -> Scheme:
     """Rebuild a scheme from its manifest entry, checking that the registry still agrees with it."""
     try:
-        scheme = get_scheme(d["name"], d["scale_dtype"])
+        scheme = get_scheme(d["name"], d.get("scale_dtype"))
         if d.get("kind") == "nf4" and d.get("block_size") not in (None, scheme.block_size):
             scheme = dataclasses.replace(scheme, block_size=int(d["block_size"]))
     except (KeyError, TypeError) as exc:

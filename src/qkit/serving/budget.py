@@ -70,6 +70,8 @@ def stored_bytes(scheme: Scheme, shape: tuple[int, ...]) -> int:
     absmax 8-bit: ``n`` int8 codes; 4-bit: ``ceil(n/2)`` packed bytes; plus ``prod(scale_shape)`` scales.
     nf4: ``ceil(n/2)`` packed bytes plus ``ceil(n/block_size)`` absmax values. Scales in ``scale_dtype``.
     """
+    if hasattr(scheme, "nbytes_for"):  # block formats (qkit.schemes.ggml, fp4) state their own layout
+        return int(scheme.nbytes_for(tuple(shape)))
     rows, cols = as_2d(tuple(shape))
     n = rows * cols
     scale = scheme.scale_dtype.itemsize
