@@ -72,13 +72,17 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
     """Quantize one floating-point tensor with ``scheme``; runs on ``w``'s device.
 
     Raises ``NonFiniteWeightError`` (naming ``name``) for NaN/inf weights, and ``SchemeError`` when a
-    scale overflows the scale dtype.
+    scale overflows the scale dtype. A scheme with a ``resolve(shape, name)`` method (a mixture recipe
+    such as ``q4_k_m``, or a block format that falls back to another type for a width it cannot take)
+    first picks the scheme actually used; the result's ``scheme`` is that one.
     """
     if not w.is_floating_point():
         raise SchemeError(f"tensor {name} has dtype {w.dtype}; only floating-point weights can be quantized")
     shape = tuple(w.shape)
     if w.numel() == 0:
         raise SchemeError(f"tensor {name} is empty (shape {list(shape)}); exclude it from quantization")
+    if hasattr(scheme, "resolve"):  # a recipe or a format with a fallback picks the scheme per tensor
+        scheme = scheme.resolve(shape, name)
     parts = scheme.encode(w)
     scales = parts["scales"]
     if scales.is_floating_point() and not torch.isfinite(scales).all():
