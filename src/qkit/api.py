@@ -6,9 +6,10 @@ Each is a plain function called with keyword arguments; defaults live here, once
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from qkit.checkpoint import (
 )
 from qkit.errors import InputError
 from qkit.export import QKIT, prepare_export
+from qkit.methods import RTN, get_method, make_options
 from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
@@ -50,6 +52,10 @@ class QuantizeResult:
     schemes_used: dict[str, int] = field(default_factory=dict)
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
     format: str = QKIT  # or an export format (qkit.export.FORMATS)
+    method: str = RTN
+    # full-precision tensors a method changed (folded scales); with ``collect=True``, for the eval swap
+    replaced: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    method_record: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -64,6 +70,8 @@ class QuantizeResult:
             "seconds": self.seconds,
             "schemes_used": dict(sorted(self.schemes_used.items())),
             "format": self.format,
+            "method": self.method,
+            "method_record": self.method_record,
         }
 
 
@@ -82,9 +90,12 @@ def quantize_model(
     format: str = QKIT,
     allow_pickle: bool = False,
     collect: bool = False,
+    method: str = RTN,
+    method_options: Mapping[str, Any] | None = None,
     ref: ModelRef | None = None,
     on_start: Callable[[int], None] | None = None,
     on_tensor: Callable[[str], None] | None = None,
+    on_block: Callable[[int, int], None] | None = None,
 ) -> QuantizeResult:
     """Quantize MODEL's block projections with ``scheme`` and write a qkit checkpoint to ``output``.
 
@@ -92,6 +103,10 @@ def quantize_model(
     ``on_start(n_targets)`` and ``on_tensor(name)`` (after each quantized tensor) drive a progress bar.
     ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
     libraries load (see ``qkit.export``); a scheme the format cannot express is refused before any work.
+    ``method``: ``rtn`` (default: round to nearest, streamed) or a calibrated method (``qkit.methods``:
+    ``gptq``, ``awq``, ...) with its ``method_options``; a method runs over the whole model first (its
+    progress through ``on_block(done, total)``), then the same writer stores its tensors. What the method
+    did (options, calibration text and sha256) goes into the manifest under ``method``.
     """
     t0 = time.perf_counter()
     out = Path(output)
@@ -99,6 +114,10 @@ def quantize_model(
     default = get_scheme(scheme, scale_dtype)
     rules = Rules.parse(include, exclude, keep, scale_dtype)
     dev = parse_device(device)
+    chooser = get_method(method)
+    options = make_options(chooser, method_options) if chooser else None
+    if chooser is None and method_options:
+        raise InputError(f"options {', '.join(sorted(method_options))} need a calibrated --method (gptq, awq, ...)")
     ref = ref or resolve(model, allow_pickle=allow_pickle)
     if ref.is_quantized:
         raise InputError(f"{ref.spec} is already a qkit checkpoint; quantize the original model instead")
@@ -106,26 +125,40 @@ def quantize_model(
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
+    if chooser is not None:
+        for s in {s.name: s for s in targets.values()}.values():
+            chooser.check(s)
     manifest = new_manifest(default, rules)
     export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest)
+    precomputed = None
+    if chooser is not None:
+        done = chooser.run(ref, targets, options, device=dev, on_block=on_block)
+        precomputed, replaced = done.quantized, done.replaced
+        manifest["method"] = {"name": chooser.name, **done.record}
     if on_start:
         on_start(len(targets))
     result = QuantizeResult(out, ref.spec, default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0)
     result.format = QKIT if export is None else export.format.name
+    result.method = RTN if chooser is None else chooser.name
+    result.method_record = manifest.get("method", {})
     qbytes = 0
     with atomic_directory(out, force) as tmp:
         writer = export.writer(tmp, max_shard_bytes) if export else ShardWriter(tmp, manifest, max_shard_bytes)
         for name, tensor in iter_tensors(ref.directory):
             s = targets.get(name)
             if s is None:
+                if precomputed is not None and name in replaced:
+                    tensor = replaced[name].to(tensor.dtype)
+                    if collect:
+                        result.replaced[name] = tensor
                 writer.add(name, tensor)
                 continue
-            qt = _quantize_on(tensor, s, name, dev)
+            qt = precomputed[name] if precomputed is not None else _quantize_on(tensor, s, name, dev)
             writer.add(name, qt)
             result.matrices += 1
             result.parameters += qt.numel
             qbytes += qt.nbytes
-            result.schemes_used[s.name] = result.schemes_used.get(s.name, 0) + 1
+            result.schemes_used[qt.scheme.name] = result.schemes_used.get(qt.scheme.name, 0) + 1
             if collect:
                 result.quantized[name] = qt
             if on_tensor:
@@ -138,6 +171,7 @@ def quantize_model(
             "qkit_version": __version__,
             "scheme": default.to_dict(),
             "rules": manifest["rules"],
+            **({"method": manifest["method"]} if "method" in manifest else {}),
         }
         write_json(tmp / "config.json", config)
         copy_aux_files(ref.directory, tmp)

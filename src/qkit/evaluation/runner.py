@@ -1,10 +1,12 @@
-"""``qkit eval``: one row per scheme, computed from the same transform ``qkit quantize`` writes.
+"""``qkit eval``: one row per spec, computed from the same transform ``qkit quantize`` writes.
 
 The reference model is loaded once. Its corpus log-probabilities, battery answers and greedy
-continuations are computed once. For each scheme the model's quantized matrices are replaced in place
-by the dequantized output of ``qkit.api.quantize_model`` (which also writes the real checkpoint to a
-temporary directory, so the size column is the size that scheme writes), the row is measured, and the
-original weights are restored at the end. Nothing else changes between rows.
+continuations are computed once. Each row is a ``RowSpec`` (``qkit.evaluation.specs``): storage scheme,
+method, run-time simulation. For each, ``build_row_model`` replaces the model's quantized matrices in
+place by the dequantized output of ``qkit.api.quantize_model`` (which also writes the real checkpoint to
+a temporary directory, so the size column is the size that row writes; a method that folds scales also
+swaps in the norms it changed), installs the row's run-time hooks (``qkit.simulate``), the row is
+measured, and the hooks and original weights are removed and restored. Nothing else changes between rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,8 +31,11 @@ from qkit.evaluation.corpora import load_corpus
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.models import ModelRef, load, parse_device, resolve
+from qkit.evaluation.specs import RowSpec, resolve_rows
+from qkit.methods import RTN
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor, get_scheme
+from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
+from qkit.simulate import RuntimeContext, apply_runtime, runtime_bits
 from qkit.transform import is_block_projection
 
 REFERENCE = "reference"
@@ -40,7 +46,10 @@ COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the referenc
 class EvalOptions:
     """Every default of ``qkit eval``, defined once."""
 
-    schemes: tuple[str, ...] = DEFAULT_SCHEMES
+    schemes: tuple[str, ...] = DEFAULT_SCHEMES  # scheme names, named rows (w8a8-token, ...) or presets
+    methods: tuple[str, ...] = (RTN,)  # one row per method for each scheme name
+    method_options: tuple[tuple[str, Any], ...] = ()  # e.g. (("calibration_samples", 32),) for gptq/awq
+    runtime_options: tuple[tuple[str, Any], ...] = ()  # e.g. (("threshold", 6.0),) for llm-int8
     reference: str | None = None  # when MODEL is a qkit checkpoint: the model it was made from
     corpus: str | None = None
     tokens: int = 2048
@@ -56,7 +65,7 @@ class EvalOptions:
 
 @dataclass
 class Row:
-    scheme: str
+    scheme: str  # the row's name (RowSpec.name)
     bits_per_weight: float
     size_bytes: int
     perplexity: float
@@ -79,6 +88,11 @@ class Row:
     agreement_ci95: tuple[float, float]
     seconds: float
     matrices: int
+    spec: dict = field(default_factory=dict)  # RowSpec.to_dict(): storage scheme, method, runtime
+    act_bits: int | None = None  # activation bits simulated at run time (None: unquantized)
+    kv_bits: int | None = None  # KV-cache bits simulated at run time (None: the model's dtype)
+    runtime_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
+    method_record: dict = field(default_factory=dict)  # what the method did (calibration, per-layer errors)
 
 
 @dataclass
@@ -98,15 +112,18 @@ class _Swapper:
         self.model = model
         self.originals: dict[str, torch.Tensor] = {}
 
-    def apply(self, tensors: dict[str, QuantizedTensor]) -> None:
+    def apply(self, tensors: dict[str, QuantizedTensor | torch.Tensor]) -> None:
+        """Copy each dequantized ``QuantizedTensor`` (or full-precision replacement, e.g. a norm that a
+        method folded scales into) into the model's parameter of that name."""
         with torch.no_grad():
-            for name, qt in tensors.items():
+            for name, value in tensors.items():
                 p = self.model.get_parameter(name)
-                if tuple(p.shape) != qt.shape:
-                    raise InputError(f"{name}: checkpoint shape {list(qt.shape)} != model shape {list(p.shape)}; pass the matching --reference")
+                shape = value.shape if isinstance(value, QuantizedTensor) else tuple(value.shape)
+                if tuple(p.shape) != tuple(shape):
+                    raise InputError(f"{name}: checkpoint shape {list(shape)} != model shape {list(p.shape)}; pass the matching --reference")
                 if name not in self.originals:
                     self.originals[name] = p.detach().clone()
-                p.copy_(qt.dequantize(p.dtype))
+                p.copy_(value.dequantize(p.dtype) if isinstance(value, QuantizedTensor) else value.to(p.dtype))
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -132,12 +149,12 @@ def evaluate(
     checkpoint: ModelRef | None = None
     if target.is_quantized:
         checkpoint, ref = target, resolve(options.reference)
-        schemes: list[str] = []
+        specs: list[RowSpec] = []
     else:
         if options.reference is not None:
             raise InputError("--reference is only for evaluating a saved qkit checkpoint; drop it or pass a checkpoint as MODEL")
         ref = target
-        schemes = [get_scheme(s, options.scale_dtype).name for s in options.schemes]  # validate names first
+        specs = resolve_rows(options.schemes, options.methods, dict(options.method_options))  # validate names first
     corpus = load_corpus(options.corpus)
 
     say("loading the reference model")
@@ -162,7 +179,7 @@ def evaluate(
     say("reference: greedy continuations for agreement")
     continuation = reference_continuation(lm, tok, prompts, options.agree_tokens)
 
-    def measure(name: str, bits: float, size: int, matrices: int, started: float, ref_row: Row | None) -> Row:
+    def measure(name: str, bits: float, size: int, matrices: int, started: float, ref_row: Row | None, **facts) -> Row:
         if ref_row is not None:
             say(f"{name}: perplexity and KL divergence")
         scores: TokenScores = corpus_ref.score(lm) if ref_row is not None else ref_scores
@@ -201,6 +218,7 @@ def evaluate(
             agreement_ci95=wilson_interval(k, n),
             seconds=time.perf_counter() - started,
             matrices=matrices,
+            **facts,
         )
 
     ref_scores = corpus_ref.own_scores()
@@ -218,15 +236,19 @@ def evaluate(
             bits = 8 * sum(q.nbytes for q in quantized.values()) / max(1, sum(q.numel for q in quantized.values()))
             label = f"checkpoint ({'+'.join(sorted({q.scheme.name for q in quantized.values()}))})"
             rows.append(measure(label, bits, checkpoint_bytes(checkpoint.directory), len(quantized), t1, rows[0]))
-        for name in schemes:
+        context = RuntimeContext(device=next(lm.parameters()).device, extra={"tokenizer": tok, "model_ref": ref})
+        for spec in specs:
             t1 = time.perf_counter()
-            say(f"{name}: quantizing")
-            with tempfile.TemporaryDirectory(prefix="qkit-eval-") as tmp:
-                result = quantize_model(
-                    ref=ref, output=Path(tmp) / name, scheme=name, scale_dtype=options.scale_dtype, collect=True, device="cpu"
-                )
-            swapper.apply(result.quantized)
-            rows.append(measure(name, result.bits_per_weight, result.bytes_after, result.matrices, t1, rows[0]))
+            built = build_row_model(spec, ref, swapper, options, say)
+            bits = built.bits_per_weight if built is not None else rows[0].bits_per_weight
+            size = built.bytes_after if built is not None else rows[0].size_bytes
+            matrices = built.matrices if built is not None else 0
+            act_bits, kv_bits = runtime_bits(spec.runtime, dict(spec.runtime_options or options.runtime_options))
+            with apply_runtime(lm, spec.runtime, context, dict(spec.runtime_options or options.runtime_options)) as stats:
+                row = measure(spec.name, bits, size, matrices, t1, rows[0], spec=spec.to_dict(), act_bits=act_bits,
+                              kv_bits=kv_bits, method_record=built.method_record if built is not None else {})
+            row.runtime_stats = stats
+            rows.append(row)
             swapper.restore()
     finally:
         swapper.restore()
@@ -255,6 +277,22 @@ def evaluate(
         "seconds_total": time.perf_counter() - t0,
     }
     return EvalReport(rows, provenance, interpret(rows))
+
+
+def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: EvalOptions, say: Callable[[str], None]):
+    """Put ``spec``'s weights into the swapper's model: ``quantize_model`` (the path that writes
+    checkpoints) into a temporary directory, then the dequantized matrices and any replaced
+    full-precision tensors swapped in. Returns the ``QuantizeResult`` (None for unquantized weights)."""
+    if spec.scheme is None:
+        return None
+    say(f"{spec.name}: quantizing" + (f" ({spec.method})" if spec.method != RTN else ""))
+    with tempfile.TemporaryDirectory(prefix="qkit-eval-") as tmp:
+        result = quantize_model(
+            ref=ref, output=Path(tmp) / "row", scheme=spec.scheme, scale_dtype=options.scale_dtype, collect=True,
+            device="cpu", method=spec.method, method_options=dict(spec.method_options) or None,
+        )
+    swapper.apply({**result.replaced, **result.quantized})
+    return result
 
 
 def interpret(rows: list[Row]) -> list[str]:

@@ -1,0 +1,161 @@
+"""What one row of the quality table is: a value, not a branch in the runner.
+
+A row names its storage ``scheme`` (or ``None``: the reference's full-precision weights), the
+``method`` that chose the integers (``rtn``, ``gptq``, ``awq``, ``smoothquant``; see ``qkit.methods``)
+and the run-time simulations applied while the model runs (``runtime``: activation quantization,
+LLM.int8, a quantized KV cache; see ``qkit.simulate``). ``qkit.evaluation.runner.build_row_model``
+turns a spec into a model through the same ``quantize_model`` that writes checkpoints, then installs
+the simulation hooks; the runner only loops over specs and measures.
+
+Names on the command line (``qkit eval --schemes ...``) are resolved here:
+
+* a named row (``register_row``), e.g. ``w8a8-token`` = int8-row weights + int8 per-token activations;
+* a preset (``register_preset``), e.g. ``shipped``: several names at once;
+* otherwise a scheme name (``nf4``, ``int4-g64``, ``q4_k_m``, ...), one row per ``--methods`` entry.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from qkit.errors import InputError
+from qkit.methods import RTN, get_method
+from qkit.schemes import get_scheme, scheme_names
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row: weights stored in ``scheme`` (None: unquantized), chosen by ``method``, run with ``runtime``.
+
+    ``runtime``: names registered in ``qkit.simulate`` (applied in order). ``runtime_options`` and
+    ``method_options``: per-row overrides as sorted ``(key, value)`` pairs (hashable, JSON-able).
+    ``label``: the row's name in the table (default: derived, e.g. ``int4-g64`` / ``int4-g64+gptq``).
+    """
+
+    scheme: str | None
+    method: str = RTN
+    runtime: tuple[str, ...] = ()
+    label: str | None = None
+    method_options: tuple[tuple[str, Any], ...] = ()
+    runtime_options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        base = self.scheme or "fp"
+        if self.method != RTN:
+            base += f"+{self.method}"
+        return "+".join([base, *self.runtime]) if self.runtime else base
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "scheme": self.scheme,
+            "method": self.method,
+            "runtime": list(self.runtime),
+            "method_options": dict(self.method_options),
+            "runtime_options": dict(self.runtime_options),
+        }
+
+
+_ROWS: dict[str, RowSpec] = {}
+_PRESETS: dict[str, tuple[str, ...]] = {}
+_DESCRIPTIONS: dict[str, str] = {}
+
+
+def register_row(name: str, spec: RowSpec, description: str = "") -> RowSpec:
+    """A named row for ``--schemes`` (its label is ``name``)."""
+    if name in _ROWS or name in _PRESETS:
+        raise InputError(f"row name {name!r} is already registered")
+    spec = RowSpec(spec.scheme, spec.method, spec.runtime, name, spec.method_options, spec.runtime_options)
+    _ROWS[name] = spec
+    _DESCRIPTIONS[name] = description
+    return spec
+
+
+def register_preset(name: str, names: Iterable[str], description: str = "") -> None:
+    """A word for ``--schemes`` that stands for several row or scheme names (validated when used)."""
+    if name in _ROWS or name in _PRESETS:
+        raise InputError(f"preset name {name!r} is already registered")
+    _PRESETS[name] = tuple(names)
+    _DESCRIPTIONS[name] = description
+
+
+def row_names() -> list[str]:
+    return list(_ROWS)
+
+
+def preset_names() -> list[str]:
+    return list(_PRESETS)
+
+
+def describe(name: str) -> str:
+    return _DESCRIPTIONS.get(name, "")
+
+
+def _load_registrations() -> None:
+    # Modules that register rows and presets on import (simulation rows live with their simulations).
+    import importlib
+
+    for module in ("qkit.simulate", "qkit.evaluation.presets"):
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:  # a module not written yet registers nothing
+            if exc.name != module:
+                raise
+
+
+def resolve_rows(
+    names: Iterable[str],
+    methods: Iterable[str] = (RTN,),
+    method_options: Mapping[str, Any] | None = None,
+) -> list[RowSpec]:
+    """Names from ``--schemes`` and ``--methods`` -> row specs, in order, duplicates dropped.
+
+    A scheme name gives one row per method; a named row or a preset gives its own rows (their method is
+    their own). Unknown names, unknown methods and a method that cannot serve a scheme are refused here,
+    before any model is loaded.
+    """
+    _load_registrations()
+    methods = [m.strip().lower() for m in methods if m.strip()] or [RTN]
+    chosen = {m: get_method(m) for m in methods}  # validates the method names
+    opts = tuple(sorted((method_options or {}).items()))
+    specs: list[RowSpec] = []
+
+    def add(name: str, depth: int = 0) -> None:
+        key = name.strip().lower()
+        if key in _PRESETS and depth < 4:
+            for n in _PRESETS[key]:
+                add(n, depth + 1)
+            return
+        if key in _ROWS:
+            specs.append(_ROWS[key])
+            return
+        try:
+            scheme = get_scheme(key)
+        except InputError:
+            close = difflib.get_close_matches(key, [*scheme_names(), *_ROWS, *_PRESETS], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise InputError(
+                f"unknown scheme or row {name!r}{hint}; valid: {', '.join(scheme_names())}, int4-gN / int8-gN, "
+                f"rows {', '.join(_ROWS) or '-'}, presets {', '.join(_PRESETS) or '-'}"
+            ) from None
+        for m, method in chosen.items():
+            if method is not None:
+                method.check(scheme)
+            specs.append(RowSpec(scheme.name, m, method_options=opts if method is not None else ()))
+
+    for n in names:
+        if n.strip():
+            add(n)
+    unique: dict[str, RowSpec] = {}
+    for s in specs:
+        unique.setdefault(s.name, s)
+    return list(unique.values())
+
+
+__all__ = ["RowSpec", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
