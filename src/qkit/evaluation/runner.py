@@ -92,6 +92,7 @@ class Row:
     act_bits: int | None = None  # activation bits simulated at run time (None: unquantized)
     kv_bits: int | None = None  # KV-cache bits simulated at run time (None: the model's dtype)
     runtime_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
+    weights_changed: int | None = None  # quantized tensors whose values differ from the reference's
     method_record: dict = field(default_factory=dict)  # what the method did (calibration, per-layer errors)
 
 
@@ -111,10 +112,12 @@ class _Swapper:
     def __init__(self, model):
         self.model = model
         self.originals: dict[str, torch.Tensor] = {}
+        self.changed = 0  # tensors of the last ``apply`` whose values differ from the reference's
 
     def apply(self, tensors: dict[str, QuantizedTensor | torch.Tensor]) -> None:
         """Copy each dequantized ``QuantizedTensor`` (or full-precision replacement, e.g. a norm that a
         method folded scales into) into the model's parameter of that name."""
+        self.changed = 0
         with torch.no_grad():
             for name, value in tensors.items():
                 p = self.model.get_parameter(name)
@@ -124,6 +127,7 @@ class _Swapper:
                 if name not in self.originals:
                     self.originals[name] = p.detach().clone()
                 p.copy_(value.dequantize(p.dtype) if isinstance(value, QuantizedTensor) else value.to(p.dtype))
+                self.changed += not torch.equal(p, self.originals[name])
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -246,7 +250,8 @@ def evaluate(
             act_bits, kv_bits = runtime_bits(spec.runtime, dict(spec.runtime_options or options.runtime_options))
             with apply_runtime(lm, spec.runtime, context, dict(spec.runtime_options or options.runtime_options)) as stats:
                 row = measure(spec.name, bits, size, matrices, t1, rows[0], spec=spec.to_dict(), act_bits=act_bits,
-                              kv_bits=kv_bits, method_record=built.method_record if built is not None else {})
+                              kv_bits=kv_bits, method_record=built.method_record if built is not None else {},
+                              weights_changed=swapper.changed if built is not None else None)
             row.runtime_stats = stats
             rows.append(row)
             swapper.restore()
@@ -303,6 +308,11 @@ def interpret(rows: list[Row]) -> list[str]:
     if not others:
         return notes
     collapsed = [r for r in others if r.perplexity >= COLLAPSE_FACTOR * ref.perplexity]
+    for r in others:
+        if r.weights_changed == 0 and r.matrices:
+            notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: its grid is the one the reference was "
+                         "published in (the default model is Q4_1: asymmetric blocks of 32), so this row measures nothing "
+                         "about the scheme or method; do not compare it with the others.")
     for r in collapsed:
         notes.append(f"{r.scheme} collapsed: perplexity {r.perplexity:,.0f} is {r.perplexity / ref.perplexity:,.0f}x the reference's {ref.perplexity:.2f}.")
     for r in others:

@@ -11,6 +11,7 @@ Names on the command line (``qkit eval --schemes ...``) are resolved here:
 
 * a named row (``register_row``), e.g. ``w8a8-token`` = int8-row weights + int8 per-token activations;
 * a preset (``register_preset``), e.g. ``shipped``: several names at once;
+* ``SCHEME+METHOD`` (``int4-g64+gptq``): that scheme with that method;
 * otherwise a scheme name (``nf4``, ``int4-g64``, ``q4_k_m``, ...), one row per ``--methods`` entry.
 """
 
@@ -134,6 +135,14 @@ def resolve_rows(
             return
         if key in _ROWS:
             specs.append(_ROWS[key])
+            return
+        if "+" in key:  # SCHEME+METHOD: one row with that method, whatever --methods says
+            scheme_word, _, method_word = key.partition("+")
+            method = get_method(method_word)
+            scheme = get_scheme(scheme_word)
+            if method is not None:
+                method.check(scheme)
+            specs.append(RowSpec(scheme.name, method_word, method_options=opts if method is not None else ()))
             return
         try:
             scheme = get_scheme(key)
