@@ -1,0 +1,80 @@
+"""Row specs: names on the command line -> RowSpec values, refused before any model is loaded."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from qkit.errors import InputError
+from qkit.evaluation.runner import Row, interpret
+from qkit.evaluation.specs import RowSpec, register_preset, resolve_rows
+
+
+def test_scheme_names_give_one_row_per_method_in_order():
+    specs = resolve_rows(["int8-row", "nf4"], ["rtn"])
+    assert [s.name for s in specs] == ["int8-row", "nf4"]
+    assert [(s.scheme, s.method, s.runtime) for s in specs] == [("int8-row", "rtn", ()), ("nf4", "rtn", ())]
+
+
+def test_duplicates_are_dropped_and_names_normalised():
+    assert [s.name for s in resolve_rows([" NF4", "nf4", "int4-g64", "int4-g64"])] == ["nf4", "int4-g64"]
+
+
+def test_spec_names_are_derived_from_their_parts():
+    assert RowSpec("int4-g64").name == "int4-g64"
+    assert RowSpec("int4-g64", "gptq").name == "int4-g64+gptq"
+    assert RowSpec("int8-row", runtime=("act-int8-token",)).name == "int8-row+act-int8-token"
+    assert RowSpec(None, runtime=("kv-int8-token",)).name == "fp+kv-int8-token"
+    assert RowSpec("int8-row", label="w8a8").name == "w8a8"
+    assert RowSpec("int4-g64", "gptq").to_dict() == {
+        "name": "int4-g64+gptq", "scheme": "int4-g64", "method": "gptq", "runtime": [],
+        "method_options": {}, "runtime_options": {},
+    }
+
+
+@pytest.mark.parametrize(
+    "names, methods, message",
+    [
+        (["int4-g12x"], ["rtn"], "unknown scheme or row 'int4-g12x'"),
+        (["nf5"], ["rtn"], "did you mean 'nf4'"),
+        (["nf4"], ["rnt"], "unknown method 'rnt' (did you mean 'rtn'?)"),
+        (["nf4+nope"], ["rtn"], "unknown method 'nope'"),
+    ],
+)
+def test_bad_names_are_refused_in_one_line(names, methods, message):
+    with pytest.raises(InputError) as exc:
+        resolve_rows(names, methods)
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_presets_expand_and_an_unknown_member_is_refused_when_used():
+    register_preset("test-two-rows", ["int8-row", "int4-g64"])
+    assert [s.name for s in resolve_rows(["test-two-rows", "nf4"])] == ["int8-row", "int4-g64", "nf4"]
+    register_preset("test-broken", ["int8-row", "no-such-scheme"])
+    with pytest.raises(InputError, match="no-such-scheme"):
+        resolve_rows(["test-broken"])
+
+
+def _row(name: str, ppl: float, change: float, se: float, changed: int | None, matrices: int = 14) -> Row:
+    return Row(
+        scheme=name, bits_per_weight=4.5, size_bytes=1, perplexity=ppl, perplexity_se=0.1,
+        perplexity_change_pct=change, perplexity_change_se_pct=se, kld=0.0, kld_se=0.0, top1_match=1.0,
+        battery_correct=8, battery_total=16, battery_ci95=(0.28, 0.72), battery_answers=[True] * 8 + [False] * 8,
+        battery_outputs=[""] * 16, mcnemar_only_reference=0, mcnemar_only_row=0, mcnemar_p=1.0, agreement=9,
+        agreement_total=9, agreement_ci95=(0.7, 1.0), seconds=1.0, matrices=matrices, weights_changed=changed,
+    )
+
+
+def test_a_row_that_reproduces_the_reference_is_flagged_and_others_are_not():
+    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    same = _row("q4_1", 17.0, 0.0, 0.0, 0)
+    other = _row("q4_0", 18.0, 5.0, 1.0, 14)
+    notes = interpret([ref, same, other])
+    flagged = [n for n in notes if "bit for bit" in n]
+    assert len(flagged) == 1 and flagged[0].startswith("q4_1 reproduces the reference's weights")
+    assert not any(n.startswith("q4_0 reproduces") for n in notes)
+    # a runtime-only row (no quantized matrices) is never flagged
+    kv = dataclasses.replace(_row("kv-int8", 17.1, 0.5, 0.2, None, matrices=0))
+    assert not any("bit for bit" in n for n in interpret([ref, kv]))
