@@ -1,0 +1,232 @@
+"""Layer by layer: walk a causal LM's transformer blocks with calibration activations (GPTQ's scheme).
+
+Peak memory on the compute device is one block plus the calibration activations (``samples x seqlen x
+hidden`` floats, twice: a block's inputs and its outputs), never the whole model: the blocks stay where
+the model was loaded (CPU) and each is moved to ``device`` only while it is processed.
+
+How it works (Frantar et al. 2022, the reference ``gptq`` code's ``llama_sequential``):
+
+1. **Capture** the first block's inputs: the modules before the blocks (embeddings, rotary embedding)
+   are moved to ``device`` and the model is called on each calibration batch; a forward pre-hook on
+   block 0 stores its ``hidden_states`` and keyword arguments (attention mask, ``position_ids``,
+   ``position_embeddings``, cache = None, ...) and raises ``_Stop`` so nothing after it runs.
+2. For each block ``i``: ``process_block(i, block, inputs)`` is called. The method does what it needs
+   with ``inputs`` (``BlockInputs``, below): accumulate statistics of its linears' inputs with
+   ``inputs.forward(on_input=...)``, store them with ``inputs.record(...)``, grid-search with
+   ``inputs.run_module(...)``, and **leaves the block's weights as they should be seen downstream**
+   (GPTQ: the dequantized weights; AWQ: scales folded and weights dequantized).
+3. The walker then runs the block again on every batch with those weights: its outputs are block
+   ``i + 1``'s ``hidden_states`` (the keyword arguments are the same for every block).
+   ``on_block(i + 1, n_blocks)`` reports progress.
+
+Usage (a method's ``run``)::
+
+    loaded = qkit.models.load(ref=ref, device="cpu")
+    ids, provenance = calibration_ids(loaded.tokenizer, CalibrationOptions(...))   # [N, L]
+
+    def process(i: int, block: torch.nn.Module, inputs: BlockInputs) -> None:
+        linears = inputs.linears()                       # {"self_attn.q_proj": nn.Linear, ...}
+        H = {}
+        def acc(name, x):                               # x: [batch, L, in_features] on device
+            x = x.reshape(-1, x.shape[-1]).float()
+            H[name] = H.get(name, 0) + x.T @ x
+        inputs.forward(on_input=acc, modules=linears)    # one pass over every batch, original weights
+        for name, lin in linears.items():               # weights as the next blocks should see them
+            lin.weight.data.copy_(quantize_and_dequantize(lin.weight, H[name]))
+        # full names for the method's targets: inputs.prefix + name + ".weight"
+
+    walk_blocks(loaded.model, ids, process, device=torch.device("cpu"), batch_size=8, on_block=on_block)
+
+``BlockInputs`` (what ``process_block`` gets):
+
+* ``hidden``: ``list[Tensor [b, L, hidden]]``, the block's inputs per batch, on ``device``
+  (``torch.cat(hidden)`` is ``[N, L, hidden]``); ``kwargs``: ``list[dict]``, the keyword arguments
+  the block takes, per batch (on ``device``); ``prefix``: the block's parameter-name prefix, e.g.
+  ``"model.layers.3."``; ``block``: the module (on ``device`` during the call).
+* ``linears()``: the block's ``nn.Linear`` submodules by their name inside the block.
+* ``forward(on_input=None, on_output=None, modules=None) -> list[Tensor]``: run the block on every
+  batch; for each module of ``modules`` (``{name: module}``), call ``on_input(name, x)`` with the
+  module's first positional input and ``on_output(name, y)`` with its output, batch by batch (so
+  statistics can be accumulated without storing activations). Returns the block outputs per batch.
+* ``record(modules) -> dict[name, Tensor [N, L, in]]``: every batch's inputs of each module,
+  concatenated (memory: what it holds; for AWQ's grid search over one group of layers at a time).
+* ``run_module(module, xs, **kwargs) -> list[Tensor]``: call a submodule on each tensor of ``xs``
+  (e.g. ``block.mlp`` on recorded inputs, or ``block.self_attn`` with ``inputs.kwargs[k]``); for a
+  block-level call use ``forward``.
+
+The model is changed in place (the block weights ``process_block`` leaves) and left on the CPU
+(blocks are moved back after processing). Everything runs under ``torch.no_grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError
+
+DEFAULT_BATCH_SIZE = 8  # calibration windows per forward call
+
+
+class _Stop(Exception):
+    """Raised by the capture hook on block 0: the rest of the model need not run."""
+
+
+def find_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
+    """The transformer blocks: the ``nn.ModuleList`` of ``config.num_hidden_layers`` modules
+    (``model.layers`` for llama, ``transformer.h`` for gpt2, ...), with its name."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    best: tuple[str, torch.nn.ModuleList] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > 0 and (n is None or len(module) == n):
+            if best is None or len(name) < len(best[0]):
+                best = (name, module)
+    if best is None:
+        raise InputError(
+            f"cannot find the transformer blocks of {type(model).__name__} (no module list of "
+            f"{n} layers); calibrated methods need a decoder-only model with a list of blocks"
+        )
+    return best
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor inside ``obj`` (tensors, tuples, lists, dicts) to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(to_device(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [to_device(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _first(out: Any) -> torch.Tensor:
+    """A block's output hidden states (blocks of older transformers return a tuple)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@dataclass
+class BlockInputs:
+    """One block's calibration inputs (see the module docstring)."""
+
+    block: torch.nn.Module
+    prefix: str
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+
+    def linears(self) -> dict[str, torch.nn.Linear]:
+        return {n: m for n, m in self.block.named_modules() if isinstance(m, torch.nn.Linear)}
+
+    @torch.no_grad()
+    def forward(
+        self,
+        on_input: Callable[[str, torch.Tensor], None] | None = None,
+        on_output: Callable[[str, torch.Tensor], None] | None = None,
+        modules: Mapping[str, torch.nn.Module] | None = None,
+    ) -> list[torch.Tensor]:
+        handles = []
+        for name, module in (modules or {}).items():
+            if on_input is not None:
+                handles.append(module.register_forward_pre_hook(
+                    lambda _m, args, name=name: on_input(name, args[0])))
+            if on_output is not None:
+                handles.append(module.register_forward_hook(
+                    lambda _m, _args, out, name=name: on_output(name, _first(out))))
+        try:
+            return [_first(self.block(h, **kw)) for h, kw in zip(self.hidden, self.kwargs)]
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def record(self, modules: Mapping[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+        got: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
+        self.forward(on_input=lambda n, x: got[n].append(x.detach()), modules=modules)
+        return {n: torch.cat(xs) for n, xs in got.items()}
+
+    @torch.no_grad()
+    def run_module(self, module: torch.nn.Module, xs: Iterable[torch.Tensor], **kwargs: Any) -> list[torch.Tensor]:
+        return [_first(module(x, **kwargs)) for x in xs]
+
+
+@torch.no_grad()
+def capture_first_inputs(
+    model: torch.nn.Module, ids: torch.Tensor, device: torch.device, batch_size: int = DEFAULT_BATCH_SIZE
+) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+    """Block 0's ``hidden_states`` and keyword arguments for each batch of ``ids`` ``[N, L]`` (on ``device``)."""
+    blocks_name, blocks = find_blocks(model)
+    # Move the modules outside the blocks that hold parameters or buffers of their own (embeddings, rotary
+    # embedding, final norm, head) to the device; only the first two run before the hook stops the call.
+    # Ancestors of the blocks are skipped (moving them would move every block).
+    def inside_or_above(n: str) -> bool:
+        return n == blocks_name or n.startswith(blocks_name + ".") or blocks_name.startswith(n + ".") or n == ""
+
+    moved = [m for n, m in model.named_modules() if not inside_or_above(n)
+             and (any(True for _ in m.parameters(recurse=False)) or any(True for _ in m.buffers(recurse=False)))]
+    for m in moved:
+        m.to(device)
+    hidden: list[torch.Tensor] = []
+    kwargs: list[dict[str, Any]] = []
+
+    def grab(_module, args, kw):
+        hidden.append(args[0] if args else kw.pop("hidden_states"))
+        kwargs.append({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Stop
+
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for start in range(0, ids.shape[0], batch_size):
+            try:
+                model(input_ids=ids[start : start + batch_size].to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+        for m in moved:
+            m.to("cpu")
+    return hidden, [to_device(k, device) for k in kwargs]
+
+
+@torch.no_grad()
+def walk_blocks(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    process_block: Callable[[int, torch.nn.Module, BlockInputs], None],
+    *,
+    device: torch.device = torch.device("cpu"),
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    on_block: Callable[[int, int], None] | None = None,
+) -> int:
+    """Call ``process_block(i, block, inputs)`` for every block in order, feeding each block the
+    outputs of the previous one *after* ``process_block`` changed it (see the module docstring).
+
+    ``model``: a transformers causal LM on the CPU (float32); ``ids``: LongTensor ``[N, L]``.
+    Returns the number of blocks.
+    """
+    if ids.ndim != 2 or ids.numel() == 0:
+        raise InputError(f"calibration ids must be a non-empty [samples, seqlen] tensor, got shape {list(ids.shape)}")
+    if batch_size < 1:
+        raise InputError(f"batch size must be positive, got {batch_size}")
+    was_training = model.training
+    model.eval()
+    blocks_name, blocks = find_blocks(model)
+    hidden, kwargs = capture_first_inputs(model, ids, device, batch_size)
+    total = len(blocks)
+    for i, block in enumerate(blocks):
+        block.to(device)
+        inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs)
+        process_block(i, block, inputs)
+        hidden = inputs.forward()
+        block.to("cpu")
+        if on_block is not None:
+            on_block(i + 1, total)
+    model.train(was_training)
+    return total
+
+
+__all__ = ["DEFAULT_BATCH_SIZE", "BlockInputs", "capture_first_inputs", "find_blocks", "to_device", "walk_blocks"]
