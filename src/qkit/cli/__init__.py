@@ -1,0 +1,78 @@
+"""The command line: the only package that imports typer; thin: parse, call the library, render, exit.
+
+One module per command family (``quantize``: quantize and verify; ``eval``; ``inspect``; ``serving``: kv,
+budget, speculate, bench, simulate), the shared option aliases, error handling and parsing in ``common``.
+This module makes the ``app``, registers every command (in the order ``qkit --help`` lists them) and holds
+the entry point. Every option is defined once (an ``Annotated`` alias) and takes its default from the
+library. Library errors (``QkitError``) become one line on stderr and a non-zero exit code, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from qkit import console
+from qkit.errors import QkitError
+
+app = typer.Typer(
+    name="qkit",
+    help="Quantize language-model weights and measure, honestly, what it cost.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root() -> None:
+    """qkit: quantize language-model weights and measure what it cost."""
+
+
+from qkit.cli import eval as _eval  # noqa: E402  (the modules need nothing from here but the app)
+from qkit.cli import inspect as _inspect  # noqa: E402
+from qkit.cli import quantize as _quantize  # noqa: E402
+from qkit.cli import serving as _serving  # noqa: E402
+
+app.command("quantize")(_quantize.quantize)
+app.command("eval")(_eval.eval_)
+app.command("kv")(_serving.kv_)
+app.command("budget")(_serving.budget_)
+app.command("speculate")(_serving.speculate_)
+app.command("bench")(_serving.bench_)
+app.add_typer(_serving.simulate_app, name="simulate")
+app.command("verify")(_quantize.verify)
+app.add_typer(_inspect.inspect_app, name="inspect")
+
+
+def main() -> None:
+    """Entry point: usage errors and ``QkitError`` become one line on stderr and exit code 2."""
+    import importlib
+
+    # typer vendors click in some versions: take the exception classes from wherever typer's come from.
+    cx = importlib.import_module(typer.BadParameter.__module__)
+    no_args = getattr(cx, "NoArgsIsHelpError", ())
+    try:
+        code = app(standalone_mode=False)
+    except no_args as exc:  # bare ``qkit`` or a bare sub-app: show its help
+        text = exc.ctx.get_help()  # typer's rich help prints itself and returns ""
+        if text:
+            print(text)
+        sys.exit(0)
+    except cx.UsageError as exc:  # unknown option, missing argument, bad value
+        where = exc.ctx.command_path if exc.ctx is not None else "qkit"
+        console.error(f"{exc.format_message()} (see '{where} --help')")
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        console.error("interrupted; nothing was written")
+        sys.exit(130)
+    except QkitError as exc:  # raised outside a command body
+        console.error(str(exc))
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,104 @@
+"""What every command module shares: option aliases (each option defined once), error handling, parsing.
+
+A new option that more than one command takes belongs here as an ``Annotated`` alias; its default comes
+from the library (the config dataclass or the function's keyword default), never from a second literal.
+Library errors (``QkitError``) become one line on stderr and the error's exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Annotated, Optional
+
+import typer
+
+from qkit import console
+from qkit.errors import InputError, QkitError
+
+# --------------------------------------------------------------------------- shared options (defined once)
+
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(
+        help="Model directory, hub id, .gguf file or qkit checkpoint; omitted: the pinned default model.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[
+    Optional[str], typer.Option("--json", help="Also write everything the table shows as JSON to PATH ('-': stdout).", metavar="PATH")
+]
+DeviceOpt = Annotated[
+    Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N. Default: CUDA when available, else CPU.")
+]
+DeviceMapOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--device-map",
+        help="auto | balanced | sequential: spread the model over all GPUs and CPU memory (accelerate); "
+        "CPU-placed layers run slower, see the README.",
+    ),
+]
+ScaleDtypeOpt = Annotated[str, typer.Option("--scale-dtype", help="Dtype the scales are stored (and applied) in: fp16, bf16, fp32.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow custom model code from the model's repository.")]
+PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickled .bin/.pt weights (can run code).")]
+ConfigOpt = Annotated[
+    Optional[str], typer.Option("--config", help="A config.json (or a directory holding one) instead of MODEL.", metavar="PATH")
+]
+
+
+# --------------------------------------------------------------------------- errors, output targets
+
+
+def handles_errors(fn):
+    """Turn ``QkitError`` into one line and its exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except QkitError as exc:
+            console.error(str(exc))
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper
+
+
+def json_target(json_path: str | None) -> None:
+    """With ``--json -`` the JSON owns stdout and the tables move to stderr."""
+    console.use_stderr_for_tables(json_path == "-")
+
+
+# --------------------------------------------------------------------------- parsing and formatting
+
+
+def human_bytes(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str, what: str = "--max-shard-size") -> int:
+    """``500MB`` / ``2GiB`` / ``1048576`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if not m or unit not in _SIZE_UNITS or float(m.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise InputError(f"{what} {text!r} is not a size; write e.g. 500MB, 2GB or 1GiB")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]``."""
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise InputError(f"{what} must be comma-separated integers, e.g. 1,2,4,8 (got {text!r})") from None
+
+
+def comma_list(text: str | None) -> list[str]:
+    """``"a, b,,c"`` -> ``["a", "b", "c"]``; ``None`` -> ``[]``."""
+    return [s.strip() for s in text.split(",") if s.strip()] if text else []

@@ -1,0 +1,119 @@
+"""``qkit eval``: the quality table, one row per scheme."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from qkit import console
+from qkit.cli.common import (
+    DeviceMapOpt,
+    DeviceOpt,
+    JsonOpt,
+    ModelArg,
+    comma_list,
+    handles_errors,
+    human_bytes,
+    json_target,
+)
+
+# Defaults live in qkit.evaluation.EvalOptions; an option left out keeps the dataclass's default.
+SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).")]
+ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
+CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] (default: the pinned Book of Ruth).")]
+TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score [default: 2048].")]
+WindowOpt = Annotated[Optional[int], typer.Option("--window", help="Window length in tokens [default: min(2048, the model's context)].")]
+AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="Reference tokens per battery prompt for greedy agreement [default: 9].")]
+NoRepetitionPenaltyOpt = Annotated[bool, typer.Option("--no-repetition-penalty", help="Pure greedy battery answers (ignore the model's repetition penalty).")]
+EvalScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", help="Scale dtype for every scheme [default: fp16].")]
+
+
+def _eval_defaults():
+    from qkit.evaluation import EvalOptions
+
+    return EvalOptions()
+
+
+@handles_errors
+def eval_(
+    model: ModelArg = None,
+    schemes: SchemesOpt = None,
+    reference: ReferenceOpt = None,
+    corpus: CorpusOpt = None,
+    tokens: TokensOpt = None,
+    window: WindowOpt = None,
+    agree_tokens: AgreeTokensOpt = None,
+    no_repetition_penalty: NoRepetitionPenaltyOpt = False,
+    scale_dtype: EvalScaleDtypeOpt = None,
+    device: DeviceOpt = None,
+    device_map: DeviceMapOpt = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
+    import dataclasses
+
+    from qkit.evaluation import evaluate
+
+    json_target(json_path)
+    given = {
+        "schemes": tuple(comma_list(schemes)) if schemes else None,
+        "reference": reference,
+        "corpus": corpus,
+        "tokens": tokens,
+        "window": window,
+        "agree_tokens": agree_tokens,
+        "scale_dtype": scale_dtype,
+        "device": device,
+        "device_map": device_map,
+    }
+    options = dataclasses.replace(_eval_defaults(), **{k: v for k, v in given.items() if v is not None})
+    if no_repetition_penalty:
+        options = dataclasses.replace(options, repetition_penalty=False)
+    report = evaluate(model, options=options, on_status=console.status)
+    render_eval(report)
+    if json_path:
+        console.write_json(json_path, report.to_dict())
+
+
+def _fmt_change(pct: float, se: float) -> str:
+    """A perplexity change: "+6.5% ± 1.0" (paired SE), or "x56,925" once it is a multiple, not a percentage."""
+    if pct >= 900:
+        return f"x{1 + pct / 100:,.0f}"
+    return f"{pct:+,.1f}% ± {se:,.1f}"
+
+
+def render_eval(report) -> None:
+    ref = report.rows[0]
+    headers = ["scheme", "bits/w", "size", "perplexity", "Δ ppl", "KL (nats)", "top-1", "battery (95% CI)", "agreement"]
+    rows, styles = [], []
+    for r in report.rows:
+        is_ref = r is ref
+        collapsed = not is_ref and r.perplexity >= 10 * ref.perplexity
+        rows.append([
+            r.scheme,
+            f"{r.bits_per_weight:.3f}",
+            human_bytes(r.size_bytes),
+            f"{r.perplexity:,.2f} ± {r.perplexity_se:,.2f}",
+            "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
+            f"{r.kld:.4f}",
+            f"{100 * r.top1_match:.1f}%",
+            f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)",
+            f"{r.agreement}/{r.agreement_total}",
+        ])
+        styles.append("bold red" if collapsed else None)
+    p = report.provenance
+    console.table(
+        headers,
+        rows,
+        title=f"qkit eval: {p['model']}",
+        caption=(
+            f"perplexity ± SE over {p['scored_tokens']:,} scored tokens of {p['corpus']['name']} (window {p['window']}); "
+            "Δ ppl ± paired SE; KL(reference || row) and top-1 match on the same tokens; "
+            f"battery: {p['battery']['questions']} questions, greedy, repetition penalty {p['battery']['repetition_penalty']:g}; "
+            f"agreement: teacher-forced argmax vs the reference's greedy tokens. {p['seconds_total']:.0f} s."
+        ),
+        styles=styles,
+    )
+    for line in report.notes:
+        console.note(f"- {line}")
