@@ -38,7 +38,7 @@ def command_paths() -> list[tuple[str, ...]]:
     return out
 
 
-def help_texts(monkeypatch) -> dict[str, str]:
+def help_texts(monkeypatch) -> dict[str, list[str]]:
     # A fixed width and no colour, whatever the terminal or CI environment says.
     import typer.rich_utils as ru
 
@@ -54,7 +54,7 @@ def help_texts(monkeypatch) -> dict[str, str]:
         result = runner.invoke(app, [*path, "--help"], prog_name="qkit", color=False)
         assert result.exit_code == 0, (path, result.output)
         text = _ANSI.sub("", result.output)
-        texts[" ".join(("qkit", *path))] = "\n".join(line.rstrip() for line in text.splitlines())
+        texts[" ".join(("qkit", *path))] = [line.rstrip() for line in text.splitlines()]
     return texts
 
 
@@ -73,7 +73,7 @@ def test_help_text_is_unchanged(monkeypatch):
         GOLDEN.parent.mkdir(parents=True, exist_ok=True)
         GOLDEN.write_text(json.dumps(texts, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
         pytest.skip(f"re-recorded {GOLDEN}")
-    golden = json.loads(GOLDEN.read_text())
+    golden = json.loads(GOLDEN.read_text())  # {"qkit eval": [lines of its --help], ...}
     assert sorted(texts) == sorted(golden)
     for name in golden:
         assert texts[name] == golden[name], f"help of '{name}' changed"
