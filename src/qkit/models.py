@@ -15,10 +15,12 @@ Security: never ``trust_remote_code`` unless asked; never unpickle ``.bin``/``.p
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+import logging
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from qkit.checkpoint import (
 from qkit.errors import InputError, ModelLoadError
 from qkit.schemes import QuantizedTensor
 
+_log = logging.getLogger("qkit")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _PICKLED = ("*.bin", "*.pt", "*.pth")
@@ -139,6 +142,7 @@ def _from_hub(repo_id: str, allow_pickle: bool) -> ModelRef:
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     if allow_pickle:
         patterns += list(_PICKLED)
+    quiet_progress()
     try:
         local = snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
     except Exception as exc:  # huggingface_hub raises many types (network, auth, not found)
@@ -159,25 +163,48 @@ def _gguf_directory(gguf: Path, sha256: str) -> Path:
     out = assets.cache_dir() / "models" / f"gguf-{sha256[:16]}"
     if (out / "config.json").is_file() and weight_files(out):
         return out
-    # transformers' GGUF reader draws a raw tqdm bar that ignores its own switch; TQDM_DISABLE silences it.
-    previous = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"
-    try:
+    _log.info("converting %s to fp32 safetensors (once; cached in %s)", gguf.name, out)
+    with _no_gguf_bar():
         return _convert_gguf(gguf, sha256, out)
+
+
+def quiet_progress() -> None:
+    """Turn off the progress bars transformers and huggingface_hub draw ("Loading weights", downloads):
+    qkit reports its own steps. Also silences transformers' warnings below errors."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    disable_progress_bars()
+
+
+@contextlib.contextmanager
+def _no_gguf_bar() -> Iterator[None]:
+    """transformers' GGUF reader draws a raw tqdm bar ("Converting and de-quantizing GGUF tensors") that
+    ignores transformers' switch, and ``TQDM_DISABLE`` is read only when tqdm is first imported: while
+    converting, that module's ``tqdm`` is a pass-through."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # pragma: no cover - a transformers without GGUF support fails later, clearly
+        yield
+        return
+    saved = gguf_utils.__dict__.get("tqdm")
+    gguf_utils.tqdm = lambda iterable=None, *_a, **_k: iterable
+    try:
+        yield
     finally:
-        if previous is None:
-            os.environ.pop("TQDM_DISABLE", None)
+        if saved is None:
+            del gguf_utils.tqdm
         else:
-            os.environ["TQDM_DISABLE"] = previous
+            gguf_utils.tqdm = saved
 
 
 def _convert_gguf(gguf: Path, sha256: str, out: Path) -> Path:
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
+        quiet_progress()
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     except Exception as exc:  # transformers raises many types for unsupported GGUF files
@@ -263,12 +290,12 @@ def load(
     memory, then dispatched. Without a GPU, ``"auto"`` keeps everything on the CPU.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    quiet_progress()
+    dev = parse_device(device)  # bad options fail before the model is resolved (fetched, converted)
+    if device_map is not None:
+        check_device_map(device_map)
     ref = ref or resolve(model, allow_pickle=allow_pickle)
-    dev = parse_device(device)
     manifest = None
     try:
         if ref.is_quantized:
@@ -290,10 +317,10 @@ def load(
         else:
             lm = AutoModelForCausalLM.from_pretrained(
                 str(ref.directory), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None,
-                **({"device_map": _check_device_map(device_map)} if device_map is not None else {}),
+                **({"device_map": check_device_map(device_map)} if device_map is not None else {}),
             )
         if device_map is not None and ref.is_quantized:
-            lm = _dispatch(lm, _check_device_map(device_map), dtype)
+            lm = _dispatch(lm, check_device_map(device_map), dtype)
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
             raise ModelLoadError(
@@ -311,7 +338,8 @@ def load(
 _DEVICE_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def _check_device_map(device_map: str | dict[str, Any]) -> str | dict[str, Any]:
+def check_device_map(device_map: str | dict[str, Any]) -> str | dict[str, Any]:
+    """``device_map`` itself, or an ``InputError`` naming the accepted words."""
     if isinstance(device_map, dict) or device_map in _DEVICE_MAP_WORDS:
         return device_map
     raise InputError(f"unknown device map {device_map!r}; use one of {', '.join(_DEVICE_MAP_WORDS)}")
