@@ -17,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import struct
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +52,78 @@ def check_output(out: Path, force: bool) -> None:
         raise OutputExistsError(f"output {out} exists and is not a directory; remove it or choose another -o")
 
 
+TMP_MARK = ".qkit-tmp-"  # hidden sibling being written: .NAME.qkit-tmp-PID-RANDOM
+OLD_MARK = ".qkit-old-"  # the replaced output, removed once the new one is in place: .NAME.qkit-old-PID-RANDOM
+_SIBLING = re.compile(r"^\.(?P<name>.+)(?:\.qkit-tmp-|\.qkit-old-)(?P<pid>[0-9]+)-[0-9a-f]{8}$")
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``kill(pid, 0)`` sends nothing; it only checks)."""
+    if pid <= 0:
+        return True  # not a writer's pid: never treat it as gone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's process) or cannot tell: keep its directory
+    return True
+
+
+def stale_siblings(out: Path) -> list[Path]:
+    """Hidden temporary siblings (``.NAME.qkit-tmp-PID-*``, ``.NAME.qkit-old-PID-*``) in ``out``'s parent
+    whose writer process is gone: what a run killed with SIGKILL (or a power cut) leaves behind.
+
+    Any NAME counts: every such directory in the parent was written by qkit and is garbage once its
+    writer has exited. The name holds the writer's PID only (no host name); on a file system shared
+    between machines, a writer on another host whose PID does not exist here would count as gone.
+    """
+    parent = Path(out).parent
+    try:
+        entries = list(parent.iterdir())
+    except OSError:  # no parent yet: nothing to clean
+        return []
+    found = []
+    for p in entries:
+        m = _SIBLING.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not _pid_alive(int(m.group("pid"))):
+            found.append(p)
+    return sorted(found)
+
+
+def remove_stale_siblings(out: Path) -> list[Path]:
+    """Remove ``stale_siblings(out)``; return the paths removed (to report them)."""
+    removed = []
+    for p in stale_siblings(out):
+        shutil.rmtree(p, ignore_errors=True)
+        if not p.exists():
+            removed.append(p)
+    return removed
+
+
 @contextlib.contextmanager
-def atomic_directory(out: Path, force: bool = False) -> Iterator[Path]:
+def atomic_directory(
+    out: Path, force: bool = False, on_stale: Callable[[list[Path]], None] | None = None
+) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces ``out`` by rename, else it is removed.
 
-    An interrupted or failed write never leaves a partial ``out`` and never touches an existing one.
+    An interrupted or failed write never leaves a partial ``out`` and never touches an existing one. The
+    sibling is ``.NAME.qkit-tmp-PID-RANDOM``: a run killed before it could clean up (SIGKILL) leaves only
+    that, and the next write into the same parent removes it (``remove_stale_siblings``), reporting the
+    removed paths to ``on_stale``.
     """
     out = Path(out)
     check_output(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = out.parent / f".{out.name}.qkit-tmp-{tag}"
+    removed = remove_stale_siblings(out)
+    if removed and on_stale:
+        on_stale(removed)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f".{out.name}{TMP_MARK}{tag}"
     tmp.mkdir()
     try:
         yield tmp
-        old = out.parent / f".{out.name}.qkit-old-{tag}"
+        old = out.parent / f".{out.name}{OLD_MARK}{tag}"
         if out.exists():
             check_output(out, force)  # it may have appeared while we worked
             out.rename(old)
