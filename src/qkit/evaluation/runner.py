@@ -62,6 +62,23 @@ class EvalOptions:
     device_map: str | None = None  # "auto" etc.: spread the reference over several devices (accelerate)
     seed: int = 0
 
+    def validate(self) -> None:
+        """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
+        ``evaluate`` calls it before anything is resolved or loaded. The window's upper bound (the model's
+        context) is checked once the model is loaded."""
+        from qkit.models import check_device_map
+        from qkit.schemes.registry import parse_scale_dtype
+
+        for flag, value, least in (("--tokens", self.tokens, 2), ("--agree-tokens", self.agree_tokens, 1),
+                                   ("--window", self.window, 2), ("battery_tokens", self.battery_tokens, 1)):
+            if value is not None and value < least:
+                raise InputError(f"{flag} must be at least {least}, got {value}")
+        parse_scale_dtype(self.scale_dtype)
+        parse_device(self.device)
+        if self.device_map is not None:
+            check_device_map(self.device_map)
+        resolve_rows(self.schemes, self.methods, dict(self.method_options))  # unknown names, methods
+
 
 @dataclass
 class Row:
@@ -143,12 +160,8 @@ def evaluate(
 ) -> EvalReport:
     """Evaluate MODEL under every scheme (or a saved qkit checkpoint against its reference)."""
     say = on_status or (lambda _m: None)
+    options.validate()  # a bad option fails before anything is loaded
     torch.manual_seed(options.seed)
-    if options.tokens < 2:
-        raise InputError(f"--tokens must be at least 2, got {options.tokens}")
-    if options.agree_tokens < 1:
-        raise InputError(f"--agree-tokens must be at least 1, got {options.agree_tokens}")
-    parse_device(options.device)  # a bad --device fails before anything is loaded
     target = resolve(model)
     checkpoint: ModelRef | None = None
     if target.is_quantized:

@@ -360,13 +360,24 @@ def weight_errors(
     import time
 
     t0 = time.perf_counter()
-    parsed = [get_scheme(s, scale_dtype) for s in schemes]
-    if not parsed:
-        raise InputError("no scheme given; pass --scheme NAME (repeatable) or omit it for all six")
+    parsed = check_schemes(schemes, scale_dtype)
     ref = _ref_for(model, ref)
     todo = list(names) if names is not None else projection_names(ref.directory)
     if not todo:
         raise InputError(f"{ref.spec} has no block projection matrices (layers.N.*.weight); pass a decoder LM")
+def check_schemes(schemes: Sequence[str], scale_dtype: str = DEFAULT_SCALE_DTYPE) -> list[Scheme]:
+    """The schemes named, or an ``InputError`` (unknown name, bad scale dtype, none at all): before any work."""
+    parsed = [get_scheme(s, scale_dtype) for s in schemes]
+    if not parsed:
+        raise InputError("no scheme given; pass --scheme NAME (repeatable) or omit it for all six")
+    return parsed
+
+
+def check_top(top: int) -> None:
+    if top < 1:
+        raise InputError(f"--top must be at least 1, got {top}")
+
+
     if on_start:
         on_start(len(todo))
     report = ErrorsReport(ref.spec, [s.name for s in parsed])
@@ -412,7 +423,7 @@ def inspect_matrix(
     ref: ModelRef | None = None,
 ) -> MatrixReport:
     """Statistics, per-scheme relative error and int4 per-tensor level usage of one matrix."""
-    parsed = [get_scheme(s, scale_dtype) for s in schemes]
+    parsed = check_schemes(schemes, scale_dtype)
     ref = _ref_for(model, ref)
     key = find_matrix(ref.directory, name)
     _, w = next(iter_projections(ref.directory, [key]))
@@ -425,8 +436,7 @@ def top_matrices(
     model: str | Path | None = None, *, top: int = TOP_MATRICES, ref: ModelRef | None = None
 ) -> list[MatrixStats]:
     """The ``top`` block projections by ``max|w| / std`` (ties by name), streamed."""
-    if top < 1:
-        raise InputError(f"--top must be at least 1, got {top}")
+    check_top(top)
     ref = _ref_for(model, ref)
     stats = [matrix_stats(w, n) for n, w in iter_projections(ref.directory)]
     return sorted(stats, key=lambda s: (-s.max_over_std, s.name))[:top]

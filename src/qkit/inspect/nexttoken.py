@@ -54,6 +54,17 @@ class NextTokenReport:
         return dict(self.__dict__)
 
 
+def check_options(*, top: int = TOP, temperatures: Sequence[float] | str = TEMPERATURES, device: str | None = None) -> list[float]:
+    """Every check of ``next_token``'s options (none needs the model); returns the temperatures."""
+    from qkit.models import parse_device
+
+    temps = parse_temperatures(temperatures)
+    if top < 3:
+        raise InputError(f"--top must be at least 3 (the ratio compares the first and the third), got {top}")
+    parse_device(device)
+    return temps
+
+
 def next_token(
     model: str | Path | None = None,
     *,
@@ -66,9 +77,7 @@ def next_token(
     """Top-``top`` next-token probabilities after ``text`` at each temperature, and the first/third ratio."""
     from qkit.models import load
 
-    temps = parse_temperatures(temperatures)
-    if top < 3:
-        raise InputError(f"--top must be at least 3 (the ratio compares the first and the third), got {top}")
+    temps = check_options(top=top, temperatures=temperatures, device=device if loaded is None else None)
     loaded = loaded or load(model, device=device)
     lm = loaded.model
     ids = encode(loaded.tokenizer, text).to(next(lm.parameters()).device)

@@ -340,6 +340,35 @@ def analyse_hidden(
     )
 
 
+def check_options(
+    *,
+    prompt: str | None = None,
+    corpus_tokens: int | None = None,
+    exclude_top: int = EXCLUDE_TOP,
+    threshold: float = OUTLIER_THRESHOLD,
+    top: int = TOP_DIMS,
+    device: str | None = None,
+    device_map: str | None = None,
+) -> None:
+    """Every check of ``residual_outliers``' options that needs no model (``--layer`` and the upper bound
+    of ``--exclude-top`` depend on the model and are checked once it is loaded)."""
+    from qkit.models import check_device_map, parse_device
+
+    if prompt is not None and corpus_tokens is not None:
+        raise InputError("pass either --prompt or --corpus-tokens, not both")
+    if corpus_tokens is not None and corpus_tokens < 1:
+        raise InputError(f"--corpus-tokens must be at least 1, got {corpus_tokens}")
+    if exclude_top < 0:
+        raise InputError(f"--exclude-top must be at least 0, got {exclude_top}")
+    if threshold <= 1:
+        raise InputError(f"--threshold must be above 1 (a multiple of the median dimension), got {threshold}")
+    if top < 1:
+        raise InputError(f"--top must be at least 1, got {top}")
+    parse_device(device)
+    if device_map is not None:
+        check_device_map(device_map)
+
+
 def residual_outliers(
     model: str | Path | None = None,
     *,
@@ -360,6 +389,8 @@ def residual_outliers(
     """
     from qkit.models import load
 
+    check_options(prompt=prompt, corpus_tokens=corpus_tokens, exclude_top=exclude_top, threshold=threshold, top=top,
+                  device=device if loaded is None else None, device_map=device_map if loaded is None else None)
     loaded = loaded or load(model, device=device, device_map=device_map)
     ids, source = prompt_ids(loaded.tokenizer, prompt=prompt, corpus_tokens=corpus_tokens)
     hidden = residual_stream(loaded.model, ids)

@@ -42,7 +42,7 @@ from qkit.inspect.outliers import (
     outlier_mask,
 )
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.schemes import get_scheme, quantize_tensor
+from qkit.schemes import Scheme, get_scheme, quantize_tensor
 from qkit.transform import _KEEP_ALIASES, is_block_projection
 
 BY = ("layer", "matrix")
@@ -237,6 +237,37 @@ def sensitivity_ids(tokenizer: Any, *, tokens: int, text: str | None) -> tuple[t
 # --------------------------------------------------------------------------- the analysis
 
 
+def check_options(
+    *,
+    scheme: str,
+    by: str = "layer",
+    tokens: int = DEFAULT_TOKENS,
+    keep: str = KEEP_SCHEME,
+    suggest: int | None = None,
+    threshold: float = OUTLIER_THRESHOLD,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    device: str | None = None,
+) -> tuple[Scheme, Scheme]:
+    """Every check of ``rank_sensitivity``' options that needs no model; returns (scheme, keep scheme).
+
+    The upper bound of ``suggest`` (the number of units) is checked once the model is loaded.
+    """
+    from qkit.models import parse_device
+
+    s = get_scheme(scheme, scale_dtype)
+    k = get_scheme(_KEEP_ALIASES.get(keep.strip().lower(), keep), scale_dtype)
+    if by not in BY:
+        raise InputError(f"--by must be one of {', '.join(BY)}, got {by!r}")
+    if tokens < 2:
+        raise InputError(f"--tokens must be at least 2, got {tokens}")
+    if suggest is not None and suggest < 0:
+        raise InputError(f"--suggest must be at least 0, got {suggest}")
+    if threshold <= 1:
+        raise InputError(f"--threshold must be above 1 (a multiple of the median channel), got {threshold}")
+    parse_device(device)
+    return s, k
+
+
 def rank_sensitivity(
     model: str | Path | None = None,
     *,
@@ -262,10 +293,8 @@ def rank_sensitivity(
     """
     from qkit.models import load
 
-    s = get_scheme(scheme, scale_dtype)
-    k = get_scheme(_KEEP_ALIASES.get(keep.strip().lower(), keep), scale_dtype)
-    if by not in BY:
-        raise InputError(f"--by must be one of {', '.join(BY)}, got {by!r}")
+    s, k = check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
+                         scale_dtype=scale_dtype, device=device if loaded is None else None)
     loaded = loaded or load(model, device=device)
     if loaded.ref.is_quantized:
         raise InputError(f"{loaded.ref.spec} is already quantized; run sensitivity on the original model")

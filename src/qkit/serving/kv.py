@@ -180,6 +180,26 @@ class KVReport:
         return {**asdict(self), "architecture": self.architecture.to_dict()}
 
 
+def check_options(
+    *,
+    model: str | None = None,
+    config: str | Path | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    users: int = DEFAULT_USERS,
+    dtype: str = DEFAULT_KV_DTYPE,
+    measure: bool = False,
+    device: str | None = None,
+) -> None:
+    """Every check of ``kv_report``'s options; none needs the model."""
+    if tokens < 1 or users < 1:
+        raise InputError(f"--tokens and --users must be at least 1 (got {tokens} and {users})")
+    kv_dtype(dtype)
+    if model is not None and config is not None:
+        raise InputError("give either MODEL or --config, not both")
+    if measure:
+        check_measure(dtype, device)
+
+
 def kv_report(
     *,
     model: str | None = None,
@@ -195,9 +215,7 @@ def kv_report(
     With ``measure`` the model (random weights from a ``--config``) runs once on a ``tokens``-token
     prompt with the cache on, and the bytes of the key/value tensors it allocated are summed.
     """
-    if tokens < 1 or users < 1:
-        raise InputError(f"--tokens and --users must be at least 1 (got {tokens} and {users})")
-    kv_dtype(dtype)
+    check_options(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
     arch, raw = resolve_architecture(model, config)
     per_token = arch.kv_bytes_per_token(dtype)
     variants = []
@@ -271,6 +289,15 @@ def model_from_config(config_dict: dict[str, Any], dtype: torch.dtype, device: t
     return lm.eval().to(device)
 
 
+def check_measure(dtype: str, device: str | None) -> torch.device:
+    """Refuse a cache dtype the model cannot run in, or a bad device, before anything is loaded."""
+    from qkit.models import parse_device
+
+    if kv_dtype(dtype).itemsize < 2:
+        raise InputError(f"--measure runs the model in the cache dtype, and {dtype} models do not run here; use fp16, bf16 or fp32")
+    return parse_device(device)
+
+
 def measure_kv(
     *,
     model: str | None = None,
@@ -284,12 +311,10 @@ def measure_kv(
     Returns ``{"bytes", "tensors", "layers", "tokens", "dtype", "shape"}``; ``bytes`` is the sum of the
     distinct storages of the cache's key and value tensors (shape ``[1, kv_heads, tokens, head_dim]``).
     """
-    from qkit.models import load, parse_device
+    from qkit.models import load
 
     torch_dtype = kv_dtype(dtype)
-    if torch_dtype.itemsize < 2:
-        raise InputError(f"--measure runs the model in the cache dtype, and {dtype} models do not run here; use fp16, bf16 or fp32")
-    dev = parse_device(device)
+    dev = check_measure(dtype, device)
     if config_dict is not None:
         lm = model_from_config(config_dict, torch_dtype, dev)
     else:
