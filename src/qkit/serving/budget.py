@@ -14,12 +14,19 @@ storage): the block projections (``qkit.transform.is_block_projection``: attenti
 matrices inside the layers) in the format's scheme, everything else (embeddings, norms, biases, an
 untied lm head) kept at fp16. With a model directory the tensor shapes come from its safetensors
 headers (exact); with a config.json or a preset from a llama-style layout (gated MLP) of that config.
+
+``chapter=True`` (``qkit budget --chapter``) applies the chapter's simpler assumptions instead, under
+which its figures come out exactly: nominal parameter counts (7e9, 13e9, 70e9), *every* weight at the
+format's nominal bits (``CHAPTER_BITS``: int8 = 8, int4 = 4.125; no fp16 embeddings, no scales beyond
+those), a 1.5 GiB reserve; cards in GiB and the KV bytes per token of the preset layouts, as always.
+For example 13B int4 on 8 GiB: ``floor((8 GiB - 13e9 * 4.125 / 8 - 1.5 GiB) / 819,200) = 337`` tokens.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 DEFAULT_MODEL_WORD = "default"  # ``qkit budget default``: the pinned default model
+
+# The chapter's assumptions (``chapter=True``): nominal sizes, every weight at the format's bits.
+CHAPTER_PARAMETERS: dict[str, int] = {"7b": 7 * 10**9, "13b": 13 * 10**9, "70b": 70 * 10**9}
+# int4 = 4 bits + one fp16 scale per 128 weights; nf4 = 4 bits + one fp16 absmax per 64 (qkit's nf4).
+CHAPTER_BITS: dict[str, Fraction] = {"fp16": Fraction(16), "int8": Fraction(8), "int4-g128": Fraction(33, 8), "nf4": Fraction(17, 4)}
+CHAPTER_RESERVE_GIB = 1.5
 PRESET_SOURCES = {"7b": "Mistral-7B layout", "13b": "Llama-2-13B layout", "70b": "Llama-2-70B layout"}
 
 
@@ -124,6 +137,24 @@ def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> Wei
         else:
             total += n * FP16_BYTES
     return WeightBytes(fmt, scheme_name, total, params, qparams, qbytes, params - qparams)
+
+
+def chapter_weight_bytes(parameters: int, fmt: str) -> WeightBytes:
+    """The chapter's weights: ``ceil(parameters * CHAPTER_BITS[fmt] / 8)`` bytes, every weight in the format."""
+    if fmt not in FORMATS:
+        raise InputError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
+    total = math.ceil(parameters * CHAPTER_BITS[fmt] / 8)
+    quantized = parameters if FORMATS[fmt] else 0
+    return WeightBytes(fmt, FORMATS[fmt], total, parameters, quantized, total if quantized else 0, parameters - quantized)
+
+
+def chapter_assumptions(reserve_gib: float) -> str:
+    """The sentence ``qkit budget --chapter`` prints: what it assumes, and what it leaves out."""
+    sizes = ", ".join(f"{k} = {v / 1e9:g}e9" for k, v in CHAPTER_PARAMETERS.items())
+    bits = ", ".join(f"{k} = {float(v):g}" for k, v in CHAPTER_BITS.items())
+    return (f"the chapter's assumptions (--chapter): nominal parameters ({sizes}); every weight, embeddings included, "
+            f"at the format's bits ({bits}); a {reserve_gib:g} GiB reserve; cards in GiB (2^30 bytes); KV bytes per "
+            "token from the preset layouts. Without --chapter: real parameter counts, embeddings and norms at fp16.")
 
 
 def llama_shapes(arch: Architecture) -> list[tuple[str, tuple[int, ...]]]:
@@ -239,6 +270,11 @@ class BudgetReport:
     kv_dtype: str
     conversation: int
     formats: dict[str, str | None]
+    assumptions: str | None = None  # with chapter=True: the chapter's assumptions, in words
+
+    @property
+    def chapter(self) -> bool:
+        return self.assumptions is not None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -246,6 +282,8 @@ class BudgetReport:
             for row, rd in zip(t.rows, td["rows"]):
                 rd["misleading"] = row.misleading
             td.pop("misleading")
+        if not self.chapter:
+            d.pop("assumptions")
         return d
 
 
@@ -283,15 +321,23 @@ def budget(
     presets: Sequence[str] = (),
     configs: Sequence[str | Path] = (),
     gpus_gib: Sequence[float] = DEFAULT_GPUS_GIB,
-    reserve_gib: float = DEFAULT_RESERVE_GIB,
+    reserve_gib: float | None = None,
     formats: Sequence[str] = DEFAULT_FORMATS,
     kv_dtype: str = DEFAULT_KV_DTYPE,
     conversation: int = DEFAULT_CONVERSATION,
+    chapter: bool = False,
 ) -> BudgetReport:
     """One table per card size: every model x format with weights, KV per token and tokens that fit.
 
-    With no models, presets or configs, the three presets are used.
+    With no models, presets or configs, the three presets are used. ``reserve_gib`` defaults to
+    ``DEFAULT_RESERVE_GIB`` (``CHAPTER_RESERVE_GIB`` with ``chapter``). ``chapter``: the chapter's
+    assumptions (module doc), for the presets only.
     """
+    if reserve_gib is None:
+        reserve_gib = CHAPTER_RESERVE_GIB if chapter else DEFAULT_RESERVE_GIB
+    if chapter and (models or configs):
+        raise InputError(f"--chapter applies the chapter's nominal sizes to the presets ({', '.join(PRESETS)}) only; "
+                         "drop the MODEL and --config arguments, or drop --chapter")
     if not formats:
         raise InputError(f"--formats needs at least one of {', '.join(FORMATS)}")
     if not gpus_gib or any(g <= 0 for g in gpus_gib):
@@ -303,7 +349,10 @@ def budget(
     if not (models or presets or configs):
         presets = tuple(PRESETS)
     specs = model_specs(models, presets, configs)
-    weights = {(i, f): weight_bytes(s.shapes, f) for i, s in enumerate(specs) for f in formats}
+    if chapter:
+        weights = {(i, f): chapter_weight_bytes(CHAPTER_PARAMETERS[s.label], f) for i, s in enumerate(specs) for f in formats}
+    else:
+        weights = {(i, f): weight_bytes(s.shapes, f) for i, s in enumerate(specs) for f in formats}
     reserve = round(reserve_gib * GIB)
     tables = []
     for g in gpus_gib:
@@ -327,10 +376,12 @@ def budget(
         misleading = [r for r in rows if r.misleading]
         tables.append(BudgetTable(g, rows, misleading, misleading_sentence(g, misleading, conversation)))
     models_info = [
-        {"label": s.label, "source": s.source, "architecture": s.architecture.to_dict(),
-         "parameters": weights[(i, formats[0])].parameters} for i, s in enumerate(specs)
+        {"label": s.label, "source": f"nominal; KV cache of the {PRESET_SOURCES[s.label]}" if chapter else s.source,
+         "architecture": s.architecture.to_dict(), "parameters": weights[(i, formats[0])].parameters}
+        for i, s in enumerate(specs)
     ]
-    return BudgetReport(tables, models_info, reserve_gib, kv_dtype, conversation, {f: FORMATS[f] for f in formats})
+    return BudgetReport(tables, models_info, reserve_gib, kv_dtype, conversation, {f: FORMATS[f] for f in formats},
+                        chapter_assumptions(reserve_gib) if chapter else None)
 
 
 def misleading_sentence(gpu_gib: float, rows: Sequence[BudgetRow], conversation: int) -> str:
