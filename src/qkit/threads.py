@@ -1,0 +1,57 @@
+"""How many CPU threads torch runs with: the cores this process may actually use, or ``--threads``.
+
+torch's own default is the machine's physical core count, which ignores the process's CPU affinity
+(``taskset``, cgroup cpusets, Slurm and container CPU limits). Where two threads share cores with
+other busy processes, torch's thread barriers wait on preempted threads and a run can take many times
+longer than with one thread (the README's "Threads" section has the measurement); ``--threads`` sets
+the number explicitly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from qkit.errors import InputError
+
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def _cgroup_quota_cores() -> int | None:
+    """Cores a cgroup v2 CPU quota allows (``ceil(quota / period)``), ``None`` without a quota."""
+    try:
+        quota, period = _CGROUP_CPU_MAX.read_text().split()[:2]
+        return None if quota == "max" else max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on: its affinity mask, capped by a cgroup CPU quota.
+
+    Falls back to ``os.cpu_count()`` where affinity is unknown (macOS, Windows).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = _cgroup_quota_cores()
+    return max(1, min(cores, quota) if quota else cores)
+
+
+def check_threads(threads: int | None) -> None:
+    """Refuse a thread count below 1 (call before any work)."""
+    if threads is not None and threads < 1:
+        raise InputError(f"--threads must be at least 1 (got {threads})")
+
+
+def set_threads(threads: int | None = None) -> int:
+    """Set torch's intra-op CPU threads to ``threads`` (default: ``available_cores()``); return the number."""
+    import torch
+
+    check_threads(threads)
+    n = threads or available_cores()
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+    return n
