@@ -342,6 +342,19 @@ def _chains(schemes: list[Scheme]) -> list[list[Scheme]]:
     return out
 
 
+def check_schemes(schemes: Sequence[str], scale_dtype: str = DEFAULT_SCALE_DTYPE) -> list[Scheme]:
+    """The schemes named, or an ``InputError`` (unknown name, bad scale dtype, none at all): before any work."""
+    parsed = [get_scheme(s, scale_dtype) for s in schemes]
+    if not parsed:
+        raise InputError("no scheme given; pass --scheme NAME (repeatable) or omit it for all six")
+    return parsed
+
+
+def check_top(top: int) -> None:
+    if top < 1:
+        raise InputError(f"--top must be at least 1, got {top}")
+
+
 def weight_errors(
     model: str | Path | None = None,
     *,
@@ -365,19 +378,6 @@ def weight_errors(
     todo = list(names) if names is not None else projection_names(ref.directory)
     if not todo:
         raise InputError(f"{ref.spec} has no block projection matrices (layers.N.*.weight); pass a decoder LM")
-def check_schemes(schemes: Sequence[str], scale_dtype: str = DEFAULT_SCALE_DTYPE) -> list[Scheme]:
-    """The schemes named, or an ``InputError`` (unknown name, bad scale dtype, none at all): before any work."""
-    parsed = [get_scheme(s, scale_dtype) for s in schemes]
-    if not parsed:
-        raise InputError("no scheme given; pass --scheme NAME (repeatable) or omit it for all six")
-    return parsed
-
-
-def check_top(top: int) -> None:
-    if top < 1:
-        raise InputError(f"--top must be at least 1, got {top}")
-
-
     if on_start:
         on_start(len(todo))
     report = ErrorsReport(ref.spec, [s.name for s in parsed])
