@@ -17,7 +17,10 @@ How it works (Frantar et al. 2022, the reference ``gptq`` code's ``llama_sequent
    (GPTQ: the dequantized weights; AWQ: scales folded and weights dequantized).
 3. The walker then runs the block again on every batch with those weights: its outputs are block
    ``i + 1``'s ``hidden_states`` (the keyword arguments are the same for every block).
-   ``on_block(i + 1, n_blocks)`` reports progress.
+   ``on_block(i + 1, n_blocks)`` reports progress. A ``process_block`` that already ran the block
+   with its final weights (e.g. GPTQ quantizing each linear inside a forward pre-hook, in one pass) may
+   return those outputs (``list[Tensor]``, one per batch, as ``inputs.forward()`` returns them); the
+   walker then uses them instead of running the block again. Returning ``None`` means: run it again.
 
 Usage (a method's ``run``)::
 
@@ -196,14 +199,15 @@ def capture_first_inputs(
 def walk_blocks(
     model: torch.nn.Module,
     ids: torch.Tensor,
-    process_block: Callable[[int, torch.nn.Module, BlockInputs], None],
+    process_block: Callable[[int, torch.nn.Module, BlockInputs], list[torch.Tensor] | None],
     *,
     device: torch.device = torch.device("cpu"),
     batch_size: int = DEFAULT_BATCH_SIZE,
     on_block: Callable[[int, int], None] | None = None,
 ) -> int:
     """Call ``process_block(i, block, inputs)`` for every block in order, feeding each block the
-    outputs of the previous one *after* ``process_block`` changed it (see the module docstring).
+    outputs of the previous one *after* ``process_block`` changed it (or the outputs it returned; see the
+    module docstring).
 
     ``model``: a transformers causal LM on the CPU (float32); ``ids``: LongTensor ``[N, L]``.
     Returns the number of blocks.
@@ -220,8 +224,8 @@ def walk_blocks(
     for i, block in enumerate(blocks):
         block.to(device)
         inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs)
-        process_block(i, block, inputs)
-        hidden = inputs.forward()
+        outputs = process_block(i, block, inputs)
+        hidden = inputs.forward() if outputs is None else list(outputs)
         block.to("cpu")
         if on_block is not None:
             on_block(i + 1, total)
