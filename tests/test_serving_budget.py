@@ -147,3 +147,39 @@ def test_cli(tiny_model_dir):
     assert data["tables"][0]["rows"][0]["status"] == "does not fit"
     res = runner.invoke(app, ["budget", "--gpu", "8,x"])
     assert res.exit_code == 2 and "comma-separated numbers" in res.output
+
+
+def test_chapter_reproduces_the_chapters_figures():
+    # The chapter: nominal parameters, every weight at the format's bits, a 1.5 GiB reserve, GiB cards.
+    # By hand: 13B int4 on 8 GiB: (8 * 2**30 - 13e9 * 4.125 / 8 - 1.5 * 2**30) / 819,200 = 337.15 -> 337;
+    # 7B int8 on 16 GiB: (16 * 2**30 - 7e9 - 1.5 * 2**30) / 131,072 (Mistral-7B: 8 kv heads) = 65,378.3;
+    # 13B int8 on 16 GiB: (16 * 2**30 - 13e9 - 1.5 * 2**30) / 819,200 = 3,136.3.
+    r = budget(chapter=True, gpus_gib=[8, 16], formats=["int8", "int4-g128"])
+    rows = {(t.gpu_gib, row.model, row.format): row for t in r.tables for row in t.rows}
+    assert rows[(8, "13b", "int4-g128")].max_tokens == 337
+    assert rows[(16, "7b", "int8")].max_tokens == 65_378
+    assert rows[(16, "13b", "int8")].max_tokens == 3_136
+    assert rows[(8, "13b", "int4-g128")].weight_bytes == 6_703_125_000
+    assert (rows[(16, "7b", "int8")].kv_bytes_per_token, rows[(16, "13b", "int8")].kv_bytes_per_token) == (131_072, 819_200)
+    assert r.reserve_gib == 1.5 and "1.5 GiB reserve" in r.assumptions
+    assert rows[(16, "7b", "int8")].projection_bits_per_weight == 8.0
+    assert rows[(8, "13b", "int4-g128")].projection_bits_per_weight == 4.125
+    # The default is unchanged: real parameter counts and a 1 GiB reserve give other numbers.
+    d = budget(gpus_gib=[16], formats=["int8"])
+    assert d.reserve_gib == 1.0 and d.assumptions is None and "assumptions" not in d.to_dict()
+    assert {row.model: row.max_tokens for row in d.tables[0].rows}["13b"] != 3_136
+
+
+def test_chapter_cli_states_its_assumptions():
+    runner = CliRunner()
+    res = runner.invoke(app, ["budget", "--chapter", "--gpu", "8,16", "--formats", "int8,int4-g128"])
+    assert res.exit_code == 0, res.output
+    assert "the chapter's assumptions (--chapter): nominal parameters (7b = 7e9, 13b = 13e9, 70b = 70e9)" in res.stdout
+    assert "qkit budget: 8 GiB card, 1.5 GiB reserve, fp16 cache (the chapter's assumptions)" in res.stdout
+    lines = res.stdout.splitlines()
+    assert any("13b" in l and "int4-g128" in l and " 337 " in l for l in lines)
+    assert any("7b" in l and "int8" in l and " 65,378 " in l for l in lines)
+    assert any("13b" in l and "int8" in l and " 3,136 " in l for l in lines)
+    # --reserve given on the command line wins over the chapter's 1.5 GiB
+    res = runner.invoke(app, ["budget", "--chapter", "--reserve", "1", "--gpu", "16", "--json", "-"])
+    assert json.loads(res.stdout[res.stdout.index("{"):])["reserve_gib"] == 1.0

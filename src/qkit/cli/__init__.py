@@ -30,6 +30,7 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """qkit: quantize language-model weights and measure what it cost."""
+    console.show_library_status()  # downloads and conversions the library logs become status lines
 
 
 from qkit.cli import eval as _eval  # noqa: E402  (the modules need nothing from here but the app)

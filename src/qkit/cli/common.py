@@ -45,9 +45,18 @@ PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading p
 ConfigOpt = Annotated[
     Optional[str], typer.Option("--config", help="A config.json (or a directory holding one) instead of MODEL.", metavar="PATH")
 ]
+ThreadsOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--threads",
+        help="CPU threads for torch (default: the cores available to this process; "
+        "on a machine shared with busy processes, fewer is faster, see the README).",
+        show_default=False,
+    ),
+]
 
 
-# --------------------------------------------------------------------------- errors, output targets
+# --------------------------------------------------------------------------- errors, output targets, threads
 
 
 def handles_errors(fn):
@@ -67,6 +76,13 @@ def handles_errors(fn):
 def json_target(json_path: str | None) -> None:
     """With ``--json -`` the JSON owns stdout and the tables move to stderr."""
     console.use_stderr_for_tables(json_path == "-")
+
+
+def use_threads(threads: int | None) -> int:
+    """Set torch's CPU threads once, before any work (``--threads``, else the cores this process may use)."""
+    from qkit.threads import set_threads
+
+    return set_threads(threads)
 
 
 # --------------------------------------------------------------------------- parsing and formatting

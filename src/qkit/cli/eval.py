@@ -12,10 +12,12 @@ from qkit.cli.common import (
     DeviceOpt,
     JsonOpt,
     ModelArg,
+    ThreadsOpt,
     comma_list,
     handles_errors,
     human_bytes,
     json_target,
+    use_threads,
 )
 
 # Defaults live in qkit.evaluation.EvalOptions; an option left out keeps the dataclass's default.
@@ -49,6 +51,7 @@ def eval_(
     device: DeviceOpt = None,
     device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
     import dataclasses
@@ -70,6 +73,8 @@ def eval_(
     options = dataclasses.replace(_eval_defaults(), **{k: v for k, v in given.items() if v is not None})
     if no_repetition_penalty:
         options = dataclasses.replace(options, repetition_penalty=False)
+    options.validate()  # every check that needs no model, before the model is touched
+    use_threads(threads)
     report = evaluate(model, options=options, on_status=console.status)
     render_eval(report)
     if json_path:

@@ -14,8 +14,10 @@ from qkit.cli.common import (
     JsonOpt,
     ModelArg,
     ScaleDtypeOpt,
+    ThreadsOpt,
     handles_errors,
     json_target,
+    use_threads,
 )
 from qkit.inspect import errors as _ierrors  # defaults come from the library, defined once
 from qkit.inspect import nexttoken as _inext
@@ -46,12 +48,16 @@ def inspect_errors_(
     per_matrix: Annotated[bool, typer.Option("--per-matrix", help="Also print every matrix's relative error under each scheme.")] = False,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Relative error ||W - W_hat||_F / ||W||_F of every projection matrix under each scheme."""
     json_target(json_path)
+    schemes = _split_schemes(scheme)
+    _ierrors.check_schemes(schemes, scale_dtype)
+    use_threads(threads)
     with console.progress() as bar:
         r = _ierrors.weight_errors(
-            model, schemes=_split_schemes(scheme), scale_dtype=scale_dtype,
+            model, schemes=schemes, scale_dtype=scale_dtype,
             on_start=lambda n: bar.start("measuring", n), on_matrix=bar.callback(),
         )
     render.errors(r, per_matrix)
@@ -67,17 +73,23 @@ def inspect_matrix_(
     top: Annotated[int, typer.Option("--top", help="Without NAME: how many matrices to list.")] = _ierrors.TOP_MATRICES,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """One matrix: statistics, outliers beyond 6 sigma, error per scheme, int4 levels used. Without NAME: the top 10 by max/std."""
     json_target(json_path)
     model, name = _ierrors.split_model_and_name(args or [])
+    schemes = _split_schemes(scheme)
+    _ierrors.check_schemes(schemes, scale_dtype)
+    if name is None:
+        _ierrors.check_top(top)
+    use_threads(threads)
     if name is None:
         stats = _ierrors.top_matrices(model, top=top)
         render.top_matrices(stats)
         if json_path:
             console.write_json(json_path, {"matrices": [s.to_dict() for s in stats]})
         return
-    r = _ierrors.inspect_matrix(model, name=name, schemes=_split_schemes(scheme), scale_dtype=scale_dtype)
+    r = _ierrors.inspect_matrix(model, name=name, schemes=schemes, scale_dtype=scale_dtype)
     render.matrix(r)
     if json_path:
         console.write_json(json_path, r.to_dict())
@@ -96,9 +108,13 @@ def inspect_outliers_(
     device: DeviceOpt = None,
     device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Residual-stream outliers: largest dimensions per layer, their persistence, a histogram, and tensor-wide INT8."""
     json_target(json_path)
+    _iout.check_options(prompt=prompt, corpus_tokens=corpus_tokens, exclude_top=exclude_top, threshold=threshold,
+                        top=top, device=device, device_map=device_map)
+    use_threads(threads)
     console.status("loading the model and running the prompt")
     r = _iout.residual_outliers(model, prompt=prompt, corpus_tokens=corpus_tokens, layer=layer, exclude_top=exclude_top,
                                 threshold=threshold, top=top, device=device, device_map=device_map)
@@ -122,6 +138,7 @@ def inspect_sensitivity_(
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Which layers' (or matrices') quantization moves the output: KL divergence from the reference, ranked."""
     from qkit.errors import InputError
@@ -129,6 +146,9 @@ def inspect_sensitivity_(
     json_target(json_path)
     if scheme is None:
         raise InputError("missing --scheme: the scheme whose damage to measure, e.g. --scheme int4-tensor")
+    _isens.check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
+                         scale_dtype=scale_dtype, device=device)
+    use_threads(threads)
     console.status("loading the model")
     with console.progress() as bar:
         r = _isens.rank_sensitivity(
@@ -149,6 +169,7 @@ def inspect_next_token_(
     temperature: Annotated[str, typer.Option("--temperature", help="Comma-separated temperatures.")] = ",".join(f"{t:g}" for t in _inext.TEMPERATURES),
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Top-k next-token probabilities after TEXT at each temperature: the soft labels distillation trains on."""
     from qkit.errors import InputError
@@ -157,6 +178,8 @@ def inspect_next_token_(
     if len(args) > 2:
         raise InputError(f"expected [MODEL] TEXT, got {len(args)} arguments; quote the text")
     model, text = (None, args[0]) if len(args) == 1 else (args[0], args[1])
+    _inext.check_options(top=top, temperatures=temperature, device=device)
+    use_threads(threads)
     r = _inext.next_token(model, text=text, top=top, temperatures=temperature, device=device)
     render.next_token(r)
     if json_path:

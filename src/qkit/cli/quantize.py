@@ -14,11 +14,13 @@ from qkit.cli.common import (
     ModelArg,
     PickleOpt,
     ScaleDtypeOpt,
+    ThreadsOpt,
     TrustOpt,
     handles_errors,
     human_bytes,
     json_target,
     parse_size,
+    use_threads,
 )
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 
@@ -48,15 +50,29 @@ def quantize(
     json_path: JsonOpt = None,
     trust_remote_code: TrustOpt = False,
     allow_pickle: PickleOpt = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Write a quantized safetensors checkpoint of MODEL (qkit's format, or one vLLM/transformers load)."""
     from qkit.api import quantize_model
+    from qkit.checkpoint import remove_stale_siblings
     from qkit.errors import InputError
+    from qkit.export import QKIT, get_format
+    from qkit.threads import check_threads
 
     json_target(json_path)
+    # Every check that needs no model comes first; quantize_model itself checks the output, scheme, rules
+    # and device before it reads the model.
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
+    if fmt != QKIT:
+        get_format(fmt)
     shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
+    check_threads(threads)
+    removed = remove_stale_siblings(output)
+    if removed:
+        console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
+                       f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
+    use_threads(threads)
     with console.progress() as bar:
         result = quantize_model(
             model,
@@ -107,11 +123,13 @@ def verify(
     checkpoint: Annotated[Path, typer.Argument(help="A directory written by qkit quantize --format compressed-tensors|bitsandbytes.", show_default=False)],
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Load an exported CHECKPOINT with its target library and compare it with qkit, weight by weight and on logits."""
     from qkit.export.verify import verify_checkpoint
 
     json_target(json_path)
+    use_threads(threads)
     r = verify_checkpoint(checkpoint, device=device)
     render_verify(r)
     if json_path:

@@ -7,7 +7,18 @@ from typing import Annotated, Optional
 import typer
 
 from qkit import console
-from qkit.cli.common import ConfigOpt, DeviceOpt, JsonOpt, ModelArg, handles_errors, int_list, json_target
+from qkit.cli.common import (
+    ConfigOpt,
+    DeviceOpt,
+    JsonOpt,
+    ModelArg,
+    ThreadsOpt,
+    comma_list,
+    handles_errors,
+    int_list,
+    json_target,
+    use_threads,
+)
 from qkit.serving import batching as _batching  # defaults come from the library, defined once
 from qkit.serving import budget as _budget
 from qkit.serving import kv as _kv
@@ -38,9 +49,12 @@ def kv_(
     measure: Annotated[bool, typer.Option("--measure", help="Run the model on a TOKENS-token prompt and sum the cache it allocated.")] = False,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """KV cache bytes per token and in total, against full multi-head and multi-query attention."""
     json_target(json_path)
+    _kv.check_options(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
+    use_threads(threads)
     if measure:
         console.status(f"measuring: one forward pass over {tokens:,} tokens in {dtype}")
     r = _kv.kv_report(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
@@ -98,15 +112,19 @@ def budget_(
     formats: Annotated[str, typer.Option("--formats", help=f"Weight formats: {', '.join(_budget.FORMATS)}.")] = ",".join(_budget.DEFAULT_FORMATS),
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Cache dtype: fp32, fp16, bf16, fp8.")] = _kv.DEFAULT_KV_DTYPE,
     conversation: Annotated[int, typer.Option("--conversation", help="Tokens of one conversation (rows holding fewer are flagged).")] = _budget.DEFAULT_CONVERSATION,
+    chapter: Annotated[bool, typer.Option("--chapter", help=f"The chapter's assumptions, stated in the output: nominal 7e9/13e9/70e9 parameters, every weight at the format's bits (int8 = 8, int4 = 4.125), a {_budget.CHAPTER_RESERVE_GIB:g} GiB reserve unless --reserve is given.")] = False,
     json_path: JsonOpt = None,
+    ctx: typer.Context = None,
 ) -> None:
     """Per card size: weight memory per format, KV bytes per token, and the resident tokens that fit."""
     json_target(json_path)
-    presets = [p.strip() for p in preset.split(",") if p.strip()] if preset else []
+    presets = comma_list(preset)
+    # --chapter has its own reserve unless --reserve is given on the command line.
+    reserve_given = ctx is None or ctx.get_parameter_source("reserve").name != "DEFAULT"
     r = _budget.budget(
         models=models or [], presets=presets, configs=config or [], gpus_gib=_budget.parse_floats(gpu, "--gpu"),
-        reserve_gib=reserve, formats=[f.strip() for f in formats.split(",") if f.strip()], kv_dtype=kv_dtype,
-        conversation=conversation,
+        reserve_gib=reserve if reserve_given or not chapter else None, formats=comma_list(formats), kv_dtype=kv_dtype,
+        conversation=conversation, chapter=chapter,
     )
     render_budget(r)
     if json_path:
@@ -124,7 +142,8 @@ def render_budget(r) -> None:
             [[row.model, row.format, f"{row.projection_bits_per_weight:.3f}", hb(row.weight_bytes), f"{row.kv_bytes_per_token:,} B",
               hb(row.free_bytes) if row.free_bytes > 0 else "-", f"{row.max_tokens:,}", f"{row.conversations:,}", row.status]
              for row in t.rows],
-            title=f"qkit budget: {t.gpu_gib:g} GiB card, {r.reserve_gib:g} GiB reserve, {r.kv_dtype} cache",
+            title=f"qkit budget: {t.gpu_gib:g} GiB card, {r.reserve_gib:g} GiB reserve, {r.kv_dtype} cache"
+                  + (" (the chapter's assumptions)" if r.chapter else ""),
             caption=t.sentence,
             styles=styles,
         )
@@ -132,6 +151,9 @@ def render_budget(r) -> None:
         a = m["architecture"]
         console.note(f"- {m['label']}: {m['parameters']:,} parameters ({m['source']}); {a['layers']} layers, "
                      f"{a['kv_heads']} kv heads of dim {a['head_dim']} ({a['heads']} query heads)")
+    if r.chapter:
+        console.note(f"- {r.assumptions}")
+        return
     console.note("- bits/w: of the block projections (attention q/k/v/o and MLP matrices), stored in the format's qkit scheme "
                  f"({', '.join(f'{k}={v}' for k, v in r.formats.items() if v)}); embeddings, norms, biases and an untied lm head "
                  "stay fp16 and are included in 'weights'.")
@@ -195,7 +217,7 @@ def bench_(
     config: ConfigOpt = None,
     quick: Annotated[bool, typer.Option("--quick", help="Fewer sizes (generation to 32 tokens, prompts and caches to 256, batches to 8).")] = False,
     repeats: Annotated[Optional[int], typer.Option("--repeats", help=f"Timed runs per figure, median reported (default {_BenchConfig.repeats}).")] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads for torch during the run (default: torch's own choice).")] = None,
+    threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -203,6 +225,7 @@ def bench_(
     from qkit.serving.bench import bench
 
     json_target(json_path)
+    use_threads(threads)
     r = bench(model=model, config=config, device=device, quick=quick, repeats=repeats, threads=threads,
               on_stage=console.status)
     render_bench(r)
