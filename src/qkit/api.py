@@ -17,15 +17,13 @@ from qkit import __version__
 from qkit.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
-    atomic_directory,
-    check_output,
     checkpoint_bytes,
     iter_tensors,
     tensor_shapes,
     write_json,
 )
 from qkit.errors import InputError
-from qkit.export import QKIT, prepare_export
+from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
 from qkit.methods import RTN, get_method, make_options
 from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
@@ -102,7 +100,8 @@ def quantize_model(
     Streams: one source tensor at a time (memory-mapped), output flushed shard by shard.
     ``on_start(n_targets)`` and ``on_tensor(name)`` (after each quantized tensor) drive a progress bar.
     ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
-    libraries load (see ``qkit.export``); a scheme the format cannot express is refused before any work.
+    libraries load, or ``gguf`` for one llama.cpp file (``output`` ending in ``.gguf``, else a directory
+    holding ``model.gguf``; see ``qkit.export``); a scheme the format cannot express is refused before any work.
     ``method``: ``rtn`` (default: round to nearest, streamed) or a calibrated method (``qkit.methods``:
     ``gptq``, ``awq``, ...) with its ``method_options``; a method runs over the whole model first (its
     progress through ``on_block(done, total)``), then the same writer stores its tensors. What the method
@@ -110,7 +109,7 @@ def quantize_model(
     """
     t0 = time.perf_counter()
     out = Path(output)
-    check_output(out, force)
+    check_output(format, out, force)
     default = get_scheme(scheme, scale_dtype)
     rules = Rules.parse(include, exclude, keep, scale_dtype)
     dev = parse_device(device)
@@ -129,7 +128,7 @@ def quantize_model(
         for s in {s.name: s for s in targets.values()}.values():
             chooser.check(s)
     manifest = new_manifest(default, rules)
-    export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest)
+    export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest, ref=ref)
     precomputed = None
     if chooser is not None:
         done = chooser.run(ref, targets, options, device=dev, on_block=on_block)
@@ -142,7 +141,7 @@ def quantize_model(
     result.method = RTN if chooser is None else chooser.name
     result.method_record = manifest.get("method", {})
     qbytes = 0
-    with atomic_directory(out, force) as tmp:
+    with atomic_output(export, out, force) as tmp:
         writer = export.writer(tmp, max_shard_bytes) if export else ShardWriter(tmp, manifest, max_shard_bytes)
         for name, tensor in iter_tensors(ref.directory):
             s = targets.get(name)
@@ -176,7 +175,7 @@ def quantize_model(
         write_json(tmp / "config.json", config)
         copy_aux_files(ref.directory, tmp)
     result.bits_per_weight = 8 * qbytes / max(result.parameters, 1)
-    result.bytes_after = checkpoint_bytes(out)
+    result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
 

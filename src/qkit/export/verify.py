@@ -22,11 +22,20 @@ weight into a bf16 kernel layout (absmax rounded to bf16, compute in bf16, every
 of the block size). That path depends on the machine, so ``verify`` reads through bitsandbytes' generic
 CPU path (``dequantize_4bit`` + matmul, the same on every machine); ``fast_cpu_kernel=True`` keeps the
 machine's path and the bf16 tolerance.
+
+GGUF (``qkit verify FILE.gguf``, or the OUT directory holding ``model.gguf``): qkit reads each quantized
+tensor's block bytes, undoes llama.cpp's q/k row permutation, and checks them against the sha256 recorded
+at export (the file's ``qkit.export`` field); then every tensor is dequantized twice, by qkit's scheme and by
+the ``gguf`` package (llama.cpp's reference, ``gguf.quants.dequantize``), and by transformers' loader
+(``from_pretrained(..., gguf_file=)``); all three must be bit-identical in fp32. The logits of transformers'
+model and of a transformers model holding qkit's weights (same config, read from the file) are compared on
+the fixed prompt with the fp32 rule above.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 from collections.abc import Iterator
@@ -126,7 +135,7 @@ def checkpoint_format(directory: Path) -> tuple[str, dict]:
         return "bitsandbytes", qc
     raise InputError(
         f"{directory} is not a compressed-tensors pack-quantized or bitsandbytes nf4 checkpoint "
-        f"(quant_method {method!r}); verify checks what `qkit quantize --format compressed-tensors|bitsandbytes` writes"
+        f"(quant_method {method!r}); verify checks what `qkit quantize --format compressed-tensors|bitsandbytes|gguf` writes"
     )
 
 
@@ -257,6 +266,8 @@ def verify_checkpoint(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(checkpoint)
+    if _is_gguf_export(directory):
+        return verify_gguf(directory, device=device)
     if not directory.is_dir():
         raise InputError(f"no such checkpoint directory: {checkpoint}; pass the -o directory of qkit quantize --format ...")
     fmt_name, _ = checkpoint_format(directory)
@@ -345,3 +356,119 @@ def _library_weight(model, module: str, fmt_name: str) -> torch.Tensor:
     if w is None or not w.is_floating_point():
         raise ExportError(f"compressed-tensors left {module} compressed after a forward pass; cannot compare it")
     return w.detach()
+
+
+# --------------------------------------------------------------------------- GGUF
+
+
+def _is_gguf_export(path: Path) -> bool:
+    return (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "model.gguf").is_file())
+
+
+def verify_gguf(checkpoint: str | Path, *, device: str | None = None) -> VerifyResult:
+    """``qkit verify`` for a GGUF file (see the module docstring); ``checkpoint``: the file or its OUT directory."""
+    from importlib.metadata import version
+
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qkit.export import gguf as gg
+
+    path = gg.gguf_path(Path(checkpoint))
+    dev = parse_device(device)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, KeyError) as exc:
+        raise InputError(f"{path} is not a readable GGUF file ({str(exc).splitlines()[0][:160]}); re-export it") from exc
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
+    if arch not in gg.ARCHITECTURES:
+        raise InputError(f"{path} is a GGUF of architecture {arch!r}; qkit verify reads the llama and qwen2 files qkit writes")
+    record = gg.read_record(path, reader) or {"tensors": {}}
+    entries = record["tensors"]
+    library = f"gguf {version('gguf')} + transformers {version('transformers')}"
+    T = gguf.GGMLQuantizationType
+    with _quiet():
+        # The library's side first: exactly how a user loads the file. Its config (read from the file) is
+        # the one qkit's model is built with, so the two differ in their weights only.
+        try:
+            theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        except Exception as exc:  # transformers raises many types for GGUF files it cannot read
+            raise ModelLoadError(
+                f"transformers could not load {path} ({str(exc).splitlines()[0][:200]}); "
+                "check `pip show transformers gguf` against the versions qkit was tested with"
+            ) from exc
+        theirs.eval().to(dev)
+        config = copy.deepcopy(theirs.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        cfg = config.to_dict()
+        with _no_init():
+            ours = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        hf_names = list(ours.state_dict())
+        by_gguf = {v: k for k, v in gg.tensor_names(arch, config.num_hidden_layers, hf_names,
+                                                     bool(getattr(config, "tie_word_embeddings", False))).items() if v}
+        state, dense, reference, schemes, matches = {}, {}, {}, {}, {}
+        for t in reader.tensors:
+            hf = by_gguf.get(t.name)
+            if hf is None:
+                continue  # rope_freqs: a llama.cpp runtime table, not a weight of the model
+            heads = gg.permutation_heads(arch, cfg, hf)
+            rows = int(t.shape[-1]) if len(t.shape) > 1 else int(t.shape[0])
+            inv = gg.inverse_permutation(rows, heads) if heads else None
+            ref = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+            ref = ref.reshape([int(d) for d in reversed(t.shape)])
+            if inv is not None:
+                ref = ref[inv]
+            if t.tensor_type in (T.F32, T.F16, T.BF16):
+                state[hf] = ref
+                continue
+            raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            if inv is not None:
+                raw = raw[inv]
+            entry = entries.get(hf)
+            if entry is not None:
+                scheme, _, dtype = entry_to_spec(entry)
+            else:
+                scheme, dtype = gg.scheme_for_type(t.tensor_type), torch.float32
+            qt = gg.FORMAT.decode({"qweight": raw}, scheme, dtype)
+            matches[hf] = None if entry is None else fingerprint(qt) == entry.get("sha256")
+            dense[hf] = qt.dequantize(torch.float32)
+            reference[hf] = ref
+            schemes[hf] = scheme.name
+            state[hf] = dense[hf]
+        if not dense:
+            raise InputError(f"{path} holds no quantized tensor; verify checks quantized exports")
+        missing = ours.load_state_dict(state, strict=False).missing_keys
+        tied = set(getattr(ours, "_tied_weights_keys", None) or [])
+        if [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
+            raise ModelLoadError(f"{path} lacks tensors of its architecture (missing {missing[:3]}); re-export it")
+        ours.tie_weights()
+        ours.eval().to(dev)
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+            if not ids.numel() or int(ids.max()) >= config.vocab_size:
+                raise ValueError("prompt ids outside the vocabulary")
+        except Exception:  # no usable tokenizer in the file: fixed ids, as for the other formats
+            ids = (torch.arange(24) * 7 + 3).remainder(config.vocab_size).unsqueeze(0)
+        ids = ids.to(dev)
+        checks = []
+        with torch.no_grad():
+            for name in sorted(dense):
+                lib = theirs.get_parameter(name).detach().float().cpu()
+                d1, bad1, same1 = _within(reference[name], dense[name])
+                d2, bad2, same2 = _within(lib, dense[name])
+                checks.append(TensorCheck(name, schemes[name], tuple(dense[name].shape), max(d1, d2), bad1 + bad2,
+                                          same1 and same2, matches[name]))
+            ref_logits = ours(ids).logits.float()
+            lib_logits = theirs(ids).logits.float()
+    scale = float(ref_logits.abs().max())
+    rtol = LOGITS_RTOL[torch.float32]
+    return VerifyResult(
+        checkpoint=str(path), format="gguf", library=library, dtype="float32", device=str(dev),
+        prompt_tokens=int(ids.shape[1]), logits_max_abs_diff=float((lib_logits - ref_logits).abs().max()),
+        logits_scale=scale, logits_tolerance=rtol * max(1.0, scale),
+        weight_rule="bit-identical (qkit, gguf and transformers)", tensors=checks,
+    )
