@@ -1,0 +1,56 @@
+"""Named eval rows for the run-time simulations, and the ``activations`` preset.
+
+=====================  ==============  ===========  =================================================
+row                    weights         method       run time
+=====================  ==============  ===========  =================================================
+``w8a8-tensor``        int8-row        rtn          int8 activations, one dynamic scale per forward
+``w8a8-token``         int8-row        rtn          int8 activations, one dynamic scale per token
+``w8a8-static``        int8-row        rtn          int8 activations, one static scale per linear
+``llm-int8``           int8-row        rtn          LLM.int8: outlier columns (|x| >= 6) in 16-bit
+``smoothquant-w8a8``   int8-row        smoothquant  int8 activations per token, after folding
+``kv-int8``            full precision  -            KV cache int8, keys and values per token
+``kv-int8-channel``    full precision  -            KV cache int8, keys per channel (KIVI), values per token
+``kv-int4``            full precision  -            KV cache int4, keys per channel (KIVI), values per token
+``kv-int4-token``      full precision  -            KV cache int4, keys and values per token
+=====================  ==============  ===========  =================================================
+
+(``kv-int8-token`` and ``kv-int4-channel`` name the same rows as ``kv-int8`` and ``kv-int4``.) Why
+``kv-int8`` is per token and ``kv-int4`` is KIVI's layout: at 8 bits a per-token scale is the simple
+layout serving stacks use; at 4 bits KIVI (arXiv:2402.02750) shows keys need per-channel scales because
+a few key channels are consistently large, so each name gets its layout's better-known form and the
+other form is one suffix away.
+
+A row's method is validated when the row runs (``smoothquant`` comes from ``qkit.methods.smoothquant``),
+so registering it never fails when a method is missing.
+"""
+
+from __future__ import annotations
+
+from qkit.evaluation.specs import RowSpec, register_preset, register_row
+
+INT8_ROW = "int8-row"
+
+ROWS: dict[str, tuple[RowSpec, str]] = {
+    "w8a8-tensor": (RowSpec(INT8_ROW, runtime=("act-int8-tensor",)), "int8-row weights, int8 activations with one dynamic scale per forward"),
+    "w8a8-token": (RowSpec(INT8_ROW, runtime=("act-int8-token",)), "int8-row weights, int8 activations with one dynamic scale per token"),
+    "w8a8-static": (RowSpec(INT8_ROW, runtime=("act-int8-static",)), "int8-row weights, int8 activations with one calibrated scale per linear"),
+    "llm-int8": (RowSpec(INT8_ROW, runtime=("llm-int8",)), "LLM.int8: int8-row weights, int8 per-token activations, outlier columns in 16-bit"),
+    "smoothquant-w8a8": (RowSpec(INT8_ROW, "smoothquant", ("act-int8-token",)), "SmoothQuant folding, int8-row weights, int8 per-token activations"),
+    "kv-int8": (RowSpec(None, runtime=("kv-int8-token",)), "full-precision weights, int8 KV cache, one scale per token and head"),
+    "kv-int8-channel": (RowSpec(None, runtime=("kv-int8-channel",)), "full-precision weights, int8 KV cache, keys per channel (KIVI), values per token"),
+    "kv-int4": (RowSpec(None, runtime=("kv-int4-channel",)), "full-precision weights, int4 KV cache, keys per channel (KIVI), values per token"),
+    "kv-int4-token": (RowSpec(None, runtime=("kv-int4-token",)), "full-precision weights, int4 KV cache, one scale per token and head"),
+    "kv-int8-token": (RowSpec(None, runtime=("kv-int8-token",)), "the same as kv-int8"),
+    "kv-int4-channel": (RowSpec(None, runtime=("kv-int4-channel",)), "the same as kv-int4"),
+}
+
+ACTIVATIONS_PRESET = (
+    INT8_ROW, "w8a8-tensor", "w8a8-token", "llm-int8", "smoothquant-w8a8", "kv-int8", "kv-int8-channel", "kv-int4", "kv-int4-token",
+)
+
+for _name, (_spec, _description) in ROWS.items():
+    register_row(_name, _spec, _description)
+register_preset("activations", ACTIVATIONS_PRESET,
+                "weight-only int8-row, W8A8 per tensor and per token, LLM.int8, SmoothQuant W8A8, KV int8 and int4 in both layouts")
+
+__all__ = ["ACTIVATIONS_PRESET", "ROWS"]
