@@ -77,7 +77,14 @@ class EvalOptions:
         parse_device(self.device)
         if self.device_map is not None:
             check_device_map(self.device_map)
-        resolve_rows(self.schemes, self.methods, dict(self.method_options))  # unknown names, methods
+        specs = resolve_rows(self.schemes, self.methods, dict(self.method_options))  # unknown names, methods
+        from qkit.simulate import get_runtime
+        from qkit.simulate.options import check_keys
+
+        check_keys(dict(self.runtime_options))  # a misspelt runtime option, even with no runtime row
+        for spec in specs:  # unknown runtimes, bad runtime option values (--threshold 0, --kv-residual -1)
+            for name in spec.runtime:
+                get_runtime(name, dict(spec.runtime_options or self.runtime_options))
 
 
 @dataclass
