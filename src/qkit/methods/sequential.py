@@ -133,13 +133,24 @@ class BlockInputs:
         modules: Mapping[str, torch.nn.Module] | None = None,
     ) -> list[torch.Tensor]:
         handles = []
+
+        # The hooks return None whatever the callbacks return: a value returned from a forward (pre-)hook
+        # would replace the module's inputs (outputs).
+        def pre(name: str):
+            def hook(_m, args):
+                on_input(name, args[0])  # type: ignore[misc]
+            return hook
+
+        def post(name: str):
+            def hook(_m, _args, out):
+                on_output(name, _first(out))  # type: ignore[misc]
+            return hook
+
         for name, module in (modules or {}).items():
             if on_input is not None:
-                handles.append(module.register_forward_pre_hook(
-                    lambda _m, args, name=name: on_input(name, args[0])))
+                handles.append(module.register_forward_pre_hook(pre(name)))
             if on_output is not None:
-                handles.append(module.register_forward_hook(
-                    lambda _m, _args, out, name=name: on_output(name, _first(out))))
+                handles.append(module.register_forward_hook(post(name)))
         try:
             return [_first(self.block(h, **kw)) for h, kw in zip(self.hidden, self.kwargs)]
         finally:
