@@ -508,3 +508,25 @@ def test_hf_tokenizer_conversion_reproduces_the_published_one(default_model_dir)
     assert got["tokens"] == src["tokenizer.ggml.tokens"]
     assert [int(t) for t in got["types"]] == src["tokenizer.ggml.token_type"]
     assert got["special"].merges == src["tokenizer.ggml.merges"]
+
+
+def test_cli_quantize_gguf_and_verify_the_file(tiny_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from qkit.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "tiny-q8_0.gguf"
+    res = runner.invoke(app, ["quantize", str(tiny_model_dir), "-s", "q8_0", "--format", "gguf", "-o", str(out),
+                              "--device", "cpu", "--json", str(tmp_path / "q.json")])
+    assert res.exit_code == 0, res.output
+    q = json.loads((tmp_path / "q.json").read_text())
+    assert q["format"] == "gguf" and q["bytes_after"] == out.stat().st_size and q["schemes_used"] == {"q8_0": 14}
+    res = runner.invoke(app, ["verify", str(out), "--device", "cpu", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout[res.stdout.index("{"):])
+    assert data["passed"] and data["format"] == "gguf" and data["by_scheme"]["q8_0"]["identical"] == 14
+    res = runner.invoke(app, ["quantize", str(tiny_model_dir), "-s", "int4-g128", "--format", "gguf", "-o",
+                              str(tmp_path / "no.gguf"), "--device", "cpu"])
+    assert res.exit_code == 2 and res.output.startswith("error: ") and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "no.gguf").exists()

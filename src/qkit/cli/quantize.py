@@ -30,7 +30,7 @@ ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing out
 IncludeOpt = Annotated[list[str], typer.Option("--include", help="Also quantize tensors matching this glob (repeatable).")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Never quantize tensors matching this glob (repeatable).")]
 KeepOpt = Annotated[list[str], typer.Option("--keep", help="SCHEME:GLOB, e.g. int8:'*.down_proj.weight' or none:GLOB (repeatable).")]
-FormatOpt = Annotated[str, typer.Option("--format", help="qkit; compressed-tensors (int4-gN, int8-gN, int4-row, int8-row: vLLM, transformers); bitsandbytes (nf4: transformers).")]
+FormatOpt = Annotated[str, typer.Option("--format", help="qkit; compressed-tensors (int4-gN, int8-gN, int4-row, int8-row: vLLM, transformers); bitsandbytes (nf4: transformers); gguf (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k: llama.cpp; -o FILE.gguf, or a directory for model.gguf).")]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
 
@@ -120,7 +120,7 @@ def render_quantize(result) -> None:
 
 @handles_errors
 def verify(
-    checkpoint: Annotated[Path, typer.Argument(help="A directory written by qkit quantize --format compressed-tensors|bitsandbytes.", show_default=False)],
+    checkpoint: Annotated[Path, typer.Argument(help="A directory written by qkit quantize --format compressed-tensors|bitsandbytes, or a .gguf file (or directory) of --format gguf.", show_default=False)],
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
     threads: ThreadsOpt = None,
