@@ -1,0 +1,481 @@
+"""AWQ (Lin et al., arXiv:2306.00978): activation-aware per-channel scales, folded, then RTN (+ clipping).
+
+Per group of linears sharing an input (``qkit.methods.folding``: q/k/v after ``input_layernorm``, o after
+v, gate/up after ``post_attention_layernorm``, down after up), block by block
+(``qkit.methods.sequential.walk_blocks``):
+
+1. **Statistics**: ``x̄[j] = mean|X_j|`` per input channel over every calibration token (for o_proj under
+   grouped-query attention, averaged over the query heads that read one kv channel: the scales are tied
+   per kv head, see ``folding``).
+2. **Scale search** (llm-awq / AutoAWQ ``auto_scale``): for ``ratio`` in ``{0, 1/n, ..., (n-1)/n}``
+   (``n_grid`` = 20)::
+
+       s = clamp(x̄^ratio, min=1e-4);  s = s / sqrt(max(s) · min(s))
+       Ŵ = deq(Q(W · s)) / s            (Q, deq: qkit's quantize_tensor / dequantize of the target scheme)
+       loss = mean((M(X; Ŵ) - M(X; W))²)
+
+   where ``M`` is the group's module (the attention block for q/k/v, the MLP for gate/up, the linear
+   itself for o and down) with the other linears of the block at full precision, as in the reference.
+   The ``s`` with the smallest loss is kept. ``ratio = 0`` gives ``s = 1``, plain RTN, so on the
+   calibration tokens the search can never do worse than RTN (recorded: ``loss_rtn``, ``loss_search``).
+   The loss is computed on the first ``search_samples`` calibration windows (all, when None); the
+   statistics always use every window.
+3. **Fold** ``1/s`` into the preceding norm or linear and ``s`` into the linears' input columns
+   (``folding.fold``): the saved model is an ordinary model, the fp function unchanged.
+4. **Clipping search** (AutoAWQ ``auto_clip``, when ``clip``): for every linear except q and k (their
+   product through the attention scores makes the per-linear error a poor proxy, as the reference notes),
+   per output row and group of ``width`` columns, the clamp ``t = max|W_g| · (1 - i/clip_grid)``,
+   ``i < max_shrink · clip_grid``, minimising ``mean_t ((X_g · (deq(Q(clamp(W, ±t))) - W)_g)²)`` over
+   ``clip_tokens`` tokens (evenly strided) of the scaled inputs. The group width is the scheme's scale
+   unit: ``PerGroup(g)``: g, ``PerRow``: the row, NF4: its block when blocks do not cross rows; schemes
+   whose scale units are not row groups (per-tensor, llama.cpp super-blocks) skip clipping (recorded).
+   The weights are then clamped and quantized by ``quantize_tensor`` as usual, so the stored tensor is an
+   ordinary ``QuantizedTensor`` of the same scheme (clipping only lowers the absmax a scale is chosen from).
+5. **Next block's inputs**: ``next_inputs = "fp"`` (default, as AutoAWQ: the block's full-precision outputs;
+   folding does not change them) or ``"quantized"`` (the outputs of the block with its quantized weights,
+   GPTQ's sequential scheme).
+
+Works for every registered scheme (the search quantizes with the scheme itself). Record (manifest
+``method``): options, calibration provenance, per group the best ratio and the loss with plain RTN, after
+the search and after clipping (the final weights), per block seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError
+from qkit.granularity import PerGroup, PerRow
+from qkit.methods import MethodResult
+from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions, calibration_ids
+from qkit.methods.folding import (
+    FoldGroup,
+    ChannelStats,
+    fold,
+    fold_groups,
+    options_record,
+    source_dtypes,
+)
+from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
+from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
+from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
+
+# Defaults of the reference implementations (AutoAWQ ``_compute_best_scale`` / ``_compute_best_clip``).
+N_GRID = 20
+CLIP_GRID = 20
+MAX_SHRINK = 0.5
+CLIP_TOKENS = 512
+SCALE_FLOOR = 1e-4
+# No clipping for q/k: "due to qk bmm, it is hard to clip precisely" (AutoAWQ ``_search_best_clip``).
+NO_CLIP = ("q_proj", "k_proj")
+NEXT_INPUTS = ("fp", "quantized")
+DEFAULT_SEARCH_SAMPLES = 4  # windows of the grid-search loss (see the README's timing); statistics use all
+
+
+@dataclass(frozen=True)
+class AWQOptions:
+    """``calibration*``: which calibration tokens (as GPTQ's: source, samples, seqlen, seed); ``n_grid``: ratios searched;
+    ``clip``: run the clipping search (``clip_grid``, ``max_shrink``, ``clip_tokens`` as in AutoAWQ);
+    ``search_samples``: calibration windows the scale search's loss is computed on (None: all);
+    ``next_inputs``: ``fp`` or ``quantized`` (what the next block is fed); ``linear_groups``: also scale
+    o (after v) and down (after up); ``batch_size``: windows per forward call."""
+
+    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
+    calibration_samples: int = DEFAULT_SAMPLES
+    calibration_seqlen: int = DEFAULT_SEQLEN
+    calibration_seed: int = DEFAULT_SEED
+    n_grid: int = N_GRID
+    clip: bool = True
+    clip_grid: int = CLIP_GRID
+    max_shrink: float = MAX_SHRINK
+    clip_tokens: int = CLIP_TOKENS
+    search_samples: int | None = DEFAULT_SEARCH_SAMPLES
+    next_inputs: str = "fp"
+    linear_groups: bool = True
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        for key in ("n_grid", "clip_grid", "clip_tokens", "batch_size"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InputError(f"AWQ option {key} must be a positive integer, got {v!r}")
+        if self.search_samples is not None and (not isinstance(self.search_samples, int) or self.search_samples < 1):
+            raise InputError(f"AWQ option search_samples must be a positive integer or None (all), got {self.search_samples!r}")
+        if not isinstance(self.max_shrink, (int, float)) or not 0.0 <= self.max_shrink < 1.0:
+            raise InputError(f"AWQ option max_shrink must be in [0, 1), got {self.max_shrink!r}")
+        if self.next_inputs not in NEXT_INPUTS:
+            raise InputError(f"AWQ option next_inputs must be one of {', '.join(NEXT_INPUTS)}, got {self.next_inputs!r}")
+        self.calibration_options().check()
+
+    def check(self) -> None:
+        """Validated on construction; kept so every method's options answer ``check()`` alike."""
+        self.__post_init__()
+
+    def calibration_options(self) -> CalibrationOptions:
+        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
+
+
+# --------------------------------------------------------------------------- maths core
+
+
+def fake_quant(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """``deq(Q(w))`` in fp32 with qkit's own writer path, so a search optimises exactly what gets written.
+
+    Absmax schemes skip only the (lossless) nibble packing: ``quantize_absmax`` then ``dequantize_absmax``
+    is what ``quantize_tensor`` + ``dequantize`` compute (tested bit for bit); every other scheme goes
+    through ``quantize_tensor`` itself."""
+    if type(scheme) is AbsmaxScheme and w.dim() == 2:
+        q, scales = quantize_absmax(w.float(), scheme.bits, scheme.granularity, scheme.scale_dtype)
+        return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
+    return quantize_tensor(w, scheme).dequantize(torch.float32)
+
+
+def awq_scales(x_mean: torch.Tensor, ratio: float) -> torch.Tensor:
+    """``s = clamp(x̄^ratio, 1e-4)``, normalised by ``sqrt(max(s)·min(s))`` (llm-awq ``auto_scale``); fp32 ``[c]``.
+    ``ratio = 0`` gives exactly ones."""
+    s = x_mean.float().pow(ratio).clamp(min=SCALE_FLOOR)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+def scaled_fake_quant(w: torch.Tensor, cols: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """``deq(Q(W · s)) / s`` for a weight ``[out, in]`` and column scales ``[in]``: the folded quantized
+    weight seen from the original (unscaled) input."""
+    return fake_quant(w.float() * cols, scheme) / cols
+
+
+def clip_width(scheme: Scheme, cols: int) -> int | None:
+    """Columns per clipping group: the scheme's scale unit when it is a group of one row (None: no clipping)."""
+    g = getattr(scheme, "granularity", None)
+    if isinstance(g, PerGroup):
+        return g.size
+    if isinstance(g, PerRow):
+        return cols
+    if isinstance(scheme, NF4Scheme) and cols % scheme.block_size == 0:
+        return scheme.block_size
+    return None
+
+
+def _units(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``[..., cols]`` -> ``[..., ceil(cols/width), width]`` (zero padding: changes no absmax, no product)."""
+    pad = (-t.shape[-1]) % width
+    if pad:
+        t = torch.nn.functional.pad(t, (0, pad))
+    return t.reshape(*t.shape[:-1], -1, width)
+
+
+@torch.no_grad()
+def clip_thresholds(
+    w: torch.Tensor, x: torch.Tensor, scheme: Scheme, width: int, *, n_grid: int = CLIP_GRID, max_shrink: float = MAX_SHRINK
+) -> torch.Tensor:
+    """AutoAWQ's clipping search: per output row and group of ``width`` columns, the clamp threshold
+    ``max|W_g| · (1 - i/n_grid)``, ``0 <= i < max_shrink · n_grid``, minimising the mean over tokens of
+    ``(X_g · (deq(Q(clamp(W))) - W)_g)²`` (every group quantized with ``scheme`` at once per level).
+
+    ``w``: ``[out, in]``; ``x``: ``[tokens, in]``. Returns fp32 ``[out, ceil(in/width)]``; ``i = 0`` (no
+    clipping) is always a candidate.
+    """
+    w = w.float()
+    rows, cols = w.shape
+    xu = _units(x.float(), width)  # [T, ng, G]
+    org = _units(w, width).abs().amax(dim=-1)  # [out, ng]
+    best = org.clone()
+    best_err = torch.full_like(org, float("inf"))
+    for i in range(max(1, int(max_shrink * n_grid))):
+        t = org * (1 - i / n_grid)
+        bound = t.repeat_interleave(width, dim=1)[:, :cols]
+        dw = fake_quant(torch.maximum(torch.minimum(w, bound), -bound), scheme) - w
+        err = _group_output_error(xu, _units(dw, width))
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, t, best)
+    return best
+
+
+def _group_output_error(xu: torch.Tensor, du: torch.Tensor, max_elems: int = 1 << 24) -> torch.Tensor:
+    """``mean_t (sum_k xu[t,g,k] · du[r,g,k])²`` -> ``[out, ng]``, in row chunks to bound memory."""
+    rows = du.shape[0]
+    chunk = max(1, max_elems // max(1, xu.shape[0] * xu.shape[1]))
+    out = []
+    for r in range(0, rows, chunk):
+        y = torch.einsum("tgk,rgk->rgt", xu, du[r : r + chunk])
+        out.append(y.pow(2).mean(dim=-1))
+    return torch.cat(out)
+
+
+def apply_clip(w: torch.Tensor, thresholds: torch.Tensor, width: int) -> torch.Tensor:
+    """Clamp ``w`` ``[out, in]`` to ``±thresholds`` ``[out, ng]`` per group of ``width`` columns."""
+    bound = thresholds.repeat_interleave(width, dim=1)[:, : w.shape[1]].to(w.dtype)
+    return torch.maximum(torch.minimum(w, bound), -bound)
+
+
+# --------------------------------------------------------------------------- one block
+
+
+def _local(group: FoldGroup, prefix: str) -> FoldGroup:
+    """The group with names relative to its block (``model.layers.3.``)."""
+    strip = lambda n: n.removeprefix(prefix)  # noqa: E731
+    return dataclasses.replace(group, prev=strip(group.prev), linears=tuple(strip(n) for n in group.linears),
+                               output=strip(group.output))
+
+
+class _Recorder:
+    """One fp pass over a block: each group's module inputs (with their keyword arguments), outputs, and the
+    per-channel statistics of the group's input."""
+
+    def __init__(self, inputs: BlockInputs, groups: list[FoldGroup]) -> None:
+        self.calls: dict[str, list[tuple[torch.Tensor, dict[str, Any]]]] = {g.name: [] for g in groups}
+        self.targets: dict[str, list[torch.Tensor]] = {g.name: [] for g in groups}
+        self.lin_in: dict[str, list[torch.Tensor]] = {g.name: [] for g in groups}
+        self.stats = {g.name: ChannelStats() for g in groups}
+        block, handles = inputs.block, []
+        for g in groups:
+            mod = block.get_submodule(g.output)
+
+            def pre(_m, args, kwargs, name=g.name):
+                x = args[0] if args else kwargs["hidden_states"]
+                self.calls[name].append((x, {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+
+            def post(_m, _args, out, name=g.name):
+                self.targets[name].append((out[0] if isinstance(out, (tuple, list)) else out).detach())
+
+            def lin(_m, args, name=g.name):
+                self.lin_in[name].append(args[0].detach())
+                self.stats[name].update(args[0])
+
+            handles += [mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post),
+                        block.get_submodule(g.linears[0]).register_forward_pre_hook(lin)]
+        try:
+            inputs.forward()
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _run(module: torch.nn.Module, calls: list[tuple[torch.Tensor, dict[str, Any]]], scale: torch.Tensor | None = None):
+    for x, kw in calls:
+        out = module(x / scale if scale is not None else x, **kw)
+        yield out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _loss(module, calls, targets, scale=None) -> float:
+    """Mean squared error of ``module``'s outputs against the recorded fp outputs (fp64 sum)."""
+    total, n = 0.0, 0
+    for y, t in zip(_run(module, calls, scale), targets):
+        total += float((y.float() - t.float()).pow(2).sum(dtype=torch.float64))
+        n += t.numel()
+    return total / max(n, 1)
+
+
+def _take(items: list[torch.Tensor], samples: int | None) -> int:
+    """How many recorded batches hold the first ``samples`` windows (all when None)."""
+    if samples is None:
+        return len(items)
+    got = 0
+    for k, t in enumerate(items):
+        got += t.shape[0]
+        if got >= samples:
+            return k + 1
+    return len(items)
+
+
+@torch.no_grad()
+def search_group(
+    block: torch.nn.Module,
+    group: FoldGroup,
+    x_mean: torch.Tensor,
+    calls: list[tuple[torch.Tensor, dict[str, Any]]],
+    targets: list[torch.Tensor],
+    schemes: dict[str, Scheme | None],
+    n_grid: int = N_GRID,
+) -> tuple[torch.Tensor, float, float, float]:
+    """AWQ's grid search for one group (names relative to ``block``). ``x_mean``: per ``prev`` channel;
+    ``calls``/``targets``: the group module's recorded inputs and fp outputs; ``schemes``: per linear name
+    (None: kept full precision). Returns ``(scales [c], best ratio, loss at ratio 0 = RTN, best loss)``.
+    The block's weights are restored before returning."""
+    module = block.get_submodule(group.output)
+    lins = {n: block.get_submodule(n) for n in group.linears}
+    orig = {n: m.weight.data.clone() for n, m in lins.items()}
+    best = (float("inf"), 0.0, None)
+    loss_rtn = float("nan")
+    try:
+        for k in range(n_grid):
+            ratio = k / n_grid
+            s = awq_scales(x_mean, ratio)
+            cols = group.expand(s).to(x_mean.device)
+            for n, m in lins.items():
+                if schemes.get(n) is not None:
+                    m.weight.data = scaled_fake_quant(orig[n], cols, schemes[n]).to(orig[n].dtype)
+            loss = _loss(module, calls, targets)
+            if k == 0:
+                loss_rtn = loss
+            if loss < best[0]:
+                best = (loss, ratio, s)
+    finally:
+        for n, m in lins.items():
+            m.weight.data = orig[n]
+    return best[2], best[1], loss_rtn, best[0]
+
+
+# --------------------------------------------------------------------------- the method
+
+
+class AWQMethod:
+    name = "awq"
+    calibrated = True
+    options_type = AWQOptions
+
+    def check(self, scheme: Scheme) -> None:
+        # AWQ only rescales the weights and calls the scheme's own quantize/dequantize, so any scheme that
+        # quantizes a 2-D matrix works; one that does not says so itself when quantize_tensor runs.
+        if not hasattr(scheme, "encode") or not hasattr(scheme, "decode"):
+            raise InputError(f"awq needs a scheme that quantizes and dequantizes a matrix; {scheme.name} does not")
+
+    def run(
+        self,
+        ref: Any,
+        targets: dict[str, Scheme],
+        options: AWQOptions,
+        *,
+        device: torch.device,
+        on_block: Callable[[int, int], None] | None = None,
+    ) -> MethodResult:
+        from qkit.checkpoint import tensor_shapes
+        from qkit.models import load, read_config
+
+        t0 = time.perf_counter()
+        fold_groups(read_config(ref.directory), (n for n, _ in tensor_shapes(ref.directory)))  # refuse before loading
+        loaded = load(ref=ref, device="cpu")
+        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
+        result = awq_model(loaded.model, ids, targets, options, device=device, on_block=on_block)
+        dtypes = source_dtypes(ref.directory)
+        result.quantized = {n: _with_dtype(qt, dtypes.get(n, qt.dtype)) for n, qt in result.quantized.items()}
+        result.record = {"options": options_record(options), "calibration": provenance, **result.record,
+                         "seconds": round(time.perf_counter() - t0, 3)}
+        return result
+
+
+def awq_model(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    targets: dict[str, Scheme],
+    options: AWQOptions = AWQOptions(),
+    *,
+    device: torch.device = torch.device("cpu"),
+    on_block: Callable[[int, int], None] | None = None,
+) -> MethodResult:
+    """Run AWQ over ``model`` (a transformers llama-layout causal LM on the CPU, fp32; changed in place: its
+    scales folded, weights left full precision or quantized per ``next_inputs``) with calibration ids
+    ``[samples, seqlen]``. Returns every target's ``QuantizedTensor``, the changed non-target tensors
+    (norms, biases, a kept preceding linear) and the record (without calibration provenance)."""
+    all_groups = fold_groups(model.config, (n for n, _ in model.named_parameters()), linear_groups=options.linear_groups)
+    quantized: dict[str, QuantizedTensor] = {}
+    changed: dict[str, torch.Tensor] = {}
+    per_group: dict[str, dict[str, Any]] = {}
+    per_block: dict[str, float] = {}
+
+    def process(i: int, block: torch.nn.Module, inputs: BlockInputs) -> None:
+        t = time.perf_counter()
+        prefix = inputs.prefix
+        groups = [_local(g, prefix) for g in all_groups if g.prev.startswith(prefix)]
+        groups = [g for g in groups if any(prefix + w in targets for w in g.weight_names)]
+        schemes = {n: targets.get(f"{prefix}{n}.weight") for g in groups for n in g.linears}
+        rec = _Recorder(inputs, groups)
+        found: dict[str, torch.Tensor] = {}
+        for g in groups:
+            k = _take(rec.targets[g.name], options.search_samples)
+            x_mean = g.reduce(rec.stats[g.name].absmean.to(rec.targets[g.name][0].device), "mean")
+            s, ratio, loss_rtn, loss_best = search_group(block, g, x_mean, rec.calls[g.name][:k],
+                                                         rec.targets[g.name][:k], schemes, options.n_grid)
+            found[g.name] = s
+            per_group[g.name] = {"ratio": ratio, "loss_rtn": loss_rtn, "loss_search": loss_best}
+        for g in groups:  # fold every group (AutoAWQ: scales are searched on the unscaled block, then applied)
+            for n, v in fold(block, g, found[g.name]).items():
+                changed[prefix + n] = v.detach().clone()
+        # Clip and quantize each target linear of the block, from its folded weight and scaled inputs.
+        final: dict[str, torch.Tensor] = {}
+        for g in groups:
+            cols = g.expand(found[g.name]).to(rec.lin_in[g.name][0].device)
+            for n in g.linears:
+                scheme = schemes[n]
+                if scheme is None:
+                    continue
+                w = block.get_submodule(n).weight.data
+                clip_note = None
+                if options.clip and not n.endswith(NO_CLIP):
+                    width = clip_width(scheme, w.shape[1])
+                    if width is None:
+                        clip_note = f"skipped: {scheme.name} has no per-row scale groups to clip"
+                    else:
+                        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in rec.lin_in[g.name]])
+                        x = x[:: max(1, x.shape[0] // options.clip_tokens)][: options.clip_tokens] / cols
+                        th = clip_thresholds(w, x, scheme, width, n_grid=options.clip_grid, max_shrink=options.max_shrink)
+                        org = _units(w.float(), width).abs().amax(dim=-1)
+                        clip_note = round(float((th < org).float().mean()), 4)  # share of groups clipped
+                        w = apply_clip(w, th, width)
+                name = f"{prefix}{n}.weight"
+                qt = quantize_tensor(w, scheme, name=name)
+                quantized[name] = qt
+                final[n] = qt.dequantize(w.dtype)
+                if clip_note is not None:
+                    per_group[g.name].setdefault("clipped", {})[n.rpartition(".")[2]] = clip_note
+        # The loss with the final weights (folded, clipped, quantized) of each group, the rest of the block at
+        # full precision as in the search, on the search windows.
+        for g in groups:
+            k = _take(rec.targets[g.name], options.search_samples)
+            mine = {n: block.get_submodule(n) for n in g.linears if n in final}
+            keep = {n: m.weight.data for n, m in mine.items()}
+            try:
+                for n, m in mine.items():
+                    m.weight.data = final[n]
+                scale = g.expand(found[g.name]).to(rec.targets[g.name][0].device)
+                per_group[g.name]["loss_final"] = _loss(block.get_submodule(g.output), rec.calls[g.name][:k],
+                                                                 rec.targets[g.name][:k], scale)
+            finally:
+                for n, m in mine.items():
+                    m.weight.data = keep[n]
+        if options.next_inputs == "quantized":  # the walker feeds the next block this block's quantized outputs
+            for n, v in final.items():
+                block.get_submodule(n).weight.data = v
+        per_block[prefix.rstrip(".")] = round(time.perf_counter() - t, 3)
+
+    walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block)
+    state = model.state_dict()
+    for name, scheme in targets.items():  # targets outside the fold groups (e.g. --include lm_head): RTN
+        if name not in quantized:
+            quantized[name] = quantize_tensor(state[name].detach(), scheme, name=name)
+    replaced = {n: v for n, v in changed.items() if n not in targets}
+    for g in per_group.values():
+        for key in ("loss_rtn", "loss_search", "loss_final"):
+            if key in g:
+                g[key] = float(f"{g[key]:.6g}")
+    return MethodResult(quantized, replaced, {"groups": per_group, "block_seconds": per_block,
+                                              "next_inputs": options.next_inputs})
+
+
+def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
+    return qt if qt.dtype == dtype else dataclasses.replace(qt, dtype=dtype)
+
+
+METHOD = AWQMethod()
+
+__all__ = [
+    "AWQMethod",
+    "AWQOptions",
+    "METHOD",
+    "apply_clip",
+    "awq_model",
+    "awq_scales",
+    "clip_thresholds",
+    "clip_width",
+    "fake_quant",
+    "scaled_fake_quant",
+    "search_group",
+]
