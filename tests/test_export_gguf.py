@@ -227,6 +227,8 @@ def test_k_quant_blocks_round_trip(tmp_path, scheme, expected):
     t, src = _tensors(out), _source(d)
     for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"):
         assert t[name].tensor_type == expected[int(t[name].shape[0])], name
+    F = gguf.LlamaFileType
+    assert _fields(out)["general.file_type"] == {"q4_k": F.MOSTLY_Q4_K_S, "q6_k": F.MOSTLY_Q6_K}[scheme]
     r = verify_checkpoint(out, device="cpu")
     assert r.passed and r.logits_max_abs_diff == 0.0 and all(c.identical and c.matches_export for c in r.tensors)
     w = src["model.layers.0.self_attn.k_proj.weight"]
@@ -374,6 +376,7 @@ def test_qwen2_has_biases_an_output_and_no_permutation(tmp_path):
     out = quantize_model(src_dir, output=tmp_path / "q.gguf", scheme="q8_0", format="gguf").output
     f, t = _fields(out), _tensors(out)
     assert f["general.architecture"] == "qwen2" and "qwen2.rope.dimension_count" not in f
+    assert f["general.name"] == "qwen2"  # the model directory's name, as llama.cpp's converter falls back to
     assert t["blk.0.attn_q.bias"].tensor_type == T.F32 and t["output.weight"].tensor_type == T.F32
     src = _source(src_dir)
     assert np.array_equal(np.array(t["blk.1.attn_k.bias"].data), src["model.layers.1.self_attn.k_proj.bias"].numpy())

@@ -122,12 +122,15 @@ def block_bytes(ggml_type, cols: int) -> int:
     return cols // elems * size
 
 
-def file_type(default_name: str, resolved: list[Scheme]):
+def file_type(default: dict, resolved: list[Scheme]):
     """``general.file_type``: the llama.cpp ftype ``llama-quantize`` would record for this export.
 
-    By the default scheme's name for llama.cpp's mixtures (``q4_k_m`` -> ``MOSTLY_Q4_K_M``), else by the
-    ggml type most tensors got. Embeddings kept in F32 do not change it (llama.cpp's ``--pure`` files too).
+    ``default``: the default scheme's manifest entry. By its name for llama.cpp's mixtures (``q4_k_m`` ->
+    ``MOSTLY_Q4_K_M``), else by its ggml type (``q4_k`` -> ``MOSTLY_Q4_K_S``, llama.cpp's "mostly Q4_K",
+    even where the width fallback gave most tensors q5_0), else by the type most tensors got. Embeddings
+    kept in F32 do not change it.
     """
+    default_name = default.get("name", "")
     gguf = _gguf()
     F, T = gguf.LlamaFileType, gguf.GGMLQuantizationType
     by_name = {"q4_k_m": F.MOSTLY_Q4_K_M, "q4_k_s": F.MOSTLY_Q4_K_S, "q5_k_m": F.MOSTLY_Q5_K_M,
@@ -137,6 +140,8 @@ def file_type(default_name: str, resolved: list[Scheme]):
     by_type = {T.Q4_0: F.MOSTLY_Q4_0, T.Q4_1: F.MOSTLY_Q4_1, T.Q5_0: F.MOSTLY_Q5_0, T.Q5_1: F.MOSTLY_Q5_1,
                T.Q8_0: F.MOSTLY_Q8_0, T.Q4_K: F.MOSTLY_Q4_K_S, T.Q5_K: F.MOSTLY_Q5_K_S, T.Q6_K: F.MOSTLY_Q6_K,
                T.Q2_K: F.MOSTLY_Q2_K, T.F16: F.MOSTLY_F16, T.BF16: F.MOSTLY_BF16}
+    if default.get("ggml_type") in T.__members__ and T[default["ggml_type"]] in by_type:
+        return by_type[T[default["ggml_type"]]]
     counts = Counter(T(int(s.ggml_type)) for s in resolved)
     for t, _ in counts.most_common():
         if t in by_type:
@@ -468,6 +473,7 @@ class GGUFExport(PreparedExport):
     source: Path | None = None
     tokenizer: dict | None = None  # from Hugging Face (None: copied from ``source``)
     ftype: Any = None
+    model_name: str = "model"  # general.name without a source GGUF (llama.cpp falls back to the directory name)
 
     def writer(self, directory: Path, max_shard_bytes: int = 0) -> GGUFFileWriter:
         return GGUFFileWriter(Path(directory), self)
@@ -484,7 +490,7 @@ class GGUFExport(PreparedExport):
         if reader is not None:
             _copy_fields(w, reader, "general.", skip=_GENERAL_KEPT)
         else:
-            w.add_name(Path(str(self.config.get("_name_or_path") or "model")).name or "model")
+            w.add_name(self.model_name)
         add_architecture_metadata(w, self.arch, self.config, self.ftype)
         w.add_quantization_version(_gguf().GGML_QUANT_VERSION)
         if reader is not None:
@@ -624,11 +630,12 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
     tokenizer = None if source is not None else hf_tokenizer(directory, config, arch)
     plan = ExportPlan(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None}, (),
                       dtypes.get(next(iter(targets)), torch.float32) if targets else torch.float32)
-    ftype = file_type(manifest.get("scheme", {}).get("name", ""), resolved)
+    ftype = file_type(manifest.get("scheme", {}), resolved)
     manifest = {**manifest, "architecture": arch,
                 "tokenizer": f"copied from {source.name}" if source is not None else "converted from tokenizer.json"}
+    name = Path(str(config.get("_name_or_path") or "")).name or directory.resolve().name or "model"
     return GGUFExport(FORMAT, plan, manifest, arch=arch, config=config, outputs=outputs, source=source,
-                      tokenizer=tokenizer, ftype=ftype)
+                      tokenizer=tokenizer, ftype=ftype, model_name=name)
 
 
 def _float_array(t: torch.Tensor, ggml_type) -> np.ndarray:
