@@ -19,6 +19,8 @@ from qkit.cli.common import (
     json_target,
     use_threads,
 )
+from qkit.simulate.kv_cache import KVCacheOptions
+from qkit.simulate.llm_int8 import LLMInt8Options
 
 # Defaults live in qkit.evaluation.EvalOptions; an option left out keeps the dataclass's default.
 SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).")]
@@ -29,6 +31,10 @@ WindowOpt = Annotated[Optional[int], typer.Option("--window", help="Window lengt
 AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="Reference tokens per battery prompt for greedy agreement [default: 9].")]
 NoRepetitionPenaltyOpt = Annotated[bool, typer.Option("--no-repetition-penalty", help="Pure greedy battery answers (ignore the model's repetition penalty).")]
 EvalScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", help="Scale dtype for every scheme [default: fp16].")]
+# Run-time simulation options (rows such as llm-int8, kv-int4); defaults from their dataclasses.
+ThresholdOpt = Annotated[Optional[float], typer.Option("--threshold", help=f"LLM.int8 rows: input features with some |x| >= this run in 16-bit [default: {LLMInt8Options.threshold:g}].")]
+KvResidualOpt = Annotated[Optional[int], typer.Option("--kv-residual", help=f"KV-cache rows: the most recent tokens kept in full precision [default: {KVCacheOptions.kv_residual}].")]
+KvGroupOpt = Annotated[Optional[int], typer.Option("--kv-group", help=f"KV-cache rows with per-channel keys: tokens per key scale [default: {KVCacheOptions.kv_group}].")]
 
 
 def _eval_defaults():
@@ -48,6 +54,9 @@ def eval_(
     agree_tokens: AgreeTokensOpt = None,
     no_repetition_penalty: NoRepetitionPenaltyOpt = False,
     scale_dtype: EvalScaleDtypeOpt = None,
+    threshold: ThresholdOpt = None,
+    kv_residual: KvResidualOpt = None,
+    kv_group: KvGroupOpt = None,
     device: DeviceOpt = None,
     device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
@@ -71,6 +80,9 @@ def eval_(
         "device_map": device_map,
     }
     options = dataclasses.replace(_eval_defaults(), **{k: v for k, v in given.items() if v is not None})
+    runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
+    if runtime:
+        options = dataclasses.replace(options, runtime_options=tuple(sorted({**dict(options.runtime_options), **runtime}.items())))
     if no_repetition_penalty:
         options = dataclasses.replace(options, repetition_penalty=False)
     options.validate()  # every check that needs no model, before the model is touched
@@ -91,6 +103,10 @@ def _fmt_change(pct: float, se: float) -> str:
 def render_eval(report) -> None:
     ref = report.rows[0]
     headers = ["scheme", "bits/w", "size", "perplexity", "Δ ppl", "KL (nats)", "top-1", "battery (95% CI)", "agreement"]
+    # Rows that simulate run-time quantization get one more column: bits/w stays a weight figure.
+    runtime_bits = any(r.act_bits is not None or r.kv_bits is not None for r in report.rows)
+    if runtime_bits:
+        headers.insert(2, "A/KV bits")
     rows, styles = [], []
     for r in report.rows:
         is_ref = r is ref
@@ -98,6 +114,7 @@ def render_eval(report) -> None:
         rows.append([
             r.scheme,
             f"{r.bits_per_weight:.3f}",
+            *([_fmt_runtime_bits(r.act_bits, r.kv_bits)] if runtime_bits else []),
             human_bytes(r.size_bytes),
             f"{r.perplexity:,.2f} ± {r.perplexity_se:,.2f}",
             "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
@@ -122,3 +139,12 @@ def render_eval(report) -> None:
     )
     for line in report.notes:
         console.note(f"- {line}")
+    for r in report.rows:  # what each run-time simulation did (e.g. LLM.int8's share of 16-bit multiply-adds)
+        for stats in r.runtime_stats.values():
+            if isinstance(stats, dict) and stats.get("summary"):
+                console.note(f"- {r.scheme}: {stats['summary']}")
+
+
+def _fmt_runtime_bits(act_bits: int | None, kv_bits: int | None) -> str:
+    """"A8", "KV4", "A8 KV8" or "" (the row quantizes neither at run time)."""
+    return " ".join(p for p in (f"A{act_bits}" if act_bits else "", f"KV{kv_bits}" if kv_bits else "") if p)

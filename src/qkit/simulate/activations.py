@@ -116,7 +116,9 @@ class _Handle:
         self.hooks.clear()
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.facts)
+        f = self.facts
+        summary = f"int{f['bits']} inputs at {f['linears']} linears, one {f['scales']} scale per {f['granularity']}"
+        return {**f, "summary": summary}
 
 
 @dataclass(frozen=True)

@@ -278,7 +278,11 @@ class _Handle:
         self.modules.clear()
 
     def stats(self) -> dict[str, Any]:
-        return {**self.facts, **self.stats_.__dict__}
+        f, c = self.facts, self.stats_
+        keys = f"keys per channel in groups of {f['group']} tokens" if f["keys"] == "channel" else "keys per token"
+        summary = (f"int{f['bits']} cache, {keys}, values per token, {f['residual']} recent tokens in full precision; "
+                   f"attention calls: {c.calls_no_cache} without cache ({c.calls_mixed} mixed), {c.calls_decode} decoding")
+        return {**f, **c.__dict__, "summary": summary}
 
 
 @dataclass(frozen=True)

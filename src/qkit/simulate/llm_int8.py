@@ -182,11 +182,19 @@ class _Handle:
         per = {n: s.to_dict() for n, s in self.layers.items()}
         macs = sum(s.tokens * s.in_features * self.out_features[n] for n, s in self.layers.items())
         macs16 = sum(s.outlier_token_cols * self.out_features[n] for n, s in self.layers.items())
+        with_outliers = sum(1 for s in per.values() if s["columns_16bit"])
+        top = max(per, key=lambda n: per[n]["mac_fraction"]) if per else None
+        summary = (f"threshold {self.threshold:g}: {with_outliers} of {len(per)} linears had 16-bit columns; "
+                   f"{100 * macs16 / macs if macs else 0.0:.2f}% of multiply-adds in 16-bit")
+        if top is not None and per[top]["columns_16bit"]:
+            summary += (f" (most: {top}, {per[top]['columns_16bit']} of {per[top]['in_features']} columns, "
+                        f"{100 * per[top]['mac_fraction']:.1f}% of its multiply-adds)")
         return {
             "threshold": self.threshold,
             "linears": len(per),
             "mac_fraction": macs16 / macs if macs else 0.0,
-            "linears_with_outliers": sum(1 for s in per.values() if s["columns_16bit"]),
+            "linears_with_outliers": with_outliers,
+            "summary": summary,
             "per_linear": per,
         }
 
