@@ -32,9 +32,9 @@ AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="R
 NoRepetitionPenaltyOpt = Annotated[bool, typer.Option("--no-repetition-penalty", help="Pure greedy battery answers (ignore the model's repetition penalty).")]
 EvalScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", help="Scale dtype for every scheme [default: fp16].")]
 # Run-time simulation options (rows such as llm-int8, kv-int4); defaults from their dataclasses.
-ThresholdOpt = Annotated[Optional[float], typer.Option("--threshold", help=f"LLM.int8 rows: input features with some |x| >= this run in 16-bit [default: {LLMInt8Options.threshold:g}].")]
-KvResidualOpt = Annotated[Optional[int], typer.Option("--kv-residual", help=f"KV-cache rows: the most recent tokens kept in full precision [default: {KVCacheOptions.kv_residual}].")]
-KvGroupOpt = Annotated[Optional[int], typer.Option("--kv-group", help=f"KV-cache rows with per-channel keys: tokens per key scale [default: {KVCacheOptions.kv_group}].")]
+ThresholdOpt = Annotated[Optional[float], typer.Option("--threshold", help=f"LLM.int8 rows: input features with some |x| >= this run in 16-bit (default: {LLMInt8Options.threshold:g}).")]
+KvResidualOpt = Annotated[Optional[int], typer.Option("--kv-residual", help=f"KV-cache rows: the most recent tokens kept in full precision (default: {KVCacheOptions.kv_residual}).")]
+KvGroupOpt = Annotated[Optional[int], typer.Option("--kv-group", help=f"KV-cache rows with per-channel keys: tokens per key scale (default: {KVCacheOptions.kv_group}).")]
 
 
 def _eval_defaults():
