@@ -86,6 +86,7 @@ def quantize_model(
     device: str | None = "cpu",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     format: str = QKIT,
+    activations: str | None = None,
     allow_pickle: bool = False,
     collect: bool = False,
     method: str = RTN,
@@ -106,6 +107,9 @@ def quantize_model(
     ``gptq``, ``awq``, ...) with its ``method_options``; a method runs over the whole model first (its
     progress through ``on_block(done, total)``), then the same writer stores its tensors. What the method
     did (options, calibration text and sha256) goes into the manifest under ``method``.
+    ``activations``: with ``format="compressed-tensors"`` and ``int8-row`` weights, ``"int8-token"`` writes
+    a W8A8 checkpoint (dynamic per-token int8 activations, ``int-quantized``: the layout vLLM serves; see
+    ``qkit.export.compressed_tensors_w8a8``), typically after ``method="smoothquant"``.
     """
     t0 = time.perf_counter()
     out = Path(output)
@@ -113,6 +117,13 @@ def quantize_model(
     default = get_scheme(scheme, scale_dtype)
     rules = Rules.parse(include, exclude, keep, scale_dtype)
     dev = parse_device(device)
+    if activations is not None:  # refused before any work: only an export format can declare them
+        from qkit.export.compressed_tensors_w8a8 import check_activations
+
+        check_activations(activations)
+        if format == QKIT:
+            raise InputError("--activations declares run-time activation quantization for --format compressed-tensors "
+                             "(W8A8); a qkit checkpoint stores weights only: simulate it with qkit eval --schemes smoothquant-w8a8")
     chooser = get_method(method)
     options = make_options(chooser, method_options) if chooser else None
     if chooser is None and method_options:
@@ -128,7 +139,8 @@ def quantize_model(
         for s in {s.name: s for s in targets.values()}.values():
             chooser.check(s)
     manifest = new_manifest(default, rules)
-    export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest, ref=ref)
+    export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest, ref=ref,
+                                                         activations=activations)
     precomputed = None
     if chooser is not None:
         done = chooser.run(ref, targets, options, device=dev, on_block=on_block)

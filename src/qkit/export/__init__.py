@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qkit.checkpoint import atomic_directory, checkpoint_bytes
 from qkit.checkpoint import check_output as _check_directory
-from qkit.errors import InputError
+from qkit.errors import ExportError, InputError
 from qkit.export.common import EXPORT_MANIFEST, ExportPlan, Format, PreparedExport, make_plan
 from qkit.schemes import Scheme
 
@@ -51,12 +51,26 @@ def get_format(name: str) -> Format:
 
 def prepare_export(
     name: str, directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], manifest: dict,
-    *, ref=None,
+    *, ref=None, activations: str | None = None,
 ) -> PreparedExport:
     """Check that format ``name`` can express every target (raises ``ExportError`` before any work).
 
     ``ref``: the resolved model (``qkit.models.ModelRef``); GGUF copies the tokenizer of the GGUF it came from.
+    ``activations``: ``int8-token`` makes a compressed-tensors export W8A8 (``compressed_tensors_w8a8``); the
+    choice is recorded in the export manifest (``qkit-export.json``) under ``activations``.
     """
+    if activations is not None:
+        from qkit.export import compressed_tensors_w8a8 as w8a8
+
+        key = w8a8.check_activations(activations)
+        if name.strip().lower().replace("_", "-") not in ("compressed-tensors", "ct"):
+            raise ExportError(f"--activations {key} is exported only as compressed-tensors W8A8 (int-quantized), not "
+                              f"--format {name}; use --format compressed-tensors")
+        fmt = w8a8.W8A8Format(key)
+        plan = make_plan(directory, targets, shapes)
+        fmt.check(plan)
+        manifest["activations"] = key
+        return PreparedExport(fmt, plan, manifest)
     if is_gguf(name):
         from qkit.export import gguf
 
