@@ -7,11 +7,13 @@ spaces, the books joined by a blank line. Archive, member and the resulting text
 in ``corpora/kjv-calibration.json``. Ruth, the evaluation text, is never in it, and this is *checked*:
 
 Disjointness, by hash. Every text used for calibration (the default or a user's ``--calibration FILE``
-or ``hf:DATASET``) is cut into sentences (split after ``.``, ``?`` or ``!``, whitespace normalised);
-each sentence of at least ``MIN_SENTENCE_WORDS`` words is hashed (sha256) and compared with the hashes
-of the evaluation text's sentences and of its verses. Any common hash is refused in one line: a model
-calibrated on the text it is evaluated on would report a perplexity it has partly memorised. (Shorter
-sentences such as "And he said, Nay." recur across any long text and say nothing about overlap.)
+or ``hf:DATASET``) is compared with the evaluation text run by run: both are lower-cased, punctuation
+and whitespace dropped, and every run of ``SHINGLE_WORDS`` consecutive words is hashed (sha256). Any
+common hash is refused in one line: a model calibrated on the text it is evaluated on would report a
+perplexity it has partly memorised. Runs of words, not sentences or verses, so a verse spliced into
+other text is found whatever its line breaks and wherever its sentences are cut; 12 words because
+shorter runs recur across unrelated books of the same archive (Genesis+Exodus and Ruth share 21 runs
+of 6 words, such as "a famine in the land and", and 2 of 8 words; none of 10 or more).
 
 Sampling. The text is tokenized once (no special tokens), cut into ``floor(tokens / seqlen)``
 non-overlapping windows of ``seqlen`` tokens, and ``samples`` of them are chosen by a ``torch.randperm``
@@ -42,9 +44,7 @@ CALIBRATION_MANIFEST = "kjv-calibration.json"
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQLEN = 512
 DEFAULT_SEED = 0
-MIN_SENTENCE_WORDS = 5
-
-_SENTENCE_END = re.compile(r"(?<=[.?!])\s+")
+SHINGLE_WORDS = 12  # words per hashed run (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -100,30 +100,31 @@ def load_calibration_text(source: str | None = None) -> Corpus:
     return load_corpus(source)  # the same file / hf: handling and messages as eval's --corpus
 
 
-def _normalise(sentence: str) -> str:
-    return " ".join(sentence.split())
+_WORD = re.compile(r"\w+")
 
 
-def sentence_hashes(text: str, min_words: int = MIN_SENTENCE_WORDS) -> set[str]:
-    """sha256 of every sentence of ``text`` with at least ``min_words`` words (whitespace normalised)."""
-    out = set()
-    for s in _SENTENCE_END.split(text):
-        s = _normalise(s)
-        if len(s.split()) >= min_words:
-            out.add(hashlib.sha256(s.encode("utf-8")).hexdigest())
-    return out
+def shingle_hashes(text: str, words: int = SHINGLE_WORDS) -> set[str]:
+    """sha256 of every run of ``words`` consecutive words of ``text`` (lower-cased, punctuation ignored);
+    a text shorter than ``words`` words gives one hash of all of it (or none if it is empty)."""
+    tokens = _WORD.findall(text.lower())
+    if not tokens:
+        return set()
+    if len(tokens) < words:
+        return {hashlib.sha256(" ".join(tokens).encode("utf-8")).hexdigest()}
+    return {hashlib.sha256(" ".join(tokens[i : i + words]).encode("utf-8")).hexdigest()
+            for i in range(len(tokens) - words + 1)}
 
 
 def check_disjoint(calibration: Corpus, evaluation: Corpus) -> None:
-    """Refuse (one line) a calibration text sharing a sentence (or containing the whole) of the eval text."""
-    eval_hashes = sentence_hashes(evaluation.text)
-    common = sentence_hashes(calibration.text) & eval_hashes
-    whole = _normalise(evaluation.text) in _normalise(calibration.text)
-    if common or whole:
+    """Refuse (one line) a calibration text that shares any run of ``SHINGLE_WORDS`` words with the eval text."""
+    eval_hashes = shingle_hashes(evaluation.text)
+    common = shingle_hashes(calibration.text) & eval_hashes
+    if common:
         raise InputError(
             f"calibration text {calibration.name} overlaps the evaluation text {evaluation.name} "
-            f"({len(common)} of its {len(eval_hashes)} sentences occur in it); calibrating on the eval text "
-            "would flatter the result: pass a text without it to --calibration (the default, KJV Genesis+Exodus, is disjoint)"
+            f"({len(common)} of its {len(eval_hashes)} runs of {SHINGLE_WORDS} words occur in it); calibrating on the "
+            "eval text would flatter the result: pass a text without it to --calibration (the default, KJV "
+            "Genesis+Exodus, is disjoint)"
         )
 
 
@@ -188,5 +189,5 @@ __all__ = [
     "load_calibration_text",
     "pinned_calibration_text",
     "sample_windows",
-    "sentence_hashes",
+    "shingle_hashes",
 ]

@@ -1,0 +1,574 @@
+"""GPTQ (Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers", arXiv:2210.17323): integers and scales chosen against calibration activations.
+
+For one linear layer with weight ``W [rows, cols]`` and calibration inputs ``X [cols, n]``, GPTQ
+minimises the output error ``||W X - Ŵ X||²`` column by column. With ``H = 2 X Xᵀ`` (the Hessian of that
+error; accumulated here as ``Xᵀ X`` in fp32 batch by batch, the factor 2 and 1/n cancel), dampened by
+``λ = dampening * mean(diag H)`` on the diagonal, and ``U`` the upper Cholesky factor of ``H⁻¹``
+(fp32, computed as ``J L⁻¹ J`` from the Cholesky factor of the reversed ``H``, see ``inverse_hessian_factor``), each column ``j`` in turn is quantized and its error spread over
+the columns not yet quantized::
+
+    q_j   = Q(w_j)                          the scheme's grid, with the scale of w_j's group
+    e_j   = (w_j - q_j) / U[j, j]
+    w_k  -= e_j * U[j, k]     for k > j     (applied lazily: within a block of 128 columns at once,
+                                             then to the columns after the block in one matmul)
+
+Numerics and choices, as the reference implementation (github.com/IST-DASLab/gptq) makes them:
+
+* dead inputs (``H[i, i] == 0``: the column never sees a nonzero input): ``H[i, i] = 1``, ``W[:, i] = 0``;
+* a non-positive-definite ``H`` (Cholesky fails): the dampening is multiplied by 10 and retried, up to
+  ``MAX_DAMP_RETRIES`` times; the retries are reported in the record (after that, the layer is written
+  with RTN and the record says so);
+* scales per group are computed when the group's first column is reached, from the current (error-
+  updated) weights, with qkit's own rule for the scheme (absmax: ``scale = absmax / qmax`` stored in the
+  scheme's scale dtype and that stored value used both ways; NF4: the block's absmax, codes picked
+  exactly as ``qkit.schemes.nf4`` picks them); the lazy blocks are a multiple of the group size, so a
+  group never straddles a block and "current" is exact. Per-row and per-tensor scales are set at column 0
+  (from the original weights). A short last group per row (576 columns, g128) is a group like any other.
+* ``act_order``: columns are processed by descending ``diag(H)``; the scales are then *static groups*
+  (computed once from the original weights in the original column order, the reference's
+  ``static_groups``), so the stored checkpoint keeps the original column order and the scheme's layout;
+  codes are put back in the original order before packing.
+
+The result is a ``QuantizedTensor`` of the *same* scheme RTN writes (built with the scheme's own parts
+layout), so every writer and exporter takes it unchanged. Layers that share an input (q/k/v, gate/up)
+share one ``H`` and are solved together (their rows stacked; rows are independent in GPTQ) except for
+per-tensor scales. Targets outside the transformer blocks (or not ``nn.Linear``) are quantized with RTN,
+and the record lists them.
+
+Record (manifest ``method``): options, calibration provenance, per-layer output-side reconstruction
+error ``||W X - Ŵ X||² / ||W X||²`` on the calibration inputs for RTN and for GPTQ (computed from the
+undamped ``Xᵀ X``: ``tr(Δ XXᵀ Δᵀ)``), per-layer solve seconds, per-block seconds, dampening retries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError, SchemeError
+from qkit.granularity import PerGroup, PerTensor
+from qkit.methods import MethodResult
+from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions
+from qkit.schemes import QuantizedTensor, quantize_tensor
+from qkit.schemes.absmax import absmax_scales
+from qkit.schemes.nf4 import nf4_codes, nf4_tables
+from qkit.schemes.packing import pack_nibbles
+from qkit.schemes.registry import AbsmaxScheme, NF4Scheme
+
+DEFAULT_DAMPENING = 0.01  # fraction of mean(diag H) added to the diagonal (the reference's percdamp)
+DEFAULT_BLOCK_SIZE = 128  # columns per lazy batch update (the reference's blocksize)
+MAX_DAMP_RETRIES = 5  # dampening x10 each time H (or H^-1) is not positive definite
+
+
+@dataclass(frozen=True)
+class GPTQOptions:
+    """Options of ``--method gptq``; every default defined here once."""
+
+    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
+    calibration_samples: int = DEFAULT_SAMPLES
+    calibration_seqlen: int = DEFAULT_SEQLEN
+    calibration_seed: int = DEFAULT_SEED
+    dampening: float = DEFAULT_DAMPENING
+    act_order: bool = False
+    block_size: int = DEFAULT_BLOCK_SIZE
+    # calibration windows per forward call; None: all in one batch, one pass per block (true sequential)
+    batch_size: int | None = None
+
+    def check(self) -> None:
+        if not (isinstance(self.dampening, (int, float)) and 0 < self.dampening < 1e3 and math.isfinite(self.dampening)):
+            raise InputError(f"--dampening must be a positive fraction of the mean Hessian diagonal (e.g. 0.01), got {self.dampening!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise InputError(f"GPTQ block size must be a positive integer, got {self.block_size!r}")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise InputError(f"calibration batch size must be a positive integer, got {self.batch_size!r}")
+        self.calibration_options().check()
+
+    def calibration_options(self) -> CalibrationOptions:
+        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
+
+
+# --------------------------------------------------------------------------- grids
+
+
+class _AbsmaxGrid:
+    """qkit's absmax rule, one scale per unit of ``unit`` columns of a row (or one for the tensor).
+
+    Per-unit values are kept as rows (``[n_units, rows]``) so the column loop reads contiguous vectors."""
+
+    def __init__(self, scheme: AbsmaxScheme, rows: int, cols: int, device: torch.device):
+        self.scheme = scheme
+        self.qmax = 2 ** (scheme.bits - 1) - 1
+        g = scheme.granularity
+        self.per_tensor = isinstance(g, PerTensor)
+        self.unit = g.size if isinstance(g, PerGroup) else cols
+        self.n_units = -(-cols // self.unit)
+        r = 1 if self.per_tensor else rows
+        self.stored = torch.zeros(self.n_units, r, dtype=scheme.scale_dtype, device=device)
+        self.divisor = torch.ones(self.n_units, r, device=device)
+        self.scale = torch.zeros(self.n_units, r, device=device)
+
+    def set_unit(self, u: int, w: torch.Tensor) -> None:
+        """Scales of unit ``u`` from ``w [rows, unit_cols]`` (fp32, the current weights; any strides)."""
+        units = w.reshape(1, -1) if self.per_tensor else w
+        s = absmax_scales(units, self.scheme.bits, self.scheme.scale_dtype)[:, 0]
+        self.stored[u] = s
+        f = s.float()
+        self.scale[u] = f
+        self.divisor[u] = torch.where(f > 0, f, torch.ones_like(f))  # zero unit -> codes set to 0 in finish()
+
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
+        """Column ``w [rows]`` (fp32) -> codes (as floats) and dequantized values, written into ``codes``/``deq``."""
+        torch.div(w, self.divisor[u], out=codes).round_().clamp_(-self.qmax - 1, self.qmax)
+        torch.mul(codes, self.scale[u], out=deq)
+
+    def finish(self, codes: torch.Tensor, units: torch.Tensor) -> None:
+        """``codes [rows, cols]``: a unit whose scale is 0 (all zeros when its scale was set) gets code 0."""
+        zero = (self.scale == 0).T[:, units]  # [rows or 1, cols]
+        codes.masked_fill_(zero.expand_as(codes), 0.0)
+
+    def parts(self, codes: torch.Tensor, rows: slice) -> dict[str, torch.Tensor]:
+        """Stored parts of the rows ``rows`` (codes in the original column order)."""
+        q = codes[rows].to(torch.int8)
+        scales = self.stored.T if self.per_tensor else self.stored.T[rows]
+        shape = self.scheme.granularity.scale_shape(tuple(q.shape))
+        return {"qweight": self.scheme.pack_codes(q), "scales": scales.reshape(shape).clone()}
+
+
+class _NF4Grid:
+    """NF4 codebook, one absmax per block of ``block_size`` columns (blocks within rows: cols % 64 == 0)."""
+
+    def __init__(self, scheme: NF4Scheme, rows: int, cols: int, device: torch.device):
+        self.scheme = scheme
+        self.unit = scheme.block_size
+        self.n_units = cols // self.unit
+        self.per_tensor = False
+        self.levels, _ = nf4_tables(device)
+        self.inverse = torch.zeros(self.n_units, rows, device=device)
+        self.stored = torch.zeros(self.n_units, rows, dtype=scheme.scale_dtype, device=device)
+        self.scale = torch.zeros(self.n_units, rows, device=device)
+
+    def set_unit(self, u: int, w: torch.Tensor) -> None:
+        absmax = w.abs().amax(dim=1)
+        # qkit/bitsandbytes: codes from the fp32 absmax (w * (1 / absmax)), the absmax stored in scale_dtype
+        self.inverse[u] = 1.0 / absmax.clamp(min=1e-38)
+        self.stored[u] = absmax.to(self.scheme.scale_dtype)
+        self.scale[u] = self.stored[u].float()
+
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
+        c = nf4_codes(w * self.inverse[u])
+        codes.copy_(c)
+        torch.mul(self.levels[c], self.scale[u], out=deq)
+
+    def finish(self, codes: torch.Tensor, units: torch.Tensor) -> None:
+        pass  # a zero block: every value scales to 0 or beyond +-1; its levels times absmax 0 decode to 0
+
+    def parts(self, codes: torch.Tensor, rows: slice) -> dict[str, torch.Tensor]:
+        return {"qweight": pack_nibbles(codes[rows].to(torch.int32)), "scales": self.stored.T[rows].reshape(-1).clone()}
+
+
+def _grid(scheme: Any, rows: int, cols: int, device: torch.device):
+    if isinstance(scheme, AbsmaxScheme):
+        return _AbsmaxGrid(scheme, rows, cols, device)
+    if isinstance(scheme, NF4Scheme):
+        if cols % scheme.block_size:
+            raise SchemeError(
+                f"GPTQ with nf4 needs rows that are whole blocks of {scheme.block_size} (this matrix has {cols} "
+                "columns): NF4 blocks would cross rows; use an absmax scheme (int4-gN, int4-row) or --method rtn"
+            )
+        return _NF4Grid(scheme, rows, cols, device)
+    raise SchemeError(_unsupported(scheme))
+
+
+def _unsupported(scheme: Any) -> str:
+    return (f"GPTQ cannot choose the integers of scheme {scheme.name!r} (kind {getattr(scheme, 'kind', '?')}); "
+            "it serves absmax schemes (int8-tensor, int8-row, int4-tensor, int4-row, int4-gN, int8-gN) and nf4: "
+            "pick one of those or use --method rtn")
+
+
+# --------------------------------------------------------------------------- the solver
+
+
+@dataclass
+class SolveResult:
+    """What one GPTQ solve of a ``[rows, cols]`` matrix produced."""
+
+    codes: torch.Tensor  # [rows, cols] in the original column order (float holding integers / int codes)
+    dequantized: torch.Tensor  # [rows, cols] fp32, what the stored parts decode to
+    grid: Any  # holds the scales; ``grid.parts(codes, rows)`` gives the stored parts
+    dampening: float  # the fraction finally used
+    retries: int  # how many times the dampening was raised
+    dead: int  # dead input columns
+    fallback: bool = False  # H never became positive definite: RTN was used
+
+
+def inverse_hessian_factor(H: torch.Tensor, dampening: float, retries: int = MAX_DAMP_RETRIES) -> tuple[torch.Tensor | None, float, int]:
+    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``Uᵀ U = (H + λI)⁻¹``), ``λ = dampening * mean(diag H)``.
+
+    fp32, as the reference. Computed without forming the inverse: with ``J`` the reversal permutation and
+    ``J (H + λI) J = L Lᵀ``, ``U = J L⁻¹ J`` (upper triangular, and ``Uᵀ U = J L⁻ᵀ L⁻¹ J = (H + λI)⁻¹``):
+    one Cholesky and one triangular solve. Retries with ``dampening * 10`` while the factorisation fails;
+    returns ``(U or None, dampening used, retries)``. ``H``: symmetric ``[cols, cols]``; not modified.
+    """
+    H32 = H.to(torch.float32)
+    mean_diag = H32.diagonal().mean()
+    eye = torch.eye(H32.shape[0], dtype=torch.float32, device=H32.device)
+    damp = dampening
+    for attempt in range(retries + 1):
+        Hd = H32.flip(0, 1).clone()  # J H J; its diagonal is H's diagonal reversed
+        Hd.diagonal().add_(damp * mean_diag)
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            if bool(torch.isfinite(U).all()):
+                return U, damp, attempt
+        damp *= 10
+    return None, damp / 10, retries
+
+
+@dataclass
+class PreparedHessian:
+    """What every linear fed the same inputs shares: dead columns, the act-order permutation and ``U``."""
+
+    U: torch.Tensor | None  # fp32 [cols, cols], upper Cholesky factor of (H + λI)^-1, permuted order; None: failed
+    perm: torch.Tensor | None  # act order: processing order of the original columns
+    dead: torch.Tensor  # bool [cols]: H[i, i] == 0
+    dampening: float  # the fraction finally used
+    retries: int
+
+
+def prepare_hessian(H: torch.Tensor, dampening: float = DEFAULT_DAMPENING, act_order: bool = False) -> PreparedHessian:
+    """Dead columns (``H[i, i] = 1``), act-order permutation (descending ``diag H``) and the factor ``U``."""
+    H = H.to(torch.float32).clone()
+    dead = H.diagonal() == 0
+    H.diagonal()[dead] = 1.0
+    perm = None
+    if act_order:
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+        H = H[perm][:, perm]
+    U, damp, retries = inverse_hessian_factor(H, dampening)
+    return PreparedHessian(U, perm, dead, damp, retries)
+
+
+# Columns per inner sub-block: the per-column update touches rows x SUB_BLOCK weights, small enough for
+# torch to run it on one thread (a thread-pool barrier per column costs milliseconds on a busy machine);
+# each sub-block's error then reaches the rest of the lazy block in one matmul. Same arithmetic, regrouped.
+SUB_BLOCK = 16
+
+
+def gptq_solve(
+    W: torch.Tensor,
+    H: torch.Tensor | None,
+    scheme: Any,
+    *,
+    dampening: float = DEFAULT_DAMPENING,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    act_order: bool = False,
+    prepared: PreparedHessian | None = None,
+) -> SolveResult:
+    """GPTQ of one weight ``W [rows, cols]`` against ``H [cols, cols]`` (``Xᵀ X`` of its inputs, any scale),
+    or against ``prepared`` (``prepare_hessian(H, dampening, act_order)``, shared by layers with one input).
+
+    Runs on ``W``'s device, fp32. Returns codes in the original column order,
+    the dequantized weights and the grid holding the scales (see the module docstring for every choice).
+    """
+    rows, cols = W.shape
+    if prepared is None:
+        if H is None or tuple(H.shape) != (cols, cols):
+            raise InputError(f"H has shape {None if H is None else list(H.shape)}, expected [{cols}, {cols}]")
+        prepared = prepare_hessian(H.to(W.device), dampening, act_order)
+    perm, U = prepared.perm, prepared.U
+    device = W.device
+    W = W.to(torch.float32).clone()
+    n_dead = int(prepared.dead.sum())
+    if n_dead:
+        W[:, prepared.dead] = 0.0
+    grid = _grid(scheme, rows, cols, device)
+    static = perm is not None or grid.unit >= cols or grid.per_tensor
+    if static:  # scales from the original weights, original column order
+        for u in range(grid.n_units):
+            grid.set_unit(u, W[:, u * grid.unit : (u + 1) * grid.unit])
+    if U is None:
+        return _rtn_fallback(W, grid, prepared.dampening, prepared.retries, n_dead)
+    if perm is not None:
+        W = W[:, perm]
+    # Lazy blocks are whole groups, and every group start begins a sub-block, so a group's scale is
+    # computed from fully updated weights. The loop works on transposed copies (``[cols, rows]``), so each
+    # column is a contiguous vector.
+    unit = grid.unit
+    bs = block_size if static else unit * max(1, block_size // unit)
+    order = torch.arange(cols) if perm is None else perm.cpu()
+    unit_of = (order // unit).tolist()
+    Wt = W.T.contiguous()
+    codes_t = torch.zeros(cols, rows, device=device)
+    Q_t = torch.zeros(cols, rows, device=device)
+    for i1 in range(0, cols, bs):
+        i2 = min(i1 + bs, cols)
+        n = i2 - i1
+        W1 = Wt[i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        diag = U1.diagonal().tolist()
+        s1 = 0
+        while s1 < n:
+            s2 = min(s1 + SUB_BLOCK, n)
+            if not static:
+                s2 = min(s2, ((i1 + s1) // unit + 1) * unit - i1)
+            for i in range(s1, s2):
+                j = i1 + i
+                if not static and j % unit == 0:
+                    grid.set_unit(unit_of[j], W1[i : i + unit].T)
+                w = W1[i]
+                q = Q_t[j]
+                grid.quantize_into(w, unit_of[j], codes_t[j], q)
+                err = torch.sub(w, q, out=Err1[i]).div_(diag[i])
+                if i + 1 < s2:
+                    W1[i + 1 : s2].addr_(U1[i, i + 1 : s2], err, alpha=-1.0)
+            if s2 < n:
+                W1[s2:].addmm_(U1[s1:s2, s2:].T, Err1[s1:s2], alpha=-1.0)
+            s1 = s2
+        if i2 < cols:
+            Wt[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1.0)
+    codes, Q = codes_t.T, Q_t.T
+    if perm is not None:
+        inv = torch.argsort(perm)
+        codes, Q = codes[:, inv], Q[:, inv]
+    codes, Q = codes.contiguous(), Q.contiguous()
+    grid.finish(codes, torch.arange(cols, device=device) // unit)
+    return SolveResult(codes, Q, grid, prepared.dampening, prepared.retries, n_dead)
+
+
+def _rtn_fallback(W: torch.Tensor, grid: Any, damp: float, retries: int, n_dead: int) -> SolveResult:
+    """H never became positive definite: round to nearest on the same grid (``W`` in the original order)."""
+    for u in range(grid.n_units):
+        grid.set_unit(u, W[:, u * grid.unit : (u + 1) * grid.unit])
+    Wt = W.T.contiguous()
+    codes_t, Q_t = torch.zeros_like(Wt), torch.zeros_like(Wt)
+    for j in range(W.shape[1]):
+        grid.quantize_into(Wt[j], j // grid.unit, codes_t[j], Q_t[j])
+    codes, Q = codes_t.T.contiguous(), Q_t.T.contiguous()
+    grid.finish(codes, torch.arange(W.shape[1], device=W.device) // grid.unit)
+    return SolveResult(codes, Q, grid, damp, retries, n_dead, fallback=True)
+
+
+def output_errors(W: torch.Tensor, W_hats: list[torch.Tensor], XtX: torch.Tensor) -> list[float]:
+    """``||W X - Ŵ X||² / ||W X||²`` for each ``Ŵ`` of ``W_hats``, from ``XtX = X Xᵀ`` (any positive scale):
+    ``tr(Δ G Δᵀ) / tr(W G Wᵀ)`` with ``Δ = W - Ŵ``; one fp32 matmul for all, sums in fp64."""
+    G = XtX.to(torch.float32)
+    W = W.to(device=G.device, dtype=torch.float32)
+    M = torch.cat([W, *(W - h.to(device=G.device, dtype=torch.float32) for h in W_hats)])
+    per_row = ((M @ G) * M).to(torch.float64).view(1 + len(W_hats), W.shape[0], -1).sum(dim=(1, 2))
+    den = float(per_row[0])
+    return [float(v / den) if den > 0 else 0.0 for v in per_row[1:]]
+
+
+def output_error(W: torch.Tensor, W_hat: torch.Tensor, XtX: torch.Tensor) -> float:
+    """``||W X - Ŵ X||² / ||W X||²`` (see ``output_errors``)."""
+    return output_errors(W, [W_hat], XtX)[0]
+
+
+# --------------------------------------------------------------------------- the method
+
+
+def _source_dtypes(directory) -> dict[str, torch.dtype]:
+    from qkit.checkpoint import open_safetensors, weight_files
+
+    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+    out = {}
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            for k in f.keys():
+                out[k] = names.get(f.get_slice(k).get_dtype(), torch.float32)
+    return out
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Run the column loop on one CPU thread, then restore the count. Its operations touch a few thousand
+    numbers each; with a thread pool every one pays a barrier, which costs milliseconds when the cores
+    are shared with other processes (measured: a 576x1536 solve 1.3 s on one thread, 7.9 s on two, on a
+    busy 2-core machine). The large matmuls (Hessians, forward passes) run outside, on every thread."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class _Inputs:
+    """``Xᵀ X`` (fp32) per distinct input tensor: linears called in a row with the *same* tensor object
+    (q/k/v on the attention norm's output, gate/up on the MLP norm's) share one accumulator and one
+    prepared factor."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.owner: dict[str, str] = {}
+        self.tokens: dict[str, int] = {}
+        self._last: tuple[torch.Tensor, str] | None = None
+
+    def add(self, name: str, x: torch.Tensor) -> str:
+        """Account ``x`` (the input of linear ``name``); returns the name owning its accumulator."""
+        if self._last is not None and self._last[0] is x:
+            self.owner[name] = self._last[1]
+            return self._last[1]
+        self._last = (x, name)
+        self.owner[name] = name
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        if name not in self.sums:
+            self.sums[name] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)
+            self.tokens[name] = 0
+        self.sums[name].addmm_(x2.T, x2)
+        self.tokens[name] += x2.shape[0]
+        return name
+
+    def release(self) -> None:
+        self._last = None
+
+
+@dataclass
+class GPTQMethod:
+    """``--method gptq``: see the module docstring."""
+
+    name: str = "gptq"
+    calibrated: bool = True
+    options_type: type = GPTQOptions
+
+    def check(self, scheme: Any) -> None:
+        if isinstance(scheme, (AbsmaxScheme, NF4Scheme)):
+            return  # nf4 rows that are not whole blocks of 64 are refused per matrix, before any pass
+        raise SchemeError(_unsupported(scheme))
+
+    def run(self, ref: Any, targets: dict[str, Any], options: GPTQOptions, *, device: torch.device,
+            on_block: Callable[[int, int], None] | None = None) -> MethodResult:
+        from qkit.checkpoint import iter_tensors, tensor_shapes
+        from qkit.methods.calibration import calibration_ids
+        from qkit.methods.sequential import walk_blocks
+        from qkit.models import load
+        from qkit.schemes.registry import as_2d
+
+        options.check()
+        for scheme in targets.values():
+            self.check(scheme)
+        shapes = dict(tensor_shapes(ref.directory))
+        for name, scheme in targets.items():  # a matrix NF4 cannot serve row-wise: refused before any work
+            if isinstance(scheme, NF4Scheme) and name in shapes:
+                cols = as_2d(shapes[name])[1]
+                if cols % scheme.block_size:
+                    raise SchemeError(
+                        f"GPTQ with nf4 needs rows that are whole blocks of {scheme.block_size}; {name} has {cols} "
+                        "columns (NF4 blocks would cross rows): use an absmax scheme (int4-gN) or --method rtn"
+                    )
+        t_start = time.perf_counter()
+        loaded = load(ref=ref, device="cpu", dtype=torch.float32)
+        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
+        batch = options.batch_size or ids.shape[0]
+        one_pass = batch >= ids.shape[0]
+        dtypes = _source_dtypes(ref.directory)
+        quantized: dict[str, QuantizedTensor] = {}
+        layers: dict[str, dict[str, Any]] = {}
+        blocks: list[dict[str, Any]] = []
+
+        def solve(full: str, linear: torch.nn.Linear, XtX: torch.Tensor, prepared: PreparedHessian, tokens: int,
+                  shared: float) -> None:
+            scheme = targets[full]
+            ts = time.perf_counter()
+            W = linear.weight.detach().to(device=XtX.device, dtype=torch.float32)
+            with _one_thread():
+                solved = gptq_solve(W, None, scheme, block_size=options.block_size, prepared=prepared)
+            seconds = time.perf_counter() - ts
+            parts = {k: v.cpu() for k, v in solved.grid.parts(solved.codes, slice(0, W.shape[0])).items()}
+            qt = QuantizedTensor.from_parts(scheme, parts, tuple(linear.weight.shape), dtypes.get(full, torch.float32))
+            W_hat = qt.dequantize(torch.float32)
+            rtn = quantize_tensor(linear.weight.detach().cpu(), scheme, name=full).dequantize(torch.float32)
+            rtn_err, gptq_err = output_errors(W, [rtn, W_hat], XtX)
+            layers[full] = {
+                "rtn_error": rtn_err,
+                "gptq_error": gptq_err,
+                "seconds": round(seconds + shared, 4),
+                "tokens": tokens,
+                "dampening": solved.dampening,
+                "dampening_retries": solved.retries,
+                "dead_columns": solved.dead,
+                **({"fallback": "rtn (H not positive definite)"} if solved.fallback else {}),
+            }
+            quantized[full] = qt
+            linear.weight.data.copy_(W_hat.to(linear.weight.device))
+
+        def prepare(XtX: torch.Tensor) -> PreparedHessian:
+            with _one_thread():
+                return prepare_hessian(XtX, options.dampening, options.act_order)
+
+        def process(i: int, block: torch.nn.Module, inputs) -> list[torch.Tensor] | None:
+            t0 = time.perf_counter()
+            linears = {n: m for n, m in inputs.linears().items() if inputs.prefix + n + ".weight" in targets}
+            if not linears:
+                return None
+            acc = _Inputs()
+            if one_pass:
+                # True sequential, one pass: each linear is quantized in its forward pre-hook, from inputs
+                # that already went through the block's quantized earlier linears; the block's outputs are
+                # the next block's inputs. Linears fed the same tensor share its Hessian and factor.
+                cache: dict[str, PreparedHessian] = {}
+
+                def quantize_now(n: str, x: torch.Tensor) -> None:
+                    tp = time.perf_counter()
+                    owner = acc.add(n, x)
+                    if owner == n:
+                        cache.clear()
+                        cache[owner] = prepare(acc.sums[owner])
+                    shared = time.perf_counter() - tp
+                    solve(inputs.prefix + n + ".weight", linears[n], acc.sums[owner], cache[owner], acc.tokens[owner], shared)
+
+                outputs = inputs.forward(on_input=quantize_now, modules=linears)
+            else:
+                # Batches: accumulate every Hessian with the block's original weights, quantize, and let the
+                # walker run the block again with the quantized weights.
+                inputs.forward(on_input=acc.add, modules=linears)
+                outputs = None
+                prepared = {}
+                for n in linears:
+                    owner = acc.owner[n]
+                    tp = time.perf_counter()
+                    if owner not in prepared:
+                        prepared[owner] = prepare(acc.sums[owner])
+                    solve(inputs.prefix + n + ".weight", linears[n], acc.sums[owner], prepared[owner],
+                          acc.tokens[owner], time.perf_counter() - tp)
+            acc.release()
+            blocks.append({"block": i, "seconds": round(time.perf_counter() - t0, 3)})
+            return outputs
+
+        walk_blocks(loaded.model, ids, process, device=device, batch_size=batch, on_block=on_block)
+        rtn_fallback = sorted(set(targets) - set(quantized))
+        if rtn_fallback:  # targets outside the blocks (or not nn.Linear): round to nearest, streamed
+            for name, tensor in iter_tensors(ref.directory):
+                if name in rtn_fallback:
+                    quantized[name] = quantize_tensor(tensor, targets[name], name=name)
+        record = {
+            "options": dataclasses.asdict(options),
+            "calibration": provenance,
+            "passes": "one per block (true sequential: each linear quantized in its forward pre-hook)" if one_pass
+            else "two per block (Hessians with the original weights, then the block re-run quantized)",
+            "hessian": "X^T X accumulated in fp32; dampening and the Cholesky factor of the inverse in fp32",
+            "scales": ("static groups from the original weights, original column order (act_order)" if options.act_order
+                       else "per group when its first column is reached, from the error-updated weights"),
+            "layers": dict(sorted(layers.items())),
+            "blocks": blocks,
+            "dampening_retries": {n: r["dampening_retries"] for n, r in sorted(layers.items()) if r["dampening_retries"]},
+            "rtn_fallback": rtn_fallback,
+            "seconds": round(time.perf_counter() - t_start, 3),
+        }
+        return MethodResult(quantized=quantized, replaced={}, record=record)
+
+
+METHOD = GPTQMethod()
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_DAMPENING", "GPTQOptions", "METHOD", "PreparedHessian", "SolveResult",
+           "gptq_solve", "inverse_hessian_factor", "output_error", "output_errors", "prepare_hessian"]
