@@ -49,7 +49,7 @@ def test_pinned_calibration_text_is_genesis_and_exodus_and_never_ruth():
 
 def test_a_calibration_text_with_one_verse_of_ruth_is_refused_in_one_line():
     ruth = load_corpus()
-    verse = "And Ruth said, Intreat me not to leave thee, or to return from following after thee: for whither thou goest, I will go; and where thou lodgest, I will lodge: thy people shall be my people, and thy God my God:"
+    verse = "And Ruth said, Entreat me not to leave thee, or to return from following after thee: for whither thou goest, I will go; and where thou lodgest, I will lodge: thy people shall be my people, and thy God my God:"
     assert verse in ruth.text
     text = "Some other text of my own making here. " * 50 + "\n" + verse.replace(" ", "  \n", 3) + " More text follows here now."
     with pytest.raises(InputError) as err:
