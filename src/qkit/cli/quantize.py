@@ -9,6 +9,9 @@ import typer
 
 from qkit import console
 from qkit.cli.common import (
+    CalibrationOpt,
+    CalibrationSamplesOpt,
+    CalibrationSeqlenOpt,
     DeviceOpt,
     JsonOpt,
     ModelArg,
@@ -21,7 +24,10 @@ from qkit.cli.common import (
     json_target,
     parse_size,
     use_threads,
+    calibration_options,
 )
+from qkit.methods import RTN, method_names
+from qkit.methods.gptq import DEFAULT_DAMPENING
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 
 SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")]
@@ -31,6 +37,10 @@ IncludeOpt = Annotated[list[str], typer.Option("--include", help="Also quantize 
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Never quantize tensors matching this glob (repeatable).")]
 KeepOpt = Annotated[list[str], typer.Option("--keep", help="SCHEME:GLOB, e.g. int8:'*.down_proj.weight' or none:GLOB (repeatable).")]
 FormatOpt = Annotated[str, typer.Option("--format", help="qkit; compressed-tensors (int4-gN, int8-gN, int4-row, int8-row: vLLM, transformers); bitsandbytes (nf4: transformers); gguf (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k: llama.cpp; -o FILE.gguf, or a directory for model.gguf).")]
+ActivationsOpt = Annotated[Optional[str], typer.Option("--activations", help="int8-token: with --format compressed-tensors and int8-row weights, a W8A8 checkpoint (dynamic per-token int8 activations, the layout vLLM serves); use after --method smoothquant.", show_default=False)]
+MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and scales are chosen: {', '.join(method_names())} (rtn: round to nearest, no calibration; gptq/awq: calibrated, see --calibration).")]
+ActOrderOpt = Annotated[bool, typer.Option("--act-order", help="gptq: quantize columns by descending Hessian diagonal (scales: static groups; the checkpoint keeps the original column order).")]
+DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
 
@@ -45,6 +55,13 @@ def quantize(
     exclude: ExcludeOpt = [],
     keep: KeepOpt = [],
     fmt: FormatOpt = "qkit",
+    method: MethodOpt = RTN,
+    calibration: CalibrationOpt = None,
+    calibration_samples: CalibrationSamplesOpt = None,
+    calibration_seqlen: CalibrationSeqlenOpt = None,
+    act_order: ActOrderOpt = False,
+    dampening: DampeningOpt = None,
+    activations: ActivationsOpt = None,
     max_shard_size: MaxShardOpt = None,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
@@ -72,8 +89,16 @@ def quantize(
     if removed:
         console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
                        f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
+    method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
+                                         act_order=act_order or None, dampening=dampening)
     use_threads(threads)
     with console.progress() as bar:
+
+        def on_block(done: int, total: int) -> None:
+            if done == 1:
+                bar.start(f"calibrating ({method}), block by block", total)
+            bar.advance()
+
         result = quantize_model(
             model,
             output=output,
@@ -85,10 +110,14 @@ def quantize(
             force=force,
             device=device,
             format=fmt,
+            activations=activations,
             **shard,
             allow_pickle=allow_pickle,
             on_start=lambda n: bar.start(f"quantizing ({scheme})", n),
             on_tensor=bar.callback(),
+            method=method,
+            method_options=method_options or None,
+            on_block=on_block,
         )
     render_quantize(result)
     if json_path:
@@ -109,10 +138,30 @@ def render_quantize(result) -> None:
             ["size before", human_bytes(result.bytes_before)],
             ["size after", human_bytes(result.bytes_after)],
             ["seconds", f"{result.seconds:.1f}"],
+            *_method_rows(result),
         ],
         title=f"qkit quantize: {result.model}",
         show_header=False,
     )
+
+
+def _method_rows(result) -> list[list[str]]:
+    """What a calibrated method did: its name, calibration text and, where recorded, the output error."""
+    if result.method == RTN:
+        return []
+    rec = result.method_record or {}
+    cal = rec.get("calibration") or {}
+    rows = [["method", result.method]]
+    if cal:
+        rows.append(["calibration", f"{cal.get('name')} ({cal.get('samples')} x {cal.get('seqlen')} tokens, "
+                                    f"sha256 {str(cal.get('sha256'))[:12]}...)"])
+    layers = [v for v in (rec.get("layers") or {}).values() if "rtn_error" in v and f"{result.method}_error" in v]
+    if layers:
+        rtn = sum(v["rtn_error"] for v in layers) / len(layers)
+        got = sum(v[f"{result.method}_error"] for v in layers) / len(layers)
+        rows.append(["output error ||WX-ŴX||²/||WX||²", f"{got:.5f} ({result.method}) vs {rtn:.5f} (rtn), "
+                                                        f"mean of {len(layers)} matrices on the calibration inputs"])
+    return rows
 
 
 # --------------------------------------------------------------------------- verify (export conformance)
@@ -146,4 +195,10 @@ def render_verify(r) -> None:
     console.note(f"weights: {r.weight_rule} required: {'ok' if r.weights_ok else 'FAILED'}")
     console.note(f"logits on a fixed {r.prompt_tokens}-token prompt: max |diff| {r.logits_max_abs_diff:.3g} "
                  f"(tolerance {r.logits_tolerance:.3g}, max |logit| {r.logits_scale:.3g}): {'ok' if r.logits_ok else 'FAILED'}")
+    if r.activations is not None:
+        a = r.activations
+        console.note(f"activations (W8A8): the logits above use compressed-tensors' own per-token rule on qkit's side; "
+                     f"against qkit's {a['simulation']} simulation max |diff| {a['max_abs_diff']:.3g} (tolerance "
+                     f"{a['tolerance']:.3g} = 2 x the activation quantization's own effect {a['activation_effect']:.3g}): "
+                     f"{'ok' if a['ok'] else 'FAILED'}")
     console.note("verified" if r.passed else "NOT verified", style="bold green" if r.passed else "bold red")
