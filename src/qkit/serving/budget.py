@@ -37,7 +37,7 @@ from qkit.errors import InputError
 from qkit.schemes import get_scheme
 from qkit.schemes.quantized import as_2d
 from qkit.schemes.registry import AbsmaxScheme, NF4Scheme, Scheme
-from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, read_config_file
+from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, check_kv_dtype, read_config_file
 from qkit.transform import is_block_projection
 
 GIB = 2**30
@@ -346,6 +346,7 @@ def budget(
         raise InputError(f"--reserve must be >= 0 GiB (got {reserve_gib})")
     if conversation < 1:
         raise InputError(f"--conversation must be at least 1 token (got {conversation})")
+    kv_dtype = check_kv_dtype(kv_dtype)  # fp16, ..., int8 / int4 (codes + an fp16 scale per token and kv head)
     if not (models or presets or configs):
         presets = tuple(PRESETS)
     specs = model_specs(models, presets, configs)

@@ -40,16 +40,51 @@ EQUIVALENT_SPLITS: tuple[tuple[int, int], ...] = ((32, 2048), (64, 1024), (128, 
 MEASURE_SEED = 0
 
 
-def kv_dtype(name: str) -> torch.dtype:
+# Integer caches (what ``qkit eval``'s kv-int8 / kv-int4-token rows simulate): per token and kv head,
+# ``head_dim`` codes of ``bits`` bits plus one fp16 scale, for the key and for the value. (KIVI's per-channel
+# keys, the kv-int4 row, keep one fp16 scale per channel per group of G tokens instead: ``2 * head_dim / G``
+# bytes per token and head, 4 B for head_dim 64 and G = 32, against 2 B here.)
+INT_KV_BITS: dict[str, int] = {"int8": 8, "int4": 4}
+KV_SCALE_BYTES = 2  # one fp16 scale per token per kv head
+
+
+def check_kv_dtype(name: str) -> str:
+    """The canonical cache dtype name (``float16`` -> ``fp16``; ``int8``, ``int4``), or one line naming the valid ones."""
     key = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}.get(name, name)
-    if key not in KV_DTYPES:
-        raise InputError(f"unknown cache dtype {name!r}; use one of {', '.join(KV_DTYPES)}")
+    if key not in KV_DTYPES and key not in INT_KV_BITS:
+        raise InputError(f"unknown cache dtype {name!r}; use one of {', '.join([*KV_DTYPES, *INT_KV_BITS])}")
+    return key
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a floating-point cache dtype name (integer caches have none: they are simulated)."""
+    key = check_kv_dtype(name)
+    if key in INT_KV_BITS:
+        raise InputError(f"an {key} cache has no torch dtype to run a model in; measure with fp16, bf16 or fp32 "
+                         f"(qkit eval's kv-{key} rows simulate it)")
     return KV_DTYPES[key]
 
 
 def dtype_bytes(name: str) -> int:
-    """Bytes per element of a cache dtype name (``fp16`` -> 2), from ``torch.dtype.itemsize``."""
+    """Bytes per element of a floating-point cache dtype name (``fp16`` -> 2), from ``torch.dtype.itemsize``."""
     return kv_dtype(name).itemsize
+
+
+def head_bytes_per_token(name: str, head_dim: int) -> int:
+    """Bytes one token costs one kv head for one of key/value: ``head_dim x bytes`` for a float dtype;
+    ``ceil(head_dim x bits / 8) + 2`` (codes plus an fp16 scale) for int8 / int4."""
+    key = check_kv_dtype(name)
+    if key in INT_KV_BITS:
+        return -(-head_dim * INT_KV_BITS[key] // 8) + KV_SCALE_BYTES
+    return head_dim * dtype_bytes(key)
+
+
+def kv_formula(layers: int, kv_heads: int, head_dim: int, name: str) -> str:
+    """The bytes-per-token formula in words, e.g. ``2 x 30 x 3 x 64 x 2 (fp16)`` or ``2 x 30 x 3 x (64 x 4/8 + 2) (int4)``."""
+    key = check_kv_dtype(name)
+    if key in INT_KV_BITS:
+        return f"2 x {layers} x {kv_heads} x ({head_dim} x {INT_KV_BITS[key]}/8 + {KV_SCALE_BYTES}) ({key} codes + fp16 scale per token and head)"
+    return f"2 x {layers} x {kv_heads} x {head_dim} x {dtype_bytes(key)} ({key})"
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, bytes_per_element: int) -> int:
@@ -80,7 +115,8 @@ class Architecture:
         return "MQA" if self.kv_heads == 1 else f"GQA ({self.heads // self.kv_heads} query heads per kv head)"
 
     def kv_bytes_per_token(self, dtype: str = DEFAULT_KV_DTYPE, kv_heads: int | None = None) -> int:
-        return kv_bytes_per_token(self.layers, self.kv_heads if kv_heads is None else kv_heads, self.head_dim, dtype_bytes(dtype))
+        """``2 x layers x kv_heads x head_bytes_per_token(dtype, head_dim)`` (int8/int4 include their scales)."""
+        return 2 * self.layers * (self.kv_heads if kv_heads is None else kv_heads) * head_bytes_per_token(dtype, self.head_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,7 +229,7 @@ def check_options(
     """Every check of ``kv_report``'s options; none needs the model."""
     if tokens < 1 or users < 1:
         raise InputError(f"--tokens and --users must be at least 1 (got {tokens} and {users})")
-    kv_dtype(dtype)
+    check_kv_dtype(dtype)
     if model is not None and config is not None:
         raise InputError("give either MODEL or --config, not both")
     if measure:
