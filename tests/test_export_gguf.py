@@ -533,3 +533,24 @@ def test_cli_quantize_gguf_and_verify_the_file(tiny_model_dir, tmp_path):
                               str(tmp_path / "no.gguf"), "--device", "cpu"])
     assert res.exit_code == 2 and res.output.startswith("error: ") and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "no.gguf").exists()
+
+
+@pytest.mark.slow
+def test_requantizing_the_published_q4_1_reproduces_llama_cpps_file(default_model_dir, tmp_path):
+    """The default model was published as Q4_1 by llama.cpp; its weights, dequantized and exported again with
+    qkit's q4_1, give back the published file's blocks byte for byte in every one of the 210 matrices, q/k
+    (permuted by the writer) included: llama.cpp's names, layouts and permutation, checked against llama.cpp."""
+    from qkit import assets
+
+    out = quantize_model(None, output=tmp_path / "smol-q4_1.gguf", scheme="q4_1", format="gguf").output
+    ours, src = _tensors(out), _tensors(assets.DEFAULT_MODEL.path)
+    checked = 0
+    for name, t in src.items():
+        if t.tensor_type == T.Q4_1:
+            assert ours[name].tensor_type == T.Q4_1 and np.array_equal(np.array(ours[name].data), np.array(t.data)), name
+            checked += 1
+    assert checked == 210
+    # qkit verify reads a file qkit did not write (no record): qkit, gguf and transformers agree on it too
+    r = verify_checkpoint(assets.DEFAULT_MODEL.path, device="cpu")
+    assert r.passed and r.logits_max_abs_diff == 0.0 and all(c.matches_export is None for c in r.tensors)
+    assert {s: v["tensors"] for s, v in r.by_scheme().items()} == {"q4_1": 210, "q8_0": 1}  # token_embd is Q8_0
