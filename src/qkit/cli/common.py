@@ -15,6 +15,9 @@ import typer
 
 from qkit import console
 from qkit.errors import InputError, QkitError
+from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
+from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
+from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
 
 # --------------------------------------------------------------------------- shared options (defined once)
 
@@ -54,6 +57,42 @@ ThreadsOpt = Annotated[
         show_default=False,
     ),
 ]
+
+# Calibration text of the calibrated methods (gptq, awq, smoothquant): shared by quantize and eval. The
+# defaults live in qkit.methods.calibration; a value not given is not passed, so each method's options
+# dataclass applies its own default.
+CalibrationOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--calibration",
+        help="Calibration text of a calibrated method: a UTF-8 file or hf:DATASET[:CONFIG[:SPLIT]] (default: the "
+        "pinned KJV Genesis+Exodus; a text sharing any 12-word run with the eval text is refused).",
+        metavar="FILE|hf:DATASET",
+        show_default=False,
+    ),
+]
+CalibrationSamplesOpt = Annotated[
+    Optional[int],
+    typer.Option("--calibration-samples", help=f"Calibration windows (default {_CAL_SAMPLES}).", metavar="N", show_default=False),
+]
+CalibrationSeqlenOpt = Annotated[
+    Optional[int],
+    typer.Option("--calibration-seqlen", help=f"Tokens per calibration window (default {_CAL_SEQLEN}).", metavar="L", show_default=False),
+]
+
+# SmoothQuant's migration strength and AWQ's clipping search; defaults in their options dataclasses.
+AlphaOpt = Annotated[
+    Optional[float],
+    typer.Option("--alpha", help=f"smoothquant: migration strength in [0, 1], s = max|X|^alpha / max|W|^(1-alpha) "
+                 f"(default {_SQ_ALPHA}).", show_default=False),
+]
+NoClipOpt = Annotated[bool, typer.Option("--no-clip", help="awq: skip the clipping search (on by default, as in AutoAWQ).")]
+
+
+def calibration_options(calibration: str | None, samples: int | None, seqlen: int | None, **more) -> dict:
+    """The method options the user gave (None: not given, the method's default applies)."""
+    given = {"calibration": calibration, "calibration_samples": samples, "calibration_seqlen": seqlen, **more}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 # --------------------------------------------------------------------------- errors, output targets, threads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +13,8 @@ from qkit.cli.common import (
     CalibrationOpt,
     CalibrationSamplesOpt,
     CalibrationSeqlenOpt,
+    AlphaOpt,
+    NoClipOpt,
     DeviceOpt,
     JsonOpt,
     ModelArg,
@@ -61,6 +64,8 @@ def quantize(
     calibration_seqlen: CalibrationSeqlenOpt = None,
     act_order: ActOrderOpt = False,
     dampening: DampeningOpt = None,
+    alpha: AlphaOpt = None,
+    no_clip: NoClipOpt = False,
     activations: ActivationsOpt = None,
     max_shard_size: MaxShardOpt = None,
     device: DeviceOpt = None,
@@ -90,7 +95,8 @@ def quantize(
         console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
                        f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
-                                         act_order=act_order or None, dampening=dampening)
+                                         act_order=act_order or None, dampening=dampening,
+                                         alpha=alpha, clip=False if no_clip else None)
     use_threads(threads)
     with console.progress() as bar:
 
@@ -161,6 +167,18 @@ def _method_rows(result) -> list[list[str]]:
         got = sum(v[f"{result.method}_error"] for v in layers) / len(layers)
         rows.append(["output error ||WX-ŴX||²/||WX||²", f"{got:.5f} ({result.method}) vs {rtn:.5f} (rtn), "
                                                         f"mean of {len(layers)} matrices on the calibration inputs"])
+    groups = [v for v in (rec.get("groups") or {}).values() if "loss_rtn" in v and "loss_final" in v]
+    if groups:  # awq: each group's output error, its final (scaled, clipped) weights against plain RTN
+        ratio = math.exp(sum(math.log(v["loss_final"] / v["loss_rtn"]) for v in groups if v["loss_rtn"] > 0
+                             and v["loss_final"] > 0) / len(groups))
+        rows.append(["group output MSE, awq / rtn", f"{ratio:.3f} (geometric mean over {len(groups)} groups, "
+                                                    "calibration windows of the search)"])
+    smoothed = [v for v in (rec.get("groups") or {}).values() if "outlier_ratio_before" in v]
+    if smoothed:  # smoothquant: how far the largest input channel sits above the median one
+        before = max(v["outlier_ratio_before"] for v in smoothed)
+        after = max(v["outlier_ratio_after"] for v in smoothed)
+        rows.append(["input max/median channel", f"{before:,.1f} -> {after:,.1f} (worst of {len(smoothed)} groups, "
+                                                 f"alpha {rec.get('options', {}).get('alpha')})"])
     return rows
 
 
