@@ -7,6 +7,9 @@ Storage, per scheme kind (this is also the on-disk layout, see ``qkit.checkpoint
   flattened matrix, packed two per byte, even element in the high nibble (``qkit.schemes.packing``).
 * nf4: ``qweight`` uint8 ``[ceil(n/2)]`` with the same nibble order (identical to bitsandbytes' bytes);
   ``scales`` the per-block absmax ``[ceil(n/64)]``.
+* ggml (llama.cpp block types q8_0 ... q6_k, ``qkit.schemes.ggml`` / ``kquants``): ``qweight`` uint8
+  ``[rows, bytes_per_row]``, row ``r`` exactly llama.cpp's blocks of row ``r``; the scales live inside the
+  blocks, so ``scales`` is an empty fp16 tensor (and ``encode`` itself refuses NaN/inf weights).
 
 Tensors with more than two dimensions are quantized as ``[shape[0], prod(shape[1:])]``; 1-D as ``[1, n]``.
 """

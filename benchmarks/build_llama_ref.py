@@ -1,0 +1,234 @@
+"""Build llama.cpp's reference quantizers once, into the qkit cache, and record the k-quant golden values.
+
+    python benchmarks/build_llama_ref.py                   # fetch + build ggml-base (about 30 s of compiling)
+    python benchmarks/build_llama_ref.py --record-golden   # ... and rewrite tests/golden/kquants.json
+
+Nothing of llama.cpp is committed to this repository: ``pip download`` fetches the source distribution of
+llama-cpp-python (pinned below; it vendors llama.cpp at a fixed commit) into
+``qkit.assets.cache_dir() / "llama_ref"``, and cmake builds the ``ggml-base`` library there (it holds
+``ggml-quants.c``, the reference quantizers ``quantize_row_*_ref`` that ``ggml_quantize_chunk`` calls when
+no importance matrix is given: what ``llama-quantize`` runs per row). The library is used through
+``ctypes``: :func:`load` returns a :class:`Reference` (or ``None`` when it is not built), which
+``tests/test_schemes_kquants.py`` and ``benchmarks/bench_ggml.py`` use when present.
+
+``--record-golden`` quantizes a fixed set of inputs (seeded numpy draws, edge cases, and rows of the
+default model when it is in the cache) with the C reference, for q4_k and q6_k and, for the cases where
+the ``gguf`` package and llama.cpp disagree (signed zeros, weights below fp32's normal range), for the
+32-block types, and writes inputs and expected bytes (base64) with the llama.cpp version, compiler and
+this command to ``tests/golden/kquants.json``. The tests then need no compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import ctypes
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qkit.assets import cache_dir
+
+LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp at the commit below
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # ggml 0.25.3
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "kquants.json"
+
+
+def ref_dir() -> Path:
+    return cache_dir() / "llama_ref" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
+
+
+def lib_path() -> Path:
+    return ref_dir() / "build" / "bin" / "libggml-base.so"
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run(cmd, cwd=cwd, check=True)
+
+
+def fetch() -> Path:
+    """The vendored llama.cpp source tree (downloaded and extracted on first use)."""
+    src = ref_dir() / "src"
+    if (src / "ggml" / "src" / "ggml-quants.c").exists():
+        return src
+    dl = ref_dir() / "download"
+    dl.mkdir(parents=True, exist_ok=True)
+    sdist = dl / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "--no-deps",
+              "--no-binary", ":all:", "-d", str(dl)])
+    tmp = ref_dir() / "extract.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix + "vendor/llama.cpp/")
+                   or m.name.startswith(prefix + ".git/modules/vendor/llama.cpp/")]
+        tar.extractall(tmp, members=members, filter="data")
+    shutil.rmtree(src, ignore_errors=True)
+    (tmp / prefix / "vendor" / "llama.cpp").rename(src)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return src
+
+
+def build(targets: tuple[str, ...] = ("ggml-base",)) -> Path:
+    """Configure (Release, shared libraries, no tests/examples/server) and build ``targets``."""
+    src = fetch()
+    out = ref_dir() / "build"
+    if not (out / "CMakeCache.txt").exists():
+        _run(["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+              "-DLLAMA_CURL=OFF", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"])
+    _run(["cmake", "--build", str(out), "--target", *targets, "-j", "2"])
+    return lib_path()
+
+
+@dataclass
+class Reference:
+    """llama.cpp's ``ggml_quantize_chunk`` (no importance matrix) through ctypes."""
+
+    lib: ctypes.CDLL
+
+    def quantize(self, x: np.ndarray, ggml_type) -> np.ndarray:
+        """fp32 ``[rows, cols]`` -> uint8 ``[rows, bytes_per_row]``: llama.cpp's blocks of each row."""
+        import gguf
+
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        rows, cols = x.shape
+        block, size = gguf.GGML_QUANT_SIZES[ggml_type]
+        out = np.zeros((rows, cols // block * size), dtype=np.uint8)
+        self.lib.ggml_quantize_chunk(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+        return out
+
+
+def load() -> Reference | None:
+    """The built reference, or ``None`` (run this script to build it)."""
+    if not lib_path().exists():
+        return None
+    lib = ctypes.CDLL(str(lib_path()))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return Reference(lib)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(fetch()), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return LLAMA_CPP_COMMIT
+
+
+def compile_flags() -> str:
+    """The command that compiled ggml-quants.c (from cmake's compile_commands.json)."""
+    try:
+        for c in json.loads((ref_dir() / "build" / "compile_commands.json").read_text()):
+            if c["file"].endswith("ggml/src/ggml-quants.c"):
+                return " ".join(w for w in c["command"].split() if w.startswith(("-O", "-f", "-m", "-std", "-D")))
+    except (OSError, ValueError, KeyError):
+        pass
+    return "unknown"
+
+
+# --------------------------------------------------------------------------- golden values
+
+
+def golden_cases() -> list[tuple[str, list[str], np.ndarray]]:
+    """``(name, ggml type names, fp32 [rows, cols])``: what ``--record-golden`` records."""
+    rng = np.random.default_rng(20240611)
+    k = ["Q4_K", "Q6_K"]
+    all7 = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"]
+    f = np.float32
+    cases: list[tuple[str, list[str], np.ndarray]] = [
+        ("normal", k, rng.standard_normal((1, 512)).astype(f)),
+        ("weight_like", k, (rng.standard_normal((2, 256)) * 0.02).astype(f)),
+        ("heavy_tailed", k, (rng.standard_normal((2, 256)) / (rng.random((2, 256)) + 0.01)).astype(f)),
+        ("small_integers_ties", k, rng.integers(-8, 9, (2, 256)).astype(f)),
+        ("halves_ties", k, (rng.integers(-40, 41, (1, 256)) / 2).astype(f)),
+        ("positive", k, rng.random((1, 256)).astype(f)),
+        ("negative", k, -rng.random((1, 256)).astype(f)),
+        ("constant", k, np.full((1, 256), 3.0, f)),
+        ("sparse", k, np.where(rng.random((1, 512)) < 0.8, 0, rng.standard_normal((1, 512))).astype(f)),
+        ("one_outlier", k, np.where(np.arange(256) == 77, 40.0, rng.standard_normal((1, 256)) * 0.1).astype(f)),
+        ("large_1e3", k, (rng.standard_normal((1, 256)) * 1e3).astype(f)),
+        ("below_group_max_eps", k, (rng.standard_normal((1, 256)) * 1e-16).astype(f)),
+        ("all_zero", all7, np.zeros((1, 256), f)),
+        ("signed_zeros", all7, np.where(np.arange(256) % 3 == 0, -0.0, np.where(np.arange(256) % 7 == 0, 1.0, 0.0))
+         .reshape(1, 256).astype(f)),
+        ("negative_zero_first", all7, np.concatenate([[-0.0], np.zeros(255)]).reshape(1, 256).astype(f)),
+        ("subnormal_2e-140", all7, (rng.standard_normal((1, 256)) * 2.0**-140).astype(f)),
+        ("subnormal_few_ulps", all7, (rng.integers(-3, 4, (1, 256)) * 2.0**-149).astype(f)),
+        ("near_fp32_min_normal", all7, (rng.standard_normal((1, 256)) * 2.0**-122).astype(f)),
+    ]
+    model = _default_model_rows()
+    if model is not None:
+        cases.append(("default_model_down_proj_rows", all7, model))
+    return cases
+
+
+def _default_model_rows() -> np.ndarray | None:
+    """Row 0 of layer 0's down_proj (width 1536) of the default model, when it is in the qkit cache."""
+    try:
+        from qkit.checkpoint import iter_tensors
+        from qkit.models import resolve
+
+        for name, t in iter_tensors(resolve(None).directory):
+            if name == "model.layers.0.mlp.down_proj.weight":
+                return t[:1].float().numpy().astype(np.float32)
+    except Exception as exc:  # noqa: BLE001 - the model is optional here
+        print(f"default model rows skipped: {exc}")
+    return None
+
+
+def record_golden(ref: Reference) -> None:
+    import gguf
+
+    entries = []
+    for name, types, x in golden_cases():
+        expected = {}
+        for t in types:
+            expected[t] = base64.b64encode(ref.quantize(x, gguf.GGMLQuantizationType[t]).tobytes()).decode()
+        entries.append({"name": name, "shape": list(x.shape), "input_f32_le": base64.b64encode(x.astype("<f4").tobytes()).decode(),
+                        "expected": expected})
+    cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    doc = {
+        "description": "llama.cpp reference quantizer output (ggml_quantize_chunk, no imatrix) for fixed inputs: "
+                       "q4_k / q6_k, and the 32-block types where the gguf package's numpy quantizer differs from C",
+        "llama_cpp_commit": commit(),
+        "llama_cpp_python_sdist": LLAMA_CPP_PYTHON,
+        "ggml_quantize_c_flags": compile_flags(),
+        "compiler": cc[0] if cc else "unknown",
+        "machine": platform.machine(),
+        "command": "python benchmarks/build_llama_ref.py --record-golden",
+        "cases": entries,
+    }
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes, {len(entries)} cases)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--record-golden", action="store_true", help=f"rewrite {GOLDEN.relative_to(ROOT)}")
+    p.add_argument("--quantize-tool", action="store_true", help="also build llama-quantize (several minutes)")
+    args = p.parse_args(argv)
+    build(("ggml-base", "llama-quantize") if args.quantize_tool else ("ggml-base",))
+    ref = load()
+    assert ref is not None
+    print(f"reference: {lib_path()} (llama.cpp {commit()})")
+    if args.record_golden:
+        record_golden(ref)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+"""llama.cpp's 32-element block formats as qkit schemes: ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``.
+
+Storage (the contract the GGUF exporter relies on): ``qweight`` is uint8 ``[rows, bytes_per_row]`` and
+row ``r`` is exactly the llama.cpp blocks of row ``r`` (``[rows, cols]`` as in ``as_2d``; the blocks run
+along the last dimension, ggml's ``ne[0]``), little-endian, in the C struct layout of ``ggml-common.h``;
+the scales live inside the blocks, so ``scales`` is an empty fp16 tensor. Per block of 32 weights
+``x[0..31]`` (``QK4_0 = QK4_1 = QK5_0 = QK5_1 = QK8_0 = 32``), with ``fp16()`` round-to-nearest-even:
+
+==========  =====  ==========================================  ======================================
+type        bytes  layout                                      codes (``quantize_row_*_ref``)
+==========  =====  ==========================================  ======================================
+``q8_0``    34     ``d: fp16, qs: int8[32]``                   ``d = amax/127``; ``qs = roundf(x/d)``
+``q4_0``    18     ``d: fp16, qs: u8[16]``                     ``d = max/-8``; ``q = min(15, (int8)(x/d + 8.5))``
+``q4_1``    20     ``d: fp16, m: fp16, qs: u8[16]``            ``d = (max-min)/15``; ``q = min(15, (int8)((x-min)/d + 0.5))``
+``q5_0``    22     ``d: fp16, qh: u32, qs: u8[16]``            ``d = max/-16``; ``q = min(31, (int8)(x/d + 16.5))``
+``q5_1``    24     ``d: fp16, m: fp16, qh: u32, qs: u8[16]``   ``d = (max-min)/31``; ``q = (u8)((x-min)/d + 0.5)``
+==========  =====  ==========================================  ======================================
+
+``max`` is the first element of largest magnitude, with its sign (``+0`` for a block of zeros); ``min``
+and ``max`` of q4_1/q5_1 are the plain extremes. ``x/d`` is ``x * (1/d)`` (``1/d`` computed once, 0 when
+``d`` is 0), every operation in fp32 in llama.cpp's order; the casts ``(int8)`` / ``(u8)`` truncate
+toward zero. The nibbles pack element ``j`` (low) with element ``j + 16`` (high) into ``qs[j]``; bit ``j``
+of ``qh`` is bit 4 of code ``j``. Bits per weight: 8.5, 4.5, 5.0, 5.5, 6.0.
+
+Dequantization (``dequantize_row_*``, ``gguf.quants.dequantize``), in fp32: ``q8_0``: ``q * d``;
+``q4_0``: ``(q - 8) * d``; ``q4_1``: ``q * d + m``; ``q5_0``: ``(q - 16) * d``; ``q5_1``: ``q * d + m``,
+with ``d`` and ``m`` the stored fp16 values.
+
+Exactness: the bytes equal llama.cpp's reference quantizer (``ggml_quantize_chunk`` without an
+importance matrix, which calls ``quantize_row_*_ref``) bit for bit, and ``gguf.quants.quantize``, which
+implements the same reference (the tests compare both). Where the C code converts a non-finite or
+out-of-range float to an integer (only in blocks whose ``d`` is below fp32's normal range, i.e. weights
+under about 1e-37), qkit reproduces what that conversion does on x86-64 (``cvttss2si``: the code of a
+block whose ``1/d`` overflows is 0); such blocks dequantize to zeros either way.
+
+A row width that is not a multiple of 32 is refused (``resolve`` raises ``SchemeError``); llama.cpp's
+quantizer would store such a tensor as F16. Weights with NaN or inf are refused by ``encode``
+(``NonFiniteWeightError``) because the scales are inside the blocks, where ``quantize_tensor``'s scale
+check cannot see them; a block scale that overflows fp16 (weights above about 5e5 for q4_0, 8e6 for
+q8_0) is refused with ``SchemeError``, where llama.cpp would write inf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from qkit.errors import NonFiniteWeightError, SchemeError
+from qkit.schemes.registry import as_2d, register
+
+T = gguf.GGMLQuantizationType
+QK = 32  # elements per block of the 32-block types (QK4_0 ... QK8_0 in ggml-common.h)
+FLT_MIN = 2.0**-126  # smallest normal fp32: a ``d`` below it may make ``1/d`` overflow
+
+
+@dataclass(frozen=True)
+class GGMLScheme:
+    """One llama.cpp block type: ``encode`` writes its block bytes, ``decode`` dequantizes them.
+
+    ``bits`` is the width of one code; ``bits_per_weight`` counts every scale and minimum too
+    (``8 * type_size / block_size``).
+    """
+
+    name: str
+    ggml_type: Any  # gguf.GGMLQuantizationType
+    bits: int
+    kind = "ggml"
+    scale_dtype = torch.float16  # fp16 d (and m / dmin) inside every block: part of the format
+    fixed_scale_dtype = True  # get_scheme ignores --scale-dtype for these schemes
+    parts = ("qweight", "scales")
+
+    @property
+    def block_size(self) -> int:
+        return gguf.GGML_QUANT_SIZES[self.ggml_type][0]
+
+    @property
+    def type_size(self) -> int:
+        return gguf.GGML_QUANT_SIZES[self.ggml_type][1]
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.type_size / self.block_size
+
+    def resolve(self, shape: tuple[int, ...], name: str = "<tensor>") -> GGMLScheme:
+        """The scheme actually used for a tensor of ``shape``: this one, or ``SchemeError`` for a width
+        no 32-block type can take."""
+        cols = shape[-1] if shape else 1
+        if cols % QK:
+            raise SchemeError(
+                f"tensor {name}: width {cols} is not a multiple of {QK}, which every llama.cpp block type "
+                f"needs ({self.name} included; llama.cpp would keep it as F16); exclude it with --exclude"
+            )
+        return self
+
+    def nbytes_for(self, shape: tuple[int, ...], name: str | None = None) -> int:
+        """Bytes stored for a weight of ``shape`` (after ``resolve``): ``rows * cols / block * type_size``."""
+        scheme = self.resolve(tuple(shape), name or "<tensor>")
+        rows, cols = as_2d(tuple(shape))
+        return rows * cols // scheme.block_size * scheme.type_size
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows, cols = as_2d(tuple(w.shape))
+        self.resolve(tuple(w.shape))  # a width this type cannot take: one clear line
+        x = w.reshape(rows * cols // self.block_size, self.block_size)
+        if x.dtype != torch.float32:
+            x = x.float()
+        blocks = _ENCODERS[self.ggml_type](x.contiguous())
+        return {"qweight": blocks.view(rows, -1), "scales": torch.empty(0, dtype=torch.float16, device=w.device)}
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        blocks = parts["qweight"].reshape(-1, self.type_size)
+        return _DECODERS[self.ggml_type](blocks).reshape(shape).to(dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "ggml_type": self.ggml_type.name,
+            "bits": self.bits,
+            "block_size": self.block_size,
+            "type_size": self.type_size,
+            "bits_per_weight": self.bits_per_weight,
+        }
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def check_finite(*stats: torch.Tensor) -> None:
+    """``NonFiniteWeightError`` when any of ``stats`` (per-block extremes, which NaN and inf reach: amax and
+    amin propagate NaN, and an inf is its own extreme) is not finite. The scales are inside the blocks, so
+    the caller's scale check cannot see them."""
+    if not all(bool(torch.isfinite(s).all()) for s in stats):
+        raise NonFiniteWeightError(
+            "a weight tensor contains NaN or infinite values (llama.cpp block formats keep their scales "
+            "inside the blocks); fix the source weights or exclude the tensor with --exclude"
+        )
+
+
+def fp16_scale(d: torch.Tensor, what: str, peak: torch.Tensor) -> torch.Tensor:
+    """fp32 ``d`` -> fp16 (round to nearest even, as ``GGML_FP32_TO_FP16``); ``SchemeError`` on overflow."""
+    h = d.to(torch.float16)
+    if not torch.isfinite(h).all():
+        raise SchemeError(
+            f"a block {what} overflows fp16 (max |w| = {peak.abs().max().item():.4g}); llama.cpp block formats "
+            "store fp16 scales: scale the weights down or exclude the tensor with --exclude"
+        )
+    return h
+
+
+def fp16_bytes(h: torch.Tensor) -> torch.Tensor:
+    """fp16 ``[n]`` -> its little-endian bytes, uint8 ``[n, 2]``."""
+    return h.contiguous().view(torch.uint8).view(-1, 2)
+
+
+def read_fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte ``offset`` of every block (uint8 ``[nb, size]``), as fp32 ``[nb, 1]``."""
+    return blocks[:, offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def signed_extreme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax, max)`` of every row of ``x`` ``[nb, n]``: ``amax = max|x|`` and ``max`` the *first* element
+    with ``|x| = amax`` (with its sign), ``+0`` for a row of zeros, as the C loop
+    ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` finds them. Refuses NaN / inf."""
+    hi, lo = x.amax(dim=1), x.amin(dim=1)
+    check_finite(hi, lo)
+    amax = torch.maximum(hi, -lo)
+    mx = torch.where(hi >= -lo, hi, lo)
+    tie = (hi == -lo) & (hi != 0)  # both +a and -a occur: the first one wins (rare: look it up)
+    if bool(tie.any()):
+        rows = tie.nonzero().squeeze(1)
+        sub = x.index_select(0, rows)
+        first = (sub.abs() == amax.index_select(0, rows).unsqueeze(1)).to(torch.uint8).argmax(dim=1)
+        mx = mx.index_put((rows,), sub.gather(1, first.unsqueeze(1)).squeeze(1))
+    zero = amax == 0
+    return amax.abs(), torch.where(zero, torch.zeros_like(mx), mx)
+
+
+def first_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of every row as the C loops ``if (v < min) min = v; if (v > max) max = v;`` find them:
+    the values of ``amin``/``amax``, and where an extreme is zero, the sign of the row's first zero.
+    Refuses NaN / inf."""
+    mn, mx = x.amin(dim=1), x.amax(dim=1)
+    check_finite(mn, mx)
+    for ext in (mn, mx):
+        zero = ext == 0
+        if bool(zero.any()):
+            rows = zero.nonzero().squeeze(1)
+            sub = x.index_select(0, rows)
+            first = (sub == 0).to(torch.uint8).argmax(dim=1)
+            ext.index_put_((rows,), sub.gather(1, first.unsqueeze(1)).squeeze(1))
+    return mn, mx
+
+
+def inverse(d: torch.Tensor) -> torch.Tensor:
+    """``d ? 1.0f/d : 0.0f`` (fp32)."""
+    return torch.where(d != 0, torch.ones_like(d).div_(d), torch.zeros_like(d))
+
+
+def subnormal(d: torch.Tensor) -> torch.Tensor:
+    """Blocks whose fp32 ``d`` is nonzero and below the normal range: there ``x/d`` is not bounded by the
+    code range (``d`` has lost precision, ``1/d`` may overflow), so the C casts can wrap or see inf/NaN."""
+    return (d != 0) & (d.abs() < FLT_MIN)
+
+
+def c_bytes(v: torch.Tensor, idv: torch.Tensor, cap: int | None) -> torch.Tensor:
+    """The byte the C code stores for ``(int8_t)v`` (then ``MIN(cap, .)``), exactly, for any fp32 ``v``
+    ``[nb, n]``: rows whose ``1/d`` (``idv``) overflowed hold inf/NaN, which x86-64 converts to
+    ``0x80000000``, low byte 0; other values are truncated and wrapped to a byte."""
+    bad = ~torch.isfinite(idv)
+    q = torch.where(bad.unsqueeze(1), 0.0, v).to(torch.int32)
+    if cap is not None:
+        q = q.to(torch.int8).clamp_(max=cap).to(torch.int32)
+    return (q & 0xFF).to(torch.uint8)
+
+
+def pack_nibbles_or(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``qs[j] = q[j] | (q[j + 16] << 4)`` for uint8 codes ``[nb, 32]`` into ``out`` ``[nb, 16]`` (in 8 bits,
+    as the C ``uint8_t`` assignment truncates; for 4-bit codes the high nibble is exactly ``q[j + 16]``)."""
+    return torch.bitwise_or(q[:, :16], q[:, 16:] << 4, out=out)
+
+
+def pack_low_high(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``qs[j] = (q[j] & 0xF) | ((q[j + 16] & 0xF) << 4)`` for uint8 codes ``[nb, 32]`` into ``out``."""
+    return torch.bitwise_or(q[:, :16] & 0x0F, q[:, 16:] << 4, out=out)
+
+
+_POW2: dict[torch.device, torch.Tensor] = {}
+
+
+def high_bits(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``qh`` (uint32, little-endian, as 4 bytes) of uint8 codes ``[nb, 32]``: bit ``j`` is bit 4 of code ``j``.
+
+    Each byte is ``sum_k bit_k * 2**k`` over 8 codes: a matrix-vector product in fp32, exact (integers
+    below 256)."""
+    if q.device not in _POW2:
+        _POW2[q.device] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64, 128], device=q.device)
+    bits = ((q >> 4) & 1).view(-1, 8).float()
+    return out.copy_((bits @ _POW2[q.device]).view(out.shape))
+
+
+# --------------------------------------------------------------------------- encoders: fp32 [nb, 32] -> u8 [nb, size]
+
+
+HALF_BELOW = float(np.nextafter(np.float32(0.5), np.float32(0)))  # 0.49999997f, the float just below 1/2
+
+
+def round_half_away(v: torch.Tensor) -> torch.Tensor:
+    """C ``roundf`` (half away from zero) for fp32 ``|v| < 2**23``, as the truncation toward zero of
+    ``v + copysign(0.49999997f, v)`` (still fp32; the caller converts). Exact: below 1/2 the sum stays
+    below 1 (``0.5 - 2**-25 + 0.49999997 = 1 - 2**-24`` is a float), at ``k + 1/2`` it rounds up to
+    ``k + 1``, and where it crosses a power of two it cannot reach the next integer
+    (``test_round_half_away`` checks the neighbourhood of every half-integer up to 256 and random values)."""
+    return torch.copysign(torch.tensor(HALF_BELOW, device=v.device), v).add_(v)
+
+
+def encode_q8_0(x: torch.Tensor) -> torch.Tensor:
+    hi, lo = x.amax(dim=1), x.amin(dim=1)
+    check_finite(hi, lo)
+    amax = torch.maximum(hi, lo.neg()).abs()  # MAX(amax, fabsf(v)): +0 for a block of zeros
+    d = amax / 127
+    h = fp16_scale(d, "scale", amax)
+    idv = inverse(d)
+    v = round_half_away(x * idv.unsqueeze(1))
+    out = torch.empty(x.shape[0], 34, dtype=torch.uint8, device=x.device)
+    out[:, :2] = fp16_bytes(h)
+    weird = subnormal(d)
+    if bool(weird.any()):  # codes may leave [-128, 127] (C keeps the low byte) or be inf/NaN
+        rows = weird.nonzero().squeeze(1)
+        exact = c_bytes(v.index_select(0, rows), idv.index_select(0, rows), None)
+        v.index_fill_(0, rows, 0.0)
+    out[:, 2:] = v.to(torch.int8).view(torch.uint8)  # |v| <= 127 * (1 + 2**-22) elsewhere: in range
+    if bool(weird.any()):
+        out[rows, 2:] = exact
+    return out
+
+
+def _codes(x: torch.Tensor, shift: torch.Tensor | None, d: torch.Tensor, offset: float, cap: int | None) -> torch.Tensor:
+    """uint8 codes ``[nb, 32]``: the byte C stores for ``MIN(cap, (int8_t)((x - shift) * (1/d) + offset))``
+    (``(uint8_t)(...)`` without a cap). Where ``d`` is a normal fp32 number the value lies in
+    ``[0, 2 * offset + levels)`` and one conversion to uint8 truncates it; blocks with a subnormal ``d``
+    take the exact path (:func:`c_bytes`)."""
+    idv = inverse(d)
+    v = (x - shift.unsqueeze(1)) if shift is not None else x.clone()
+    v.mul_(idv.unsqueeze(1)).add_(offset)
+    weird = subnormal(d)
+    if bool(weird.any()):
+        rows = weird.nonzero().squeeze(1)
+        exact = c_bytes(v.index_select(0, rows), idv.index_select(0, rows), cap)
+        v.index_fill_(0, rows, 0.0)
+    q = v.to(torch.uint8)
+    if cap is not None:
+        q.clamp_(max=cap)
+    if bool(weird.any()):
+        q.index_copy_(0, rows, exact)
+    return q
+
+
+def encode_q4_0(x: torch.Tensor) -> torch.Tensor:
+    amax, mx = signed_extreme(x)
+    d = mx / -8
+    h = fp16_scale(d, "scale", amax)
+    q = _codes(x, None, d, 8.5, 15)
+    out = torch.empty(x.shape[0], 18, dtype=torch.uint8, device=x.device)
+    out[:, :2] = fp16_bytes(h)
+    pack_nibbles_or(q, out[:, 2:])
+    return out
+
+
+def encode_q5_0(x: torch.Tensor) -> torch.Tensor:
+    amax, mx = signed_extreme(x)
+    d = mx / -16
+    h = fp16_scale(d, "scale", amax)
+    q = _codes(x, None, d, 16.5, 31)
+    out = torch.empty(x.shape[0], 22, dtype=torch.uint8, device=x.device)
+    out[:, :2] = fp16_bytes(h)
+    high_bits(q, out[:, 2:6])
+    pack_low_high(q, out[:, 6:])
+    return out
+
+
+def encode_q4_1(x: torch.Tensor) -> torch.Tensor:
+    mn, mx = first_extremes(x)
+    d = (mx - mn) / 15
+    out = torch.empty(x.shape[0], 20, dtype=torch.uint8, device=x.device)
+    out[:, :2] = fp16_bytes(fp16_scale(d, "scale", mx - mn))
+    out[:, 2:4] = fp16_bytes(fp16_scale(mn, "minimum", mn))
+    pack_nibbles_or(_codes(x, mn, d, 0.5, 15), out[:, 4:])
+    return out
+
+
+def encode_q5_1(x: torch.Tensor) -> torch.Tensor:
+    mn, mx = first_extremes(x)
+    d = (mx - mn) / 31
+    out = torch.empty(x.shape[0], 24, dtype=torch.uint8, device=x.device)
+    out[:, :2] = fp16_bytes(fp16_scale(d, "scale", mx - mn))
+    out[:, 2:4] = fp16_bytes(fp16_scale(mn, "minimum", mn))
+    q = _codes(x, mn, d, 0.5, None)  # no clamp in C: (uint8_t)(x0 + 0.5f), split into a nibble and bit 4
+    high_bits(q, out[:, 4:8])
+    pack_low_high(q, out[:, 8:])
+    return out
+
+
+# --------------------------------------------------------------------------- decoders: u8 [nb, size] -> fp32 [nb, 32]
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """``qs`` uint8 ``[nb, 16]`` -> codes ``[nb, 32]``: the low nibbles, then the high nibbles."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _with_high_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """5-bit codes ``[nb, 32]`` (uint8) from ``qh`` bytes ``[nb, 4]`` and ``qs`` ``[nb, 16]``."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    bits = ((qh.unsqueeze(2) >> shifts) & 1).view(-1, 32)
+    return _low_high(qs) | (bits << 4)
+
+
+def decode_q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float() * read_fp16(b, 0)
+
+
+def decode_q4_0(b: torch.Tensor) -> torch.Tensor:
+    return read_fp16(b, 0) * (_low_high(b[:, 2:]).to(torch.int8) - 8).float()
+
+
+def decode_q4_1(b: torch.Tensor) -> torch.Tensor:
+    return (read_fp16(b, 0) * _low_high(b[:, 4:]).float()) + read_fp16(b, 2)
+
+
+def decode_q5_0(b: torch.Tensor) -> torch.Tensor:
+    return read_fp16(b, 0) * (_with_high_bit(b[:, 2:6], b[:, 6:]).to(torch.int8) - 16).float()
+
+
+def decode_q5_1(b: torch.Tensor) -> torch.Tensor:
+    return (read_fp16(b, 0) * _with_high_bit(b[:, 4:8], b[:, 8:]).float()) + read_fp16(b, 2)
+
+
+_ENCODERS: dict[Any, Any] = {T.Q8_0: encode_q8_0, T.Q4_0: encode_q4_0, T.Q4_1: encode_q4_1, T.Q5_0: encode_q5_0, T.Q5_1: encode_q5_1}
+_DECODERS: dict[Any, Any] = {T.Q8_0: decode_q8_0, T.Q4_0: decode_q4_0, T.Q4_1: decode_q4_1, T.Q5_0: decode_q5_0, T.Q5_1: decode_q5_1}
+
+
+def register_codec(ggml_type: Any, encode: Any, decode: Any) -> None:
+    """Add the encoder and decoder of another block type (``qkit.schemes.kquants`` adds Q4_K and Q6_K)."""
+    _ENCODERS[ggml_type] = encode
+    _DECODERS[ggml_type] = decode
+
+
+Q8_0 = register(GGMLScheme("q8_0", T.Q8_0, 8))
+Q4_0 = register(GGMLScheme("q4_0", T.Q4_0, 4))
+Q4_1 = register(GGMLScheme("q4_1", T.Q4_1, 4))
+Q5_0 = register(GGMLScheme("q5_0", T.Q5_0, 5))
+Q5_1 = register(GGMLScheme("q5_1", T.Q5_1, 5))
