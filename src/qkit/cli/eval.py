@@ -8,6 +8,9 @@ import typer
 
 from qkit import console
 from qkit.cli.common import (
+    CalibrationOpt,
+    CalibrationSamplesOpt,
+    CalibrationSeqlenOpt,
     DeviceMapOpt,
     DeviceOpt,
     JsonOpt,
@@ -18,12 +21,15 @@ from qkit.cli.common import (
     human_bytes,
     json_target,
     use_threads,
+    calibration_options,
 )
+from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
 from qkit.simulate.llm_int8 import LLMInt8Options
 
 # Defaults live in qkit.evaluation.EvalOptions; an option left out keeps the dataclass's default.
 SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).")]
+MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.")]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
 CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] (default: the pinned Book of Ruth).")]
 TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score [default: 2048].")]
@@ -47,6 +53,10 @@ def _eval_defaults():
 def eval_(
     model: ModelArg = None,
     schemes: SchemesOpt = None,
+    methods: MethodsOpt = None,
+    calibration: CalibrationOpt = None,
+    calibration_samples: CalibrationSamplesOpt = None,
+    calibration_seqlen: CalibrationSeqlenOpt = None,
     reference: ReferenceOpt = None,
     corpus: CorpusOpt = None,
     tokens: TokensOpt = None,
@@ -70,6 +80,7 @@ def eval_(
     json_target(json_path)
     given = {
         "schemes": tuple(comma_list(schemes)) if schemes else None,
+        "methods": tuple(comma_list(methods)) if methods else None,
         "reference": reference,
         "corpus": corpus,
         "tokens": tokens,
@@ -83,6 +94,9 @@ def eval_(
     runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
     if runtime:
         options = dataclasses.replace(options, runtime_options=tuple(sorted({**dict(options.runtime_options), **runtime}.items())))
+    method_options = calibration_options(calibration, calibration_samples, calibration_seqlen)
+    if method_options:
+        options = dataclasses.replace(options, method_options=tuple(sorted({**dict(options.method_options), **method_options}.items())))
     if no_repetition_penalty:
         options = dataclasses.replace(options, repetition_penalty=False)
     options.validate()  # every check that needs no model, before the model is touched
