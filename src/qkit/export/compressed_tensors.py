@@ -20,6 +20,10 @@ Config: one ``config_groups`` entry per scheme (``targets: ["Linear"]`` when one
 quantized linear, else the exact module names), ``ignore`` = the linear modules left unquantized.
 Refused: nf4 (use ``--format bitsandbytes``), per-tensor scales (vLLM's weight-only kernels take channel
 or group scales), and a group size that does not divide every quantized matrix's input width.
+
+FP4 schemes (``nvfp4``, ``mxfp4``) are written as ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized``
+(``qkit.export.compressed_tensors_fp4``); an export mixing them with int groups is ``mixed-precision``
+with each group's ``format``.
 """
 
 from __future__ import annotations
@@ -30,13 +34,16 @@ import sys
 import torch
 
 from qkit.errors import ExportError
+from qkit.export import compressed_tensors_fp4 as fp4
 from qkit.export.common import ExportPlan, check_linear_targets, dtype_name
 from qkit.granularity import PerGroup, PerRow
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
 from qkit.schemes.packing import pack_nibbles, unpack_nibbles
 
 NAME = "compressed-tensors"
-STORED = ("weight_packed", "weight_scale", "weight_shape")
+STORED = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale")
+# The top-level ``format`` values of the checkpoints this module writes (``qkit verify`` reads these).
+CT_FORMATS = (fp4.INT_FORMAT, *fp4.FORMATS.values(), fp4.MIXED)
 # A scale dtype the weight dtype holds exactly (every fp16 and bf16 value is an fp32 value).
 _EXACT_IN = {
     torch.float32: {torch.float32, torch.float16, torch.bfloat16},
@@ -90,6 +97,8 @@ class CompressedTensorsFormat:
         for tensor, s in plan.targets.items():
             by_scheme.setdefault(s.name, []).append(tensor)
         for tensor, s in sorted(plan.targets.items()):
+            if fp4.is_fp4(s):
+                continue  # checked by fp4.check below
             if isinstance(s, NF4Scheme):
                 raise ExportError(
                     "compressed-tensors has no NF4 codebook: export nf4 with --format bitsandbytes, "
@@ -110,7 +119,7 @@ class CompressedTensorsFormat:
                 )
         for name, tensors in sorted(by_scheme.items()):
             s = plan.targets[tensors[0]]
-            if not isinstance(s.granularity, PerGroup):
+            if fp4.is_fp4(s) or not isinstance(s.granularity, PerGroup):
                 continue
             g = s.granularity.size
             widths = {plan.shapes[t][1] for t in tensors}
@@ -127,9 +136,12 @@ class CompressedTensorsFormat:
                     f"matrix's input width: {bad[0]} is {w} wide ({w} = {w / g:g} x {g}), so {name} cannot be "
                     f"exported; {fix}"
                 )
+        fp4.check(plan)
 
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         s = qt.scheme
+        if fp4.is_fp4(s):
+            return fp4.encode(name, qt)
         rows, cols = qt.shape
         if s.bits == 4 and cols % 8 == 0:
             # No padding: qkit's byte is (c[2j] << 4) | c[2j+1], compressed-tensors' is c[2j] | (c[2j+1] << 4),
@@ -148,6 +160,11 @@ class CompressedTensorsFormat:
 
     def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
         """``tensors``: ``weight_packed``, ``weight_scale``, ``weight_shape`` of one module."""
+        need = fp4.STORED.get(scheme.name, ("weight_packed", "weight_scale", "weight_shape"))
+        if [k for k in need if k not in tensors]:
+            raise ExportError(f"a compressed-tensors {scheme.name} module lacks some of {', '.join(need)}; re-export it")
+        if fp4.is_fp4(scheme):
+            return fp4.decode(tensors, scheme, dtype)
         if not isinstance(scheme, AbsmaxScheme):
             raise ExportError(f"a compressed-tensors module cannot hold {scheme.name}; re-export the checkpoint")
         rows, cols = (int(v) for v in tensors["weight_shape"].tolist())
@@ -177,6 +194,8 @@ class CompressedTensorsFormat:
                 "qkit verify checks qkit exports and single-group checkpoints"
             )
         w = next(iter(groups.values())).get("weights") or {}
+        if w.get("type") == "float":
+            return fp4.infer_scheme(w)
         bits, strategy = w.get("num_bits"), w.get("strategy")
         if w.get("type") != "int" or not w.get("symmetric", True) or bits not in (4, 8) or strategy not in ("group", "channel"):
             raise ExportError(
@@ -193,6 +212,11 @@ class CompressedTensorsFormat:
             by_scheme.setdefault(s, []).append(module)
         groups = {}
         for i, (s, modules) in enumerate(sorted(by_scheme.items(), key=lambda kv: (-len(kv[1]), kv[0].name))):
+            if fp4.is_fp4(s):
+                groups[f"group_{i}"] = {"targets": ["Linear"] if len(by_scheme) == 1 else modules,
+                                        "weights": fp4.weights_args(s), "input_activations": None,
+                                        "output_activations": None, "format": fp4.FORMATS[s.name]}
+                continue
             group = isinstance(s.granularity, PerGroup)
             groups[f"group_{i}"] = {
                 "targets": ["Linear"] if len(by_scheme) == 1 else modules,
@@ -207,15 +231,24 @@ class CompressedTensorsFormat:
                 "input_activations": None,
                 "output_activations": None,
             }
+        formats = {g.get("format", fp4.INT_FORMAT) for g in groups.values()}
+        if len(formats) > 1:  # mixed-precision: every group names its format
+            for g in groups.values():
+                g.setdefault("format", fp4.INT_FORMAT)
         return {
             "quant_method": "compressed-tensors",
-            "format": "pack-quantized",
+            "format": fp4.top_level_format(formats),
             "quantization_status": "compressed",
             "config_groups": groups,
             "ignore": plan.kept_linears,
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }
+
+
+    def runtime_dtype(self, quantization_config: dict, dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
+        """The dtype ``qkit verify`` loads this checkpoint in, and a one-line reason when it is not ``dtype``."""
+        return fp4.runtime_dtype(quantization_config, dtype)
 
 
 FORMAT = CompressedTensorsFormat()

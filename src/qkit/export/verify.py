@@ -38,6 +38,7 @@ import contextlib
 import copy
 import io
 import json
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,7 +130,9 @@ def checkpoint_format(directory: Path) -> tuple[str, dict]:
     """``(format name, quantization_config)`` of an exported checkpoint; ``InputError`` for anything else."""
     qc = read_config(directory).get("quantization_config") or {}
     method = qc.get("quant_method")
-    if method == "compressed-tensors" and qc.get("format") == "pack-quantized":
+    from qkit.export.compressed_tensors import CT_FORMATS
+
+    if method == "compressed-tensors" and qc.get("format") in CT_FORMATS:
         return "compressed-tensors", qc
     if method == "bitsandbytes" and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4":
         return "bitsandbytes", qc
@@ -173,7 +176,8 @@ def iter_decoded(directory: Path) -> Iterator[tuple[str, QuantizedTensor | torch
     sidecar = directory / EXPORT_MANIFEST
     entries = json.loads(sidecar.read_text())["tensors"] if sidecar.is_file() else None
     parts_of = _stored_parts(fmt_name, [k for k, _ in tensor_shapes(directory)])
-    n_parts = 3 if fmt_name == "compressed-tensors" else 4
+    # compressed-tensors: int modules store 3 tensors, nvfp4 3, mxfp4 2 (count them); bitsandbytes 4.
+    n_parts = Counter(parts_of.values()) if fmt_name == "compressed-tensors" else defaultdict(lambda: 4)
     held: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in iter_tensors(directory):
         module = parts_of.get(key)
@@ -182,7 +186,7 @@ def iter_decoded(directory: Path) -> Iterator[tuple[str, QuantizedTensor | torch
             continue
         parts = held.setdefault(module, {})
         parts[key.removeprefix(module + ".")] = t
-        if len(parts) < n_parts:
+        if len(parts) < n_parts[module]:
             continue
         del held[module]
         name = f"{module}.weight"
@@ -270,7 +274,7 @@ def verify_checkpoint(
         return verify_gguf(directory, device=device)
     if not directory.is_dir():
         raise InputError(f"no such checkpoint directory: {checkpoint}; pass the -o directory of qkit quantize --format ...")
-    fmt_name, _ = checkpoint_format(directory)
+    fmt_name, qc = checkpoint_format(directory)
     library = _library_version(fmt_name)
     dev = parse_device(device)
 
@@ -280,6 +284,8 @@ def verify_checkpoint(
         dtype = getattr(config, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        # FP4 (compressed-tensors) runs only in bf16 on CPU: both sides are then built in bf16 (note says why).
+        dtype, dtype_note = getattr(get_format(fmt_name), "runtime_dtype", lambda qc, d: (d, None))(qc, dtype)
         # qkit's side: its own reading of the exported bytes, dequantized by qkit.
         state, schemes, dense, matches = {}, {}, {}, {}
         for name, value, match in iter_decoded(directory):
@@ -330,7 +336,8 @@ def verify_checkpoint(
         device=str(dev), prompt_tokens=int(ids.shape[1]),
         logits_max_abs_diff=float((lib_logits - ref_logits).abs().max()), logits_scale=scale,
         logits_tolerance=rtol * max(1.0, scale),
-        weight_rule="bit-identical" if dtype == torch.float32 else f"within one rounding of {dtype}",
+        weight_rule=("bit-identical" if dtype == torch.float32 else f"within one rounding of {dtype}")
+        + (f" ({dtype_note})" if dtype_note else ""),
         tensors=checks,
     )
 

@@ -33,7 +33,7 @@ import torch
 
 from qkit.checkpoint import open_safetensors, tensor_shapes, weight_files
 from qkit.errors import InputError
-from qkit.granularity import PerRow, PerTensor
+from qkit.granularity import PerGroup, PerRow, PerTensor
 from qkit.models import ModelRef, resolve
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme, quantize_tensor
@@ -303,7 +303,8 @@ class ErrorsReport:
                 words.append(f"{_granularity_word(b)} divides the {_granularity_word(a)} mean error by {r['factor']:.1f}x")
             else:
                 words.append(f"{_granularity_word(b)} by a further {r['factor']:.1f}x")
-        return " ".join(f"{k}: {'; '.join(v)}." for k, v in parts.items())
+        fp4 = _fp4_sentence({s.scheme: s.mean for s in self.summaries()})
+        return " ".join([f"{k}: {'; '.join(v)}." for k, v in parts.items()] + ([fp4] if fp4 else []))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -331,11 +332,35 @@ def _fineness(s: Scheme) -> tuple[int, int]:
     return (0, 0) if isinstance(g, PerTensor) else (1, 0) if isinstance(g, PerRow) else (2, -g.size)
 
 
+def _fp4_sentence(means: dict[str, float]) -> str:
+    """Where each FP4 scheme's non-uniform grid lands: its mean error against the int4 group of the same
+    block size (else the finest int4 absmax scheme present) and NF4, e.g. "fp4: mxfp4 (E2M1 in blocks of 32,
+    power-of-two scales) mean error 0.093, between int4-g32's 0.081 and nf4's 0.097."; "" without peers."""
+    schemes = {n: get_scheme(n) for n in means}
+    int4 = [s for s in schemes.values() if isinstance(s, AbsmaxScheme) and s.bits == 4]
+    nf4 = [s for s in schemes.values() if isinstance(s, NF4Scheme)]
+    words = []
+    for name, s in schemes.items():
+        if getattr(s, "kind", None) != "fp4":
+            continue
+        same = [t for t in int4 if isinstance(t.granularity, PerGroup) and t.granularity.size == s.block_size]
+        peers = sorted((means[p.name], p.name) for p in (same or sorted(int4, key=_fineness)[-1:]) + nf4)
+        if not peers:
+            continue
+        scales = "power-of-two scales" if s.to_dict().get("scale_dtype") == "e8m0" else "E4M3 scales and a tensor scale"
+        named = " and ".join(f"{p}'s {m:.4g}" for m, p in peers)
+        m, lo, hi, both = means[name], peers[0][0], peers[-1][0], " both" if len(peers) > 1 else ""
+        where = "between" if both and lo <= m <= hi else f"below{both}" if m < lo else f"above{both}"
+        words.append(f"{name} (E2M1 in blocks of {s.block_size}, {scales}) mean error {m:.4g}, {where} {named}")
+    return f"fp4: {'; '.join(words)}." if words else ""
+
+
 def _chains(schemes: list[Scheme]) -> list[list[Scheme]]:
     out = []
     for bits in (8, 4):
         chain = sorted(
-            (s for s in schemes if s.bits == bits and (isinstance(s, AbsmaxScheme) or bits == 4)), key=_fineness
+            (s for s in schemes if s.bits == bits and (isinstance(s, AbsmaxScheme) or isinstance(s, NF4Scheme) and bits == 4)),
+            key=_fineness,
         )
         if len(chain) > 1:
             out.append(chain)

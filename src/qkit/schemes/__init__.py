@@ -10,6 +10,7 @@ from qkit.schemes.registry import (
     register,
     scheme_names,
 )
+from qkit.schemes import fp4 as _fp4  # noqa: E402,F401  registers mxfp4, nvfp4
 from qkit.schemes import ggml as _ggml, kquants as _kquants  # noqa: E402,F401  registers q8_0 ... q6_k, q4_k_m
 
 __all__ = [

@@ -1,0 +1,440 @@
+"""FP4 block formats: ``mxfp4`` (OCP Microscaling v1.0) and ``nvfp4`` (NVIDIA), both with E2M1 elements.
+
+E2M1 (1 sign, 2 exponent, 1 mantissa bit; OCP MX v1.0 section 5.3.3): magnitudes
+``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` with codes 0..7 (the code *is* the bit pattern), bit 3 the sign
+(code 8 is -0). Weights are quantized as ``[shape[0], prod(shape[1:])]`` (1-D as ``[1, n]``) in blocks
+of ``B`` consecutive weights of one row; the row width must be a multiple of ``B``.
+
+**mxfp4** (``B = 32``; 4 + 8/32 = 4.25 bits per weight exactly). The scale selection and rounding of the
+``gguf`` package's reference quantizer (``gguf.quants.MXFP4.quantize``, llama.cpp's GGML type MXFP4),
+bit for bit::
+
+    a     = max |w| over the block                                    (fp32)
+    E     = floor(fl32(log2 a)) - 2       2 = emax of E2M1; e = E + 127, the stored E8M0 byte (a = 0: e = 0)
+    scale = 2**E                                                      (OCP: X = 2**(floor(log2 a) - emax))
+    code  = nearest E2M1 to w / scale, saturating at 6; a tie goes to the smaller magnitude and a value that
+            rounds to 0 is +0 (gguf takes the first of equal errors in the order 0, 0.5, ..., 6, -0, -0.5, ...)
+    w_hat = E2M1[code] * 2**(e - 127)                                 (exact in fp32)
+
+``fl32(log2 a)`` is log2 rounded to fp32 *before* the floor, as gguf (numpy) and llama.cpp (``log2f``)
+compute it: for an ``a`` within about 2**-20 relative below a power of two it is that power, so ``E`` is one
+more than the exact exponent of ``a`` (the block then uses half its range; measured: numpy's and torch's
+fp32 log2 equal fp64 log2 rounded to fp32 there, which is what qkit computes). One divergence, by design:
+a block with ``0 < a < 2**-125`` would need ``e < 0``; gguf's uint8 cast wraps it (undefined behaviour in
+C), qkit clamps to ``e = 0`` (scale ``2**-127``, the smallest E8M0 value).
+
+**nvfp4** (``B = 16``; 4 + 8/16 = 4.5 bits per weight, plus one fp32 per tensor: ``4.5 + 32/n`` for a
+tensor of ``n`` weights). The scale selection and rounding of compressed-tensors 0.20.1 / llm-compressor
+(``generate_gparam``, ``calculate_qparams``, ``_quantize``, ``cast_to_fp4``, ``pack_fp4_to_uint8``), bit
+for bit, all in fp32::
+
+    gs    = 2688 / max(max |w| over the tensor, tiny)     2688 = 448 * 6; inf or NaN -> 1.0 (all-zero tensor);
+                                                          computed as torch computes a number over a tensor,
+                                                          fl(fl(1 / amax) * 2688), as generate_gparam does
+    s     = e4m3(clamp(gs * (a / 6), -448, 448))          a = the block's max |w|; torch's round-to-nearest-even
+    s     = 0.125 where s == 0                            (compressed-tensors' "eps" of E4M3 for empty blocks)
+    y     = w / (s / gs)                                  two roundings, in this order
+    code  = nearest E2M1 to clamp(y, -6, 6), ties to even (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2,
+            2.5 -> 2, 3.5 -> 4, 5 -> 4); sign bit set for y < 0, so a small negative weight is -0 (code 8)
+    w_hat = E2M1[code] * (s / gs)                         compressed-tensors' ``_dequantize``, in fp32
+
+``gs`` is compressed-tensors' ``weight_global_scale`` (the reciprocal of NVIDIA ModelOpt's
+``weight_scale_2``). The reference computes ``a / 6`` in the weights' dtype; qkit computes it in fp32
+from the weights read as fp32, which equals the reference on fp32 weights (tested).
+
+Storage (this is also the on-disk layout, ``NAME.<part>``):
+
+* ``qweight`` uint8 ``[rows, cols / 2]``: byte ``j`` of a row holds column ``2j`` in its low nibble and
+  ``2j + 1`` in its high nibble: compressed-tensors' ``pack_fp4_to_uint8`` layout, so the export to
+  ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` is a copy. (gguf's MXFP4 block puts element ``j`` and
+  ``j + 16`` in one byte; ``to_gguf_mxfp4_blocks`` converts.)
+* ``scales`` uint8 ``[rows, cols / B]``: mxfp4, the E8M0 bytes ``e`` (scale ``2**(e - 127)``); nvfp4, the
+  FP8 E4M3 (``torch.float8_e4m3fn``) bit patterns of ``s`` (``scales.view(torch.float8_e4m3fn)``). Stored as
+  uint8 because torch cannot test fp8 for finiteness (``quantize_tensor`` checks float scales).
+* nvfp4 only: ``global_scale`` fp32 ``[1]``, ``gs``.
+
+Non-finite input: ``encode`` returns a float NaN ``scales`` (the registry's convention: a non-finite
+weight gives a non-finite scale, and ``quantize_tensor`` turns it into ``NonFiniteWeightError`` naming
+the tensor); nothing of it is ever stored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkit.errors import SchemeError
+from qkit.schemes.registry import as_2d, register
+
+# E2M1 magnitudes by code 0..7 (OCP MX v1.0, table 5); codes 8..15 are their negatives.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_BLOCK = 32
+NVFP4_BLOCK = 16
+E8M0_BIAS = 127
+E2M1_EMAX = 2  # floor(log2(6)): the offset of the MX shared exponent (OCP MX v1.0, section 6.3)
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * 6.0  # compressed-tensors generate_gparam: FP8 max * FP4 max
+E4M3_EPS = 0.125  # compressed-tensors _get_dtype_eps(float8_e4m3fn): replaces a zero block scale
+
+# fp32 bit patterns used by the integer rounding in :func:`e2m1_codes`.
+_ONE = 0x3F800000  # 1.0
+_SIX = 0x40C00000  # 6.0
+_QUARTER = 0x3E800000  # 0.25
+_THREE_QUARTERS = 0x3F400000  # 0.75
+_HALF_MANTISSA = (1 << 21) - 1  # below half of the 1-bit mantissa's step
+_CODE_OFFSET = 0x3F000000  # bits(1.0) - (2 << 22): so that 1.0 gives code 2
+_INF = 0x7F800000  # bits(inf); NaN's |bits| are larger
+# Rows per pass are chosen so that one chunk (and its temporaries) stays in the CPU's cache.
+_CHUNK_ELEMENTS = 32767
+
+
+class _Work:
+    """Scratch buffers for :func:`e2m1_pack`, reused across the chunks of one matrix (no allocation per chunk)."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.m = torch.empty(n, dtype=torch.int32, device=device)
+        self.a = torch.empty(n, dtype=torch.int32, device=device)
+        self.b = torch.empty(n, dtype=torch.int32, device=device)
+        self.s = torch.empty(n, dtype=torch.int32, device=device)
+
+
+def e2m1_pack(y: torch.Tensor, out: torch.Tensor, *, ties_to_even: bool, work: _Work | None = None) -> torch.Tensor:
+    """fp32 ``y`` ``[rows, cols]`` (contiguous, finite) rounded to E2M1 and packed into uint8 ``out``
+    ``[rows, cols / 2]`` (:func:`pack_fp4` layout); returns ``out``.
+
+    Magnitudes above 6 saturate to 6. ``ties_to_even=True`` (compressed-tensors' ``cast_to_fp4``): a tie
+    goes to the even code and the sign bit is set for every ``y < 0`` (a negative value that rounds to 0
+    is -0, code 8; the caller turns ``-0.0`` into +0.0, as ``torch.sign(-0.0) == 0`` there). ``ties_to_even=False``
+    (gguf's MXFP4): a tie goes to the smaller magnitude and a value that rounds to 0 is +0.
+
+    Integer arithmetic on the fp32 bits ``m`` of ``|y|``, no lookup and no per-element branch: for
+    ``|y| >= 1`` rounding to E2M1 is rounding the fp32 mantissa to one bit (``m + 0x1FFFFF``, plus 1 when the
+    kept bit is odd for ties to even, then ``>> 22``; offset so that 1.0 gives code 2 and 6.0 code 7);
+    below 1 the grid is ``{0, 0.5, 1}`` and the two midpoints 0.25 and 0.75 step down from code 2
+    (``(m - t) >> 31`` is -1 below ``t``, else 0). The sign bit is bit 31 of ``y`` moved to bit 3. Exact:
+    every midpoint is a dyadic fp32 number and every step is exact int32 arithmetic. Everything runs in
+    int32 (no bool or uint8 temporaries, whose conversions cost more than the arithmetic).
+    """
+    n = y.numel()
+    w = work if work is not None and work.m.numel() >= n else _Work(n, y.device)
+    bits = y.reshape(-1).view(torch.int32)
+    m, a, b, s = w.m[:n], w.a[:n], w.b[:n], w.s[:n]
+    torch.bitwise_and(bits, 0x7FFFFFFF, out=m)  # |y|'s bits, ordered as |y| is
+    torch.bitwise_right_shift(bits, 28, out=s).bitwise_and_(8)  # the sign, as code bit 3
+    torch.sub(m, _THREE_QUARTERS if ties_to_even else _THREE_QUARTERS + 1, out=a).bitwise_right_shift_(31)
+    # b = -1 where |y| > 0.25 (a nonzero code; 0.25 is a tie both rules send to 0), else 0
+    torch.sub(m, _QUARTER + 1, out=b).bitwise_right_shift_(31).bitwise_not_()
+    if not ties_to_even:  # gguf: a value that rounds to 0 is +0
+        s.bitwise_and_(b)
+    a.sub_(b)  # -1, 0 or +1: with a -1 folded into the offset below, the steps down from code 2 below 1.0
+    m.clamp_(_ONE, _SIX)
+    if ties_to_even:
+        torch.bitwise_right_shift(m, 22, out=b).bitwise_and_(1)  # an odd kept bit rounds a tie up
+        m.add_(b)
+    m.add_(_HALF_MANTISSA - _CODE_OFFSET - (1 << 22)).bitwise_right_shift_(22).add_(a).bitwise_or_(s)
+    # Pack: viewed as int64 (little-endian), element 2j is the low word and 2j+1 the high one, so
+    # (v >> 28) | v has code 2j | code 2j+1 << 4 in its low byte; the conversion keeps that byte.
+    v = m.view(torch.int64)
+    p = a.view(torch.int64)[: n // 2]
+    torch.bitwise_right_shift(v, 28, out=p).bitwise_or_(v)
+    out.view(-1).copy_(p)
+    return out
+
+
+def e2m1_codes(y: torch.Tensor, *, ties_to_even: bool) -> torch.Tensor:
+    """fp32 ``y`` ``[rows, cols]`` (``cols`` even) -> uint8 E2M1 codes 0..15 ``[rows, cols]`` (rules: :func:`e2m1_pack`)."""
+    y = y.float().contiguous()
+    packed = torch.empty(y.shape[0], y.shape[1] // 2, dtype=torch.uint8, device=y.device)
+    return unpack_fp4(e2m1_pack(y, packed, ties_to_even=ties_to_even))
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Integer codes ``[rows, cols]`` (0..15, ``cols`` even) -> uint8 ``[rows, cols / 2]``: column ``2j`` in
+    the low nibble of byte ``j``, ``2j + 1`` in the high nibble (compressed-tensors' ``pack_fp4_to_uint8``)."""
+    pairs = codes.reshape(codes.shape[0], -1, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: uint8 ``[rows, cols / 2]`` -> uint8 codes ``[rows, cols]``."""
+    out = torch.empty(*packed.shape, 2, dtype=torch.uint8, device=packed.device)
+    out[..., 0] = packed & 0x0F
+    out[..., 1] = packed >> 4
+    return out.reshape(packed.shape[0], -1)
+
+
+_PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """fp32 ``[256, 2]``: the two E2M1 values (low nibble, high nibble) of every byte (cached per device)."""
+    if device not in _PAIR_TABLES:
+        values = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+        byte = torch.arange(256)
+        _PAIR_TABLES[device] = torch.stack((values[byte & 15], values[byte >> 4]), dim=1).to(device)
+    return _PAIR_TABLES[device]
+
+
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[rows, cols / 2]`` (:func:`pack_fp4` layout) -> fp32 E2M1 values ``[rows, cols]``."""
+    return _pair_table(packed.device)[packed.long()].reshape(packed.shape[0], -1)
+
+
+def _check_width(name: str, block: int, shape: tuple[int, ...], tensor: str) -> None:
+    rows, cols = as_2d(shape)
+    if cols % block == 0 and cols > 0:
+        return
+    others = "nvfp4 (blocks of 16) can, " if block == MXFP4_BLOCK and cols % NVFP4_BLOCK == 0 else ""
+    raise SchemeError(
+        f"tensor {tensor} is {cols} wide ({cols} = {cols / block:g} x {block}): {name} stores blocks of {block} "
+        f"along each row, so the width must be a multiple of {block}; {others}or leave it out with "
+        f"--exclude '{tensor}', or give it another scheme with --keep int8-row:'{tensor}'"
+    )
+
+
+def _non_finite(device: torch.device) -> dict[str, torch.Tensor]:
+    """What ``encode`` returns for NaN / inf input: ``quantize_tensor`` raises on the NaN scale."""
+    return {"qweight": torch.zeros(0, dtype=torch.uint8, device=device),
+            "scales": torch.full((1,), math.nan, device=device)}
+
+
+def _block_absmax(x: torch.Tensor, block: int, work: _Work, out: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` ``[rows, cols]`` -> ``max |x|`` per block of ``block`` columns, as fp32 ``[rows, cols / block]``
+    (a view of the int32 ``out``). The max is taken over the int32 bits of ``|x|``: for non-negative floats
+    the bit order is the value order (several times faster than a float ``aminmax`` over a short last
+    dimension), and NaN's bits exceed inf's, so ``out >= 0x7F800000`` flags a non-finite block.
+    """
+    rows, cols = x.shape
+    m = torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=work.m[: rows * cols].view(rows, cols))
+    torch.amax(m.view(rows, -1, block), dim=2, out=out)
+    return out.view(torch.float32)
+
+
+def _rows_per_chunk(cols: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // cols)
+
+
+def _as_fp32_2d(w: torch.Tensor) -> torch.Tensor:
+    w2 = w.reshape(as_2d(tuple(w.shape)))
+    return w2 if w2.dtype == torch.float32 and w2.is_contiguous() else w2.float().contiguous()
+
+
+# --------------------------------------------------------------------------- MXFP4
+
+
+def mxfp4_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 block absmax (finite, >= 0) -> int32 biased E8M0 exponents ``e`` (module docstring formula).
+
+    ``log2`` in fp64, rounded to fp32, then floored: numpy's fp32 ``log2`` as gguf calls it (see the module
+    docstring), independent of the device's fp32 ``log2``. A zero block gets ``e = 0``.
+    """
+    log2 = torch.log2(amax.double()).float().floor_()
+    e = torch.where(amax > 0, log2 - E2M1_EMAX + E8M0_BIAS, torch.zeros_like(log2))
+    return e.clamp_(0, 254).to(torch.int32)
+
+
+def _e8m0_to_fp32(e: torch.Tensor) -> torch.Tensor:
+    """int biased exponents 0..254 -> ``2**(e - 127)`` in fp32, exactly (``e = 0`` is the subnormal 2**-127)."""
+    e = e.to(torch.int32)
+    normal = (e << 23).view(torch.float32)
+    return torch.where(e > 0, normal, torch.full_like(normal, 2.0**-127))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Float ``w`` ``[rows, cols]`` (``cols % 32 == 0``) -> ``(qweight uint8 [rows, cols/2], e uint8 [rows, cols/32])``.
+
+    None when ``w`` holds NaN or inf. One chunk of rows at a time (temporaries stay in cache).
+    """
+    x = _as_fp32_2d(w)
+    rows, cols = x.shape
+    nb = cols // MXFP4_BLOCK
+    qweight = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+    amax_bits = torch.empty(rows, nb, dtype=torch.int32, device=x.device)
+    exps = torch.empty(rows, nb, dtype=torch.uint8, device=x.device)
+    step = _rows_per_chunk(cols)
+    work = _Work(step * cols, x.device)
+    y = torch.empty(step, nb, MXFP4_BLOCK, device=x.device)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        amax = _block_absmax(x[r0:r1], MXFP4_BLOCK, work, out=amax_bits[r0:r1])
+        e = mxfp4_exponents(amax)  # garbage for a non-finite block: refused after the loop
+        exps[r0:r1] = e
+        # 1 / 2**(e - 127) = 2**(127 - e): fp32 exponent field 254 - e, normal since e <= 252 (a < 2**128).
+        inverse = ((2 * E8M0_BIAS - e) << 23).view(torch.float32).unsqueeze(2)
+        yc = torch.mul(x[r0:r1].view(r1 - r0, nb, MXFP4_BLOCK), inverse, out=y[: r1 - r0])  # exact: a power-of-two rescale
+        e2m1_pack(yc.view(r1 - r0, cols), qweight[r0:r1], ties_to_even=False, work=work)
+    if bool((amax_bits >= _INF).any()):
+        return None
+    return qweight, exps
+
+
+def dequantize_mxfp4(qweight: torch.Tensor, exps: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``E2M1[code] * 2**(e - 127)`` in fp32 (exact), ``[rows, cols]``, cast to ``dtype``."""
+    values = e2m1_values(qweight)
+    rows, cols = values.shape
+    scale = _e8m0_to_fp32(exps).reshape(rows, -1, 1)
+    return values.view(rows, -1, MXFP4_BLOCK).mul_(scale).view(rows, cols).to(dtype)
+
+
+# --------------------------------------------------------------------------- NVFP4
+
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Tensor absmax (fp32 scalar) -> fp32 ``[1]`` global scale, as compressed-tensors' ``generate_gparam``."""
+    # A Python number over a tensor, exactly as generate_gparam writes it: torch evaluates it as
+    # reciprocal(amax) * 2688 (two roundings), which can differ by an ulp from a true division.
+    gs = NVFP4_GLOBAL_NUMERATOR / amax.float().clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0).reshape(1)
+
+
+def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """fp32 block absmax + global scale -> E4M3 block scales as fp32 values (``calculate_qparams``)."""
+    s = global_scale * (amax / 6.0)
+    s = s.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return torch.where(s == 0, torch.full_like(s, E4M3_EPS), s)
+
+
+def quantize_nvfp4(
+    w: torch.Tensor, global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Float ``w`` ``[rows, cols]`` (``cols % 16 == 0``) -> ``(qweight uint8 [rows, cols/2], scale bits uint8
+    [rows, cols/16], global_scale fp32 [1])``; None when ``w`` holds NaN or inf.
+
+    ``global_scale``: use this tensor scale instead of ``2688 / max|w|`` (as compressed-tensors accepts a
+    calibrated one); a block whose ``gs * a / 6`` exceeds 448 then saturates at 448.
+    """
+    x = _as_fp32_2d(w)
+    rows, cols = x.shape
+    nb = cols // NVFP4_BLOCK
+    step = _rows_per_chunk(cols)
+    work = _Work(step * cols, x.device)
+    amax_bits = torch.empty(rows, nb, dtype=torch.int32, device=x.device)
+    for r0 in range(0, rows, step):
+        _block_absmax(x[r0 : r0 + step], NVFP4_BLOCK, work, out=amax_bits[r0 : r0 + step])
+    if bool((amax_bits >= _INF).any()):
+        return None
+    amax = amax_bits.view(torch.float32)
+    blocks_all = x.view(rows, nb, NVFP4_BLOCK)
+    gs = nvfp4_global_scale(amax.max()) if global_scale is None else global_scale.float().reshape(1)
+    s = nvfp4_block_scales(amax, gs)
+    divisor = (s / gs).unsqueeze(2)  # compressed-tensors: scale = scale / global_scale; x / scale
+    qweight = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+    y = torch.empty(step, nb, NVFP4_BLOCK, device=x.device)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        yc = torch.div(blocks_all[r0:r1], divisor[r0:r1], out=y[: r1 - r0])
+        yc.add_(0.0)  # -0.0 + 0.0 = +0.0: compressed-tensors codes a -0.0 weight as +0 (torch.sign(-0.0) is 0)
+        # saturation at 6 is _quantize's clamp(y, -6, 6)
+        e2m1_pack(yc.view(r1 - r0, cols), qweight[r0:r1], ties_to_even=True, work=work)
+    scale_bits = s.to(torch.float8_e4m3fn).view(torch.uint8)
+    return qweight, scale_bits, gs
+
+
+def dequantize_nvfp4(
+    qweight: torch.Tensor, scale_bits: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``E2M1[code] * (s / gs)`` in fp32 (compressed-tensors' ``_dequantize``), ``[rows, cols]``, cast to ``dtype``."""
+    values = e2m1_values(qweight)
+    rows, cols = values.shape
+    step = scale_bits.view(torch.float8_e4m3fn).float() / global_scale.float().reshape(1)
+    return values.view(rows, -1, NVFP4_BLOCK).mul_(step.reshape(rows, -1, 1)).view(rows, cols).to(dtype)
+
+
+# --------------------------------------------------------------------------- the schemes
+
+
+@dataclass(frozen=True)
+class MXFP4Scheme:
+    """OCP MXFP4: E2M1 in blocks of 32 along each row, one E8M0 (power-of-two) scale per block."""
+
+    name: str = "mxfp4"
+    kind = "fp4"
+    bits = 4
+    packed = True
+    block_size = MXFP4_BLOCK
+    scale_dtype = torch.uint8  # E8M0 bytes
+    fixed_scale_dtype = True  # the scale format is part of the format: --scale-dtype does not apply
+    parts = ("qweight", "scales")
+
+    def resolve(self, shape: tuple[int, ...], name: str) -> MXFP4Scheme:
+        """Called by ``quantize_tensor`` with the tensor's name: refuse a width that is not whole blocks."""
+        _check_width(self.name, self.block_size, shape, name)
+        return self
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        _check_width(self.name, self.block_size, tuple(w.shape), "<tensor>")
+        out = quantize_mxfp4(w)
+        if out is None:
+            return _non_finite(w.device)
+        return {"qweight": out[0], "scales": out[1]}
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = as_2d(shape)
+        qweight = parts["qweight"].reshape(rows, cols // 2)
+        return dequantize_mxfp4(qweight, parts["scales"].reshape(rows, -1), dtype).reshape(shape)
+
+    def nbytes_for(self, shape: tuple[int, ...]) -> int:
+        """Stored bytes: ``n/2`` codes + ``n/32`` E8M0 scales = 4.25 bits per weight."""
+        n = math.prod(shape)
+        return n // 2 + n // self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "bits": 4, "element": "e2m1", "granularity": "block",
+                "block_size": self.block_size, "scale_dtype": "e8m0", "global_scale": None}
+
+
+@dataclass(frozen=True)
+class NVFP4Scheme:
+    """NVIDIA NVFP4: E2M1 in blocks of 16 along each row, an FP8 E4M3 scale per block, an fp32 scale per tensor."""
+
+    name: str = "nvfp4"
+    kind = "fp4"
+    bits = 4
+    packed = True
+    block_size = NVFP4_BLOCK
+    scale_dtype = torch.float8_e4m3fn  # stored as its uint8 bit patterns (module docstring)
+    fixed_scale_dtype = True
+    parts = ("qweight", "scales", "global_scale")
+
+    def resolve(self, shape: tuple[int, ...], name: str) -> NVFP4Scheme:
+        _check_width(self.name, self.block_size, shape, name)
+        return self
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        _check_width(self.name, self.block_size, tuple(w.shape), "<tensor>")
+        out = quantize_nvfp4(w)
+        if out is None:
+            return _non_finite(w.device)
+        return {"qweight": out[0], "scales": out[1], "global_scale": out[2]}
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = as_2d(shape)
+        qweight = parts["qweight"].reshape(rows, cols // 2)
+        out = dequantize_nvfp4(qweight, parts["scales"].reshape(rows, -1), parts["global_scale"], dtype)
+        return out.reshape(shape)
+
+    def nbytes_for(self, shape: tuple[int, ...]) -> int:
+        """Stored bytes: ``n/2`` codes + ``n/16`` E4M3 scales + 4 (the fp32 global scale) = 4.5 + 32/n bits per weight."""
+        n = math.prod(shape)
+        return n // 2 + n // self.block_size + 4
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "bits": 4, "element": "e2m1", "granularity": "block",
+                "block_size": self.block_size, "scale_dtype": "e4m3", "global_scale": "fp32"}
+
+
+MXFP4 = register(MXFP4Scheme())
+NVFP4 = register(NVFP4Scheme())
+
+
+def to_gguf_mxfp4_blocks(qweight: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    """qkit mxfp4 parts -> GGML MXFP4 block bytes ``[rows, cols/32 * 17]``: per block the E8M0 byte, then 16
+    bytes whose low nibble is element ``j`` and high nibble element ``j + 16`` (``gguf.quants.MXFP4``)."""
+    codes = unpack_fp4(qweight)
+    rows = codes.shape[0]
+    blocks = codes.view(rows, -1, 2, MXFP4_BLOCK // 2)
+    qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).to(torch.uint8)
+    return torch.cat((exps.reshape(rows, -1, 1), qs), dim=2).reshape(rows, -1)
