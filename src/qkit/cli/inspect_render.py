@@ -114,6 +114,37 @@ def outliers(r) -> None:
         f"|h| at layer {r.layer}: median {q['abs_median']:.3g}, 99th percentile {q['abs_p99']:.3g} "
         f"(one step with all dimensions: {q['all']['scale']:.4g})."
     )
+    if r.linear_inputs:
+        linear_inputs(r)
+
+
+def linear_inputs(r) -> None:
+    """The linears' inputs (the norms' outputs) under the activation quantizations of qkit eval's rows."""
+    def lv(v):
+        return "-" if v is None else f"{v:.0f}"
+
+    rows = [[f"{x['layer']}", f"{'/'.join(n.removesuffix('_proj') for n in x['linears'])} ({x['input'].removesuffix(' input')})",
+             _g(x["max"]), _g(x["median_dim_max"]), f"{x['max_over_median']:.0f}", lv(x["levels"]["per_tensor"]),
+             lv(x["levels"]["per_token"]),
+             f"{lv(x['levels']['smoothquant'])} ({x['max_over_median_smoothed']:.0f})" if x["smoothed"] else "= per token",
+             f"{lv(x['levels']['llm_int8'])} ({x['llm_int8_columns']})"]
+            for x in r.linear_inputs]
+    console.table(
+        ["layer", "linears (input from)", "max |x|", "median dim max", "max/median", "per tensor", "per token",
+         "SmoothQuant (max/median)", "LLM.int8 (16-bit cols)"],
+        rows,
+        title="the linears' inputs: INT8 levels the typical dimension spans under each W8A8 row",
+        caption=f"{r.tokens} tokens ({r.source}); x = what the linears read (a norm's output, or the input of o_proj and "
+                "down_proj), not the residual stream; levels: median over dimensions of 2 max|code| + 1 (of 255); per tensor = "
+                "w8a8-tensor, per token = w8a8-token, SmoothQuant = smoothquant-w8a8 (alpha 0.5, max|x| from these tokens; it "
+                "smooths the norm groups only, so o and down stay per token), LLM.int8 = llm-int8 (columns with |x| >= 6 in "
+                "16-bit, the rest per token).",
+        right=[0, 2, 3, 4, 5, 6, 7, 8],
+    )
+    med = {k: sorted(x["levels"][k] for x in r.linear_inputs if x["levels"][k] is not None) for k in r.linear_inputs[0]["levels"]}
+    say = ", ".join(f"{name} {v[len(v) // 2]:.0f}" for name, v in (("per tensor", med["per_tensor"]), ("per token", med["per_token"]),
+                    ("SmoothQuant", med["smoothquant"]), ("LLM.int8", med["llm_int8"])) if v)
+    console.note(f"- median over the {len(r.linear_inputs)} inputs of the levels a typical dimension spans: {say}.")
 
 
 def sensitivity(r, by: str, rows: int, threshold: float, model: str | None) -> None:
