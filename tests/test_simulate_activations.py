@@ -132,6 +132,7 @@ def test_bad_inputs_one_line():
         lambda: get_runtime("act-int9-token"),
         lambda: get_runtime("act-int8-token", {"treshold": 6.0}),
         lambda: fake_quantize(torch.ones(2), torch.ones(()), bits=3),
+        lambda: get_runtime("act-int8-static", {"calibration_samples": 0}),
     ):
         with pytest.raises(QkitError) as exc:
             call()

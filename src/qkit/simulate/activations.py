@@ -101,6 +101,16 @@ class StaticOptions:
     calibration_samples: int | None = None
     calibration_seqlen: int | None = None
 
+    def calibration_options(self):
+        """The ``qkit.methods.calibration.CalibrationOptions`` these stand for (checked: one line if malformed)."""
+        from qkit.methods.calibration import CalibrationOptions
+
+        given = {k: v for k, v in (("source", self.calibration), ("samples", self.calibration_samples),
+                                   ("seqlen", self.calibration_seqlen)) if v is not None}
+        options = CalibrationOptions(**given)
+        options.check()
+        return options
+
 
 register_options("activations", StaticOptions)
 
@@ -179,16 +189,12 @@ def calibrate_static(
     ids = context.calibration_ids
     provenance: dict[str, Any] = {}
     if ids is None:
-        try:
-            from qkit.methods.calibration import CalibrationOptions, calibration_ids
-        except ImportError as exc:  # pragma: no cover - the calibration module ships with qkit
-            raise InputError("static activation scales need qkit.methods.calibration, missing from this install; use act-int8-token") from exc
+        from qkit.methods.calibration import calibration_ids
+
         tok = context.extra.get("tokenizer")
         if tok is None:
             raise InputError("static activation scales need the model's tokenizer to encode the calibration text; use act-int8-token")
-        given = {k: v for k, v in (("source", options.calibration), ("samples", options.calibration_samples),
-                                   ("seqlen", options.calibration_seqlen)) if v is not None}
-        ids, provenance = calibration_ids(tok, CalibrationOptions(**given))
+        ids, provenance = calibration_ids(tok, options.calibration_options())
     qmax = qmax_for(bits)
     device = next(model.parameters()).device
     maxima: dict[str, torch.Tensor] = {n: torch.zeros((), dtype=torch.float32, device=device) for n in linears}
@@ -211,7 +217,10 @@ def calibrate_static(
 
 def _factory(name: str, granularity: PerTensor | PerRow, static: bool = False):
     def make(given: Mapping[str, Any]) -> ActivationRuntime:
-        return ActivationRuntime(name, granularity, static, ACT_BITS, build(StaticOptions, given))
+        options = build(StaticOptions, given)
+        if static:
+            options.calibration_options()  # malformed calibration numbers fail here, before any model is loaded
+        return ActivationRuntime(name, granularity, static, ACT_BITS, options)
 
     return make
 
