@@ -1,0 +1,399 @@
+"""GPTQ: exact cases (hand-computed, diagonal H = RTN), properties, act-order, numerics, the method end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from qkit.api import quantize_model
+from qkit.errors import InputError, QkitError, SchemeError
+from qkit.methods import get_method
+from qkit.methods.gptq import (
+    GPTQOptions,
+    gptq_solve,
+    inverse_hessian_factor,
+    output_error,
+    prepare_hessian,
+)
+from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
+
+
+def stored(result, scheme, shape) -> QuantizedTensor:
+    """The solve's codes and scales as the QuantizedTensor the method writes."""
+    return QuantizedTensor.from_parts(scheme, result.grid.parts(result.codes, slice(0, shape[0])), shape, torch.float32)
+
+
+def correlated_inputs(cols: int, n: int, seed: int, mix: float = 0.5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    A = torch.eye(cols) + mix * torch.randn(cols, cols, generator=g)
+    return A @ torch.randn(cols, n, generator=g)  # X [cols, n]
+
+
+# --------------------------------------------------------------------------- exact cases
+
+
+def test_hand_computed_two_columns():
+    """W = [[0.3, 0.72], [1.4, 0]], per-tensor int4, H = [[1, .9], [.9, 1]], dampening 0.01.
+
+    scale = fp16(1.4 / 7) = 0.199951171875. H + 0.01 I = [[1.01, .9], [.9, 1.01]], its inverse
+    [[4.80723, -4.28367], [-4.28367, 4.80723]] (det 0.2101); upper Cholesky factor U = [[2.192540,
+    -1.953747], [0, 0.995037]]. Column 0: 0.3 / s = 1.5004 -> 2 (0.399902); 1.4 / s = 7.0017 -> 7.
+    Row 0's error e = (0.3 - 0.399902) / 2.192540 = -0.045564 moves w[0, 1] to 0.72 - e * U01 =
+    0.72 - 0.089021 = 0.630979 -> 3.1557 -> code 3, where RTN rounds 0.72 / s = 3.6009 to 4.
+    Row 1: e = 0.000156, w[1, 1] = 0.000305 -> code 0.
+    """
+    W = torch.tensor([[0.3, 0.72], [1.4, 0.0]])
+    H = torch.tensor([[1.0, 0.9], [0.9, 1.0]])
+    U, damp, retries = inverse_hessian_factor(H, 0.01)
+    assert (damp, retries) == (0.01, 0)
+    torch.testing.assert_close(U, torch.tensor([[2.192540, -1.953747], [0.0, 0.995037]]), atol=2e-5, rtol=0)
+    scheme = get_scheme("int4-tensor")
+    r = gptq_solve(W, H, scheme, dampening=0.01)
+    s = 0.199951171875
+    assert r.codes.tolist() == [[2.0, 3.0], [7.0, 0.0]]
+    assert torch.equal(r.dequantized, torch.tensor([[2 * s, 3 * s], [7 * s, 0.0]]))
+    rtn = quantize_tensor(W, scheme)
+    assert scheme.codes(rtn.parts, (2, 2)).tolist() == [[2, 4], [7, 0]]
+    qt = stored(r, scheme, (2, 2))
+    assert qt.scales.item() == s and scheme.codes(qt.parts, (2, 2)).tolist() == [[2, 3], [7, 0]]
+    # Output error with X Xᵀ = H: row 0's RTN error (-0.0999, -0.0798) adds up along the correlation,
+    # GPTQ's (-0.0999, +0.1201) cancels.
+    assert output_error(W, r.dequantized, H) < output_error(W, rtn.dequantize(), H) / 5
+
+
+SCHEMES = ["int4-g64", "int4-g128", "int4-g24", "int4-row", "int4-tensor", "int8-row", "int8-g32", "nf4"]
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_diagonal_hessian_gives_rtn_bit_for_bit(name, act_order):
+    """A diagonal H (inputs uncorrelated) has a diagonal U: no error feedback, so GPTQ is RTN exactly,
+    the same codes and stored scales, whatever the column order (act order puts the columns back). 192
+    columns: int4-g128 has a short last group of 64 per row, int4-g24 eight groups."""
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(24, 192, generator=g)
+    W[5, :64] = 0.0  # a zero group / NF4 block
+    H = torch.diag(torch.rand(192, generator=g) + 0.1)
+    scheme = get_scheme(name)
+    r = gptq_solve(W, H, scheme, act_order=act_order)
+    rtn = quantize_tensor(W, scheme)
+    qt = stored(r, scheme, (24, 192))
+    assert torch.equal(qt.qweight, rtn.qweight) and torch.equal(qt.scales, rtn.scales)
+    assert torch.equal(qt.dequantize(), r.dequantized)
+
+
+def test_short_last_group_576_columns_g128():
+    """The width llm-compressor refuses: 576 = 4 x 128 + 64."""
+    X = correlated_inputs(576, 1200, seed=3)
+    W = torch.randn(32, 576, generator=torch.Generator().manual_seed(3))
+    scheme = get_scheme("int4-g128")
+    r = gptq_solve(W, X @ X.T, scheme)
+    qt = stored(r, scheme, (32, 576))
+    assert qt.scales.shape == (32, 5) and torch.equal(qt.dequantize(), r.dequantized)
+    rtn = quantize_tensor(W, scheme).dequantize()
+    assert output_error(W, r.dequantized, X @ X.T) < 0.7 * output_error(W, rtn, X @ X.T)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), name=st.sampled_from(["int4-g16", "int4-row", "nf4", "int8-g16", "int4-tensor"]),
+       act_order=st.booleans())
+def test_gptq_output_error_below_rtn_on_correlated_inputs(seed, name, act_order):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(8, 64, generator=g)
+    X = correlated_inputs(64, 256, seed)
+    H = X @ X.T
+    scheme = get_scheme(name)
+    r = gptq_solve(W, H, scheme, block_size=32, act_order=act_order)
+    rtn = quantize_tensor(W, scheme).dequantize()
+    assert output_error(W, r.dequantized, H) < output_error(W, rtn, H)
+    assert torch.equal(stored(r, scheme, (8, 64)).dequantize(), r.dequantized)  # a valid tensor of the scheme
+
+
+def test_act_order_is_the_plain_solve_of_the_permuted_problem_with_columns_put_back():
+    X = correlated_inputs(96, 500, seed=5)
+    X[7] *= 10  # a dominant input channel goes first
+    H = X @ X.T
+    W = torch.randn(16, 96, generator=torch.Generator().manual_seed(5))
+    scheme = get_scheme("int4-row")  # row scales do not depend on the column order
+    act = gptq_solve(W, H, scheme, act_order=True)
+    perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+    assert perm[0] == 7
+    plain = gptq_solve(W[:, perm], H[perm][:, perm], scheme)
+    inv = torch.argsort(perm)
+    assert torch.equal(act.codes, plain.codes[:, inv]) and torch.equal(act.dequantized, plain.dequantized[:, inv])
+    assert not torch.equal(act.codes, gptq_solve(W, H, scheme).codes)
+
+
+def test_act_order_with_groups_keeps_original_group_layout():
+    X = correlated_inputs(128, 600, seed=6)
+    H = X @ X.T
+    W = torch.randn(8, 128, generator=torch.Generator().manual_seed(6))
+    scheme = get_scheme("int4-g32")
+    r = gptq_solve(W, H, scheme, act_order=True)
+    qt = stored(r, scheme, (8, 128))
+    # static groups: the stored scales are RTN's (absmax of the original weights of each group, in order)
+    assert torch.equal(qt.scales, quantize_tensor(W, scheme).scales)
+    assert torch.equal(qt.dequantize(), r.dequantized)
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def test_dead_input_columns_are_zeroed():
+    X = correlated_inputs(32, 200, seed=7)
+    X[3] = 0.0  # input channel 3 is never nonzero: H[3, 3] = 0
+    W = torch.randn(6, 32, generator=torch.Generator().manual_seed(7))
+    prepared = prepare_hessian(X @ X.T)
+    assert prepared.dead.nonzero().flatten().tolist() == [3]
+    r = gptq_solve(W, X @ X.T, get_scheme("int4-g8"))
+    assert r.dead == 1 and torch.all(r.dequantized[:, 3] == 0) and torch.all(r.codes[:, 3] == 0)
+    assert torch.isfinite(r.dequantized).all()
+
+
+def test_non_positive_definite_hessian_is_retried_with_more_dampening():
+    # eigenvalues 4 and -2, mean diagonal 1: dampening 0.01, 0.1 and 1 leave it indefinite, 10 succeeds.
+    H = torch.tensor([[1.0, 3.0], [3.0, 1.0]])
+    U, damp, retries = inverse_hessian_factor(H, 0.01)
+    assert retries == 3 and damp == pytest.approx(10.0) and U is not None
+    r = gptq_solve(torch.tensor([[0.5, -0.25]]), H, get_scheme("int8-row"))
+    assert r.retries == 3 and not r.fallback
+
+
+def test_hopeless_hessian_falls_back_to_rtn_and_says_so():
+    W = torch.randn(4, 16, generator=torch.Generator().manual_seed(8))
+    r = gptq_solve(W, -torch.eye(16), get_scheme("int4-g8"))
+    assert r.fallback and r.retries == 5
+    assert torch.equal(r.dequantized, quantize_tensor(W, get_scheme("int4-g8")).dequantize())
+
+
+def test_nf4_needs_whole_blocks_per_row():
+    with pytest.raises(SchemeError, match="whole blocks of 64"):
+        gptq_solve(torch.randn(4, 96), torch.eye(96), get_scheme("nf4"))
+
+
+def test_method_refuses_schemes_it_cannot_serve():
+    method = get_method("gptq")
+    for name in ("int4-g64", "int8-row", "nf4"):
+        method.check(get_scheme(name))
+    try:
+        other = get_scheme("q4_0")
+    except QkitError:
+        pytest.skip("no ggml schemes registered")
+    with pytest.raises(SchemeError) as err:
+        method.check(other)
+    assert "\n" not in str(err.value) and "int4-gN" in str(err.value) and "--method rtn" in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"dampening": 0.0}, "--dampening"), ({"dampening": -1.0}, "--dampening"),
+                                          ({"calibration_samples": 0}, "--calibration-samples"), ({"block_size": 0}, "block size")])
+def test_bad_options_are_refused(kwargs, match):
+    with pytest.raises(InputError, match=match):
+        GPTQOptions(**kwargs).check()
+
+
+# --------------------------------------------------------------------------- the method on a tiny model
+
+
+@pytest.fixture(scope="module")
+def tiny64(tmp_path_factory) -> Path:
+    """A tiny llama whose widths (64, 128) are whole NF4 blocks and compressed-tensors groups."""
+    from conftest import make_tiny_llama
+
+    d = tmp_path_factory.mktemp("gptq") / "tiny64"
+    make_tiny_llama(d, hidden=64, intermediate=128)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cal_file(tmp_path_factory) -> str:
+    from conftest import TINY_TEXT
+
+    f = tmp_path_factory.mktemp("cal") / "cal.txt"
+    f.write_text(TINY_TEXT * 30)
+    return str(f)
+
+
+def opts(cal_file: str, **more) -> dict:
+    return {"calibration": cal_file, "calibration_samples": 4, "calibration_seqlen": 64, **more}
+
+
+@pytest.fixture(scope="module")
+def gptq_checkpoint(tiny64, cal_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "gptq"
+    result = quantize_model(tiny64, output=out, scheme="int4-g32", method="gptq", method_options=opts(cal_file), collect=True)
+    return out, result
+
+
+def test_checkpoint_records_the_method_and_beats_rtn_on_every_layer(gptq_checkpoint):
+    out, result = gptq_checkpoint
+    config = json.loads((out / "config.json").read_text())
+    method = config["quantization_config"]["method"]
+    assert method["name"] == "gptq" and method["calibration"]["name"] == "cal.txt"
+    assert method["calibration"]["samples"] == 4 and len(method["calibration"]["sha256"]) == 64
+    assert method["options"]["dampening"] == 0.01 and method["options"]["act_order"] is False
+    layers = method["layers"]
+    assert len(layers) == 14 and result.matrices == 14
+    for name, rec in layers.items():
+        assert rec["gptq_error"] < rec["rtn_error"], name
+        assert rec["dampening_retries"] == 0 and rec["tokens"] == 4 * 64
+    assert [b["block"] for b in method["blocks"]] == [0, 1]
+    assert method["rtn_fallback"] == []
+
+
+def test_checkpoint_loads_with_the_exact_weights_the_method_chose(gptq_checkpoint):
+    from qkit.checkpoint import iter_quantized
+    from qkit.models import load
+
+    out, result = gptq_checkpoint
+    read = {n: v for n, v in iter_quantized(out) if isinstance(v, QuantizedTensor)}
+    assert set(read) == set(result.quantized)
+    model = load(out, device="cpu").model
+    for name, qt in result.quantized.items():
+        assert torch.equal(read[name].qweight, qt.qweight) and torch.equal(read[name].scales, qt.scales)
+        assert torch.equal(model.get_parameter(name), qt.dequantize(torch.float32))
+
+
+def test_eval_of_the_checkpoint_equals_the_in_memory_row(gptq_checkpoint, tiny64, cal_file):
+    from qkit.evaluation import EvalOptions, evaluate
+
+    out, _ = gptq_checkpoint
+    fast = dict(tokens=128, battery_tokens=4, corpus=cal_file)
+    in_memory = evaluate(tiny64, options=EvalOptions(schemes=("int4-g32",), methods=("gptq",),
+                                                     method_options=tuple(sorted(opts(cal_file).items())), **fast))
+    saved = evaluate(out, options=EvalOptions(reference=str(tiny64), **fast))
+    row, ckpt = in_memory.rows[1], saved.rows[1]
+    assert row.scheme == "int4-g32+gptq" and row.method_record["calibration"]["samples"] == 4
+    assert ckpt.perplexity == row.perplexity and ckpt.kld == row.kld and ckpt.top1_match == row.top1_match
+    assert ckpt.battery_outputs == row.battery_outputs  # (sizes differ by the manifest's timing digits only)
+
+
+def test_compressed_tensors_export_verifies(tiny64, cal_file, tmp_path):
+    pytest.importorskip("compressed_tensors")
+    from qkit.export.verify import verify_checkpoint
+
+    out = tmp_path / "ct"
+    quantize_model(tiny64, output=out, scheme="int4-g32", method="gptq", method_options=opts(cal_file, act_order=True),
+                   format="compressed-tensors")
+    r = verify_checkpoint(out, device="cpu")
+    assert r.passed and r.weights_ok and r.logits_ok
+
+
+def test_two_passes_with_batches_also_beat_rtn(tiny64, cal_file, tmp_path):
+    result = quantize_model(tiny64, output=tmp_path / "b", scheme="nf4", method="gptq",
+                            method_options=opts(cal_file, batch_size=2))
+    rec = result.method_record
+    assert rec["passes"].startswith("two per block")
+    assert all(v["gptq_error"] < v["rtn_error"] for v in rec["layers"].values())
+
+
+def test_progress_reports_every_block(tiny64, cal_file, tmp_path):
+    seen = []
+    quantize_model(tiny64, output=tmp_path / "p", scheme="int8-row", method="gptq", method_options=opts(cal_file),
+                   on_block=lambda done, total: seen.append((done, total)))
+    assert seen == [(1, 2), (2, 2)]
+
+
+# --------------------------------------------------------------------------- bad input: one line, nothing written
+
+runner = CliRunner()
+
+
+def cli(*args: str):
+    from qkit.cli import app
+
+    result = runner.invoke(app, list(args))
+    return result, (result.stdout or "") + (result.stderr or "")
+
+
+def assert_one_line_error(result, text: str, *needles: str) -> None:
+    assert result.exit_code != 0 and "Traceback" not in text
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), text
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+def test_cli_calibration_shorter_than_one_sample(tiny64, cal_file, tmp_path):
+    out = tmp_path / "o"
+    result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", "int4-g32", "--method", "gptq",
+                       "--calibration", cal_file, "--calibration-seqlen", "100000")
+    assert_one_line_error(result, text, "shorter than one sample of 100000", "--calibration-seqlen")
+    assert not out.exists()
+
+
+def test_cli_calibration_overlapping_the_eval_text(tiny64, tmp_path):
+    from qkit.evaluation.corpora import load_corpus
+
+    cal = tmp_path / "mine.txt"
+    cal.write_text("Words of my own, and then a passage copied from the eval text. " * 20 + load_corpus().text[2000:2400])
+    out = tmp_path / "o"
+    result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", "int4-g32", "--method", "gptq",
+                       "--calibration", str(cal))
+    assert_one_line_error(result, text, "overlaps the evaluation text kjv-ruth", "--calibration")
+    assert not out.exists()
+
+
+def test_cli_scheme_the_method_cannot_take(tiny_model_dir, cal_file, tmp_path):
+    out = tmp_path / "o"  # the default tiny model's down_proj has 160 columns: not whole NF4 blocks
+    result, text = cli("quantize", str(tiny_model_dir), "-o", str(out), "--scheme", "nf4", "--method", "gptq",
+                       "--calibration", cal_file)
+    assert_one_line_error(result, text, "whole blocks of 64", "down_proj")
+    assert not out.exists()
+
+
+def test_cli_calibration_options_need_a_calibrated_method(tiny64, tmp_path):
+    out = tmp_path / "o"
+    result, text = cli("quantize", str(tiny64), "-o", str(out), "--calibration-samples", "4")
+    assert_one_line_error(result, text, "calibrated --method")
+    assert not out.exists()
+
+
+def test_cli_quantize_gptq_json_has_the_record(tiny64, cal_file, tmp_path):
+    out, js = tmp_path / "o", tmp_path / "r.json"
+    result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", "int4-g32", "--method", "gptq",
+                       "--calibration", cal_file, "--calibration-samples", "4", "--calibration-seqlen", "64",
+                       "--act-order", "--dampening", "0.05", "--json", str(js))
+    assert result.exit_code == 0, text
+    rec = json.loads(js.read_text())["method_record"]
+    assert rec["options"]["act_order"] is True and rec["options"]["dampening"] == 0.05
+    assert rec["calibration"]["seqlen"] == 64 and "gptq" in text and "output error" in text
+
+
+# --------------------------------------------------------------------------- the real default model
+
+
+@pytest.mark.slow
+def test_gptq_int4_g64_beats_rtn_by_more_than_two_paired_se_on_the_default_model(default_model_dir, tmp_path):
+    """Fewer calibration and eval tokens than the README's benchmark, to stay near a minute."""
+    from qkit.evaluation.corpora import load_corpus
+    from qkit.evaluation.perplexity import CorpusReference
+    from qkit.models import load
+
+    loaded = load(default_model_dir, device="cpu")
+    ids = torch.tensor(loaded.tokenizer(load_corpus().text, add_special_tokens=False)["input_ids"][:1024])
+    ref = CorpusReference(loaded.model, ids, 512)
+    scores = {}
+    for method, options in (("rtn", None), ("gptq", {"calibration_samples": 8, "calibration_seqlen": 256})):
+        r = quantize_model(default_model_dir, output=tmp_path / method, scheme="int4-g64", method=method,
+                           method_options=options, collect=True)
+        with torch.no_grad():
+            originals = {n: loaded.model.get_parameter(n).detach().clone() for n in r.quantized}
+            for n, qt in r.quantized.items():
+                loaded.model.get_parameter(n).copy_(qt.dequantize(torch.float32))
+        scores[method] = ref.score(loaded.model)
+        with torch.no_grad():
+            for n, w in originals.items():
+                loaded.model.get_parameter(n).copy_(w)
+    d = scores["gptq"].nll - scores["rtn"].nll  # paired per-token differences
+    se = d.std(unbiased=True).item() / math.sqrt(d.numel())
+    assert d.mean().item() < -2 * se, (scores["rtn"].perplexity, scores["gptq"].perplexity, se)
