@@ -397,3 +397,16 @@ def test_gptq_int4_g64_beats_rtn_by_more_than_two_paired_se_on_the_default_model
     d = scores["gptq"].nll - scores["rtn"].nll  # paired per-token differences
     se = d.std(unbiased=True).item() / math.sqrt(d.numel())
     assert d.mean().item() < -2 * se, (scores["rtn"].perplexity, scores["gptq"].perplexity, se)
+
+
+def test_inspect_errors_shows_output_error_per_matrix_per_method(tiny64, cal_file, tmp_path):
+    js = tmp_path / "e.json"
+    result, text = cli("inspect", "errors", str(tiny64), "-s", "int4-g32", "--method", "gptq", "--calibration", cal_file,
+                       "--calibration-samples", "4", "--calibration-seqlen", "64", "--json", str(js))
+    assert result.exit_code == 0, text
+    assert "not what GPTQ minimises" in text and "gptq / rtn" in text
+    out = json.loads(js.read_text())["output_errors"][0]
+    assert out["method"] == "gptq" and len(out["layers"]) == 14
+    assert all(v["gptq"] < v["rtn"] for v in out["layers"].values())
+    result, text = cli("inspect", "errors", str(tiny64), "-s", "int4-g32", "--method", "rtn")
+    assert_one_line_error(result, text, "--method gptq")

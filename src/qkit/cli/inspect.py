@@ -9,12 +9,16 @@ import typer
 from qkit import console
 from qkit.cli import inspect_render as render
 from qkit.cli.common import (
+    CalibrationOpt,
+    CalibrationSamplesOpt,
+    CalibrationSeqlenOpt,
     DeviceMapOpt,
     DeviceOpt,
     JsonOpt,
     ModelArg,
     ScaleDtypeOpt,
     ThreadsOpt,
+    calibration_options,
     handles_errors,
     json_target,
     use_threads,
@@ -46,14 +50,26 @@ def inspect_errors_(
     model: ModelArg = None,
     scheme: SchemesOpt = [],
     per_matrix: Annotated[bool, typer.Option("--per-matrix", help="Also print every matrix's relative error under each scheme.")] = False,
+    method: Annotated[Optional[str], typer.Option("--method", help="Also the output-side error ||WX-ŴX||²/||WX||² per matrix of a calibrated method (gptq) next to RTN's, on its calibration inputs (quantizes the model with it, per scheme).", show_default=False)] = None,
+    calibration: CalibrationOpt = None,
+    calibration_samples: CalibrationSamplesOpt = None,
+    calibration_seqlen: CalibrationSeqlenOpt = None,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Relative error ||W - W_hat||_F / ||W||_F of every projection matrix under each scheme."""
+    from qkit.errors import InputError
+    from qkit.methods import get_method
+
     json_target(json_path)
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
+    chooser = get_method(method) if method else None
+    if method and chooser is None:
+        raise InputError("--method rtn has no calibration inputs to measure an output error on; use --method gptq")
+    for s in _ierrors.check_schemes(schemes, scale_dtype) if chooser else ():
+        chooser.check(s)
     use_threads(threads)
     with console.progress() as bar:
         r = _ierrors.weight_errors(
@@ -61,8 +77,18 @@ def inspect_errors_(
             on_start=lambda n: bar.start("measuring", n), on_matrix=bar.callback(),
         )
     render.errors(r, per_matrix)
+    by_method = []
+    for s in schemes if chooser else ():
+        with console.progress() as bar:
+            m = _ierrors.method_output_errors(
+                model, scheme=s, method=method, scale_dtype=scale_dtype,
+                method_options=calibration_options(calibration, calibration_samples, calibration_seqlen) or None,
+                on_block=lambda done, total: (bar.start(f"{method} ({s}), block by block", total) if done == 1 else None, bar.advance()),
+            )
+        render.method_errors(m)
+        by_method.append(m.to_dict())
     if json_path:
-        console.write_json(json_path, r.to_dict())
+        console.write_json(json_path, {**r.to_dict(), **({"output_errors": by_method} if by_method else {})})
 
 
 @inspect_app.command("matrix")

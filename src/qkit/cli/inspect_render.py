@@ -34,6 +34,22 @@ def errors(r, per_matrix: bool) -> None:
         console.note(sentence)
 
 
+def method_errors(m) -> None:
+    """Output-side error per matrix, RTN against a calibrated method (``qkit.inspect.errors.MethodErrors``)."""
+    from qkit.inspect.errors import OUTPUT_ERROR_NOTE
+
+    rows = [[n, f"{v['rtn']:.5f}", f"{v[m.method]:.5f}", f"{v[m.method] / v['rtn']:.2f}" if v["rtn"] > 0 else ""]
+            for n, v in m.layers.items()]
+    mean_rtn = sum(v["rtn"] for v in m.layers.values()) / len(m.layers)
+    mean_m = sum(v[m.method] for v in m.layers.values()) / len(m.layers)
+    rows.append(["mean", f"{mean_rtn:.5f}", f"{mean_m:.5f}", f"{mean_m / mean_rtn:.2f}" if mean_rtn > 0 else ""])
+    cal = m.calibration
+    console.table(["matrix", "rtn", m.method, f"{m.method} / rtn"], rows,
+                  title=f"output error per matrix, {m.scheme}: rtn vs {m.method}",
+                  caption=f"calibration: {cal.get('name')} ({cal.get('samples')} x {cal.get('seqlen')} tokens)", right=range(1, 4))
+    console.note(OUTPUT_ERROR_NOTE)
+
+
 def top_matrices(stats) -> None:
     console.table(
         ["matrix", "shape", "mean |w|", "std", "max |w|", "max/std", "> 6 sigma"],

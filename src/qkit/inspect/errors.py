@@ -465,3 +465,55 @@ def top_matrices(
     ref = _ref_for(model, ref)
     stats = [matrix_stats(w, n) for n, w in iter_projections(ref.directory)]
     return sorted(stats, key=lambda s: (-s.max_over_std, s.name))[:top]
+
+
+# --------------------------------------------------------------------------- output-side error of a calibrated method
+
+OUTPUT_ERROR_NOTE = (
+    "output error ||W X - Ŵ X||² / ||W X||² on the calibration inputs each matrix sees (earlier blocks already "
+    "quantized); weight-space error ||W - Ŵ|| / ||W|| (the table above) is not what GPTQ minimises: it spends "
+    "weight error where the inputs make it cheap, so its weight error can be larger than RTN's while its outputs are closer."
+)
+
+
+@dataclass
+class MethodErrors:
+    """Per matrix, RTN's and the method's output-side error (from the method's record, see ``qkit.methods.gptq``)."""
+
+    model: str
+    scheme: str
+    method: str
+    layers: dict[str, dict[str, float]]  # name -> {"rtn": ..., method: ...}
+    calibration: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "scheme": self.scheme, "method": self.method, "layers": self.layers,
+                "calibration": self.calibration, "note": OUTPUT_ERROR_NOTE}
+
+
+def method_output_errors(
+    model: str | Path | None = None,
+    *,
+    scheme: str,
+    method: str,
+    method_options: dict[str, Any] | None = None,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
+    ref: ModelRef | None = None,
+    on_block: Callable[[int, int], None] | None = None,
+) -> MethodErrors:
+    """Quantize MODEL with ``method`` (into a temporary directory, through ``quantize_model``) and return the
+    output-side error per matrix it recorded, next to RTN's on the same calibration inputs."""
+    import tempfile
+
+    from qkit.api import quantize_model
+
+    ref = _ref_for(model, ref)
+    with tempfile.TemporaryDirectory(prefix="qkit-inspect-") as tmp:
+        r = quantize_model(ref=ref, output=Path(tmp) / "m", scheme=scheme, scale_dtype=scale_dtype, method=method,
+                           method_options=method_options, on_block=on_block)
+    key = f"{r.method}_error"
+    layers = {n: {"rtn": v["rtn_error"], r.method: v[key]} for n, v in sorted((r.method_record.get("layers") or {}).items())
+              if "rtn_error" in v and key in v}
+    if not layers:
+        raise InputError(f"method {method} records no per-matrix output error; use --method gptq")
+    return MethodErrors(ref.spec, scheme, r.method, layers, r.method_record.get("calibration") or {})
