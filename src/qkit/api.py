@@ -28,6 +28,7 @@ from qkit.methods import RTN, get_method, make_options
 from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.schemes.kquants import bind_model
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, new_manifest, plan
 
@@ -132,6 +133,10 @@ def quantize_model(
     if ref.is_quantized:
         raise InputError(f"{ref.spec} is already a qkit checkpoint; quantize the original model instead")
     shapes = dict(tensor_shapes(ref.directory))
+    # A recipe (q4_k_m) needs facts of the model (layer count, tied embeddings): bound here, once.
+    config = read_config(ref.directory)
+    default = bind_model(default, config)
+    rules = Rules(rules.include, rules.exclude, tuple((g, s and bind_model(s, config)) for g, s in rules.overrides))
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
