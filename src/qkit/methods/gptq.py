@@ -3,10 +3,11 @@ Pre-trained Transformers", arXiv:2210.17323): integers and scales chosen against
 
 For one linear layer with weight ``W [rows, cols]`` and calibration inputs ``X [cols, n]``, GPTQ
 minimises the output error ``||W X - Ŵ X||²`` column by column. With ``H = 2 X Xᵀ`` (the Hessian of that
-error; accumulated here as ``Xᵀ X`` in fp32 batch by batch, the factor 2 and 1/n cancel), dampened by
-``λ = dampening * mean(diag H)`` on the diagonal, and ``U`` the upper Cholesky factor of ``H⁻¹``
-(fp32, computed as ``J L⁻¹ J`` from the Cholesky factor of the reversed ``H``, see ``inverse_hessian_factor``), each column ``j`` in turn is quantized and its error spread over
-the columns not yet quantized::
+error; accumulated here as ``X Xᵀ`` in fp32, upper triangle only, then mirrored: the factor 2 and 1/n do
+not change the solution), dampened by ``λ = dampening * mean(diag H)`` on the diagonal, and ``U`` the
+upper Cholesky factor of ``H⁻¹`` (fp32 as in the reference, computed as ``J L⁻¹ J`` from the Cholesky
+factor ``L`` of the reversed ``H``, see ``inverse_hessian_factor``), each column ``j`` in turn is
+quantized and its error spread over the columns not yet quantized::
 
     q_j   = Q(w_j)                          the scheme's grid, with the scale of w_j's group
     e_j   = (w_j - q_j) / U[j, j]
@@ -31,10 +32,22 @@ Numerics and choices, as the reference implementation (github.com/IST-DASLab/gpt
   codes are put back in the original order before packing.
 
 The result is a ``QuantizedTensor`` of the *same* scheme RTN writes (built with the scheme's own parts
-layout), so every writer and exporter takes it unchanged. Layers that share an input (q/k/v, gate/up)
-share one ``H`` and are solved together (their rows stacked; rows are independent in GPTQ) except for
-per-tensor scales. Targets outside the transformer blocks (or not ``nn.Linear``) are quantized with RTN,
-and the record lists them.
+layout), so every writer and exporter takes it unchanged. Targets outside the transformer blocks (or not
+``nn.Linear``) are quantized with RTN, and the record lists them.
+
+Layer by layer (``qkit.methods.sequential.walk_blocks``). By default all calibration windows go through a
+block in one batch and each linear is quantized in its forward pre-hook, before it runs: its ``H`` comes
+from inputs that already went through the block's quantized earlier linears (the reference's "true
+sequential" order: q/k/v, then o, then gate/up, then down), and the block's output, computed with every
+linear quantized, is the next block's input: one forward pass per block. Linears fed the same tensor
+(q/k/v, gate/up) share its ``H``, dead columns, permutation and ``U``. With ``batch_size`` below the
+number of windows, ``H`` is accumulated batch by batch with the block's original weights, the linears
+are quantized, and the block is run again (two passes per block, peak memory one batch).
+
+Speed. The column loop's operations touch ``rows`` numbers each, so it runs on one CPU thread (a thread
+barrier per operation costs more than the operation on a shared machine) and in sub-blocks of 16 columns
+(the per-column update stays small; each sub-block's error reaches the rest of its lazy block in one
+matmul). The forward passes and the Hessians (matmuls) use every thread.
 
 Record (manifest ``method``): options, calibration provenance, per-layer output-side reconstruction
 error ``||W X - Ŵ X||² / ||W X||²`` on the calibration inputs for RTN and for GPTQ (computed from the
