@@ -333,3 +333,25 @@ def test_bind_model_keeps_an_80_layer_llama_without_gqa():
     """llama.cpp's 70B type is llama with 80 layers *and* grouped-query attention (65B has none)."""
     cfg = {"num_hidden_layers": 80, "model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 64}
     assert bind_model(get_scheme("q4_k_m"), cfg).n_layers == 80
+
+
+def test_deterministic_across_thread_counts():
+    """The same bytes with 1 and 2 torch threads, every type (no reduction depends on the split)."""
+    w = torch.randn(384, 1536, generator=torch.Generator().manual_seed(8)) * 0.02
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append([quantize_tensor(w, get_scheme(n)).qweight for n in ALL_TYPES])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_encode_called_directly_refuses_a_width_it_would_fall_back_from():
+    """``quantize_tensor`` resolves q4_k on a 576-wide matrix to q5_0; ``encode`` itself never writes q5_0
+    bytes under the name q4_k."""
+    with pytest.raises(SchemeError, match="resolves it to q5_0"):
+        get_scheme("q4_k").encode(torch.randn(2, 576))

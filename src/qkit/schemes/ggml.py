@@ -103,8 +103,17 @@ class GGMLScheme:
         return rows * cols // scheme.block_size * scheme.type_size
 
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Any-shape float ``w`` -> ``{"qweight": uint8 [rows, cols/block * type_size], "scales": fp16 [0]}``.
+
+        ``quantize_tensor`` calls ``resolve`` first; called directly, a width this type cannot take is a
+        ``SchemeError`` (a k-quant does not silently write its fallback's bytes under its own name)."""
         rows, cols = as_2d(tuple(w.shape))
-        self.resolve(tuple(w.shape))  # a width this type cannot take: one clear line
+        width = w.shape[-1] if w.dim() else 1
+        if self.resolve(tuple(w.shape)) is not self or width % self.block_size:
+            raise SchemeError(
+                f"{self.name} cannot take width {width} (blocks of {self.block_size}); quantize with "
+                f"quantize_tensor, which resolves it to {self.resolve(tuple(w.shape)).name} as llama.cpp does"
+            )
         x = w.reshape(rows * cols // self.block_size, self.block_size)
         if x.dtype != torch.float32:
             x = x.float()
@@ -134,7 +143,10 @@ def check_finite(*stats: torch.Tensor) -> None:
     """``NonFiniteWeightError`` when any of ``stats`` (per-block extremes, which NaN and inf reach: amax and
     amin propagate NaN, and an inf is its own extreme) is not finite. The scales are inside the blocks, so
     the caller's scale check cannot see them."""
-    if not all(bool(torch.isfinite(s).all()) for s in stats):
+    finite = torch.isfinite(stats[0])
+    for s in stats[1:]:
+        finite &= torch.isfinite(s)
+    if not bool(finite.all()):
         raise NonFiniteWeightError(
             "a weight tensor contains NaN or infinite values (llama.cpp block formats keep their scales "
             "inside the blocks); fix the source weights or exclude the tensor with --exclude"
@@ -142,9 +154,13 @@ def check_finite(*stats: torch.Tensor) -> None:
 
 
 def fp16_scale(d: torch.Tensor, what: str, peak: torch.Tensor) -> torch.Tensor:
-    """fp32 ``d`` -> fp16 (round to nearest even, as ``GGML_FP32_TO_FP16``); ``SchemeError`` on overflow."""
+    """fp32 ``d`` -> fp16 (round to nearest even, as ``GGML_FP32_TO_FP16``). A non-finite result is either a
+    NaN / inf weight, which reaches ``peak`` (per-block extremes: ``amax`` / ``amin`` propagate NaN, and
+    an inf is its own extreme), ``NonFiniteWeightError``, or a scale beyond fp16's range, ``SchemeError``.
+    So the encoders need no separate pass over the weights to refuse NaN and inf."""
     h = d.to(torch.float16)
-    if not torch.isfinite(h).all():
+    if not bool(torch.isfinite(h).all()):
+        check_finite(peak)
         raise SchemeError(
             f"a block {what} overflows fp16 (max |w| = {peak.abs().max().item():.4g}); llama.cpp block formats "
             "store fp16 scales: scale the weights down or exclude the tensor with --exclude"
@@ -165,9 +181,8 @@ def read_fp16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
 def signed_extreme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(amax, max)`` of every row of ``x`` ``[nb, n]``: ``amax = max|x|`` and ``max`` the *first* element
     with ``|x| = amax`` (with its sign), ``+0`` for a row of zeros, as the C loop
-    ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` finds them. Refuses NaN / inf."""
+    ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` finds them. A NaN or inf reaches both."""
     hi, lo = x.amax(dim=1), x.amin(dim=1)
-    check_finite(hi, lo)
     amax = torch.maximum(hi, -lo)
     mx = torch.where(hi >= -lo, hi, lo)
     tie = (hi == -lo) & (hi != 0)  # both +a and -a occur: the first one wins (rare: look it up)
@@ -182,10 +197,8 @@ def signed_extreme(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def first_extremes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(min, max)`` of every row as the C loops ``if (v < min) min = v; if (v > max) max = v;`` find them:
-    the values of ``amin``/``amax``, and where an extreme is zero, the sign of the row's first zero.
-    Refuses NaN / inf."""
+    the values of ``amin``/``amax``, and where an extreme is zero, the sign of the row's first zero."""
     mn, mx = x.amin(dim=1), x.amax(dim=1)
-    check_finite(mn, mx)
     for ext in (mn, mx):
         zero = ext == 0
         if bool(zero.any()):
@@ -229,18 +242,18 @@ def pack_low_high(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_or(q[:, :16] & 0x0F, q[:, 16:] << 4, out=out)
 
 
-_POW2: dict[torch.device, torch.Tensor] = {}
+_GATHER_BITS = 0x0102040810204080  # sum_k 2**(56 - 7k): moves bit 8k of a word to bit 56 + k
 
 
 def high_bits(q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``qh`` (uint32, little-endian, as 4 bytes) of uint8 codes ``[nb, 32]``: bit ``j`` is bit 4 of code ``j``.
 
-    Each byte is ``sum_k bit_k * 2**k`` over 8 codes: a matrix-vector product in fp32, exact (integers
-    below 256)."""
-    if q.device not in _POW2:
-        _POW2[q.device] = torch.tensor([1.0, 2, 4, 8, 16, 32, 64, 128], device=q.device)
-    bits = ((q >> 4) & 1).view(-1, 8).float()
-    return out.copy_((bits @ _POW2[q.device]).view(out.shape))
+    Eight 0/1 bytes read as one little-endian int64 ``sum_k b_k 2**(8k)``, times ``_GATHER_BITS``, hold
+    ``sum_k b_k 2**k`` in their top byte: every other product term lands below bit 56 or above bit 63, at
+    distinct positions (so no carries). The product wraps modulo 2**64, as torch's int64 multiply does;
+    the tests compare the bytes with the gguf package and llama.cpp."""
+    words = ((q >> 4) & 1).view(torch.int64)  # [nb, 4]
+    return out.copy_(((words * _GATHER_BITS) >> 56) & 0xFF)
 
 
 # --------------------------------------------------------------------------- encoders: fp32 [nb, 32] -> u8 [nb, size]
@@ -260,7 +273,6 @@ def round_half_away(v: torch.Tensor) -> torch.Tensor:
 
 def encode_q8_0(x: torch.Tensor) -> torch.Tensor:
     hi, lo = x.amax(dim=1), x.amin(dim=1)
-    check_finite(hi, lo)
     amax = torch.maximum(hi, lo.neg()).abs()  # MAX(amax, fabsf(v)): +0 for a block of zeros
     d = amax / 127
     h = fp16_scale(d, "scale", amax)
@@ -285,8 +297,10 @@ def _codes(x: torch.Tensor, shift: torch.Tensor | None, d: torch.Tensor, offset:
     ``[0, 2 * offset + levels)`` and one conversion to uint8 truncates it; blocks with a subnormal ``d``
     take the exact path (:func:`c_bytes`)."""
     idv = inverse(d)
-    v = (x - shift.unsqueeze(1)) if shift is not None else x.clone()
-    v.mul_(idv.unsqueeze(1)).add_(offset)
+    if shift is None:
+        v = torch.mul(x, idv.unsqueeze(1)).add_(offset)
+    else:
+        v = torch.sub(x, shift.unsqueeze(1)).mul_(idv.unsqueeze(1)).add_(offset)
     weird = subnormal(d)
     if bool(weird.any()):
         rows = weird.nonzero().squeeze(1)
@@ -327,8 +341,9 @@ def encode_q4_1(x: torch.Tensor) -> torch.Tensor:
     mn, mx = first_extremes(x)
     d = (mx - mn) / 15
     out = torch.empty(x.shape[0], 20, dtype=torch.uint8, device=x.device)
-    out[:, :2] = fp16_bytes(fp16_scale(d, "scale", mx - mn))
-    out[:, 2:4] = fp16_bytes(fp16_scale(mn, "minimum", mn))
+    peak = torch.stack([mn, mx])
+    out[:, :2] = fp16_bytes(fp16_scale(d, "scale", peak))
+    out[:, 2:4] = fp16_bytes(fp16_scale(mn, "minimum", peak))
     pack_nibbles_or(_codes(x, mn, d, 0.5, 15), out[:, 4:])
     return out
 
@@ -337,8 +352,9 @@ def encode_q5_1(x: torch.Tensor) -> torch.Tensor:
     mn, mx = first_extremes(x)
     d = (mx - mn) / 31
     out = torch.empty(x.shape[0], 24, dtype=torch.uint8, device=x.device)
-    out[:, :2] = fp16_bytes(fp16_scale(d, "scale", mx - mn))
-    out[:, 2:4] = fp16_bytes(fp16_scale(mn, "minimum", mn))
+    peak = torch.stack([mn, mx])
+    out[:, :2] = fp16_bytes(fp16_scale(d, "scale", peak))
+    out[:, 2:4] = fp16_bytes(fp16_scale(mn, "minimum", peak))
     q = _codes(x, mn, d, 0.5, None)  # no clamp in C: (uint8_t)(x0 + 0.5f), split into a nibble and bit 4
     high_bits(q, out[:, 4:8])
     pack_low_high(q, out[:, 8:])

@@ -19,13 +19,14 @@ minimum ``m`` packed into ``scales`` (``get_scale_min_k4``), and 4-bit codes; ``
 ``make_qkx2_quants`` fits ``x ~ scale * L + min`` (``min <= 0``, ``L`` in ``0..15``) by weighted least
 squares: it starts from ``iscale = 15 / (max - min)`` and tries the 21 inverse scales
 ``(rmin + rdelta*is + 15) / (max - min)``, ``is = 0..20``, keeping the one with the lowest weighted
-squared error (strictly lower: the first wins a tie).
+squared error (strictly lower: the first wins a tie). When a step wins, the C code overwrites ``min``
+with the fitted minimum, and the later steps shift ``x`` by, and divide by ``max -``, that new ``min``.
 
 **q6_k** (``block_q6_K``, 210 bytes per 256 weights, 6.5625 bits per weight): ``ql: u8[128], qh: u8[64],
 scales: i8[16], d: fp16``; sixteen sub-blocks of 16 with an 8-bit signed scale and 6-bit codes;
 ``w = d*sc * (q - 32)``. ``quantize_row_q6_K_ref``: ``scale_j = make_qx_quants(x, nmax=32, rmse_type=1)``
 (a symmetric fit weighted by ``x*x`` over the inverse scales ``-(32 + 0.1*is) / max``, ``is = -9..9``),
-``d = fp16(max_scale / -128)`` (``max_scale`` the first scale of largest magnitude), ``sc_j =
+``d = fp16(1 / (-128/max_scale))`` (``max_scale`` the first scale of largest magnitude), ``sc_j =
 min(127, nearest_int(-128/max_scale * scale_j))``, ``q_i = clamp(nearest_int(x_i / (d*sc_j)), -32, 31) + 32``;
 a super-block whose scales are all below ``GROUP_MAX_EPS = 1e-15`` is all zero bytes.
 
@@ -34,7 +35,9 @@ a super-block whose scales are all below ``GROUP_MAX_EPS = 1e-15`` is all zero b
 ``-march``, so no FMA contraction; a build that contracts ``a*b + c`` into FMA, as compilers may on
 ARM, can differ in the last bit of a sum and so, rarely, in a code). The sums are sequential, as the
 C loops are: ``seq_sum`` adds the 32 (or 16) terms one at a time, vectorised over all sub-blocks, since
-``torch.sum`` sums pairwise. ``nearest_int`` (the ``+ 12582912.f`` trick) is round-half-to-even, i.e.
+``torch.sum`` sums pairwise. Two torch operations are not the IEEE ones and are avoided: ``c / tensor``
+(multiplies by a reciprocal: :func:`fdiv` divides) and fp32 ``torch.sqrt`` (can be an ulp off:
+:func:`sqrtf` rounds the fp64 root). ``nearest_int`` (the ``+ 12582912.f`` trick) is round-half-to-even, i.e.
 ``torch.round``, for the bounded values it sees here; an inverse scale that overflows to inf (a
 sub-block narrower than about 4e-38) gives code 0, as the trick does for inf and NaN. Decoding equals
 ``dequantize_row_q4_K`` / ``dequantize_row_q6_K`` and ``gguf.quants.dequantize`` bit for bit.
@@ -85,11 +88,47 @@ LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # the llama.cpp t
 def seq_sum(terms: torch.Tensor, *, from_zero: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
     """Row ``i`` of ``terms`` ``[R, ...]`` added in order, in fp32: ``((0 + t0) + t1) + ...`` (the C loop
     ``s = 0; for (i...) s += t[i];``), or ``(t0 + t1) + ...`` with ``from_zero=False`` (``s = t[0]; ...``).
-    Vectorised over the other dimensions; ``torch.sum`` adds in another order and rounds differently."""
-    acc = torch.add(terms[0], 0.0, out=out) if from_zero else (out.copy_(terms[0]) if out is not None else terms[0].clone())
-    for i in range(1, terms.shape[0]):
-        acc.add_(terms[i])
+    Vectorised over the other dimensions; ``torch.sum`` adds in another order and rounds differently.
+
+    On CPU one ``index_add_`` onto a single row does the ``R`` row additions in order inside torch (its
+    CPU kernel adds ``source[i]`` for ``i = 0, 1, ...``; checked once per process by
+    :func:`_index_add_is_sequential`, else, and on other devices, a Python loop of ``add_``)."""
+    first = 0 if from_zero else 1
+    acc = out if out is not None else torch.empty(terms.shape[1:], dtype=terms.dtype, device=terms.device)
+    if from_zero:
+        acc.zero_()
+    else:
+        acc.copy_(terms[0])
+    if terms.device.type == "cpu" and _index_add_is_sequential():
+        acc.unsqueeze(0).index_add_(0, _zeros_index(terms.shape[0] - first), terms[first:])
+    else:
+        for row in terms[first:].unbind(0):
+            acc.add_(row)
     return acc
+
+
+_ZEROS: dict[int, torch.Tensor] = {}
+_SEQUENTIAL: list[bool] = []
+
+
+def _zeros_index(n: int) -> torch.Tensor:
+    if n not in _ZEROS:
+        _ZEROS[n] = torch.zeros(n, dtype=torch.long)
+    return _ZEROS[n]
+
+
+def _index_add_is_sequential() -> bool:
+    """Whether this torch's CPU ``index_add_`` with a repeated index adds the rows in order (probed once on
+    values whose fp32 sum depends on the order)."""
+    if not _SEQUENTIAL:
+        gen = torch.Generator().manual_seed(0)
+        probe = torch.randn(32, 4099, generator=gen) * torch.exp(torch.randn(32, 4099, generator=gen) * 8)
+        loop = torch.zeros(4099)
+        for row in probe.unbind(0):
+            loop.add_(row)
+        fast = torch.zeros(1, 4099).index_add_(0, torch.zeros(32, dtype=torch.long), probe)[0]
+        _SEQUENTIAL.append(bool(torch.equal(fast, loop)))
+    return _SEQUENTIAL[0]
 
 
 def fdiv(a: float, b: torch.Tensor) -> torch.Tensor:
@@ -120,11 +159,19 @@ def sqrtf(v: torch.Tensor) -> torch.Tensor:
 
 def first_max_abs(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(amax, max)`` along ``dim``: the largest ``|x|`` and the first element reaching it, signed
-    (``+0`` where all are zero): the C loop ``if (ax > amax) { amax = ax; max = x[i]; }``."""
-    ax = x.abs()
-    idx = ax.argmax(dim=dim, keepdim=True)  # the first maximal index
-    mx = x.gather(dim, idx).squeeze(dim)
-    amax = mx.abs()
+    (``+0`` where all are zero): the C loop ``if (ax > amax) { amax = ax; max = x[i]; }``. From ``amax``
+    and ``amin`` (an ``argmax`` over the whole tensor is several times slower); only where both ``+a`` and
+    ``-a`` occur does the first one have to be looked up."""
+    hi, lo = x.amax(dim=dim), x.amin(dim=dim)
+    amax = torch.maximum(hi, -lo).abs()
+    mx = torch.where(hi >= -lo, hi, lo)
+    tie = (hi == -lo) & (hi != 0)
+    if bool(tie.any()):
+        cols = tie.nonzero().squeeze(1)
+        sub = x.index_select(1 - dim, cols)  # the tied rows / columns
+        hit = (sub.abs() == amax.index_select(0, cols).unsqueeze(dim)).to(torch.uint8)
+        first = hit.argmax(dim=dim, keepdim=True)
+        mx = mx.index_put((cols,), sub.gather(dim, first).squeeze(dim))
     return amax, torch.where(amax > 0, mx, torch.zeros_like(mx))
 
 
