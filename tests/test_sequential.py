@@ -1,0 +1,113 @@
+"""The layer-by-layer walker: block inputs equal the model's own hidden states; changes propagate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkit.errors import InputError
+from qkit.methods.sequential import BlockInputs, find_blocks, walk_blocks
+
+
+@pytest.fixture()
+def tiny(tiny_model_dir):
+    from qkit.models import load
+
+    return load(tiny_model_dir, device="cpu").model
+
+
+def ids(n: int = 5, length: int = 16) -> torch.Tensor:
+    return torch.randint(3, 300, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("batch_size", [2, 5])
+def test_each_block_sees_the_model_hidden_states(tiny, batch_size):
+    x = ids()
+    with torch.no_grad():
+        expected = tiny(input_ids=x, output_hidden_states=True).hidden_states
+    seen = []
+
+    def process(i: int, block, inputs: BlockInputs):
+        assert inputs.prefix == f"model.layers.{i}."
+        seen.append(i)
+        torch.testing.assert_close(torch.cat(inputs.hidden), expected[i], rtol=0, atol=1e-5)
+        assert set(inputs.linears()) >= {"self_attn.q_proj", "mlp.down_proj"}
+
+    progress = []
+    assert walk_blocks(tiny, x, process, batch_size=batch_size, on_block=lambda d, t: progress.append((d, t))) == 2
+    assert seen == [0, 1] and progress == [(1, 2), (2, 2)]
+
+
+def test_changes_a_block_makes_reach_the_next_block(tiny):
+    x = ids()
+    got = {}
+
+    def process(i, block, inputs):
+        got[i] = torch.cat(inputs.hidden)
+        if i == 0:
+            block.mlp.down_proj.weight.data.zero_()  # block 0 now adds no MLP output
+
+    walk_blocks(tiny, x, process, batch_size=2)
+    layer0 = tiny.model.layers[0]
+    with torch.no_grad():  # block 0 with its zeroed down_proj, run by hand on the captured inputs
+        emb = tiny.model.embed_tokens(x)
+        pos = torch.arange(x.shape[1])[None]
+        out = layer0(emb, position_embeddings=tiny.model.rotary_emb(emb, pos), position_ids=pos)
+    torch.testing.assert_close(got[1], out[0] if isinstance(out, tuple) else out, rtol=0, atol=1e-5)
+
+
+def test_returned_outputs_replace_the_rerun(tiny):
+    x = ids()
+    got = {}
+
+    def process(i, block, inputs):
+        got[i] = torch.cat(inputs.hidden)
+        if i == 0:
+            return [torch.full_like(h, 0.5) for h in inputs.hidden]
+        return None
+
+    walk_blocks(tiny, x, process, batch_size=3)
+    assert torch.all(got[1] == 0.5)
+
+
+def test_record_and_forward_hooks(tiny):
+    x = ids()
+
+    def process(i, block, inputs):
+        lin = inputs.linears()
+        rec = inputs.record({"mlp.down_proj": lin["mlp.down_proj"]})
+        assert rec["mlp.down_proj"].shape == (5, 16, tiny.config.intermediate_size)
+        outs = []
+        ys = inputs.forward(on_output=lambda n, y: outs.append(y.shape), modules={"mlp": block.mlp})
+        assert len(ys) == len(inputs.hidden) and outs == [h.shape for h in inputs.hidden]
+        y = inputs.run_module(block.mlp.down_proj, [rec["mlp.down_proj"]])
+        assert y[0].shape == (5, 16, tiny.config.hidden_size)
+
+    walk_blocks(tiny, x, process, batch_size=2)
+
+
+def test_refuses_models_without_blocks_and_bad_ids():
+    with pytest.raises(InputError, match="transformer blocks"):
+        find_blocks(torch.nn.Linear(2, 2))
+    with pytest.raises(InputError, match="samples, seqlen"):
+        walk_blocks(torch.nn.Linear(2, 2), torch.zeros(3, dtype=torch.long), lambda *a: None)
+
+
+@pytest.mark.cuda
+def test_gptq_on_cuda_matches_cpu(tiny_model_dir, tmp_path):
+    from conftest import TINY_TEXT
+
+    from qkit.api import quantize_model
+
+    cal = tmp_path / "cal.txt"
+    cal.write_text(TINY_TEXT * 30)
+    opts = {"calibration": str(cal), "calibration_samples": 4, "calibration_seqlen": 64}
+    cpu = quantize_model(tiny_model_dir, output=tmp_path / "cpu", scheme="int8-row", method="gptq", method_options=opts,
+                         collect=True, device="cpu")
+    gpu = quantize_model(tiny_model_dir, output=tmp_path / "gpu", scheme="int8-row", method="gptq", method_options=opts,
+                         collect=True, device="cuda")
+    for name, qt in cpu.quantized.items():
+        assert gpu.quantized[name].qweight.device.type == "cpu"
+        diff = (gpu.quantized[name].dequantize(torch.float32) - qt.dequantize(torch.float32)).abs()
+        step = qt.scales.float().max()
+        assert float(diff.max()) <= float(step) + 1e-6  # at most one step apart (fp32 reductions differ)
