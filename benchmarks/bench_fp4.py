@@ -17,8 +17,7 @@ the code path does not depend on the values' distribution, only the roundings' o
 
 Rows are timed round-robin (every row once per round) and ratios are medians of same-round ratios, so
 load that drifts between rounds cancels. On an oversubscribed machine multi-threaded torch ops stall on
-each other; qkit's FP4 kernels run their elementwise passes on chunks below torch's parallel grain size
-(single-threaded by design), so compare with ``--threads 1`` too.
+each other (every op waits for its slowest thread): there compare with ``--threads 1``.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 NVFP4_GLOBAL_NUMERATOR = E4M3_MAX * 6.0  # compressed-tensors generate_gparam: FP8 max * FP4 max
 E4M3_EPS = 0.125  # compressed-tensors _get_dtype_eps(float8_e4m3fn): replaces a zero block scale
 
-# fp32 bit patterns used by the integer rounding in :func:`e2m1_codes`.
+# fp32 bit patterns used by the integer rounding in :func:`e2m1_pack`.
 _ONE = 0x3F800000  # 1.0
 _SIX = 0x40C00000  # 6.0
 _QUARTER = 0x3E800000  # 0.25
@@ -87,8 +87,10 @@ _THREE_QUARTERS = 0x3F400000  # 0.75
 _HALF_MANTISSA = (1 << 21) - 1  # below half of the 1-bit mantissa's step
 _CODE_OFFSET = 0x3F000000  # bits(1.0) - (2 << 22): so that 1.0 gives code 2
 _INF = 0x7F800000  # bits(inf); NaN's |bits| are larger
-# Rows per pass are chosen so that one chunk (and its temporaries) stays in the CPU's cache.
-_CHUNK_ELEMENTS = 32767
+# Elements per chunk of rows: large enough that the ~20 torch calls per chunk cost little next to the
+# arithmetic, small enough that a chunk's int32 temporaries (4 x 1 MiB) stay in cache. Measured on the
+# default model's shapes, one thread: 2**18 about 2x faster than 2**15 or 2**19.
+_CHUNK_ELEMENTS = 1 << 18
 
 
 class _Work:
