@@ -410,3 +410,31 @@ def test_inspect_errors_shows_output_error_per_matrix_per_method(tiny64, cal_fil
     assert all(v["gptq"] < v["rtn"] for v in out["layers"].values())
     result, text = cli("inspect", "errors", str(tiny64), "-s", "int4-g32", "--method", "rtn")
     assert_one_line_error(result, text, "--method gptq")
+
+
+def test_full_range_scale_rule_is_llm_compressors_rtn_under_a_diagonal_hessian():
+    """scale = absmax / 7.5 stored in fp16, codes clamp(round(w / scale), -8, 7): compressed-tensors'
+    symmetric observer. A diagonal H adds no error feedback, so GPTQ gives exactly that rounding."""
+    g = torch.Generator().manual_seed(11)
+    W = torch.randn(8, 128, generator=g)
+    scheme = get_scheme("int4-g64")
+    r = gptq_solve(W, torch.eye(128), scheme, scale_rule="full-range")
+    absmax = W.view(8, 2, 64).abs().amax(dim=2)
+    scale = (absmax / 7.5).half()
+    codes = torch.clamp(torch.round(W.view(8, 2, 64) / scale.float()[..., None]), -8, 7).view(8, 128)
+    qt = stored(r, scheme, (8, 128))
+    assert torch.equal(qt.scales, scale) and torch.equal(scheme.codes(qt.parts, (8, 128)).float(), codes)
+    assert int((codes == -8).sum()) > 0  # the full signed range is used
+
+
+def test_mse_scale_rule_never_worse_than_absmax_per_group_under_a_diagonal_hessian():
+    g = torch.Generator().manual_seed(12)
+    W = torch.randn(16, 128, generator=g)
+    scheme = get_scheme("int4-g32")
+    plain = gptq_solve(W, torch.eye(128), scheme)
+    mse = gptq_solve(W, torch.eye(128), scheme, scale_rule="mse")
+    def group_err(r):
+        return (r.dequantized - W).abs().pow(2.4).view(16, 4, 32).sum(dim=2)
+    assert torch.all(group_err(mse) <= group_err(plain) + 1e-6)
+    assert torch.all(stored(mse, scheme, (16, 128)).scales <= stored(plain, scheme, (16, 128)).scales)
+    assert (group_err(mse) < group_err(plain)).any()

@@ -79,6 +79,16 @@ from qkit.schemes.registry import AbsmaxScheme, NF4Scheme
 DEFAULT_DAMPENING = 0.01  # fraction of mean(diag H) added to the diagonal (the reference's percdamp)
 DEFAULT_BLOCK_SIZE = 128  # columns per lazy batch update (the reference's blocksize)
 MAX_DAMP_RETRIES = 5  # dampening x10 each time H (or H^-1) is not positive definite
+# How an absmax scheme's scales are chosen (NF4 always uses its block absmax). Every rule writes a valid
+# tensor of the same scheme (decoding is q * scale whatever chose the scale):
+#   absmax      qkit's rule, what --method rtn writes: scale = absmax / qmax (the default);
+#   full-range  scale = absmax / (qmax + 0.5), codes clamped to [-qmax-1, qmax]: the full signed range, as
+#               compressed-tensors' symmetric observer (llm-compressor) chooses it (issue 9);
+#   mse         per group, the scale p * absmax / qmax with p in {1.00, 0.99, ..., 0.80} that minimises
+#               sum |w - Ŵ|^2.4 over the group (the reference GPTQ quantizer's ``mse`` search, on a shorter grid).
+SCALE_RULES = ("absmax", "full-range", "mse")
+MSE_SHRINK = tuple(1 - i / 100 for i in range(21))
+MSE_NORM = 2.4
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,7 @@ class GPTQOptions:
     calibration_seed: int = DEFAULT_SEED
     dampening: float = DEFAULT_DAMPENING
     act_order: bool = False
+    scale_rule: str = "absmax"  # see SCALE_RULES
     block_size: int = DEFAULT_BLOCK_SIZE
     # calibration windows per forward call; None: all in one batch, one pass per block (true sequential)
     batch_size: int | None = None
@@ -98,6 +109,8 @@ class GPTQOptions:
     def check(self) -> None:
         if not (isinstance(self.dampening, (int, float)) and 0 < self.dampening < 1e3 and math.isfinite(self.dampening)):
             raise InputError(f"--dampening must be a positive fraction of the mean Hessian diagonal (e.g. 0.01), got {self.dampening!r}")
+        if self.scale_rule not in SCALE_RULES:
+            raise InputError(f"unknown GPTQ scale rule {self.scale_rule!r}; use one of {', '.join(SCALE_RULES)}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise InputError(f"GPTQ block size must be a positive integer, got {self.block_size!r}")
         if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
@@ -116,9 +129,10 @@ class _AbsmaxGrid:
 
     Per-unit values are kept as rows (``[n_units, rows]``) so the column loop reads contiguous vectors."""
 
-    def __init__(self, scheme: AbsmaxScheme, rows: int, cols: int, device: torch.device):
+    def __init__(self, scheme: AbsmaxScheme, rows: int, cols: int, device: torch.device, scale_rule: str = "absmax"):
         self.scheme = scheme
         self.qmax = 2 ** (scheme.bits - 1) - 1
+        self.rule = scale_rule
         g = scheme.granularity
         self.per_tensor = isinstance(g, PerTensor)
         self.unit = g.size if isinstance(g, PerGroup) else cols
@@ -131,11 +145,28 @@ class _AbsmaxGrid:
     def set_unit(self, u: int, w: torch.Tensor) -> None:
         """Scales of unit ``u`` from ``w [rows, unit_cols]`` (fp32, the current weights; any strides)."""
         units = w.reshape(1, -1) if self.per_tensor else w
-        s = absmax_scales(units, self.scheme.bits, self.scheme.scale_dtype)[:, 0]
+        if self.rule == "absmax":
+            s = absmax_scales(units, self.scheme.bits, self.scheme.scale_dtype)[:, 0]
+        else:
+            s = self._searched(units)
         self.stored[u] = s
         f = s.float()
         self.scale[u] = f
         self.divisor[u] = torch.where(f > 0, f, torch.ones_like(f))  # zero unit -> codes set to 0 in finish()
+
+    def _searched(self, units: torch.Tensor) -> torch.Tensor:
+        """Stored scales ``[n]`` of ``units [n, k]`` under the ``full-range`` or ``mse`` rule (see ``SCALE_RULES``)."""
+        absmax = units.abs().amax(dim=1)
+        dtype = self.scheme.scale_dtype
+        if self.rule == "full-range":
+            return (absmax / (self.qmax + 0.5)).to(dtype)
+        shrink = torch.tensor(MSE_SHRINK, device=units.device)
+        cand = (shrink[:, None] * absmax[None, :] / self.qmax).to(dtype).float()  # [C, n]
+        safe = torch.where(cand > 0, cand, torch.ones_like(cand))[:, :, None]
+        q = torch.div(units[None], safe).round_().clamp_(-self.qmax - 1, self.qmax).mul_(cand[:, :, None])
+        err = q.sub_(units[None]).abs_().pow_(MSE_NORM).sum(dim=2)  # [C, n]
+        best = err.argmin(dim=0)  # the first (largest) scale among equals: p = 1 wins ties
+        return cand.gather(0, best[None])[0].to(dtype)
 
     def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
         """Column ``w [rows]`` (fp32) -> codes (as floats) and dequantized values, written into ``codes``/``deq``."""
@@ -187,9 +218,9 @@ class _NF4Grid:
         return {"qweight": pack_nibbles(codes[rows].to(torch.int32)), "scales": self.stored.T[rows].reshape(-1).clone()}
 
 
-def _grid(scheme: Any, rows: int, cols: int, device: torch.device):
+def _grid(scheme: Any, rows: int, cols: int, device: torch.device, scale_rule: str = "absmax"):
     if isinstance(scheme, AbsmaxScheme):
-        return _AbsmaxGrid(scheme, rows, cols, device)
+        return _AbsmaxGrid(scheme, rows, cols, device, scale_rule)
     if isinstance(scheme, NF4Scheme):
         if cols % scheme.block_size:
             raise SchemeError(
@@ -285,6 +316,7 @@ def gptq_solve(
     block_size: int = DEFAULT_BLOCK_SIZE,
     act_order: bool = False,
     prepared: PreparedHessian | None = None,
+    scale_rule: str = "absmax",
 ) -> SolveResult:
     """GPTQ of one weight ``W [rows, cols]`` against ``H [cols, cols]`` (``Xᵀ X`` of its inputs, any scale),
     or against ``prepared`` (``prepare_hessian(H, dampening, act_order)``, shared by layers with one input).
@@ -303,7 +335,7 @@ def gptq_solve(
     n_dead = int(prepared.dead.sum())
     if n_dead:
         W[:, prepared.dead] = 0.0
-    grid = _grid(scheme, rows, cols, device)
+    grid = _grid(scheme, rows, cols, device, scale_rule)
     static = perm is not None or grid.unit >= cols or grid.per_tensor
     if static:  # scales from the original weights, original column order
         for u in range(grid.n_units):
@@ -521,7 +553,8 @@ class GPTQMethod:
             ts = time.perf_counter()
             W = linear.weight.detach().to(device=XtX.device, dtype=torch.float32)
             with _one_thread():
-                solved = gptq_solve(W, None, scheme, block_size=options.block_size, prepared=prepared)
+                solved = gptq_solve(W, None, scheme, block_size=options.block_size, prepared=prepared,
+                                    scale_rule=options.scale_rule)
             seconds = time.perf_counter() - ts
             parts = {k: v.cpu() for k, v in solved.grid.parts(solved.codes, slice(0, W.shape[0])).items()}
             qt = QuantizedTensor.from_parts(scheme, parts, tuple(linear.weight.shape), dtypes.get(full, torch.float32))
