@@ -10,6 +10,7 @@ from qkit.errors import QkitError
 from qkit.models import load
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
 from qkit.simulate.kv_cache import (
+    KVCacheOptions,
     KVCacheRuntime,
     make_kv_runtime,
     mixed_attention,
@@ -116,26 +117,32 @@ def test_identity_quantizer_changes_nothing_bit_for_bit(lm):
     assert calls["calls_no_cache"] >= 2 and calls["calls_decode"] >= 2  # the function ran in both paths
 
 
-def test_identity_with_the_mixed_path_changes_nothing_but_rounding(lm):
+@pytest.mark.parametrize("layout,residual,path", [("channel", 0, "calls_runs"), ("token", 3, "calls_mixed")])
+def test_identity_on_the_run_and_mixed_paths_changes_nothing_but_rounding(lm, layout, residual, path):
     x = ids()
     with torch.no_grad():
         ref = lm(x, use_cache=False).logits
-        handle = KVCacheRuntime("kv-identity", 4, "channel", quantizer=identity).install(lm, RuntimeContext())
+        rt = KVCacheRuntime("kv-identity", 4, layout, KVCacheOptions(kv_residual=residual), quantizer=identity)
+        handle = rt.install(lm, RuntimeContext())
         try:
             out = lm(x, use_cache=False).logits
-            mixed = handle.stats()["calls_mixed"]
+            calls = handle.stats()
         finally:
             handle.remove()
-    assert mixed == 2  # one per layer: KIVI's unfinished groups make queries see different caches
+    # one call per layer, on the path expected: KIVI's unfinished key groups make queries see different caches
+    # in runs of G = 32 queries; a per-token residual window changes at every query
+    assert calls[path] == 2 and calls["calls_runs"] + calls["calls_mixed"] == 2
     assert torch.allclose(out, ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("runtime", ["kv-int8-token", "kv-int8-channel", "kv-int4-token", "kv-int4-channel"])
-def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, runtime):
+@pytest.mark.parametrize("residual", [0, 3])
+def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, runtime, residual):
     """The perplexity pass (one forward, no cache) and generation (the cache filled one token at a time)
-    see the same quantized cache: logits at every position agree to fp32 rounding."""
-    x = ids(length=30, seed=3)
-    opts = {"kv_group": 8, "kv_residual": 3}
+    see the same quantized cache: logits at every position agree to fp32 rounding (on every path: the
+    original kernel on a fully quantized cache, runs of queries, mixed attention)."""
+    x = ids(length=40, seed=3)
+    opts = {"kv_group": 8, "kv_residual": residual}
     with torch.no_grad():
         ref = lm(x, use_cache=False).logits
         with apply_runtime(lm, [runtime], options=opts) as stats:
@@ -152,7 +159,9 @@ def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, runtime):
     assert not torch.allclose(full, ref, atol=1e-4)  # quantization changed what attention saw
     assert torch.equal(after, ref)  # removed: bit-identical again
     s = stats[runtime]
-    assert s["calls_no_cache"] == 2 and s["calls_decode"] == 2 * 30
+    assert s["calls_no_cache"] == 2 and s["calls_decode"] == 2 * 40
+    expected = "calls_runs" if runtime.endswith("channel") and residual == 0 else "calls_mixed" if residual else None
+    assert s["calls_runs"] + s["calls_mixed"] == (2 if expected else 0) and (expected is None or s[expected] == 2)
 
 
 def test_int8_values_move_attention_outputs_by_at_most_half_a_step():

@@ -27,10 +27,12 @@ at position ``t`` sees key/value ``j`` quantized when ``j < bound(t)``, in full 
 own token). So with KIVI keys the tokens of the group still being filled stay in full precision, as in
 KIVI. A group's scale is computed over its ``G`` tokens once, so the cached path (at step ``t``) and the
 no-cache path (query ``t`` of a full sequence) give the same numbers: in the no-cache path, where queries
-of one forward see different bounds, attention is computed in fp32 by ``mixed_attention`` (scores against
-quantized and full-precision keys, selected per query-key pair), which costs about twice the attention
-of the original kernel; when every query sees a fully quantized cache (per token, ``R = 0``) or there is
-one query (decoding), the original kernel runs on the quantized (or mixed) tensors.
+of one forward see different bounds, the queries are cut into runs that see the same cache (runs of ``G``
+with KIVI keys and ``R = 0``) and the original kernel runs once per run on that cache (``_State._runs``);
+where runs are short (under ``MIN_RUN`` queries on average: per-token layouts with ``R > 0``) attention is
+computed in fp32 by ``mixed_attention`` (scores against quantized and full-precision keys, selected per
+query-key pair; slower). When every query sees a fully quantized cache (per token, ``R = 0``) or there
+is one query (decoding), the original kernel runs once on the quantized (or mixed) tensors.
 
 Positions come from the attention mask: a key slot masked for every query (left padding of a batch) is
 absent: it is in no group and does not count towards positions, so a padded prompt is quantized as the
@@ -54,6 +56,10 @@ from qkit.simulate.options import build, register_options
 LAYOUTS = ("token", "channel")
 KV_BITS = (8, 4)
 DEFAULT_GROUP = 32  # KIVI's group size G for per-channel key scales (arXiv:2402.02750, Sec. 4)
+# A no-cache forward whose queries fall into runs of at least this many (on average) that see the same
+# cache calls the original attention once per run; shorter runs (per-token layouts with a residual) use
+# ``mixed_attention`` instead, one fp32 pass whatever the runs.
+MIN_RUN = 8
 _STATE = "_qkit_kv"
 
 
@@ -124,6 +130,25 @@ def quantized_bound(query_positions: torch.Tensor, residual: int, group: int | N
     return base
 
 
+def _share_bounds(bound: torch.Tensor, query_pos: torch.Tensor, s: int) -> torch.Tensor:
+    """A query whose bound lies past its own position sees everything quantized; any bound past it says the
+    same, so it takes the bound of the next query that does see full-precision keys (bounds never decrease
+    along the queries), or ``s + 1`` if none does: queries that differ only there fall into one run."""
+    q = bound.shape[1]
+    sees_fp = bound <= query_pos
+    idx = torch.where(sees_fp, torch.arange(q, device=bound.device).expand_as(bound), q)
+    nxt = idx.flip(1).cummin(dim=1).values.flip(1)  # the next query (itself included) that sees fp keys
+    padded = torch.cat([bound, torch.full_like(bound[:, :1], s + 1)], dim=1)
+    return padded.gather(1, nxt)
+
+
+def run_starts(key_bound: torch.Tensor, value_bound: torch.Tensor) -> list[int]:
+    """Query indices where a run of queries seeing the same cache begins: ``key_bound``, ``value_bound``
+    ``[B, q]``; a run ends where either bound changes for any sequence of the batch."""
+    change = (key_bound[:, 1:] != key_bound[:, :-1]) | (value_bound[:, 1:] != value_bound[:, :-1])
+    return [0, *(torch.nonzero(change.any(dim=0)).flatten() + 1).tolist()]
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """``[B, kv_heads, S, D]`` -> ``[B, kv_heads * n_rep, S, D]`` (each kv head serves ``n_rep`` query heads)."""
     if n_rep == 1:
@@ -173,6 +198,7 @@ def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, s: int, device) -> 
 class _Stats:
     calls_no_cache: int = 0  # several queries at once (the perplexity pass, agreement, a prompt's prefill)
     calls_decode: int = 0  # one query reading the cache (generation)
+    calls_runs: int = 0  # of the no-cache calls, those computed as runs of queries that see one cache
     calls_mixed: int = 0  # of the no-cache calls, those computed by ``mixed_attention``
     tokens: int = 0  # key/value slots quantized, summed over layers and calls
 
@@ -184,6 +210,7 @@ class _State:
     residual: int
     group: int
     original: Callable[..., Any]
+    original_name: str
     stats: _Stats
     quantizer: Callable[[torch.Tensor, str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
@@ -206,6 +233,7 @@ class _State:
         self.stats.tokens += b * s
         kb = quantized_bound(query_pos, self.residual, self.group if self.key_layout == "channel" else None)
         vb = quantized_bound(query_pos, self.residual, None)
+        kb, vb = _share_bounds(kb, query_pos, s), _share_bounds(vb, query_pos, s)
         kq = positions[:, None, None, :] < kb[:, None, :, None]  # [B, 1, q, S]
         vq = positions[:, None, None, :] < vb[:, None, :, None]
         if q == 1:
@@ -219,9 +247,35 @@ class _State:
             k = torch.where(kq[:, 0, 0, :, None].unsqueeze(1), key_hat, key)
             v = torch.where(vq[:, 0, 0, :, None].unsqueeze(1), value_hat, value)
             return self.original(module, query, k, v, attention_mask, **kwargs)
+        starts = run_starts(kb, vb)
+        if len(starts) - 1 <= q // MIN_RUN:  # (a run that begins one query in does not count)
+            self.stats.calls_runs += 1
+            return self._runs(module, query, key, key_hat, value, value_hat, attention_mask, allowed, positions,
+                              kb, vb, starts, **kwargs)
         self.stats.calls_mixed += 1
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         return mixed_attention(query, key, key_hat, value, value_hat, allowed, kq, vq, scaling), None
+
+    def _runs(self, module, query, key, key_hat, value, value_hat, attention_mask, allowed, positions, kb, vb, starts, **kwargs):
+        """The original attention once per run of queries that see the same cache: each run reads the keys
+        and values up to its last query, quantized below the run's bounds, with its rows of the mask."""
+        b, _, s, _ = key.shape
+        q = query.shape[2]
+        outs = []
+        for i0, i1 in zip(starts, [*starts[1:], q]):
+            end = s - q + i1  # keys after the run's last query are masked for every query of the run
+            p = positions[:, :end].reshape(b, 1, end, 1)
+            k = torch.where(p < kb[:, i0].reshape(b, 1, 1, 1), key_hat[:, :, :end], key[:, :, :end])
+            v = torch.where(p < vb[:, i0].reshape(b, 1, 1, 1), value_hat[:, :, :end], value[:, :, :end])
+            if attention_mask is not None and attention_mask.dtype != torch.bool:
+                mask = attention_mask[:, :, i0:i1, :end]
+            else:
+                mask = allowed[:, :, i0:i1, :end]
+                if self.original_name == "eager":  # eager adds its mask to the scores
+                    mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, torch.finfo(query.dtype).min)
+            out, _ = self.original(module, query[:, :, i0:i1], k, v, mask, **kwargs)
+            outs.append(out)
+        return torch.cat(outs, dim=1), None
 
 
 def _kv_attention(module, query, key, value, attention_mask, **kwargs):
@@ -281,7 +335,8 @@ class _Handle:
         f, c = self.facts, self.stats_
         keys = f"keys per channel in groups of {f['group']} tokens" if f["keys"] == "channel" else "keys per token"
         summary = (f"int{f['bits']} cache, {keys}, values per token, {f['residual']} recent tokens in full precision; "
-                   f"attention calls: {c.calls_no_cache} without cache ({c.calls_mixed} mixed), {c.calls_decode} decoding")
+                   f"attention calls: {c.calls_no_cache} without cache ({c.calls_runs} in runs, {c.calls_mixed} mixed), "
+                   f"{c.calls_decode} decoding")
         return {**f, **c.__dict__, "summary": summary}
 
 
@@ -320,7 +375,7 @@ class KVCacheRuntime:
         stats = _Stats()
         for m in modules:
             setattr(m, _STATE, _State(self.bits, self.key_layout, self.options.kv_residual, self.options.kv_group,
-                                      _original_function(m, original), stats, self.quantizer))
+                                      _original_function(m, original), original, stats, self.quantizer))
         saved = [(c, c._attn_implementation_internal) for c in configs.values()]
         for c in configs.values():
             c._attn_implementation_internal = name
