@@ -56,7 +56,10 @@ class BitsAndBytesFormat:
                         f"{s.block_size}; quantize with nf4 (block 64)"
                     )
                 continue
-            if isinstance(s.granularity, (PerGroup, PerRow)):
+            granularity = getattr(s, "granularity", None)  # block formats (ggml, fp4) have none
+            if getattr(s, "kind", None) == "ggml":
+                fix = f"use nf4 here, or --format gguf for {s.name}"
+            elif granularity is None or isinstance(granularity, (PerGroup, PerRow)):
                 fix = f"use nf4 here, or --format compressed-tensors for {s.name}"
             else:
                 fix = f"use nf4 here, or --format compressed-tensors with int{s.bits}-row"
