@@ -65,7 +65,7 @@ from qkit.methods.folding import (
 )
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
-from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
+from qkit.schemes.absmax import absmax_scales
 
 # Defaults of the reference implementations (AutoAWQ ``_compute_best_scale`` / ``_compute_best_clip``).
 N_GRID = 20
@@ -132,8 +132,14 @@ def fake_quant(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     is what ``quantize_tensor`` + ``dequantize`` compute (tested bit for bit); every other scheme goes
     through ``quantize_tensor`` itself."""
     if type(scheme) is AbsmaxScheme and w.dim() == 2:
-        q, scales = quantize_absmax(w.float(), scheme.bits, scheme.granularity, scheme.scale_dtype)
-        return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
+        # quantize_absmax + dequantize_absmax without the int8 round trip (exact: the codes are integers
+        # in [-128, 127]) and with the ops in place: a search calls this n_grid times per linear.
+        g, qmax = scheme.granularity, 2 ** (scheme.bits - 1) - 1
+        units = g.to_units(w.float())
+        scales = absmax_scales(units, scheme.bits, scheme.scale_dtype).float()
+        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.div(units, divisor).round_().clamp_(-qmax - 1, qmax).mul_(scales)
+        return g.from_units(q, tuple(w.shape))
     return quantize_tensor(w, scheme).dequantize(torch.float32)
 
 
