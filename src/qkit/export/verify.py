@@ -17,6 +17,13 @@ once to the model's dtype, so they must be bit-identical in fp32; in fp16/bf16 t
 rounding step (``|a - b| <= eps(dtype) * |b|``). (2) The logits of both models on a fixed prompt are
 compared: ``max |a - b| <= LOGITS_RTOL * max(1, max |b|)`` (1e-4 in fp32, 2e-2 in 16-bit dtypes).
 
+W8A8 (``int-quantized``, ``qkit.export.compressed_tensors_w8a8``): transformers on CPU decompresses the int8
+weights and fake-quantizes each quantized linear's input per token (``max|x| / 127.5``, clamp ``[-128, 127]``,
+compressed-tensors' dynamic rule); qkit's side applies that same rule, so the logits are held to the fp32
+tolerance above. The library is also compared with qkit's own ``act-int8-token`` simulation (``max|x| / 127``,
+what the ``smoothquant-w8a8`` eval row and vLLM's int8 kernels use): within twice the effect of the activation
+quantization itself (``VerifyResult.activations``).
+
 bitsandbytes on CPU: on a CPU with AVX512-BF16, ``Linear4bit.forward`` (bitsandbytes 0.50.2) repacks the
 weight into a bf16 kernel layout (absmax rounded to bf16, compute in bf16, every input width a multiple
 of the block size). That path depends on the machine, so ``verify`` reads through bitsandbytes' generic
@@ -87,6 +94,8 @@ class VerifyResult:
     logits_tolerance: float
     weight_rule: str
     tensors: list[TensorCheck] = field(default_factory=list)
+    # W8A8 exports: the library's logits against qkit's run-time simulation (compressed_tensors_w8a8)
+    activations: dict | None = None
 
     @property
     def weights_ok(self) -> bool:
@@ -98,7 +107,8 @@ class VerifyResult:
 
     @property
     def passed(self) -> bool:
-        return bool(self.tensors) and self.weights_ok and self.logits_ok
+        return bool(self.tensors) and self.weights_ok and self.logits_ok and (
+            self.activations is None or bool(self.activations["ok"]))
 
     def by_scheme(self) -> dict[str, dict]:
         """Per scheme: tensors, how many are bit-identical, the largest weight difference."""
@@ -120,6 +130,7 @@ class VerifyResult:
             "logits_max_abs_diff": self.logits_max_abs_diff, "logits_scale": self.logits_scale,
             "logits_tolerance": self.logits_tolerance, "weights_ok": self.weights_ok, "logits_ok": self.logits_ok,
             "passed": self.passed, "by_scheme": self.by_scheme(), "tensors": [t.to_dict() for t in self.tensors],
+            **({"activations": self.activations} if self.activations is not None else {}),
         }
 
 
@@ -131,6 +142,10 @@ def checkpoint_format(directory: Path) -> tuple[str, dict]:
     qc = read_config(directory).get("quantization_config") or {}
     method = qc.get("quant_method")
     from qkit.export.compressed_tensors import CT_FORMATS
+    from qkit.export.compressed_tensors_w8a8 import is_w8a8
+
+    if is_w8a8(qc):  # int-quantized W8A8 (qkit.export.compressed_tensors_w8a8)
+        return "compressed-tensors", qc
 
     if method == "compressed-tensors" and qc.get("format") in CT_FORMATS:
         return "compressed-tensors", qc
@@ -172,10 +187,13 @@ def iter_decoded(directory: Path) -> Iterator[tuple[str, QuantizedTensor | torch
     """
     directory = Path(directory)
     fmt_name, qc = checkpoint_format(directory)
-    fmt: Format = get_format(fmt_name)
+    from qkit.export import compressed_tensors_w8a8 as w8a8
+
+    fmt: Format = w8a8.FORMAT if w8a8.is_w8a8(qc) else get_format(fmt_name)
     sidecar = directory / EXPORT_MANIFEST
     entries = json.loads(sidecar.read_text())["tensors"] if sidecar.is_file() else None
-    parts_of = _stored_parts(fmt_name, [k for k, _ in tensor_shapes(directory)])
+    keys = [k for k, _ in tensor_shapes(directory)]
+    parts_of = w8a8.stored_parts(keys) if w8a8.is_w8a8(qc) else _stored_parts(fmt_name, keys)
     # compressed-tensors: int modules store 3 tensors, nvfp4 3, mxfp4 2 (count them); bitsandbytes 4.
     n_parts = Counter(parts_of.values()) if fmt_name == "compressed-tensors" else defaultdict(lambda: 4)
     held: dict[str, dict[str, torch.Tensor]] = {}
@@ -275,6 +293,8 @@ def verify_checkpoint(
     if not directory.is_dir():
         raise InputError(f"no such checkpoint directory: {checkpoint}; pass the -o directory of qkit quantize --format ...")
     fmt_name, qc = checkpoint_format(directory)
+    from qkit.export import compressed_tensors_w8a8 as w8a8
+
     library = _library_version(fmt_name)
     dev = parse_device(device)
 
@@ -323,10 +343,16 @@ def verify_checkpoint(
         with torch.no_grad():
             if fmt_name == "bitsandbytes":  # before a forward can repack the weights for the CPU fast path
                 checks = _compare_weights(theirs, dense, schemes, matches, fmt_name)
-            ref_logits = ours(ids).logits.float()
+            # W8A8: qkit's side gets the library's own activation rule (exact comparison), then the library
+            # is compared with qkit's run-time simulation as well (compressed_tensors_w8a8.simulation_report).
+            acts = w8a8.activations_of(qc) if w8a8.is_w8a8(qc) else None
+            modules = sorted(n.removesuffix(".weight") for n in dense)
+            with w8a8.library_rule(ours, modules) if acts else contextlib.nullcontext():
+                ref_logits = ours(ids).logits.float()
             lib_logits = theirs(ids).logits.float()  # compressed-tensors decompresses on this first forward
             if fmt_name == "compressed-tensors":
                 checks = _compare_weights(theirs, dense, schemes, matches, fmt_name)
+            act_report = w8a8.simulation_report(ours, ids, lib_logits, acts) if acts else None
     scale = float(ref_logits.abs().max())
     rtol = LOGITS_RTOL.get(dtype, 2e-2)
     if fmt_name == "bitsandbytes" and fast_cpu_kernel:
@@ -338,7 +364,7 @@ def verify_checkpoint(
         logits_tolerance=rtol * max(1.0, scale),
         weight_rule=("bit-identical" if dtype == torch.float32 else f"within one rounding of {dtype}")
         + (f" ({dtype_note})" if dtype_note else ""),
-        tensors=checks,
+        tensors=checks, activations=act_report,
     )
 
 
