@@ -141,14 +141,20 @@ def test_default_model_matrices_equal_the_built_llama_cpp(default_model_dir):
 # --------------------------------------------------------------------------- exact fp32 helpers
 
 
-def test_seq_sum_is_the_c_loop():
-    """``seq_sum`` adds in order with fp32 rounding at each step (torch.sum does not: it differs here)."""
+@pytest.mark.parametrize("index_add", [True, False])
+def test_seq_sum_is_the_c_loop(monkeypatch, index_add):
+    """``seq_sum`` adds in order with fp32 rounding at each step (torch.sum does not: it differs here),
+    through CPU ``index_add_`` and through the plain loop other devices use."""
+    from qkit.schemes import kquants
+
+    monkeypatch.setattr(kquants, "_SEQUENTIAL", [index_add])
     x = (torch.randn(32, 4000, generator=torch.Generator().manual_seed(6)) * torch.exp(torch.randn(32, 4000) * 4)).float()
     xs = x.numpy()
     acc = np.zeros(4000, np.float32)
     for i in range(32):
         acc = (acc + xs[i]).astype(np.float32)
     assert np.array_equal(seq_sum(x).numpy(), acc)
+    assert np.array_equal(seq_sum(x, from_zero=False).numpy(), acc)  # 0 + t0 = t0 for these (no -0.0)
     assert not torch.equal(x.sum(dim=0), seq_sum(x))
 
 
