@@ -86,7 +86,12 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
         raise SchemeError(f"tensor {name} is empty (shape {list(shape)}); exclude it from quantization")
     if hasattr(scheme, "resolve"):  # a recipe or a format with a fallback picks the scheme per tensor
         scheme = scheme.resolve(shape, name)
-    parts = scheme.encode(w)
+    try:
+        parts = scheme.encode(w)
+    except NonFiniteWeightError:  # block formats find non-finite weights themselves (their scales are inside)
+        raise NonFiniteWeightError(
+            f"tensor {name} contains NaN or infinite values; fix the source weights or exclude it with --exclude"
+        ) from None
     scales = parts["scales"]
     if scales.is_floating_point() and not torch.isfinite(scales).all():
         # An absmax propagates NaN and inf, so checking the (small) scales finds any non-finite weight.
