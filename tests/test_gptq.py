@@ -198,7 +198,7 @@ def test_method_refuses_schemes_it_cannot_serve():
                                           ({"calibration_samples": 0}, "--calibration-samples"), ({"block_size": 0}, "block size")])
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises(InputError, match=match):
-        GPTQOptions(**kwargs).check()
+        GPTQOptions(**kwargs)
 
 
 # --------------------------------------------------------------------------- the method on a tiny model

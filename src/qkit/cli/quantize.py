@@ -30,7 +30,7 @@ from qkit.cli.common import (
     calibration_options,
 )
 from qkit.methods import RTN, method_names
-from qkit.methods.gptq import DEFAULT_DAMPENING
+from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 
 SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")]
@@ -43,6 +43,7 @@ FormatOpt = Annotated[str, typer.Option("--format", help="qkit; compressed-tenso
 ActivationsOpt = Annotated[Optional[str], typer.Option("--activations", help="int8-token: with --format compressed-tensors and int8-row weights, a W8A8 checkpoint (dynamic per-token int8 activations, the layout vLLM serves); use after --method smoothquant.", show_default=False)]
 MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and scales are chosen: {', '.join(method_names())} (rtn: round to nearest, no calibration; gptq/awq: calibrated, see --calibration).")]
 ActOrderOpt = Annotated[bool, typer.Option("--act-order", help="gptq: quantize columns by descending Hessian diagonal (scales: static groups; the checkpoint keeps the original column order).")]
+ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help=f"gptq: how absmax scales are chosen: {', '.join(SCALE_RULES)} (default absmax: qkit's rule, what rtn writes; full-range: absmax/(qmax+0.5) with codes in [-qmax-1, qmax], compressed-tensors' rule; mse: per-group shrink search). Every rule writes the same scheme.", show_default=False)]
 DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
@@ -64,6 +65,7 @@ def quantize(
     calibration_seqlen: CalibrationSeqlenOpt = None,
     act_order: ActOrderOpt = False,
     dampening: DampeningOpt = None,
+    scale_rule: ScaleRuleOpt = None,
     alpha: AlphaOpt = None,
     no_clip: NoClipOpt = False,
     activations: ActivationsOpt = None,
@@ -95,7 +97,7 @@ def quantize(
         console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
                        f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
-                                         act_order=act_order or None, dampening=dampening,
+                                         act_order=act_order or None, dampening=dampening, scale_rule=scale_rule,
                                          alpha=alpha, clip=False if no_clip else None)
     use_threads(threads)
     with console.progress() as bar:

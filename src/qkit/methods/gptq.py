@@ -106,6 +106,9 @@ class GPTQOptions:
     # calibration windows per forward call; None: all in one batch, one pass per block (true sequential)
     batch_size: int | None = None
 
+    def __post_init__(self) -> None:
+        self.check()  # malformed options are refused when the options are made, before any model is read
+
     def check(self) -> None:
         if not (isinstance(self.dampening, (int, float)) and 0 < self.dampening < 1e3 and math.isfinite(self.dampening)):
             raise InputError(f"--dampening must be a positive fraction of the mean Hessian diagonal (e.g. 0.01), got {self.dampening!r}")
