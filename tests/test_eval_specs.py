@@ -36,7 +36,7 @@ def test_spec_names_are_derived_from_their_parts():
 @pytest.mark.parametrize(
     "names, methods, message",
     [
-        (["int4-g12x"], ["rtn"], "unknown scheme or row 'int4-g12x'"),
+        (["int4-g12x"], ["rtn"], "unknown scheme 'int4-g12x'"),
         (["nf5"], ["rtn"], "did you mean 'nf4'"),
         (["nf4"], ["rnt"], "unknown method 'rnt' (did you mean 'rtn'?)"),
         (["nf4+nope"], ["rtn"], "unknown method 'nope'"),

@@ -150,7 +150,7 @@ def resolve_rows(
             close = difflib.get_close_matches(key, [*scheme_names(), *_ROWS, *_PRESETS], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise InputError(
-                f"unknown scheme or row {name!r}{hint}; valid: {', '.join(scheme_names())}, int4-gN / int8-gN, "
+                f"unknown scheme {name!r}{hint}; valid: {', '.join(scheme_names())}, int4-gN / int8-gN, "
                 f"rows {', '.join(_ROWS) or '-'}, presets {', '.join(_PRESETS) or '-'}"
             ) from None
         for m, method in chosen.items():
