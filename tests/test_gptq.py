@@ -240,7 +240,7 @@ def test_checkpoint_records_the_method_and_beats_rtn_on_every_layer(gptq_checkpo
     method = config["quantization_config"]["method"]
     assert method["name"] == "gptq" and method["calibration"]["name"] == "cal.txt"
     assert method["calibration"]["samples"] == 4 and len(method["calibration"]["sha256"]) == 64
-    assert method["options"]["dampening"] == 0.01 and method["options"]["act_order"] is False
+    assert method["options"]["dampening"] == 0.01 and method["options"]["act_order"] is True  # the default
     layers = method["layers"]
     assert len(layers) == 14 and result.matrices == 14
     for name, rec in layers.items():
@@ -362,10 +362,10 @@ def test_cli_quantize_gptq_json_has_the_record(tiny64, cal_file, tmp_path):
     out, js = tmp_path / "o", tmp_path / "r.json"
     result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", "int4-g32", "--method", "gptq",
                        "--calibration", cal_file, "--calibration-samples", "4", "--calibration-seqlen", "64",
-                       "--act-order", "--dampening", "0.05", "--json", str(js))
+                       "--no-act-order", "--dampening", "0.05", "--json", str(js))
     assert result.exit_code == 0, text
     rec = json.loads(js.read_text())["method_record"]
-    assert rec["options"]["act_order"] is True and rec["options"]["dampening"] == 0.05
+    assert rec["options"]["act_order"] is False and rec["options"]["dampening"] == 0.05
     assert rec["calibration"]["seqlen"] == 64 and "gptq" in text and "output error" in text
 
 

@@ -30,7 +30,7 @@ from qkit.cli.common import (
     calibration_options,
 )
 from qkit.methods import RTN, method_names
-from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES
+from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 
 SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")]
@@ -42,7 +42,7 @@ KeepOpt = Annotated[list[str], typer.Option("--keep", help="SCHEME:GLOB, e.g. in
 FormatOpt = Annotated[str, typer.Option("--format", help="qkit; compressed-tensors (int4-gN, int8-gN, int4-row, int8-row: vLLM, transformers); bitsandbytes (nf4: transformers); gguf (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k: llama.cpp; -o FILE.gguf, or a directory for model.gguf).")]
 ActivationsOpt = Annotated[Optional[str], typer.Option("--activations", help="int8-token: with --format compressed-tensors and int8-row weights, a W8A8 checkpoint (dynamic per-token int8 activations, the layout vLLM serves); use after --method smoothquant.", show_default=False)]
 MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and scales are chosen: {', '.join(method_names())} (rtn: round to nearest, no calibration; gptq/awq: calibrated, see --calibration).")]
-ActOrderOpt = Annotated[bool, typer.Option("--act-order", help="gptq: quantize columns by descending Hessian diagonal (scales: static groups; the checkpoint keeps the original column order).")]
+ActOrderOpt = Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help=f"gptq: quantize columns by descending Hessian diagonal, scales as static groups; the checkpoint keeps the original column order (default: {'on' if GPTQOptions.act_order else 'off'}; off: the reference's order, group scales from the error-updated weights).", show_default=False)]
 ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help=f"gptq: how absmax scales are chosen: {', '.join(SCALE_RULES)} (default absmax: qkit's rule, what rtn writes; full-range: absmax/(qmax+0.5) with codes in [-qmax-1, qmax], compressed-tensors' rule; mse: per-group shrink search). Every rule writes the same scheme.", show_default=False)]
 DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
@@ -63,7 +63,7 @@ def quantize(
     calibration: CalibrationOpt = None,
     calibration_samples: CalibrationSamplesOpt = None,
     calibration_seqlen: CalibrationSeqlenOpt = None,
-    act_order: ActOrderOpt = False,
+    act_order: ActOrderOpt = None,
     dampening: DampeningOpt = None,
     scale_rule: ScaleRuleOpt = None,
     alpha: AlphaOpt = None,
@@ -97,7 +97,7 @@ def quantize(
         console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
                        f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
-                                         act_order=act_order or None, dampening=dampening, scale_rule=scale_rule,
+                                         act_order=act_order, dampening=dampening, scale_rule=scale_rule,
                                          alpha=alpha, clip=False if no_clip else None)
     use_threads(threads)
     with console.progress() as bar:

@@ -26,7 +26,8 @@ Numerics and choices, as the reference implementation (github.com/IST-DASLab/gpt
   exactly as ``qkit.schemes.nf4`` picks them); the lazy blocks are a multiple of the group size, so a
   group never straddles a block and "current" is exact. Per-row and per-tensor scales are set at column 0
   (from the original weights). A short last group per row (576 columns, g128) is a group like any other.
-* ``act_order``: columns are processed by descending ``diag(H)``; the scales are then *static groups*
+* ``act_order`` (on by default: it measured better, see the README): columns are processed by
+  descending ``diag(H)``; the scales are then *static groups*
   (computed once from the original weights in the original column order, the reference's
   ``static_groups``), so the stored checkpoint keeps the original column order and the scheme's layout;
   codes are put back in the original order before packing.
@@ -100,7 +101,9 @@ class GPTQOptions:
     calibration_seqlen: int = DEFAULT_SEQLEN
     calibration_seed: int = DEFAULT_SEED
     dampening: float = DEFAULT_DAMPENING
-    act_order: bool = False
+    # columns by descending diag(H), static group scales: measured on the default model (README), int4-g64
+    # perplexity 19.26 with it against 21.25 without; act_order=False gives the reference's default order
+    act_order: bool = True
     scale_rule: str = "absmax"  # see SCALE_RULES
     block_size: int = DEFAULT_BLOCK_SIZE
     # calibration windows per forward call; None: all in one batch, one pass per block (true sequential)
