@@ -40,6 +40,7 @@ from qkit.evaluation.corpora import load_corpus
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.methods.calibration import CalibrationOptions, calibration_ids
 from qkit.models import load, resolve
+from qkit.schemes import QuantizedTensor
 
 # issue 9: llm-compressor 0.14 on this 2-core machine, same model, same Ruth protocol (cited, not measured here)
 CITED = {
@@ -63,7 +64,7 @@ def swap_score(lm, tensors: dict, ref: CorpusReference) -> TokenScores:
         for name, value in tensors.items():
             p = lm.get_parameter(name)
             originals[name] = p.detach().clone()
-            p.copy_(value.dequantize(p.dtype) if hasattr(value, "dequantize") else value.to(p.dtype))
+            p.copy_(value.dequantize(p.dtype) if isinstance(value, QuantizedTensor) else value.to(p.dtype))  # torch.Tensor has a dequantize too
     try:
         return ref.score(lm)
     finally:
