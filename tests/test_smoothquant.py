@@ -82,3 +82,20 @@ def test_non_absmax_scheme_is_refused():
 def test_options_are_the_calibration_options_of_gptq():
     opts = make_options(get_method("smoothquant"), {"calibration_samples": 8, "calibration_seqlen": 64})
     assert opts.calibration_options().samples == 8 and opts.alpha == 0.5
+
+
+def test_smoothquant_w8a8_row_runs_in_eval(tiny_model_dir, tmp_path):
+    """The named row (int8-row weights after folding, int8 per-token activations) through the eval runner."""
+    from conftest import TINY_TEXT
+
+    from qkit.evaluation import EvalOptions, evaluate
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(TINY_TEXT * 3)
+    report = evaluate(tiny_model_dir, options=EvalOptions(schemes=("w8a8-token", "smoothquant-w8a8"), corpus=str(corpus),
+                                                          tokens=128, battery_tokens=4))
+    rows = {r.scheme: r for r in report.rows}
+    assert set(rows) == {"reference", "w8a8-token", "smoothquant-w8a8"}
+    sq = rows["smoothquant-w8a8"]
+    assert sq.act_bits == 8 and sq.weights_changed == 14 + 4  # 14 matrices and the 4 folded norms
+    assert sq.kld > 0
