@@ -94,7 +94,7 @@ def test_cli_passes_runtime_options_and_adds_a_bits_column_only_for_simulation_r
     (["--schemes", "llm-int8", "--threshold", "0"], "--threshold must be a positive number"),
     (["--schemes", "kv-int8", "--kv-residual", "-1"], "--kv-residual must be an integer >= 0"),
     (["--schemes", "kv-int4", "--kv-group", "0"], "--kv-group must be an integer >= 1"),
-    (["--schemes", "kv-int16"], "unknown scheme or row 'kv-int16'"),
+    (["--schemes", "kv-int16"], "unknown scheme 'kv-int16'"),
 ])
 def test_cli_bad_simulation_options_one_line_before_loading(args, needle, tmp_path):
     result = CliRunner().invoke(app, ["eval", str(tmp_path / "no-such-model"), *args])
