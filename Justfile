@@ -16,6 +16,13 @@ bench:
     python benchmarks/bench_eval.py
     python benchmarks/bench_inspect.py
     python benchmarks/bench_streaming.py
+    python benchmarks/bench_ggml.py
+    python benchmarks/bench_fp4.py
+    python benchmarks/bench_simulate.py
+
+# Calibrated methods against llm-compressor (slow: minutes per method; the peer is optional).
+bench-calibrated:
+    python benchmarks/bench_calibrated.py
 
 # The main job on the default model, then a checkpoint and the error breakdown.
 demo:
