@@ -72,7 +72,7 @@ from qkit.granularity import PerGroup, PerTensor
 from qkit.methods import MethodResult
 from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions
 from qkit.schemes import QuantizedTensor, quantize_tensor
-from qkit.schemes.absmax import absmax_scales
+from qkit.schemes.absmax import absmax_scales, dequantize_absmax, quantize_absmax
 from qkit.schemes.nf4 import nf4_codes, nf4_tables
 from qkit.schemes.packing import pack_nibbles
 from qkit.schemes.registry import AbsmaxScheme, NF4Scheme
@@ -411,13 +411,24 @@ def _rtn_fallback(W: torch.Tensor, grid: Any, damp: float, retries: int, n_dead:
 
 def output_errors(W: torch.Tensor, W_hats: list[torch.Tensor], XtX: torch.Tensor) -> list[float]:
     """``||W X - Ŵ X||² / ||W X||²`` for each ``Ŵ`` of ``W_hats``, from ``XtX = X Xᵀ`` (any positive scale):
-    ``tr(Δ G Δᵀ) / tr(W G Wᵀ)`` with ``Δ = W - Ŵ``; one fp32 matmul for all, sums in fp64."""
+    ``tr(Δ G Δᵀ) / tr(W G Wᵀ)`` with ``Δ = W - Ŵ``; fp32 matmuls, row sums accumulated in fp64."""
     G = XtX.to(torch.float32)
     W = W.to(device=G.device, dtype=torch.float32)
-    M = torch.cat([W, *(W - h.to(device=G.device, dtype=torch.float32) for h in W_hats)])
-    per_row = ((M @ G) * M).to(torch.float64).view(1 + len(W_hats), W.shape[0], -1).sum(dim=(1, 2))
-    den = float(per_row[0])
-    return [float(v / den) if den > 0 else 0.0 for v in per_row[1:]]
+
+    def quad(M: torch.Tensor) -> float:
+        return float(torch.linalg.vecdot(M @ G, M).sum(dtype=torch.float64))
+
+    den = quad(W)
+    return [quad(W - h.to(device=G.device, dtype=torch.float32)) / den if den > 0 else 0.0 for h in W_hats]
+
+
+def rtn_dequantized(W: torch.Tensor, scheme: Any) -> torch.Tensor:
+    """What ``--method rtn`` would store for ``W`` (fp32 ``[rows, cols]``), dequantized to fp32: absmax
+    schemes through qkit's own quantizer without packing the codes; others through ``quantize_tensor``."""
+    if isinstance(scheme, AbsmaxScheme):
+        q, scales = quantize_absmax(W, scheme.bits, scheme.granularity, scheme.scale_dtype)
+        return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
+    return quantize_tensor(W, scheme).dequantize(torch.float32)
 
 
 def output_error(W: torch.Tensor, W_hat: torch.Tensor, XtX: torch.Tensor) -> float:
@@ -466,9 +477,8 @@ def accumulate_gram(H: torch.Tensor, x: torch.Tensor, chunk: int = 256) -> None:
 
 def symmetrize(H: torch.Tensor) -> torch.Tensor:
     """The full symmetric matrix from its upper triangle (as ``accumulate_gram`` leaves it), in place."""
-    lower = torch.ones_like(H, dtype=torch.bool).tril_(-1)
-    H[lower] = H.T[lower]
-    return H
+    strict = H.triu(1)
+    return H.copy_(H.triu().add_(strict.T))
 
 
 class _Inputs:
@@ -564,9 +574,10 @@ class GPTQMethod:
             seconds = time.perf_counter() - ts
             parts = {k: v.cpu() for k, v in solved.grid.parts(solved.codes, slice(0, W.shape[0])).items()}
             qt = QuantizedTensor.from_parts(scheme, parts, tuple(linear.weight.shape), dtypes.get(full, torch.float32))
-            W_hat = qt.dequantize(torch.float32)
-            rtn = quantize_tensor(linear.weight.detach().cpu(), scheme, name=full).dequantize(torch.float32)
-            rtn_err, gptq_err = output_errors(W, [rtn, W_hat], XtX)
+            # The solve's dequantized weights are what the stored parts decode to (bit for bit: tested), so
+            # the codes need not be unpacked again here.
+            W_hat = solved.dequantized
+            rtn_err, gptq_err = output_errors(W, [rtn_dequantized(W, scheme), W_hat], XtX)
             layers[full] = {
                 "rtn_error": rtn_err,
                 "gptq_error": gptq_err,
