@@ -2,7 +2,7 @@
 
 Per group of linears sharing an input (``qkit.methods.folding``: q/k/v after ``input_layernorm``, o after
 v, gate/up after ``post_attention_layernorm``, down after up), block by block
-(``qkit.methods.sequential.walk_blocks``):
+(``qkit.methods.sequential``'s block walk):
 
 1. **Statistics**: ``x̄[j] = mean|X_j|`` per input channel over every calibration token (for o_proj under
    grouped-query attention, averaged over the query heads that read one kv channel: the scales are tied
@@ -63,7 +63,7 @@ from qkit.methods.folding import (
     options_record,
     source_dtypes,
 )
-from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
+from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, capture_first_inputs, find_blocks
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
 from qkit.schemes.absmax import absmax_scales
 
@@ -259,7 +259,7 @@ class _Recorder:
             handles += [mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post),
                         block.get_submodule(g.linears[0]).register_forward_pre_hook(lin)]
         try:
-            inputs.forward()
+            self.outputs = inputs.forward()  # the block's fp outputs: the next block's inputs with next_inputs="fp"
         finally:
             for h in handles:
                 h.remove()
@@ -387,7 +387,7 @@ def awq_model(
     per_group: dict[str, dict[str, Any]] = {}
     per_block: dict[str, float] = {}
 
-    def process(i: int, block: torch.nn.Module, inputs: BlockInputs) -> None:
+    def process(i: int, block: torch.nn.Module, inputs: BlockInputs) -> list[torch.Tensor] | None:
         t = time.perf_counter()
         prefix = inputs.prefix
         groups = [_local(g, prefix) for g in all_groups if g.prev.startswith(prefix)]
@@ -451,8 +451,11 @@ def awq_model(
             for n, v in final.items():
                 block.get_submodule(n).weight.data = v
         per_block[prefix.rstrip(".")] = round(time.perf_counter() - t, 3)
+        # fp: the recorded outputs of the block before folding (the same function) feed the next block, as in
+        # AutoAWQ; quantized: None, so the block is run again with the quantized weights left in it.
+        return rec.outputs if options.next_inputs == "fp" else None
 
-    walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block)
+    _walk(model, ids, process, device, options.batch_size, on_block)
     state = model.state_dict()
     for name, scheme in targets.items():  # targets outside the fold groups (e.g. --include lm_head): RTN
         if name not in quantized:
@@ -464,6 +467,28 @@ def awq_model(
                 g[key] = float(f"{g[key]:.6g}")
     return MethodResult(quantized, replaced, {"groups": per_group, "block_seconds": per_block,
                                               "next_inputs": options.next_inputs})
+
+
+@torch.no_grad()
+def _walk(model, ids, process, device, batch_size, on_block) -> None:
+    """``qkit.methods.sequential.walk_blocks``, except that ``process`` may return the next block's inputs
+    (AWQ's fp outputs, recorded in the pass it makes anyway), saving the walker's second pass over the block."""
+
+    if ids.ndim != 2 or ids.numel() == 0:
+        raise InputError(f"calibration ids must be a non-empty [samples, seqlen] tensor, got shape {list(ids.shape)}")
+    was_training = model.training
+    model.eval()
+    blocks_name, blocks = find_blocks(model)
+    hidden, kwargs = capture_first_inputs(model, ids, device, batch_size)
+    for i, block in enumerate(blocks):
+        block.to(device)
+        inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs)
+        nxt = process(i, block, inputs)
+        hidden = nxt if nxt is not None else inputs.forward()
+        block.to("cpu")
+        if on_block is not None:
+            on_block(i + 1, len(blocks))
+    model.train(was_training)
 
 
 def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
