@@ -374,42 +374,37 @@ def test_cli_quantize_gptq_json_has_the_record(tiny64, cal_file, tmp_path):
 
 @pytest.mark.slow
 def test_gptq_int4_g64_beats_rtn_by_more_than_two_paired_se_on_the_default_model(default_model_dir, tmp_path):
-    """Fewer calibration and eval tokens than the README's benchmark, to stay near a minute."""
+    """Fewer calibration tokens (8 x 256) and eval tokens (1,024 of Ruth, windows of 512, NLL only) than
+    the README's benchmark, to stay near a minute and a half; GPTQ through quantize_model (the path that
+    writes checkpoints), RTN as quantize_tensor (what --method rtn writes, tested elsewhere)."""
     from qkit.evaluation.corpora import load_corpus
-    from qkit.evaluation.perplexity import CorpusReference
+    from qkit.evaluation.perplexity import position_logprobs
     from qkit.models import load
 
     loaded = load(default_model_dir, device="cpu")
+    lm = loaded.model
     ids = torch.tensor(loaded.tokenizer(load_corpus().text, add_special_tokens=False)["input_ids"][:1024])
-    ref = CorpusReference(loaded.model, ids, 512)
+
+    def nll() -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([-position_logprobs(lm, w).gather(1, w[1:, None])[:, 0] for w in ids.split(512)]).double()
+
+    scheme = get_scheme("int4-g64")
+    gptq = quantize_model(default_model_dir, output=tmp_path / "gptq", scheme="int4-g64", method="gptq", collect=True,
+                          method_options={"calibration_samples": 8, "calibration_seqlen": 256})
+    originals = {n: lm.get_parameter(n).detach().clone() for n in gptq.quantized}
     scores = {}
-    for method, options in (("rtn", None), ("gptq", {"calibration_samples": 8, "calibration_seqlen": 256})):
-        r = quantize_model(default_model_dir, output=tmp_path / method, scheme="int4-g64", method=method,
-                           method_options=options, collect=True)
-        with torch.no_grad():
-            originals = {n: loaded.model.get_parameter(n).detach().clone() for n in r.quantized}
-            for n, qt in r.quantized.items():
-                loaded.model.get_parameter(n).copy_(qt.dequantize(torch.float32))
-        scores[method] = ref.score(loaded.model)
-        with torch.no_grad():
-            for n, w in originals.items():
-                loaded.model.get_parameter(n).copy_(w)
-    d = scores["gptq"].nll - scores["rtn"].nll  # paired per-token differences
+    with torch.no_grad():
+        for n, w in originals.items():
+            lm.get_parameter(n).copy_(quantize_tensor(w, scheme, name=n).dequantize(torch.float32))
+        scores["rtn"] = nll()
+        for n, qt in gptq.quantized.items():
+            lm.get_parameter(n).copy_(qt.dequantize(torch.float32))
+        scores["gptq"] = nll()
+    d = scores["gptq"] - scores["rtn"]  # paired per-token differences
     se = d.std(unbiased=True).item() / math.sqrt(d.numel())
-    assert d.mean().item() < -2 * se, (scores["rtn"].perplexity, scores["gptq"].perplexity, se)
-
-
-def test_inspect_errors_shows_output_error_per_matrix_per_method(tiny64, cal_file, tmp_path):
-    js = tmp_path / "e.json"
-    result, text = cli("inspect", "errors", str(tiny64), "-s", "int4-g32", "--method", "gptq", "--calibration", cal_file,
-                       "--calibration-samples", "4", "--calibration-seqlen", "64", "--json", str(js))
-    assert result.exit_code == 0, text
-    assert "not what GPTQ minimises" in text and "gptq / rtn" in text
-    out = json.loads(js.read_text())["output_errors"][0]
-    assert out["method"] == "gptq" and len(out["layers"]) == 14
-    assert all(v["gptq"] < v["rtn"] for v in out["layers"].values())
-    result, text = cli("inspect", "errors", str(tiny64), "-s", "int4-g32", "--method", "rtn")
-    assert_one_line_error(result, text, "--method gptq")
+    ppl = {k: math.exp(v.mean().item()) for k, v in scores.items()}
+    assert d.mean().item() < -2 * se, (ppl, se)
 
 
 def test_full_range_scale_rule_is_llm_compressors_rtn_under_a_diagonal_hessian():
