@@ -58,8 +58,9 @@ def main() -> None:
     build_row_model(RowSpec("int8-row"), ref, _Swapper(lm), EvalOptions(), lambda _m: None)
     context = RuntimeContext(device=torch.device("cpu"), extra={"tokenizer": tok, "model_ref": ref})
 
-    def row(runtime):
+    def row(name, runtime):
         def run():
+            print(f"  {name}", file=sys.stderr, flush=True)
             with torch.inference_mode(), apply_runtime(lm, runtime, context):
                 corpus_ref.score(lm)
                 generate_answers(lm, tok, prompts, EvalOptions().battery_tokens, rp)
@@ -67,7 +68,7 @@ def main() -> None:
 
         return run
 
-    times = round_robin({name: row(rt) for name, rt in ROWS.items()}, args.repeats)
+    times = round_robin({name: row(name, rt) for name, rt in ROWS.items()}, args.repeats)
     base = statistics.median(times[next(iter(ROWS))])
     print(f"one eval row ({ids.numel()} tokens + battery + agreement), {torch.get_num_threads()} threads, median of {args.repeats}")
     print(f"{'row':30} {'median s':>9} {'min-max s':>13} {'x weight-only':>14}")
