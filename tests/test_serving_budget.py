@@ -183,3 +183,35 @@ def test_chapter_cli_states_its_assumptions():
     # --reserve given on the command line wins over the chapter's 1.5 GiB
     res = runner.invoke(app, ["budget", "--chapter", "--reserve", "1", "--gpu", "16", "--json", "-"])
     assert json.loads(res.stdout[res.stdout.index("{"):])["reserve_gib"] == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["int4-g64", "q8_0", "q4_k_m", "mxfp4", "nvfp4"])
+def test_block_formats_price_what_quantize_writes(tiny_model_dir, tmp_path, fmt):
+    # Oracle: the bytes quantize_model stores for the block projections (q4_k_m: bound to the model's
+    # layer count, each tensor's type chosen by the recipe and the width fallback).
+    from qkit.api import quantize_model
+
+    r = quantize_model(str(tiny_model_dir), output=tmp_path / "q", scheme=fmt, collect=True)
+    w = weight_bytes(directory_shapes(tiny_model_dir), fmt)
+    assert w.quantized_bytes == sum(q.nbytes for q in r.quantized.values())
+    assert w.quantized_parameters == sum(q.numel for q in r.quantized.values())
+
+
+def test_q4_k_m_on_the_7b_preset_by_hand():
+    # llama.cpp's Q4_K_M on 32 layers: attn_v and ffn_down of layers 0-3, 28-31 and 6, 9, ..., 27 (16 layers)
+    # in Q6_K (210 bytes per 256 weights), every other projection Q4_K (144 per 256); all widths are
+    # multiples of 256 (4096, 14336), so no fallback.
+    w = weight_bytes(llama_shapes(architecture_from_config(PRESETS["7b"], "7b")), "q4_k_m")
+    q6 = 16 * (1024 * 4096 + 4096 * 14336)
+    per_layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
+    assert w.quantized_parameters == 32 * per_layer
+    assert w.quantized_bytes == q6 // 256 * 210 + (32 * per_layer - q6) // 256 * 144
+    assert round(w.projection_bits_per_weight, 3) == 4.797
+
+
+def test_chapter_prices_fixed_rate_formats_only():
+    r = budget(presets=["13b"], gpus_gib=[8], formats=["mxfp4"], chapter=True)
+    assert r.tables[0].rows[0].weight_bytes == 13 * 10**9 * 17 // 32  # 4.25 bits, every weight
+    assert "mxfp4 = 4.25" in r.assumptions
+    with pytest.raises(InputError, match="fixed-rate formats only"):
+        budget(presets=["13b"], gpus_gib=[8], formats=["q4_k_m"], chapter=True)

@@ -25,6 +25,7 @@ For example 13B int4 on 8 GiB: ``floor((8 GiB - 13e9 * 4.125 / 8 - 1.5 GiB) / 81
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.schemes import get_scheme
+from qkit.schemes.kquants import bind_model
 from qkit.schemes.quantized import as_2d
 from qkit.schemes.registry import AbsmaxScheme, NF4Scheme, Scheme
 from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, check_kv_dtype, read_config_file
@@ -45,9 +47,14 @@ FP16_BYTES = torch.float16.itemsize
 DEFAULT_GPUS_GIB: tuple[float, ...] = (8.0, 16.0, 24.0)
 DEFAULT_RESERVE_GIB = 1.0  # CUDA context, activations, allocator slack
 DEFAULT_CONVERSATION = 4096
-# The budget's formats: label -> qkit scheme name (None: the fp16 baseline, nothing quantized).
-FORMATS: dict[str, str | None] = {"fp16": None, "int8": "int8-row", "int4-g128": "int4-g128", "nf4": "nf4"}
-DEFAULT_FORMATS: tuple[str, ...] = tuple(FORMATS)
+# The budget's formats: label -> qkit scheme name (None: the fp16 baseline, nothing quantized). The
+# llama.cpp and FP4 formats are priced by the scheme's own layout (``nbytes_for``), per tensor after the
+# scheme's ``resolve`` (q4_k_m: Q6_K / Q4_K by layer and role, width fallbacks to Q5_0 / Q8_0).
+FORMATS: dict[str, str | None] = {
+    "fp16": None, "int8": "int8-row", "int4-g128": "int4-g128", "nf4": "nf4",
+    "int4-g64": "int4-g64", "q8_0": "q8_0", "q4_k_m": "q4_k_m", "mxfp4": "mxfp4", "nvfp4": "nvfp4",
+}
+DEFAULT_FORMATS: tuple[str, ...] = ("fp16", "int8", "int4-g128", "nf4")
 
 # Common shapes, each the layout of a published model (so the parameter counts are real ones).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -69,7 +76,12 @@ DEFAULT_MODEL_WORD = "default"  # ``qkit budget default``: the pinned default mo
 # The chapter's assumptions (``chapter=True``): nominal sizes, every weight at the format's bits.
 CHAPTER_PARAMETERS: dict[str, int] = {"7b": 7 * 10**9, "13b": 13 * 10**9, "70b": 70 * 10**9}
 # int4 = 4 bits + one fp16 scale per 128 weights; nf4 = 4 bits + one fp16 absmax per 64 (qkit's nf4).
-CHAPTER_BITS: dict[str, Fraction] = {"fp16": Fraction(16), "int8": Fraction(8), "int4-g128": Fraction(33, 8), "nf4": Fraction(17, 4)}
+# The other fixed-rate formats at their nominal bits: int4-g64 and mxfp4 4.25, nvfp4 4.5 (its one fp32
+# tensor scale is nothing at this size), q8_0 8.5. q4_k_m mixes types by layer, so it has no one rate.
+CHAPTER_BITS: dict[str, Fraction] = {
+    "fp16": Fraction(16), "int8": Fraction(8), "int4-g128": Fraction(33, 8), "nf4": Fraction(17, 4),
+    "int4-g64": Fraction(17, 4), "q8_0": Fraction(17, 2), "mxfp4": Fraction(17, 4), "nvfp4": Fraction(9, 2),
+}
 CHAPTER_RESERVE_GIB = 1.5
 PRESET_SOURCES = {"7b": "Mistral-7B layout", "13b": "Llama-2-13B layout", "70b": "Llama-2-70B layout"}
 
@@ -119,18 +131,36 @@ class WeightBytes:
         return 8 * self.total_bytes / self.parameters
 
 
-def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> WeightBytes:
-    """Sum the stored bytes of every tensor: block projections in ``fmt``'s scheme, the rest in fp16."""
+def check_format(fmt: str) -> str:
     if fmt not in FORMATS:
         raise InputError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
-    scheme_name = FORMATS[fmt]
+    return fmt
+
+
+def layer_count(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
+    """Transformer blocks in a list of tensor names (``...layers.N.`` / ``...h.N.``): the largest N + 1."""
+    found = [int(m.group(1)) for name, _ in shapes if (m := re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", name))]
+    return max(found) + 1 if found else 0
+
+
+def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> WeightBytes:
+    """Sum the stored bytes of every tensor: block projections in ``fmt``'s scheme, the rest in fp16.
+
+    A scheme that picks a type per tensor (``resolve``: q4_k_m's recipe, k-quant width fallbacks) is
+    priced per tensor, with the recipe bound to the layer count found in the names, as ``qkit quantize``
+    binds it to the model's config."""
+    shapes = list(shapes)
+    scheme_name = FORMATS[check_format(fmt)]
     scheme = get_scheme(scheme_name) if scheme_name else None
+    if scheme is not None:
+        scheme = bind_model(scheme, {"num_hidden_layers": layer_count(shapes)})
     total = params = qparams = qbytes = 0
     for name, shape in shapes:
         n = math.prod(shape)
         params += n
         if scheme is not None and is_block_projection(name, tuple(shape)):
-            b = stored_bytes(scheme, tuple(shape))
+            resolved = scheme.resolve(tuple(shape), name) if hasattr(scheme, "resolve") else scheme
+            b = stored_bytes(resolved, tuple(shape))
             qparams += n
             qbytes += b
             total += b
@@ -141,17 +171,18 @@ def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> Wei
 
 def chapter_weight_bytes(parameters: int, fmt: str) -> WeightBytes:
     """The chapter's weights: ``ceil(parameters * CHAPTER_BITS[fmt] / 8)`` bytes, every weight in the format."""
-    if fmt not in FORMATS:
-        raise InputError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if check_format(fmt) not in CHAPTER_BITS:
+        raise InputError(f"--chapter prices fixed-rate formats only ({', '.join(CHAPTER_BITS)}); {fmt} mixes "
+                         "types by layer: drop --chapter to price it from the real tensor shapes")
     total = math.ceil(parameters * CHAPTER_BITS[fmt] / 8)
     quantized = parameters if FORMATS[fmt] else 0
     return WeightBytes(fmt, FORMATS[fmt], total, parameters, quantized, total if quantized else 0, parameters - quantized)
 
 
-def chapter_assumptions(reserve_gib: float) -> str:
+def chapter_assumptions(reserve_gib: float, formats: Sequence[str] = DEFAULT_FORMATS) -> str:
     """The sentence ``qkit budget --chapter`` prints: what it assumes, and what it leaves out."""
     sizes = ", ".join(f"{k} = {v / 1e9:g}e9" for k, v in CHAPTER_PARAMETERS.items())
-    bits = ", ".join(f"{k} = {float(v):g}" for k, v in CHAPTER_BITS.items())
+    bits = ", ".join(f"{k} = {float(CHAPTER_BITS[k]):g}" for k in formats)
     return (f"the chapter's assumptions (--chapter): nominal parameters ({sizes}); every weight, embeddings included, "
             f"at the format's bits ({bits}); a {reserve_gib:g} GiB reserve; cards in GiB (2^30 bytes); KV bytes per "
             "token from the preset layouts. Without --chapter: real parameter counts, embeddings and norms at fp16.")
@@ -340,6 +371,10 @@ def budget(
                          "drop the MODEL and --config arguments, or drop --chapter")
     if not formats:
         raise InputError(f"--formats needs at least one of {', '.join(FORMATS)}")
+    for f in formats:
+        if chapter:
+            chapter_weight_bytes(1, f)  # refuses a format the chapter cannot price, before any work
+        check_format(f)
     if not gpus_gib or any(g <= 0 for g in gpus_gib):
         raise InputError(f"--gpu needs positive card sizes in GiB, e.g. 8,16,24 (got {list(gpus_gib)})")
     if reserve_gib < 0:
@@ -382,7 +417,7 @@ def budget(
         for i, s in enumerate(specs)
     ]
     return BudgetReport(tables, models_info, reserve_gib, kv_dtype, conversation, {f: FORMATS[f] for f in formats},
-                        chapter_assumptions(reserve_gib) if chapter else None)
+                        chapter_assumptions(reserve_gib, formats) if chapter else None)
 
 
 def misleading_sentence(gpu_gib: float, rows: Sequence[BudgetRow], conversation: int) -> str:
