@@ -68,7 +68,15 @@ def test_hand_computed_two_columns():
     assert output_error(W, r.dequantized, H) < output_error(W, rtn.dequantize(), H) / 5
 
 
-SCHEMES = ["int4-g64", "int4-g128", "int4-g24", "int4-row", "int4-tensor", "int8-row", "int8-g32", "nf4"]
+SCHEMES = ["int4-g64", "int4-g128", "int4-g24", "int4-row", "int4-tensor", "int8-row", "int8-g32", "nf4", "mxfp4", "nvfp4"]
+
+
+def assert_same_parts(qt: QuantizedTensor, rtn: QuantizedTensor) -> None:
+    """Every stored part (nvfp4's ``global_scale`` included) equal byte for byte: names, dtypes, shapes, values."""
+    assert list(qt.parts) == list(rtn.parts)
+    for k, v in rtn.parts.items():
+        assert qt.parts[k].dtype == v.dtype and qt.parts[k].shape == v.shape, k
+        assert torch.equal(qt.parts[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
 
 
 @pytest.mark.parametrize("name", SCHEMES)
@@ -85,8 +93,95 @@ def test_diagonal_hessian_gives_rtn_bit_for_bit(name, act_order):
     r = gptq_solve(W, H, scheme, act_order=act_order)
     rtn = quantize_tensor(W, scheme)
     qt = stored(r, scheme, (24, 192))
-    assert torch.equal(qt.qweight, rtn.qweight) and torch.equal(qt.scales, rtn.scales)
+    assert_same_parts(qt, rtn)
     assert torch.equal(qt.dequantize(), r.dequantized)
+
+
+# E2M1 rounding midpoints (every one a tie) and small magnitudes that round to 0.
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def fp4_step(rtn: QuantizedTensor, name: str) -> torch.Tensor:
+    """``[rows, cols / B]`` fp32: what one E2M1 unit is worth in each block (``2**(e-127)`` or ``s / gs``)."""
+    if name == "mxfp4":
+        return torch.exp2(rtn.scales.double() - 127).float()
+    return rtn.scales.view(torch.float8_e4m3fn).float() / rtn.extra["global_scale"]
+
+
+def fp4_hard_weights(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    """Random weights with a zero block, -0.0 weights, exact E2M1 ties (both signs) and small negatives that
+    round to 0, each placed below its block's absmax so the scales stay those of the random weights."""
+    B = get_scheme(name).block_size
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(rows, cols, generator=g)
+    W[1, B : 2 * B] = 0.0  # a zero block
+    step = fp4_step(quantize_tensor(W, get_scheme(name)), name)
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    d = step[r, c // B]
+    pick = torch.rand(rows, cols, generator=g)
+    mids = torch.tensor(E2M1_MIDPOINTS)[torch.randint(0, len(E2M1_MIDPOINTS), (rows, cols), generator=g)]
+    sign = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.0, 1.0)
+    amax = W.view(rows, -1, B).abs().amax(dim=2, keepdim=True).expand(rows, cols // B, B).reshape(rows, cols)
+    free = (W.abs() < amax) & (mids * d < 0.95 * amax)  # never a block's max: every scale stays
+    tie = (pick < 0.3) & free
+    small = (pick > 0.9) & free & (W != 0)
+    W = torch.where(tie, sign * mids * d, W)
+    W = torch.where(small, -0.2 * d, W)  # y = -0.2: rounds to 0 (mxfp4 +0, nvfp4 -0)
+    negative_zero = free & ~tie & ~small & ((c % 5 == 0) | (c == 0))  # column 0 is never error-updated
+    return torch.where(negative_zero, -0.0, W)  # both schemes code -0.0 as +0
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("shape", [(8, 64), (5, 96)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_diagonal_hessian_gives_fp4_rtn_bit_for_bit_with_ties_zero_blocks_and_negative_zeros(name, shape, act_order):
+    """mxfp4 (gguf: ties to the smaller magnitude, +0) and nvfp4 (compressed-tensors: ties to even, -0 for a
+    small negative, the global scale of the whole tensor): GPTQ's parts under a diagonal H are
+    ``quantize_tensor``'s, byte for byte, including the hard cases, which the weights are checked to hold."""
+    rows, cols = shape
+    scheme = get_scheme(name)
+    W = fp4_hard_weights(name, rows, cols, seed=rows * cols)
+    rtn = quantize_tensor(W, scheme)
+    B = scheme.block_size
+    y = (W.view(rows, -1, B) / fp4_step(rtn, name)[..., None]).view(rows, cols)
+    ties = torch.isin(y.abs(), torch.tensor(E2M1_MIDPOINTS))
+    assert int(ties.sum()) >= 20 and int((ties & (y < 0)).sum()) >= 5  # the weights hold ties of both signs
+    codes = torch.stack((rtn.qweight & 15, rtn.qweight >> 4), dim=2).view(rows, cols)  # pack_fp4's nibbles
+    assert int(rtn.scales[1, 1]) == (0 if name == "mxfp4" else 0x20)  # the zero block: e = 0, or s = 0.125 (E4M3 0x20)
+    assert bool((W == 0).logical_and(W.signbit()).any())
+    small_negative = (W < 0) & (y > -0.25)
+    assert int(small_negative.sum()) >= 3
+    assert set(codes[small_negative].tolist()) == ({0} if name == "mxfp4" else {8})
+    H = torch.diag(torch.rand(cols, generator=torch.Generator().manual_seed(2)) + 0.1)
+    r = gptq_solve(W, H, scheme, act_order=act_order)
+    qt = stored(r, scheme, shape)
+    assert_same_parts(qt, rtn)
+    assert torch.equal(qt.dequantize(), r.dequantized) and torch.equal(r.dequantized, rtn.dequantize())
+    assert torch.equal(r.codes.to(torch.uint8), codes)
+
+
+@pytest.mark.parametrize("name,block", [("mxfp4", 32), ("nvfp4", 16), ("nf4", 64)])
+def test_block_schemes_need_whole_blocks_per_row(name, block):
+    with pytest.raises(SchemeError, match=f"whole blocks of {block}") as err:
+        gptq_solve(torch.randn(4, 40), torch.eye(40), get_scheme(name))
+    assert "\n" not in str(err.value) and "--method rtn" in str(err.value)
+
+
+def test_nvfp4_global_scale_is_the_whole_tensors_and_survives_into_the_parts():
+    """One fp32 ``gs`` for the tensor (compressed-tensors' 2688 / max|W|), from the weights before any
+    error update, with every row slice of the parts, and the stored scales decode with it."""
+    X = correlated_inputs(64, 256, seed=9)
+    W = torch.randn(8, 64, generator=torch.Generator().manual_seed(9))
+    scheme = get_scheme("nvfp4")
+    r = gptq_solve(W, X @ X.T, scheme, act_order=False)
+    gs = quantize_tensor(W, scheme).extra["global_scale"]
+    for rows in (slice(0, 8), slice(2, 5)):
+        parts = r.grid.parts(r.codes, rows)
+        assert set(parts) == {"qweight", "scales", "global_scale"} and torch.equal(parts["global_scale"], gs)
+        n = rows.stop - rows.start
+        assert parts["qweight"].shape == (n, 32) and parts["scales"].shape == (n, 4)
+        qt = QuantizedTensor.from_parts(scheme, parts, (n, 64), torch.float32)
+        assert torch.equal(qt.dequantize(), r.dequantized[rows])
 
 
 def test_short_last_group_576_columns_g128():
@@ -105,7 +200,8 @@ def test_short_last_group_576_columns_g128():
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), name=st.sampled_from(["int4-g16", "int4-row", "nf4", "int8-g16", "int4-tensor"]),
+@given(seed=st.integers(0, 2**31 - 1),
+       name=st.sampled_from(["int4-g16", "int4-row", "nf4", "int8-g16", "int4-tensor", "mxfp4", "nvfp4"]),
        act_order=st.booleans())
 def test_gptq_output_error_below_rtn_on_correlated_inputs(seed, name, act_order):
     g = torch.Generator().manual_seed(seed)
@@ -169,11 +265,14 @@ def test_non_positive_definite_hessian_is_retried_with_more_dampening():
     assert r.retries == 3 and not r.fallback
 
 
-def test_hopeless_hessian_falls_back_to_rtn_and_says_so():
-    W = torch.randn(4, 16, generator=torch.Generator().manual_seed(8))
-    r = gptq_solve(W, -torch.eye(16), get_scheme("int4-g8"))
+@pytest.mark.parametrize("name,cols", [("int4-g8", 16), ("mxfp4", 64), ("nvfp4", 32)])
+def test_hopeless_hessian_falls_back_to_rtn_and_says_so(name, cols):
+    W = torch.randn(4, cols, generator=torch.Generator().manual_seed(8))
+    r = gptq_solve(W, -torch.eye(cols), get_scheme(name))
     assert r.fallback and r.retries == 5
-    assert torch.equal(r.dequantized, quantize_tensor(W, get_scheme("int4-g8")).dequantize())
+    rtn = quantize_tensor(W, get_scheme(name))
+    assert torch.equal(r.dequantized, rtn.dequantize())
+    assert_same_parts(stored(r, get_scheme(name), (4, cols)), rtn)
 
 
 def test_nf4_needs_whole_blocks_per_row():
@@ -181,17 +280,19 @@ def test_nf4_needs_whole_blocks_per_row():
         gptq_solve(torch.randn(4, 96), torch.eye(96), get_scheme("nf4"))
 
 
-def test_method_refuses_schemes_it_cannot_serve():
+@pytest.mark.parametrize("refused", ["q4_0", "q8_0", "q4_k"])
+def test_method_refuses_schemes_it_cannot_serve(refused):
     method = get_method("gptq")
-    for name in ("int4-g64", "int8-row", "nf4"):
+    for name in ("int4-g64", "int8-row", "nf4", "mxfp4", "nvfp4"):
         method.check(get_scheme(name))
     try:
-        other = get_scheme("q4_0")
+        other = get_scheme(refused)
     except QkitError:
         pytest.skip("no ggml schemes registered")
     with pytest.raises(SchemeError) as err:
         method.check(other)
     assert "\n" not in str(err.value) and "int4-gN" in str(err.value) and "--method rtn" in str(err.value)
+    assert refused in str(err.value) and "mxfp4" in str(err.value)
 
 
 @pytest.mark.parametrize("kwargs,match", [({"dampening": 0.0}, "--dampening"), ({"dampening": -1.0}, "--dampening"),
@@ -277,15 +378,49 @@ def test_eval_of_the_checkpoint_equals_the_in_memory_row(gptq_checkpoint, tiny64
     assert ckpt.battery_outputs == row.battery_outputs  # (sizes differ by the manifest's timing digits only)
 
 
-def test_compressed_tensors_export_verifies(tiny64, cal_file, tmp_path):
+@pytest.mark.parametrize("scheme", ["int4-g32", "nvfp4", "mxfp4"])
+def test_compressed_tensors_export_verifies(tiny64, cal_file, tmp_path, scheme):
     pytest.importorskip("compressed_tensors")
     from qkit.export.verify import verify_checkpoint
 
     out = tmp_path / "ct"
-    quantize_model(tiny64, output=out, scheme="int4-g32", method="gptq", method_options=opts(cal_file, act_order=True),
+    quantize_model(tiny64, output=out, scheme=scheme, method="gptq", method_options=opts(cal_file, act_order=True),
                    format="compressed-tensors")
     r = verify_checkpoint(out, device="cpu")
     assert r.passed and r.weights_ok and r.logits_ok
+
+
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+def test_fp4_method_end_to_end_beats_rtn_and_the_checkpoint_stores_every_part(tiny64, cal_file, tmp_path, name):
+    """GPTQ with an FP4 scheme through quantize_model: every layer below RTN's output error, and the checkpoint
+    holds the scheme's own parts (nvfp4's ``global_scale`` too) and loads with the weights the method chose."""
+    from qkit.checkpoint import iter_quantized
+    from qkit.models import load
+
+    out = tmp_path / name
+    result = quantize_model(tiny64, output=out, scheme=name, method="gptq", method_options=opts(cal_file), collect=True)
+    layers = result.method_record["layers"]
+    assert len(layers) == 14 and all(v["gptq_error"] < v["rtn_error"] for v in layers.values())
+    read = {n: v for n, v in iter_quantized(out) if isinstance(v, QuantizedTensor)}
+    assert set(read) == set(result.quantized)
+    model = load(out, device="cpu").model
+    for n, qt in result.quantized.items():
+        assert qt.scheme.name == name and list(qt.parts) == list(get_scheme(name).parts)
+        assert_same_parts(read[n], qt)
+        assert torch.equal(model.get_parameter(n), qt.dequantize(torch.float32))
+
+
+def test_fp4_width_not_whole_blocks_is_refused_before_any_work(cal_file, tmp_path):
+    from conftest import make_tiny_llama
+
+    model = tmp_path / "tiny80"
+    make_tiny_llama(model, hidden=64, intermediate=80)  # down_proj: 80 columns, 2.5 blocks of 32 (5 of 16)
+    out = tmp_path / "o"
+    with pytest.raises(SchemeError) as err:
+        quantize_model(model, output=out, scheme="mxfp4", method="gptq", method_options=opts(cal_file))
+    msg = str(err.value)
+    assert "\n" not in msg and "whole blocks of 32" in msg and "down_proj" in msg and "--method rtn" in msg
+    assert not out.exists()
 
 
 def test_two_passes_with_batches_also_beat_rtn(tiny64, cal_file, tmp_path):
@@ -348,6 +483,19 @@ def test_cli_scheme_the_method_cannot_take(tiny_model_dir, cal_file, tmp_path):
     result, text = cli("quantize", str(tiny_model_dir), "-o", str(out), "--scheme", "nf4", "--method", "gptq",
                        "--calibration", cal_file)
     assert_one_line_error(result, text, "whole blocks of 64", "down_proj")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
+def test_cli_llama_cpp_scheme_the_method_cannot_take(tiny64, cal_file, tmp_path, scheme):
+    try:
+        get_scheme(scheme)
+    except QkitError:
+        pytest.skip("no ggml schemes registered")
+    out = tmp_path / "o"
+    result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", scheme, "--method", "gptq",
+                       "--calibration", cal_file)
+    assert_one_line_error(result, text, f"GPTQ cannot choose the codes of scheme '{scheme}'", "--method rtn")
     assert not out.exists()
 
 

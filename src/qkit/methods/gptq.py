@@ -23,7 +23,8 @@ Numerics and choices, as the reference implementation (github.com/IST-DASLab/gpt
 * scales per group are computed when the group's first column is reached, from the current (error-
   updated) weights, with qkit's own rule for the scheme (absmax: ``scale = absmax / qmax`` stored in the
   scheme's scale dtype and that stored value used both ways; NF4: the block's absmax, codes picked
-  exactly as ``qkit.schemes.nf4`` picks them); the lazy blocks are a multiple of the group size, so a
+  exactly as ``qkit.schemes.nf4`` picks them; mxfp4 / nvfp4: the block's scale and E2M1 codes exactly as
+  ``qkit.schemes.fp4`` chooses them, see below); the lazy blocks are a multiple of the group size, so a
   group never straddles a block and "current" is exact. Per-row and per-tensor scales are set at column 0
   (from the original weights). A short last group per row (576 columns, g128) is a group like any other.
 * ``act_order`` (on by default: it measured better, see the README): columns are processed by
@@ -31,6 +32,15 @@ Numerics and choices, as the reference implementation (github.com/IST-DASLab/gpt
   (computed once from the original weights in the original column order, the reference's
   ``static_groups``), so the stored checkpoint keeps the original column order and the scheme's layout;
   codes are put back in the original order before packing.
+* FP4 (``qkit.schemes.fp4``, bit for bit with its RTN, so a diagonal ``H`` gives RTN's bytes): mxfp4, per
+  block of 32 columns of a row, the E8M0 exponent ``e`` of the block's current absmax
+  (``mxfp4_exponents``), codes the E2M1 rounding of ``w * 2**(127 - e)`` with gguf's rule (ties to the
+  smaller magnitude, +0 for a value that rounds to 0), ``Ŵ = E2M1 * 2**(e - 127)``; nvfp4, the fp32 global
+  scale ``gs`` once from the whole weight (``nvfp4_global_scale``, as RTN: before dead columns are
+  zeroed), per block of 16 the E4M3 scale ``s`` of the block's current absmax (``nvfp4_block_scales``),
+  codes the ties-to-even rounding of ``w / (s / gs)`` (-0 for a small negative), ``Ŵ = E2M1 * (s / gs)``.
+  The parts are ``encode``'s layout (``qweight`` packed by ``pack_fp4``, uint8 ``scales`` ``[rows, cols/B]``,
+  nvfp4's ``global_scale``). A width that is not whole blocks is refused (one line), as with nf4.
 
 The result is a ``QuantizedTensor`` of the *same* scheme RTN writes (built with the scheme's own parts
 layout), so every writer and exporter takes it unchanged. Targets outside the transformer blocks (or not
@@ -62,7 +72,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,6 +83,18 @@ from qkit.methods import MethodResult
 from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions
 from qkit.schemes import QuantizedTensor, quantize_tensor
 from qkit.schemes.absmax import absmax_scales, dequantize_absmax, quantize_absmax
+from qkit.schemes.fp4 import (
+    MXFP4Scheme,
+    NVFP4Scheme,
+    e2m1_codes,
+    e2m1_table,
+    e8m0_reciprocals,
+    e8m0_values,
+    mxfp4_exponents,
+    nvfp4_block_scales,
+    nvfp4_global_scale,
+    pack_fp4,
+)
 from qkit.schemes.nf4 import nf4_codes, nf4_tables
 from qkit.schemes.packing import pack_nibbles
 from qkit.schemes.registry import AbsmaxScheme, NF4Scheme
@@ -80,7 +102,7 @@ from qkit.schemes.registry import AbsmaxScheme, NF4Scheme
 DEFAULT_DAMPENING = 0.01  # fraction of mean(diag H) added to the diagonal (the reference's percdamp)
 DEFAULT_BLOCK_SIZE = 128  # columns per lazy batch update (the reference's blocksize)
 MAX_DAMP_RETRIES = 5  # dampening x10 each time H (or H^-1) is not positive definite
-# How an absmax scheme's scales are chosen (NF4 always uses its block absmax). Every rule writes a valid
+# How an absmax scheme's scales are chosen (NF4, mxfp4, nvfp4 always use their own rule). Every rule writes a valid
 # tensor of the same scheme (decoding is q * scale whatever chose the scale):
 #   absmax      qkit's rule, what --method rtn writes: scale = absmax / qmax (the default);
 #   full-range  scale = absmax / (qmax + 0.5), codes clamped to [-qmax-1, qmax]: the full signed range, as
@@ -224,23 +246,115 @@ class _NF4Grid:
         return {"qweight": pack_nibbles(codes[rows].to(torch.int32)), "scales": self.stored.T[rows].reshape(-1).clone()}
 
 
-def _grid(scheme: Any, rows: int, cols: int, device: torch.device, scale_rule: str = "absmax"):
+class _MXFP4Grid:
+    """MXFP4: E2M1 codes, one E8M0 (power-of-two) scale per block of 32 columns of a row, chosen and
+    applied exactly as ``qkit.schemes.fp4.quantize_mxfp4`` does (gguf's rule, ties to the smaller magnitude,
+    a value that rounds to 0 is +0)."""
+
+    ties_to_even = False
+
+    def __init__(self, scheme: MXFP4Scheme, rows: int, cols: int, device: torch.device):
+        self.scheme = scheme
+        self.unit = scheme.block_size
+        self.n_units = cols // self.unit
+        self.per_tensor = False
+        self.rows = rows
+        self.values = e2m1_table(device)  # by code; code 8 is -0.0
+        self.stored = torch.zeros(self.n_units, rows, dtype=torch.uint8, device=device)  # the scheme's ``scales`` bytes
+        self.multiplier = torch.zeros(self.n_units, rows, device=device)  # w -> E2M1 units
+        self.scale = torch.zeros(self.n_units, rows, device=device)  # E2M1 units -> w
+        # One column's E2M1 argument, padded to an even length (the FP4 rounding packs pairs of values).
+        self._y = torch.zeros(1, rows + rows % 2, device=device)
+
+    def set_unit(self, u: int, w: torch.Tensor) -> None:
+        e = mxfp4_exponents(w.abs().amax(dim=1))
+        self.stored[u] = e.to(torch.uint8)
+        self.multiplier[u] = e8m0_reciprocals(e)  # 2**(127 - e): the scheme multiplies by it, exactly
+        self.scale[u] = e8m0_values(e)
+
+    def _codes(self, w: torch.Tensor, u: int) -> torch.Tensor:
+        torch.mul(w, self.multiplier[u], out=self._y[0, : self.rows])
+        return e2m1_codes(self._y, ties_to_even=self.ties_to_even)[0, : self.rows].long()
+
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
+        c = self._codes(w, u)
+        codes.copy_(c)
+        torch.mul(self.values[c], self.scale[u], out=deq)
+
+    def finish(self, codes: torch.Tensor, units: torch.Tensor) -> None:
+        pass  # a zero block has e = 0: its values scale to 0 and code +0, which decodes to 0
+
+    def parts(self, codes: torch.Tensor, rows: slice) -> dict[str, torch.Tensor]:
+        """As ``encode``: ``qweight`` uint8 ``[rows, cols / 2]`` (``pack_fp4``), ``scales`` uint8 ``[rows, cols / B]``."""
+        return {"qweight": pack_fp4(codes[rows].to(torch.uint8)),
+                "scales": self.stored.T[rows].clone(memory_format=torch.contiguous_format)}
+
+
+class _NVFP4Grid(_MXFP4Grid):
+    """NVFP4: E2M1 codes, one E4M3 scale ``s`` per block of 16 columns of a row and one fp32 global scale
+    ``gs`` for the tensor, computed once from the whole weight given (``W`` as the solve receives it),
+    exactly as ``qkit.schemes.fp4.quantize_nvfp4`` (compressed-tensors' rule): ``y = w / (s / gs)``, ties to
+    even, a negative value that rounds to 0 is -0."""
+
+    ties_to_even = True
+
+    def __init__(self, scheme: NVFP4Scheme, rows: int, cols: int, device: torch.device, weights: torch.Tensor):
+        super().__init__(scheme, rows, cols, device)  # type: ignore[arg-type]
+        self.global_scale = nvfp4_global_scale(weights.to(device=device, dtype=torch.float32).abs().amax())
+
+    def set_unit(self, u: int, w: torch.Tensor) -> None:
+        s = nvfp4_block_scales(w.abs().amax(dim=1), self.global_scale)
+        self.stored[u] = s.to(torch.float8_e4m3fn).view(torch.uint8)
+        self.scale[u] = s / self.global_scale  # compressed-tensors: scale / global_scale, both ways
+
+    def _codes(self, w: torch.Tensor, u: int) -> torch.Tensor:
+        y = self._y[0, : self.rows]
+        torch.div(w, self.scale[u], out=y).add_(0.0)  # -0.0 + 0.0 = +0.0, as quantize_nvfp4
+        return e2m1_codes(self._y, ties_to_even=True)[0, : self.rows].long()
+
+    def parts(self, codes: torch.Tensor, rows: slice) -> dict[str, torch.Tensor]:
+        """As MXFP4's, with the E4M3 bit patterns as ``scales`` and ``global_scale`` fp32 ``[1]``."""
+        return {**super().parts(codes, rows), "global_scale": self.global_scale.clone()}
+
+
+_BLOCK_SCHEMES = (NF4Scheme, MXFP4Scheme, NVFP4Scheme)  # blocks along each row: cols must be whole blocks
+
+
+def _whole_blocks(scheme: Any, cols: int, tensor: str | None = None) -> None:
+    """One-line refusal of a width that is not whole blocks of a block scheme (nf4, mxfp4, nvfp4)."""
+    if not isinstance(scheme, _BLOCK_SCHEMES) or (cols > 0 and cols % scheme.block_size == 0):
+        return
+    what = f"{tensor} has {cols} columns" if tensor else f"this matrix has {cols} columns"
+    raise SchemeError(
+        f"GPTQ with {scheme.name} needs rows that are whole blocks of {scheme.block_size} ({what}): "
+        f"{scheme.name} blocks would cross rows; use an absmax scheme (int4-gN, int4-row), "
+        + (f"leave it out with --exclude '{tensor}', " if tensor else "")
+        + "or --method rtn"
+    )
+
+
+def _grid(scheme: Any, rows: int, cols: int, device: torch.device, scale_rule: str = "absmax",
+          weights: torch.Tensor | None = None):
+    """The grid GPTQ rounds ``W [rows, cols]`` onto; ``weights`` (``W`` itself) is needed by nvfp4 only,
+    whose global scale is the whole tensor's."""
     if isinstance(scheme, AbsmaxScheme):
         return _AbsmaxGrid(scheme, rows, cols, device, scale_rule)
+    _whole_blocks(scheme, cols)
     if isinstance(scheme, NF4Scheme):
-        if cols % scheme.block_size:
-            raise SchemeError(
-                f"GPTQ with nf4 needs rows that are whole blocks of {scheme.block_size} (this matrix has {cols} "
-                "columns): NF4 blocks would cross rows; use an absmax scheme (int4-gN, int4-row) or --method rtn"
-            )
         return _NF4Grid(scheme, rows, cols, device)
+    if isinstance(scheme, NVFP4Scheme):
+        if weights is None:
+            raise InputError("GPTQ with nvfp4 needs the weights: its global scale is the whole tensor's")
+        return _NVFP4Grid(scheme, rows, cols, device, weights)
+    if isinstance(scheme, MXFP4Scheme):
+        return _MXFP4Grid(scheme, rows, cols, device)
     raise SchemeError(_unsupported(scheme))
 
 
 def _unsupported(scheme: Any) -> str:
-    return (f"GPTQ cannot choose the integers of scheme {scheme.name!r} (kind {getattr(scheme, 'kind', '?')}); "
-            "it serves absmax schemes (int8-tensor, int8-row, int4-tensor, int4-row, int4-gN, int8-gN) and nf4: "
-            "pick one of those or use --method rtn")
+    return (f"GPTQ cannot choose the codes of scheme {scheme.name!r} (kind {getattr(scheme, 'kind', '?')}); "
+            "it serves absmax schemes (int8-tensor, int8-row, int4-tensor, int4-row, int4-gN, int8-gN), nf4, "
+            "mxfp4 and nvfp4 (not the llama.cpp block formats): pick one of those or use --method rtn")
 
 
 # --------------------------------------------------------------------------- the solver
@@ -338,10 +452,11 @@ def gptq_solve(
     perm, U = prepared.perm, prepared.U
     device = W.device
     W = W.to(torch.float32).clone()
+    # nvfp4's global scale: from the whole W as given (as RTN computes it), before dead columns are zeroed
+    grid = _grid(scheme, rows, cols, device, scale_rule, weights=W)
     n_dead = int(prepared.dead.sum())
     if n_dead:
         W[:, prepared.dead] = 0.0
-    grid = _grid(scheme, rows, cols, device, scale_rule)
     static = perm is not None or grid.unit >= cols or grid.per_tensor
     if static:  # scales from the original weights, original column order
         for u in range(grid.n_units):
@@ -529,8 +644,8 @@ class GPTQMethod:
     options_type: type = GPTQOptions
 
     def check(self, scheme: Any) -> None:
-        if isinstance(scheme, (AbsmaxScheme, NF4Scheme)):
-            return  # nf4 rows that are not whole blocks of 64 are refused per matrix, before any pass
+        if isinstance(scheme, (AbsmaxScheme, *_BLOCK_SCHEMES)):
+            return  # nf4 / fp4 rows that are not whole blocks are refused per matrix, before any pass
         raise SchemeError(_unsupported(scheme))
 
     def run(self, ref: Any, targets: dict[str, Any], options: GPTQOptions, *, device: torch.device,
@@ -545,14 +660,9 @@ class GPTQMethod:
         for scheme in targets.values():
             self.check(scheme)
         shapes = dict(tensor_shapes(ref.directory))
-        for name, scheme in targets.items():  # a matrix NF4 cannot serve row-wise: refused before any work
-            if isinstance(scheme, NF4Scheme) and name in shapes:
-                cols = as_2d(shapes[name])[1]
-                if cols % scheme.block_size:
-                    raise SchemeError(
-                        f"GPTQ with nf4 needs rows that are whole blocks of {scheme.block_size}; {name} has {cols} "
-                        "columns (NF4 blocks would cross rows): use an absmax scheme (int4-gN) or --method rtn"
-                    )
+        for name, scheme in targets.items():  # a matrix a block scheme cannot serve row-wise: refused before any work
+            if name in shapes:
+                _whole_blocks(scheme, as_2d(shapes[name])[1], name)
         t_start = time.perf_counter()
         loaded = load(ref=ref, device="cpu", dtype=torch.float32)
         ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())

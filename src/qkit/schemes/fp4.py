@@ -440,3 +440,22 @@ def to_gguf_mxfp4_blocks(qweight: torch.Tensor, exps: torch.Tensor) -> torch.Ten
     blocks = codes.view(rows, -1, 2, MXFP4_BLOCK // 2)
     qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).to(torch.uint8)
     return torch.cat((exps.reshape(rows, -1, 1), qs), dim=2).reshape(rows, -1)
+
+
+# --------------------------------------------------------------------------- helpers for calibrated methods
+
+
+def e2m1_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 ``[16]``: the E2M1 value of every code 0..15 (code 8 is -0.0), as :func:`e2m1_values` decodes them."""
+    return torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=device)
+
+
+def e8m0_values(e: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents 0..254 -> fp32 scales ``2**(e - 127)``, exactly as :func:`dequantize_mxfp4` decodes them."""
+    return _e8m0_to_fp32(e)
+
+
+def e8m0_reciprocals(e: torch.Tensor) -> torch.Tensor:
+    """Biased E8M0 exponents 0..252 (from :func:`mxfp4_exponents`) -> fp32 ``2**(127 - e)``, the factor
+    :func:`quantize_mxfp4` multiplies a block by (exact: a power of two, normal for ``e <= 252``)."""
+    return ((2 * E8M0_BIAS - e.to(torch.int32)) << 23).view(torch.float32)
