@@ -12,7 +12,9 @@ What bitsandbytes 0.50.2 computes (``Linear8bitLt`` in eval mode -> ``MatMul8bit
    left (the non-outlier elements of an outlier column still count towards it, as in bitsandbytes), the
    codes are ``round(X * (127 / max|row|))`` (half to even) and the codes of the outlier columns are set to
    0. The weight, cast to fp16, is quantized per output row the same way: ``C_W``, ``s_w = max|W_n| / 127``.
-   Output: ``(C_X C_Wᵀ) * s_x s_wᵀ``, the integer product summed *exactly* (see ``exact_int_matmul``).
+   Output: ``(C_X C_Wᵀ) * s_x s_wᵀ``: the integer product summed *exactly* and rounded once to fp32
+   (what bitsandbytes' int32 accumulator gives when ``int8_mm_dequant`` converts it; see
+   ``int_matmul_fp32``), then scaled in fp32 (``* s_x``, then ``* s_w``).
 4. 16-bit part: the outlier columns of the fp16 input times the same columns of the *int8-dequantized*
    weight ``C_W * s_w`` (bitsandbytes 0.50.2 dequantizes ``CB[:, outlier_cols]``; its TODO to use the
    fp16 weight applies only to ``has_fp16_weights``; the paper describes fp16 weights: with the named
@@ -20,8 +22,8 @@ What bitsandbytes 0.50.2 computes (``Linear8bitLt`` in eval mode -> ``MatMul8bit
 
 Differences from bitsandbytes, all below fp16 resolution: it rescales with the constant
 ``6.200124e-05`` where ``1/127**2 = 6.2000124e-05`` (relative 1.8e-5) and rounds its output to fp16;
-here the rescale is exactly ``1/127**2`` and the output stays in the model's dtype (fp32). An all-zero
-row gets codes 0 here (bitsandbytes divides by zero). Its CPU backend in *training* mode takes another
+here the rescale is ``1/127**2`` (folded into the weight row's absmax, in fp32) and the output stays in
+the model's dtype (fp32). An all-zero row gets codes 0 here (bitsandbytes divides by zero). Its CPU backend in *training* mode takes another
 path (``MatMul8bitFp``: dequantized weight, no activation quantization); eval mode runs the above.
 
 Statistics per linear (``Handle.stats()``): the columns that went to 16-bit at least once (of ``K``), the
@@ -76,17 +78,35 @@ def rowwise_int8(a: torch.Tensor, threshold: float | None = None) -> tuple[torch
     if a.dim() != 2:
         raise InputError(f"rowwise_int8 takes a 2-D tensor, got shape {list(a.shape)}")
     af = a.float()
+    mag = af.abs()
+    cols = torch.zeros(a.shape[1], dtype=torch.bool, device=a.device)
     if threshold is not None:
-        outliers = af.abs() >= threshold
+        outliers = mag >= threshold
         cols = outliers.any(dim=0)
-        af = af.masked_fill(outliers, 0.0)
-    else:
-        cols = torch.zeros(a.shape[1], dtype=torch.bool, device=a.device)
-    absmax = af.abs().amax(dim=1)
+        if bool(cols.any()):
+            mag.masked_fill_(outliers, 0.0)
+    absmax = mag.amax(dim=1)
     inv = torch.where(absmax > 0, QMAX / absmax, torch.zeros_like(absmax))  # bitsandbytes: A * (127 / row_stats)
-    codes = (af * inv[:, None]).round_().clamp_(-QMAX, QMAX)
-    codes[:, cols] = 0.0
+    codes = af.mul_(inv[:, None]) if af is not a else af * inv[:, None]
+    codes.round_().clamp_(-QMAX, QMAX)
+    if bool(cols.any()):
+        codes[:, cols] = 0.0  # the outlier elements themselves included: their columns go to 16-bit
     return codes, absmax, cols
+
+
+def int_matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``exact_int_matmul(a, b)`` rounded once to fp32, without fp64 passes where the sum allows it.
+
+    One chunk is exact in fp32. Two chunks: each partial sum is exact, so their fp32 sum is the exact
+    integer rounded once (an IEEE addition is correctly rounded), as an int32 -> fp32 conversion rounds
+    it. Three or more: the fp64 sum of ``exact_int_matmul``, then one rounding.
+    """
+    k = a.shape[1]
+    if k <= CHUNK:
+        return a @ b.T
+    if k <= 2 * CHUNK:
+        return (a[:, :CHUNK] @ b[:, :CHUNK].T).add_(a[:, CHUNK:] @ b[:, CHUNK:].T)
+    return exact_int_matmul(a, b).float()
 
 
 def exact_int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -126,8 +146,8 @@ def llm_int8_matmul(x: torch.Tensor, weight: Int8Weight, threshold: float) -> tu
     """``x [T, K]`` (any float dtype) -> ``(y fp32 [T, N], outlier_cols bool [K])`` (steps 1-4 of the module doc)."""
     xh = x.to(torch.float16)
     codes, absmax, cols = rowwise_int8(xh, threshold)
-    acc = exact_int_matmul(codes, weight.codes)
-    y = (acc * (absmax.double()[:, None] * weight.absmax.double()[None, :]) / (QMAX * QMAX)).float()
+    y = int_matmul_fp32(codes, weight.codes)
+    y.mul_(absmax[:, None]).mul_((weight.absmax / (QMAX * QMAX))[None, :])
     if bool(cols.any()):
         y += xh[:, cols].float() @ weight.dequantize_columns(cols).T
     return y, cols
