@@ -144,7 +144,12 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         group = int(scheme.split("-g")[1]) if "-g" in scheme else None
-        if have_peer and group:
+        widths = sorted({m.in_features for m in lm.modules() if isinstance(m, torch.nn.Linear)})
+        if have_peer and group and any(w % group for w in widths):
+            # llm-compressor refuses a group that does not divide every width (issue 9: 576 at g128)
+            rows.append({"row": f"llm-compressor gptq {scheme}", "perplexity": math.nan, "measured": True,
+                         "note": f"not run: group {group} does not divide the widths {widths}, which llm-compressor refuses"})
+        elif have_peer and group:
             peer, seconds = run_llmcompressor(ref_model.directory, cal_ids, group)
             ps = ref.score(peer)
             row = {"row": f"llm-compressor gptq {scheme}", "perplexity": ps.perplexity, "se": ps.perplexity_se,
@@ -162,17 +167,20 @@ def main() -> None:
     print("| row | perplexity | vs qkit RTN (paired SE) | quantize wall time (CPU time) | measured in this run |")
     print("|---|---|---|---|---|")
     for r in rows:
-        ppl = f"{r['perplexity']:.2f}" + (f" ± {r['se']:.2f}" if "se" in r else "")
+        ppl = r["note"] if "note" in r else f"{r['perplexity']:.2f}" + (f" ± {r['se']:.2f}" if "se" in r else "")
         vs = f"{r['vs_rtn_pct']:+.1f}% ± {r['vs_rtn_se_pct']:.1f}" if "vs_rtn_pct" in r else ""
         secs = (f"{r['seconds']:,.1f} s" if "seconds" in r else "") + (f" ({r['cpu_seconds']:,.0f} s)" if "cpu_seconds" in r else "")
         print(f"| {r['row']} | {ppl} | {vs} | {secs} | {'yes' if r['measured'] else 'no (cited)'} |")
     qk = [r for r in rows if r["row"].startswith("qkit gptq")]
-    peer_rows = [r for r in rows if r["row"].startswith("llm-compressor gptq")]
+    peer_rows = [r for r in rows if r["row"].startswith("llm-compressor gptq") and "seconds" in r]
     if qk and peer_rows:
         p = peer_rows[0]
-        print(f"\nqkit GPTQ {qk[0]['seconds']:.1f} s vs llm-compressor GPTQ {p['seconds']:,.0f} s "
-              f"({'measured' if p['measured'] else 'cited from issue 9'}): {p['seconds'] / qk[0]['seconds']:.1f}x faster; "
-              f"perplexity {qk[0]['perplexity']:.2f} vs {p['perplexity']:.2f}")
+        mine = next((r for r in qk if r["row"].endswith(p["row"].split()[-1])), qk[0])
+        paired_note = (f" (qkit - peer: {p['qkit_gptq_vs_peer_pct']:+.1f}% ± {p['qkit_gptq_vs_peer_se_pct']:.1f} paired SE)"
+                       if "qkit_gptq_vs_peer_pct" in p else "")
+        print(f"\n{mine['row']} {mine['seconds']:.1f} s vs {p['row']} {p['seconds']:,.0f} s "
+              f"({'measured in this run' if p['measured'] else 'cited from issue 9'}): {p['seconds'] / mine['seconds']:.1f}x faster; "
+              f"perplexity {mine['perplexity']:.2f} vs {p['perplexity']:.2f}{paired_note}")
     if not have_peer:
         print("\nllm-compressor is not installed here (an optional benchmark dependency): its rows are issue 9's figures, not measured in this run.")
     if args.json:
