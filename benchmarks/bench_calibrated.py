@@ -11,9 +11,10 @@ in this run (loading the model and tokenizing the calibration text included for 
 llm-compressor is an *optional* benchmark dependency, never a project dependency: where it is not
 importable this script says so, skips it, and prints issue 9's figures for it, marked as cited (measured
 by the issue's author on this 2-core machine, llm-compressor 0.14), not measured in this run. To measure
-it: ``python -m venv /tmp/llmc && /tmp/llmc/bin/pip install llmcompressor`` and run this script with that
-interpreter (it takes ~15 minutes per method on 2 cores). Its path below follows llm-compressor's
-documented ``oneshot`` + ``GPTQModifier`` API.
+it (llm-compressor 0.14 pins transformers <= 5.17 and compressed-tensors 0.19, so in a venv of its own):
+``python -m venv /tmp/llmc && /tmp/llmc/bin/pip install llmcompressor && /tmp/llmc/bin/pip install --no-deps -e .``
+and run this script with that interpreter (its GPTQ took 113 s on the idle 2-core machine). Its path
+below follows llm-compressor's documented ``oneshot`` + ``GPTQModifier`` API.
 
 The default model's published weights are Q4_1 (asymmetric group-32 RTN reproduces them exactly): a row
 aligned with that grid can look better than it is; int4-g64 (symmetric, groups of 64) is not aligned.
@@ -182,7 +183,8 @@ def main() -> None:
               f"({'measured in this run' if p['measured'] else 'cited from issue 9'}): {p['seconds'] / mine['seconds']:.1f}x faster; "
               f"perplexity {mine['perplexity']:.2f} vs {p['perplexity']:.2f}{paired_note}")
     if not have_peer:
-        print("\nllm-compressor is not installed here (an optional benchmark dependency): its rows are issue 9's figures, not measured in this run.")
+        why = "skipped (--no-peer)" if args.no_peer else "not installed here (an optional benchmark dependency)"
+        print(f"\nllm-compressor {why}: its rows, where shown, are issue 9's figures, not measured in this run.")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "calibration": provenance}, indent=2, sort_keys=True) + "\n")
 
