@@ -80,3 +80,14 @@ def test_a_row_that_reproduces_the_reference_is_flagged_and_others_are_not():
     # a runtime-only row (no quantized matrices) is never flagged
     kv = dataclasses.replace(_row("kv-int8", 17.1, 0.5, 0.2, None, matrices=0))
     assert not any("bit for bit" in n for n in interpret([ref, kv]))
+
+
+def test_ranking_names_the_bits_when_a_row_is_not_4_bit():
+    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    a, b = _row("nf4", 21.5, 26.0, 2.0, 14), _row("int4-g128", 27.7, 62.0, 4.0, 14)
+    assert "4-bit rows from best to worst perplexity: nf4 (21.50) < int4-g128 (27.70)." in interpret([ref, b, a])
+    mixed = dataclasses.replace(_row("q4_k_m", 18.08, 6.0, 0.9, 14), bits_per_weight=5.534)
+    notes = interpret([ref, b, a, mixed])
+    assert not any(n.startswith("4-bit rows") for n in notes)
+    assert ("rows below 6 bits per weight from best to worst perplexity (bits/w): q4_k_m (18.08, 5.53) < "
+            "nf4 (21.50, 4.50) < int4-g128 (27.70, 4.50).") in notes

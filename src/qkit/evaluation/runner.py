@@ -345,8 +345,11 @@ def interpret(rows: list[Row]) -> list[str]:
         else:
             notes.append(f"{r.scheme}: perplexity {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) against the reference, a real difference on these tokens.")
     survivors = sorted((r for r in others if r not in collapsed and r.bits_per_weight < 6), key=lambda r: r.perplexity)
-    if len(survivors) > 1:
+    if len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
         notes.append("4-bit rows from best to worst perplexity: " + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
+    elif len(survivors) > 1:  # a mixed recipe (q4_k_m on 576-wide rows: mostly Q5_0) is not a 4-bit row: say its bits
+        notes.append("rows below 6 bits per weight from best to worst perplexity (bits/w): " + " < ".join(
+            f"{r.scheme} ({r.perplexity:.2f}, {r.bits_per_weight:.2f})" for r in survivors) + ".")
     distinct = [r for r in others if r.mcnemar_p < 0.05]
     if distinct:
         notes.append("battery differences distinguishable from the reference (exact McNemar p < 0.05): "
