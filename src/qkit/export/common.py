@@ -150,6 +150,25 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# A scale dtype the weight dtype holds exactly (every fp16 and bf16 value is an fp32 value).
+EXACT_IN = {
+    torch.float32: {torch.float32, torch.float16, torch.bfloat16},
+    torch.float16: {torch.float16},
+    torch.bfloat16: {torch.bfloat16},
+}
+
+
+def check_scale_in_weight_dtype(plan: ExportPlan, tensor: str, scale_dtype: torch.dtype) -> None:
+    """compressed-tensors stores ``weight_scale`` in the weights' dtype: refuse scales it cannot hold exactly."""
+    wdtype = plan.dtypes.get(tensor, plan.model_dtype)
+    if scale_dtype not in EXACT_IN.get(wdtype, set()):
+        raise ExportError(
+            f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(wdtype)}), which "
+            f"cannot hold {dtype_name(scale_dtype)} scales exactly; quantize with --scale-dtype "
+            f"{ {torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(wdtype, 'fp32') }"
+        )
+
+
 class ExportWriter(ShardWriter):
     """A ``ShardWriter`` that stores each ``QuantizedTensor`` in a format's layout and, on ``close``,
     writes ``qkit-export.json``. Streaming and peak memory are the ``ShardWriter``'s."""

@@ -35,7 +35,7 @@ import torch
 
 from qkit.errors import ExportError
 from qkit.export import compressed_tensors_fp4 as fp4
-from qkit.export.common import ExportPlan, check_linear_targets, dtype_name
+from qkit.export.common import ExportPlan, check_linear_targets, check_scale_in_weight_dtype
 from qkit.granularity import PerGroup, PerRow
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
 from qkit.schemes.packing import pack_nibbles, unpack_nibbles
@@ -44,12 +44,6 @@ NAME = "compressed-tensors"
 STORED = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale")
 # The top-level ``format`` values of the checkpoints this module writes (``qkit verify`` reads these).
 CT_FORMATS = (fp4.INT_FORMAT, *fp4.FORMATS.values(), fp4.MIXED)
-# A scale dtype the weight dtype holds exactly (every fp16 and bf16 value is an fp32 value).
-_EXACT_IN = {
-    torch.float32: {torch.float32, torch.float16, torch.bfloat16},
-    torch.float16: {torch.float16},
-    torch.bfloat16: {torch.bfloat16},
-}
 
 
 def _pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -110,13 +104,7 @@ class CompressedTensorsFormat:
                     f"--format compressed-tensors cannot express {s.name} (one scale per matrix: vLLM's "
                     f"weight-only kernels take channel or group scales); use {row} or int{s.bits}-g64"
                 )
-            wdtype = plan.dtypes.get(tensor, plan.model_dtype)
-            if s.scale_dtype not in _EXACT_IN.get(wdtype, set()):
-                raise ExportError(
-                    f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(wdtype)}), which "
-                    f"cannot hold {dtype_name(s.scale_dtype)} scales exactly; quantize with --scale-dtype "
-                    f"{ {torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(wdtype, 'fp32') }"
-                )
+            check_scale_in_weight_dtype(plan, tensor, s.scale_dtype)
         for name, tensors in sorted(by_scheme.items()):
             s = plan.targets[tensors[0]]
             if fp4.is_fp4(s) or not isinstance(s.granularity, PerGroup):

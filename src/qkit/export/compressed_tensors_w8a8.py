@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from qkit.errors import ExportError, InputError
-from qkit.export.common import ExportPlan, check_linear_targets, dtype_name
+from qkit.export.common import ExportPlan, check_linear_targets, check_scale_in_weight_dtype
 from qkit.granularity import PerRow
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme
 
@@ -52,11 +52,6 @@ _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channe
             "dynamic": False}
 _INPUT = {INT8_TOKEN: {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
                        "dynamic": True}}
-_EXACT_IN = {
-    torch.float32: {torch.float32, torch.float16, torch.bfloat16},
-    torch.float16: {torch.float16},
-    torch.bfloat16: {torch.bfloat16},
-}
 
 
 def check_activations(activations: str) -> str:
@@ -98,13 +93,7 @@ class W8A8Format:
                     f"a W8A8 (--activations {self.activations}) export stores int8 per-channel weights, not "
                     f"{s.name} ({tensor}); quantize with --scheme int8-row (after --method smoothquant for accuracy)"
                 )
-            wdtype = plan.dtypes.get(tensor, plan.model_dtype)
-            if s.scale_dtype not in _EXACT_IN.get(wdtype, set()):
-                raise ExportError(
-                    f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(wdtype)}), which "
-                    f"cannot hold {dtype_name(s.scale_dtype)} scales exactly; quantize with --scale-dtype "
-                    f"{ {torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(wdtype, 'fp32') }"
-                )
+            check_scale_in_weight_dtype(plan, tensor, s.scale_dtype)
 
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         rows, cols = qt.shape
