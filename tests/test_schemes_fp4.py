@@ -34,6 +34,8 @@ from qkit.schemes.fp4 import (
     dequantize_mxfp4,
     dequantize_nvfp4,
     e2m1_codes,
+    e2m1_pack,
+    e2m1_pack_arith,
     mxfp4_exponents,
     pack_fp4,
     quantize_mxfp4,
@@ -651,3 +653,22 @@ def test_default_model_every_matrix_bits_and_oracles(default_model_dir):
             assert torch.equal(b.qweight, r["weight_packed"]) and torch.equal(b.scales, r["weight_scale"].view(torch.uint8))
         seen += 1
     assert seen == 210
+
+
+@pytest.mark.parametrize("ties_to_even", [False, True])
+def test_lookup_rounding_equals_the_integer_rounding_on_every_bucket_edge(ties_to_even):
+    """The table lookup (``e2m1_pack``) against the integer rounding it replaces (``e2m1_pack_arith``):
+    every bucket start of the top 11 bits and its neighbours one and two ulps away, both signs, signed
+    zeros and subnormals, plus a million random finite bit patterns (any magnitude: saturation included)."""
+    starts = torch.arange(2048, dtype=torch.int64) << 21
+    edges = torch.cat([starts + d for d in (-2, -1, 0, 1, 2)]).remainder(2**32)
+    edges = torch.where(edges >= 2**31, edges - 2**32, edges).to(torch.int32)
+    g = torch.Generator().manual_seed(7)
+    random_bits = torch.randint(-2**31, 2**31 - 1, (1_000_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    y = torch.cat([edges, random_bits]).view(torch.float32)
+    y = torch.cat([y[torch.isfinite(y)], torch.tensor([0.0, -0.0, 2.0**-149, -(2.0**-149)])])
+    y = y[: y.numel() // 2 * 2].reshape(1, -1).contiguous()
+    assert (y == 0.25).any() and (y == -0.75).any() and (y == 5.0).any()  # the ties are in the sample
+    fast = e2m1_pack(y, torch.empty(1, y.shape[1] // 2, dtype=torch.uint8), ties_to_even=ties_to_even)
+    slow = e2m1_pack_arith(y, torch.empty(1, y.shape[1] // 2, dtype=torch.uint8), ties_to_even=ties_to_even)
+    assert torch.equal(fast, slow)
