@@ -2,6 +2,7 @@
 
     python benchmarks/build_llama_ref.py                   # fetch + build ggml-base (about 30 s of compiling)
     python benchmarks/build_llama_ref.py --record-golden   # ... and rewrite tests/golden/kquants.json
+    python benchmarks/build_llama_ref.py --tools           # ... and llama-quantize, -perplexity, -tokenize (minutes)
 
 Nothing of llama.cpp is committed to this repository: ``pip download`` fetches the source distribution of
 llama-cpp-python (pinned below; it vendors llama.cpp at a fixed commit) into
@@ -16,6 +17,11 @@ default model when it is in the cache) with the C reference, for q4_k and q6_k a
 the ``gguf`` package and llama.cpp disagree (signed zeros, weights below fp32's normal range), for the
 32-block types, and writes inputs and expected bytes (base64) with the llama.cpp version, compiler and
 this command to ``tests/golden/kquants.json``. The tests then need no compiler.
+
+``--tools`` builds llama.cpp's ``llama-quantize``, ``llama-perplexity`` and ``llama-tokenize`` binaries (Release, static
+libraries, no server/tests/examples, no curl) in a separate directory, ``build-tools`` (so the ggml-base
+build above and the compiler flags recorded with the golden values stay untouched), and writes how long
+the build took to ``build-tools/qkit-build.json``; ``benchmarks/bench_llama_cpp.py`` uses them.
 """
 
 from __future__ import annotations
@@ -24,11 +30,13 @@ import argparse
 import base64
 import ctypes
 import json
+import os
 import platform
 import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +97,56 @@ def build(targets: tuple[str, ...] = ("ggml-base",)) -> Path:
               "-DLLAMA_CURL=OFF", "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"])
     _run(["cmake", "--build", str(out), "--target", *targets, "-j", "2"])
     return lib_path()
+
+
+TOOLS = ("llama-quantize", "llama-perplexity", "llama-tokenize")  # tokenize: the token ids the benchmark scores
+
+
+def tools_dir() -> Path:
+    return ref_dir() / "build-tools"
+
+
+def tool_path(name: str) -> Path:
+    return tools_dir() / "bin" / name
+
+
+def tools_built() -> bool:
+    return all(tool_path(t).exists() for t in TOOLS)
+
+
+def build_tools(jobs: int = 2) -> dict:
+    """Configure and build :data:`TOOLS` into :func:`tools_dir` (static, Release); returns the timing record."""
+    src = fetch()
+    out = tools_dir()
+    cmds = []
+    t0 = time.perf_counter()
+    if not (out / "CMakeCache.txt").exists():
+        cmds.append(["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
+                     "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"])
+        _run(cmds[-1])
+    cmds.append(["cmake", "--build", str(out), "--config", "Release", "--target", *TOOLS, "-j", str(jobs)])
+    _run(cmds[-1])
+    seconds = time.perf_counter() - t0
+    record = {"targets": list(TOOLS), "seconds": round(seconds, 1), "jobs": jobs, "commands": [" ".join(c) for c in cmds],
+              "llama_cpp_commit": commit(), "machine": platform.machine(), "cpu_count": os.cpu_count()}
+    rec = out / "qkit-build.json"
+    # keep the first (from-scratch) build's time; a rebuild with nothing to do records itself separately
+    old = json.loads(rec.read_text()) if rec.exists() else None
+    if old is None or len(cmds) == 2:
+        rec.write_text(json.dumps(record, indent=1) + "\n")
+    else:
+        old["last_rebuild_seconds"] = record["seconds"]
+        rec.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"built {', '.join(TOOLS)} in {seconds:.0f} s ({out / 'bin'})")
+    return record
+
+
+def tools_record() -> dict | None:
+    try:
+        return json.loads((tools_dir() / "qkit-build.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass
@@ -220,7 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--record-golden", action="store_true", help=f"rewrite {GOLDEN.relative_to(ROOT)}")
     p.add_argument("--quantize-tool", action="store_true", help="also build llama-quantize (several minutes)")
+    p.add_argument("--tools", action="store_true",
+                   help="also build llama-quantize, llama-perplexity and llama-tokenize into build-tools/ (several minutes)")
     args = p.parse_args(argv)
+    if args.tools:
+        build_tools()
     build(("ggml-base", "llama-quantize") if args.quantize_tool else ("ggml-base",))
     ref = load()
     assert ref is not None
