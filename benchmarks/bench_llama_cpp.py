@@ -450,7 +450,7 @@ def report(doc: dict, threads: list[int]) -> None:
         roles = ", ".join(f"{r} {'+'.join(f'{k}x{v}' for k, v in t.items())}" for r, t in by["types_llama_qkit"].items())
         print(f"  {n} types (llama/qkit): {roles}")
         if by["other_tensors_differing_type"]:
-            print(f"    other tensors (llama vs qkit): " + ", ".join(
+            print("    other tensors (llama vs qkit): " + ", ".join(
                 f"{k} {v['llama']} vs {v['qkit']}" for k, v in by["other_tensors_differing_type"].items()))
     s = doc["perplexity_setup"]
     print()
