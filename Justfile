@@ -29,3 +29,8 @@ demo:
     qkit eval
     qkit quantize --scheme nf4 -o out/smollm2-nf4 --force
     qkit inspect errors
+
+# llama.cpp's own binaries against qkit's GGUF export (builds llama-quantize/llama-perplexity once, ~8 min).
+bench-llama-cpp:
+    python benchmarks/build_llama_ref.py --tools
+    python benchmarks/bench_llama_cpp.py

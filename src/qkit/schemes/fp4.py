@@ -87,7 +87,7 @@ _THREE_QUARTERS = 0x3F400000  # 0.75
 _HALF_MANTISSA = (1 << 21) - 1  # below half of the 1-bit mantissa's step
 _CODE_OFFSET = 0x3F000000  # bits(1.0) - (2 << 22): so that 1.0 gives code 2
 _INF = 0x7F800000  # bits(inf); NaN's |bits| are larger
-# Elements per chunk of rows: large enough that the ~20 torch calls per chunk cost little next to the
+# Elements per chunk of rows: large enough that the ~10-20 torch calls per chunk cost little next to the
 # arithmetic, small enough that a chunk's int32 temporaries (4 x 1 MiB) stay in cache. Measured on the
 # default model's shapes, one thread: 2**18 about 2x faster than 2**15 or 2**19.
 _CHUNK_ELEMENTS = 1 << 18
