@@ -202,7 +202,7 @@ def e2m1_code_table(ties_to_even: bool, device: torch.device | str = "cpu") -> t
         # bucket 0x7FF (-NaN) is where +0.0 lands (bits - 1 = -1): +0 for both, except that with ties to even
         # -0.0 keeps its sign (code 8), as compressed-tensors' sign rule gives it.
         table[special.reshape(-1)] = 0
-        if ties_to_even:
+        if ties_to_even:  # -0.0 - 1 ulp = 0x7FFFFFFF: bucket 0x3FF; with ties to even -0.0 keeps its sign
             table[0x3FF] = 8
         _LUTS[key] = table.to(device)
     return _LUTS[key]
@@ -220,22 +220,25 @@ def e2m1_pack(y: torch.Tensor, out: torch.Tensor, *, ties_to_even: bool, work: _
     sign) moves exactly the ties into the bucket below:
 
     * ties to the smaller magnitude (gguf's MXFP4): ``code = T[((bits - 1) >> 21) & 0x7FF]``;
-    * ties to even (compressed-tensors' NVFP4): ``c_up = T[(bits >> 21) & 0x7FF]`` rounds ties up,
-      ``c_down = T[((bits - 1) >> 21) & 0x7FF]`` rounds them down; they differ only at a tie, by one step,
-      and the even code of the two is ``c_down + (c_up - c_down) * (c_down & 1)``.
+    * ties to even (compressed-tensors' NVFP4): the ties that round down (0.25 = 1.00b x 2**-2, 1.25, 2.5,
+      5 = 1.01b x 2**e) have their first mantissa bit (bit 22) 0, those that round up (0.75 = 1.10b x 2**-1,
+      1.75, 3.5 = 1.11b x 2**e) have it 1: ``code = T[((bits - 1 + bit22) >> 21) & 0x7FF]``. The other
+      bucket starts with bit 22 clear (0.5, 1, 2, 4, 8, ...) move to the bucket below, whose interior
+      rounds to the same code. -0.0 lands in bucket 0x3FF, which holds code 8 for this rule.
     """
     n = y.numel()
     w = work if work is not None and work.c.numel() >= n else _Work(n, y.device)
     bits = y.reshape(-1).view(torch.int32)
-    idx, codes, other = w.a[:n], w.c[:n], w.d[:n]
+    idx, codes = w.a[:n], w.c[:n]
     table = e2m1_code_table(ties_to_even, y.device)
-    torch.sub(bits, 1, out=idx).bitwise_right_shift_(_LUT_BITS).bitwise_and_(0x7FF)
-    torch.index_select(table, 0, idx, out=codes)  # ties down
-    if ties_to_even:
-        torch.bitwise_right_shift(bits, _LUT_BITS, out=idx).bitwise_and_(0x7FF)
-        torch.index_select(table, 0, idx, out=other)  # ties up
-        other.sub_(codes).mul_(torch.bitwise_and(codes, 1, out=w.m[:n].view(torch.uint8)[:n]))
-        codes.add_(other)
+    if not ties_to_even:
+        torch.sub(bits, 1, out=idx).bitwise_right_shift_(_LUT_BITS).bitwise_and_(0x7FF)
+        torch.index_select(table, 0, idx, out=codes)  # ties down
+    else:
+        # the one-ulp step only where the bucket's first mantissa bit (bit 22) is 0: see the docstring
+        step = torch.bitwise_right_shift(bits, 22, out=w.m[:n]).bitwise_and_(1)
+        torch.add(bits, step, out=idx).sub_(1).bitwise_right_shift_(_LUT_BITS).bitwise_and_(0x7FF)
+        torch.index_select(table, 0, idx, out=codes)
     # Pack: two uint8 codes c0, c1 read as one little-endian int16 v = c0 + 256 c1; v | (v >> 4) has
     # c0 | c1 << 4 in its low byte (c0 < 16), which the conversion to uint8 keeps.
     v = codes.view(torch.int16)
