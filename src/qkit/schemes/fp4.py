@@ -184,12 +184,13 @@ _LUT_BITS = 21  # the low mantissa bits a bucket spans: the top 11 bits (sign, e
 _LUTS: dict[tuple[torch.device, bool], torch.Tensor] = {}
 
 
-def e2m1_code_table(ties_to_even: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+def e2m1_code_table(ties_to_even: bool, device: torch.device | str = "cpu", minus_zero: int | None = None) -> torch.Tensor:
     """uint8 ``[2048]``: the E2M1 code (sign included) of every value strictly inside each bucket of the top
     11 bits of an fp32 (``bits >> 21``), by :func:`e2m1_pack_arith`'s rounding; the buckets of inf and NaN
     hold what the lookup in :func:`e2m1_pack` needs for signed zeros (see there). Cached per device."""
     device = torch.device(device)
-    key = (device, ties_to_even)
+    minus_zero = (8 if ties_to_even else 0) if minus_zero is None else minus_zero
+    key = (device, ties_to_even, minus_zero)
     if key not in _LUTS:
         b = torch.arange(2048, dtype=torch.int64)
         mid = (b << _LUT_BITS) | (1 << (_LUT_BITS - 1))
@@ -202,16 +203,19 @@ def e2m1_code_table(ties_to_even: bool, device: torch.device | str = "cpu") -> t
         # bucket 0x7FF (-NaN) is where +0.0 lands (bits - 1 = -1): +0 for both, except that with ties to even
         # -0.0 keeps its sign (code 8), as compressed-tensors' sign rule gives it.
         table[special.reshape(-1)] = 0
-        if ties_to_even:  # -0.0 - 1 ulp = 0x7FFFFFFF: bucket 0x3FF; with ties to even -0.0 keeps its sign
-            table[0x3FF] = 8
+        table[0x3FF] = minus_zero  # -0.0 - 1 ulp = 0x7FFFFFFF: bucket 0x3FF (ties to even: 8 by the sign rule)
         _LUTS[key] = table.to(device)
     return _LUTS[key]
 
 
-def e2m1_pack(y: torch.Tensor, out: torch.Tensor, *, ties_to_even: bool, work: _Work | None = None) -> torch.Tensor:
+def e2m1_pack(
+    y: torch.Tensor, out: torch.Tensor, *, ties_to_even: bool, work: _Work | None = None, minus_zero: int | None = None
+) -> torch.Tensor:
     """fp32 ``y`` ``[rows, cols]`` (contiguous, finite) rounded to E2M1 and packed into uint8 ``out``
     ``[rows, cols / 2]`` (:func:`pack_fp4` layout); returns ``out``. Exactly :func:`e2m1_pack_arith`
     (rules there; tested over fp32 bit patterns), by table lookup, in about half the passes over the data.
+    ``minus_zero``: the code of an exact -0.0 (default: the rule's, 8 with ties to even, else 0); nvfp4
+    passes 0, compressed-tensors' code for a -0.0 (``torch.sign(-0.0)`` is 0), instead of adding 0.0 first.
 
     Every rounding threshold of E2M1 (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5) has at most 2 mantissa bits, so
     it is the start of a bucket of the top 11 bits of an fp32 (``bits >> 21``: sign, exponent, 2 mantissa
@@ -230,7 +234,7 @@ def e2m1_pack(y: torch.Tensor, out: torch.Tensor, *, ties_to_even: bool, work: _
     w = work if work is not None and work.c.numel() >= n else _Work(n, y.device)
     bits = y.reshape(-1).view(torch.int32)
     idx, codes = w.a[:n], w.c[:n]
-    table = e2m1_code_table(ties_to_even, y.device)
+    table = e2m1_code_table(ties_to_even, y.device, minus_zero)
     if not ties_to_even:
         torch.sub(bits, 1, out=idx).bitwise_right_shift_(_LUT_BITS).bitwise_and_(0x7FF)
         torch.index_select(table, 0, idx, out=codes)  # ties down
@@ -413,26 +417,27 @@ def quantize_nvfp4(
     x = _as_fp32_2d(w)
     rows, cols = x.shape
     nb = cols // NVFP4_BLOCK
+    lo, hi = torch.aminmax(x)  # one read pass: the tensor scale needs max |w| before any block
+    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return None
+    gs = nvfp4_global_scale(torch.maximum(-lo, hi)) if global_scale is None else global_scale.float().reshape(1)
     step = min(rows, _rows_per_chunk(cols))  # buffers no larger than the matrix
     work = _work(step * cols, x.device)
     amax_bits = torch.empty(rows, nb, dtype=torch.int32, device=x.device)
-    for r0 in range(0, rows, step):
-        _block_absmax(x[r0 : r0 + step], NVFP4_BLOCK, work, out=amax_bits[r0 : r0 + step])
-    if bool((amax_bits >= _INF).any()):
-        return None
-    amax = amax_bits.view(torch.float32)
+    s = torch.empty(rows, nb, device=x.device)
     blocks_all = x.view(rows, nb, NVFP4_BLOCK)
-    gs = nvfp4_global_scale(amax.max()) if global_scale is None else global_scale.float().reshape(1)
-    s = nvfp4_block_scales(amax, gs)
-    divisor = (s / gs).unsqueeze(2)  # compressed-tensors: scale = scale / global_scale; x / scale
     qweight = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
     y = work.y[: step * cols].view(step, nb, NVFP4_BLOCK)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        yc = torch.div(blocks_all[r0:r1], divisor[r0:r1], out=y[: r1 - r0])
-        yc.add_(0.0)  # -0.0 + 0.0 = +0.0: compressed-tensors codes a -0.0 weight as +0 (torch.sign(-0.0) is 0)
-        # saturation at 6 is _quantize's clamp(y, -6, 6)
-        e2m1_pack(yc.view(r1 - r0, cols), qweight[r0:r1], ties_to_even=True, work=work)
+        amax = _block_absmax(x[r0:r1], NVFP4_BLOCK, work, out=amax_bits[r0:r1])
+        sc = s[r0:r1]
+        sc.copy_(nvfp4_block_scales(amax, gs))
+        divisor = (sc / gs).unsqueeze(2)  # compressed-tensors: scale = scale / global_scale; x / scale
+        yc = torch.div(blocks_all[r0:r1], divisor, out=y[: r1 - r0])
+        # saturation at 6 is _quantize's clamp(y, -6, 6); a -0.0 (a -0.0 weight, or a negative one that the
+        # division underflows) is +0, as compressed-tensors codes it (torch.sign(-0.0) is 0)
+        e2m1_pack(yc.view(r1 - r0, cols), qweight[r0:r1], ties_to_even=True, work=work, minus_zero=0)
     scale_bits = s.to(torch.float8_e4m3fn).view(torch.uint8)
     return qweight, scale_bits, gs
 
