@@ -405,6 +405,69 @@ def test_llama3_rope_writes_llama_cpps_rope_freqs():
     assert f.shape == (8,) and f[0] == 1.0 and f[-1] == 8.0 and bool(((f >= 1) & (f <= 8)).all())
 
 
+# --------------------------------------------------------------------------- mxfp4 -> llama.cpp's MXFP4
+
+
+def test_mxfp4_parts_convert_to_and_from_llama_cpps_blocks():
+    """qkit's mxfp4 (codes two per byte, E8M0 bytes apart) is gguf's MXFP4 quantizer in another byte order:
+    converted, the bytes are ``gguf.quants.quantize``'s; converted back, qkit's own parts."""
+    from qkit.schemes.fp4 import from_gguf_mxfp4_blocks
+
+    torch.manual_seed(0)
+    s = get_scheme("mxfp4")
+    assert gg.is_ggml(s) and s.ggml_type == T.MXFP4 and gg.scheme_for_type(T.MXFP4) is s
+    w = torch.randn(48, 256) * torch.rand(48, 1) * 4
+    qt = quantize_tensor(w, s)
+    blocks = gg.ggml_blocks(qt)
+    assert blocks.dtype == torch.uint8 and tuple(blocks.shape) == (48, gg.block_bytes(T.MXFP4, 256))
+    assert np.array_equal(blocks.numpy(), gguf.quants.quantize(w.numpy(), T.MXFP4))
+    qweight, exps = from_gguf_mxfp4_blocks(blocks)
+    assert torch.equal(qweight, qt.qweight) and torch.equal(exps, qt.scales)
+    back = gg.FORMAT.decode({"qweight": blocks}, s, torch.float32)
+    assert back.scheme is s and back.shape == (48, 256)
+    assert torch.equal(back.dequantize(torch.float32), qt.dequantize(torch.float32))
+
+
+def test_mxfp4_exports_as_mxfp4_and_verifies(tiny_model_dir, exports):
+    """Every quantized tensor is stored as MXFP4 (the bytes of qkit's codes and exponents, q/k rows permuted),
+    ``general.file_type`` is llama.cpp's MXFP4 ftype, and ``qkit verify`` finds qkit, gguf and transformers
+    bit-identical with the codes recorded at export."""
+    path = exports["mxfp4"]
+    assert _fields(path)["general.file_type"] == gguf.LlamaFileType.MOSTLY_MXFP4_MOE
+    stored, src = _tensors(path), _source(tiny_model_dir)
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    names = gg.tensor_names("llama", 2, list(src), tied=True)
+    quantized = 0
+    for name, w in src.items():
+        t = stored[names[name]]
+        if t.tensor_type != T.MXFP4:
+            assert t.tensor_type == T.F32, name
+            continue
+        qt = quantize_tensor(w, get_scheme("mxfp4"), name=name)
+        blocks = gg.ggml_blocks(qt)
+        heads = gg.permutation_heads("llama", config, name)
+        if heads:
+            blocks = blocks[gg.row_permutation(w.shape[0], heads)]
+        assert np.array_equal(np.array(t.data), blocks.numpy()), name
+        quantized += 1
+    assert quantized == 14
+    r = verify_checkpoint(path, device="cpu")
+    assert r.passed and r.logits_max_abs_diff == 0.0
+    assert r.by_scheme() == {"mxfp4": {"tensors": 14, "identical": 14, "within_tolerance": 14, "max_abs_diff": 0.0,
+                                       "match_export": 14}}
+
+
+def test_refuses_a_width_mxfp4_cannot_take_and_nvfp4(tiny_model_dir, tmp_path):
+    from conftest import make_tiny_llama
+
+    d = tmp_path / "w48"
+    make_tiny_llama(d, hidden=48)
+    msg = _refused(tmp_path, d, "not a multiple of mxfp4's block of 32", scheme="mxfp4")
+    assert "48" in msg and "--exclude" in msg and "nvfp4" not in msg  # GGUF's words: nvfp4 is no GGUF type
+    msg = _refused(tmp_path, tiny_model_dir, "and nvfp4 is not one of them", scheme="nvfp4")
+    assert "mxfp4" in msg
+
+
 # --------------------------------------------------------------------------- refusals
 
 

@@ -22,7 +22,8 @@ against llama.cpp's converter (``convert_hf_to_gguf.py``, split into ``conversio
   shape fastest dimension first (``ne0`` = columns); ``GGUFWriter.add_tensor_info`` reverses numpy's
   order and, for ``uint8`` block bytes with a ``raw_dtype``, turns ``[rows, bytes_per_row]`` into
   ``[rows, cols]`` itself. Quantized weights keep their ggml block type (the scheme's ``ggml_type``;
-  ``qweight`` holds llama.cpp's block bytes row by row). Others: norms and 1-D tensors always F32 (as
+  ``qweight`` holds llama.cpp's block bytes row by row, or the scheme converts its parts to them with
+  ``to_ggml_blocks``: ``mxfp4`` is written as llama.cpp's MXFP4, the same codes and E8M0 exponents). Others: norms and 1-D tensors always F32 (as
   llama.cpp), 2-D tensors in the source's float type (F32, F16 or BF16: exact, never rounded).
 * **The q/k row permutation** (llama only): llama.cpp's rotary kernel pairs dimensions ``(2i, 2i+1)``
   of each head where Hugging Face pairs ``(i, i + d/2)``, so the converter reorders the rows of
@@ -86,15 +87,30 @@ def _gguf():
 
 
 def is_ggml(scheme: Scheme) -> bool:
-    """A scheme whose ``qweight`` holds llama.cpp block bytes (``kind == "ggml"`` and a ``ggml_type``)."""
-    return getattr(scheme, "kind", None) == "ggml" and getattr(scheme, "ggml_type", None) is not None
+    """A scheme GGUF stores as a ggml type: one whose ``qweight`` holds llama.cpp block bytes (``kind == "ggml"``
+    and a ``ggml_type``), or one with a ``ggml_type`` that converts its parts to and from that type's blocks
+    (``to_ggml_blocks(qt) -> uint8 [rows, bytes_per_row]`` and ``from_ggml_blocks(blocks, shape, dtype) ->
+    QuantizedTensor``: ``mxfp4`` -> MXFP4)."""
+    if getattr(scheme, "ggml_type", None) is None:
+        return False
+    if getattr(scheme, "kind", None) == "ggml":
+        return True
+    return callable(getattr(scheme, "to_ggml_blocks", None)) and callable(getattr(scheme, "from_ggml_blocks", None))
+
+
+def ggml_blocks(qt: QuantizedTensor) -> torch.Tensor:
+    """llama.cpp's block bytes of a quantized tensor, uint8 ``[rows, bytes_per_row]`` (a ggml-kind scheme's ``qweight``)."""
+    convert = getattr(qt.scheme, "to_ggml_blocks", None)
+    return convert(qt) if callable(convert) else qt.qweight
 
 
 def ggml_scheme_names() -> list[str]:
-    """The registered schemes GGUF can store, in registry order (for messages)."""
+    """The registered schemes GGUF can store (for messages): llama.cpp's own block schemes in registry order,
+    then those that convert to a ggml type (``mxfp4``)."""
     from qkit.schemes import get_scheme, scheme_names
 
-    return [n for n in scheme_names() if is_ggml(get_scheme(n))]
+    names = [n for n in scheme_names() if is_ggml(get_scheme(n))]
+    return sorted(names, key=lambda n: getattr(get_scheme(n), "kind", None) != "ggml")
 
 
 def scheme_for_type(ggml_type) -> Scheme:
@@ -139,9 +155,15 @@ def file_type(default: dict, resolved: list[Scheme]):
         return by_name[default_name]
     by_type = {T.Q4_0: F.MOSTLY_Q4_0, T.Q4_1: F.MOSTLY_Q4_1, T.Q5_0: F.MOSTLY_Q5_0, T.Q5_1: F.MOSTLY_Q5_1,
                T.Q8_0: F.MOSTLY_Q8_0, T.Q4_K: F.MOSTLY_Q4_K_S, T.Q5_K: F.MOSTLY_Q5_K_S, T.Q6_K: F.MOSTLY_Q6_K,
-               T.Q2_K: F.MOSTLY_Q2_K, T.F16: F.MOSTLY_F16, T.BF16: F.MOSTLY_BF16}
+               T.Q2_K: F.MOSTLY_Q2_K, T.F16: F.MOSTLY_F16, T.BF16: F.MOSTLY_BF16,
+               # llama.cpp has one ftype for MXFP4, MOSTLY_MXFP4_MOE (38: llama-quantize's "MXFP4_MOE", made for
+               # gpt-oss, where it quantizes the expert tensors); it is the only ftype that names MXFP4, and
+               # llama.cpp reads the ftype as a label only (every tensor carries its own type).
+               T.MXFP4: F.MOSTLY_MXFP4_MOE}
     if default.get("ggml_type") in T.__members__ and T[default["ggml_type"]] in by_type:
         return by_type[T[default["ggml_type"]]]
+    if default_name == "mxfp4":  # its manifest entry names no ggml_type
+        return F.MOSTLY_MXFP4_MOE
     counts = Counter(T(int(s.ggml_type)) for s in resolved)
     for t, _ in counts.most_common():
         if t in by_type:
@@ -450,10 +472,14 @@ class GGUFFormat:
         return None
 
     def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
-        """``tensors``: ``{"qweight": uint8 [rows, bytes_per_row]}`` with the q/k permutation already undone."""
+        """``tensors``: ``{"qweight": uint8 [rows, bytes_per_row]}`` (llama.cpp's blocks) with the q/k permutation
+        already undone; a scheme with ``from_ggml_blocks`` turns them into its own parts."""
         q = tensors["qweight"]
         rows = q.shape[0]
         cols = q.shape[1] // _gguf().GGML_QUANT_SIZES[scheme.ggml_type][1] * _gguf().GGML_QUANT_SIZES[scheme.ggml_type][0]
+        convert = getattr(scheme, "from_ggml_blocks", None)
+        if callable(convert):  # a scheme with its own layout (mxfp4): rebuild its parts from the blocks
+            return convert(q.contiguous(), (rows, cols), dtype)
         return QuantizedTensor(scheme, q.contiguous(), torch.empty(0, dtype=scheme.scale_dtype), (rows, cols), dtype)
 
     def quantization_config(self, plan: ExportPlan) -> dict:
@@ -613,15 +639,14 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
                 f"--format gguf keeps norms and 1-D tensors in F32 (llama.cpp reads them only so); "
                 f"{name} cannot be quantized, drop it from --include"
             )
+        if getattr(s, "kind", None) != "ggml":
+            # A converting scheme (mxfp4) has no fallback type for a width it cannot take: refuse here, in GGUF's
+            # words, before its own refusal suggests schemes that GGUF cannot store.
+            _check_block_width(name, shape, s)
         r = _resolved(s, shape, name)
         if not is_ggml(r):
             raise ExportError(f"--format gguf: {s.name} resolves {name} to {r.name}, which is not a ggml type; use another scheme")
-        elems = gguf.GGML_QUANT_SIZES[r.ggml_type][0]
-        if shape[1] % elems:
-            raise ExportError(
-                f"--format gguf: {name} is {shape[1]} wide, not a multiple of {r.name}'s block of {elems} "
-                f"(llama.cpp stores whole blocks in each row); keep it in F32 with --exclude '{name}'"
-            )
+        _check_block_width(name, shape, r)
         resolved.append(r)
         outputs[name] = TensorOut(new, T(int(r.ggml_type)), heads)
     if arch == "llama" and kind == "llama3":
@@ -636,6 +661,16 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
     name = Path(str(config.get("_name_or_path") or "")).name or directory.resolve().name or "model"
     return GGUFExport(FORMAT, plan, manifest, arch=arch, config=config, outputs=outputs, source=source,
                       tokenizer=tokenizer, ftype=ftype, model_name=name)
+
+
+def _check_block_width(name: str, shape: tuple[int, ...], scheme: Scheme) -> None:
+    """Refuse (one line) a row width that is not whole blocks of ``scheme``'s ggml type."""
+    elems = _gguf().GGML_QUANT_SIZES[scheme.ggml_type][0]
+    if shape[1] % elems:
+        raise ExportError(
+            f"--format gguf: {name} is {shape[1]} wide, not a multiple of {scheme.name}'s block of {elems} "
+            f"(llama.cpp stores whole blocks in each row); keep it in F32 with --exclude '{name}'"
+        )
 
 
 def _float_array(t: torch.Tensor, ggml_type) -> np.ndarray:
@@ -685,7 +720,7 @@ class GGUFFileWriter:
         if isinstance(value, QuantizedTensor):
             if not is_ggml(value.scheme) or int(value.scheme.ggml_type) != int(out.ggml_type):
                 raise ExportError(f"{name} was planned as {out.ggml_type.name} but quantized as {value.scheme.name}; re-run")
-            q = value.qweight.detach().to("cpu")
+            q = ggml_blocks(value).detach().to("cpu")
             rows, cols = value.shape
             if q.dtype != torch.uint8 or tuple(q.shape) != (rows, block_bytes(out.ggml_type, cols)):
                 raise ExportError(

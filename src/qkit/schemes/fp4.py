@@ -494,6 +494,31 @@ class MXFP4Scheme:
         return {"name": self.name, "kind": self.kind, "bits": 4, "element": "e2m1", "granularity": "block",
                 "block_size": self.block_size, "scale_dtype": "e8m0", "global_scale": None}
 
+    # GGUF (``qkit.export.gguf``): llama.cpp's GGML type MXFP4 holds exactly these codes and exponents, in
+    # another byte order; the writer stores ``to_ggml_blocks`` and a reader rebuilds the parts with
+    # ``from_ggml_blocks`` (bit for bit: tested against ``gguf.quants``).
+    @property
+    def ggml_type(self) -> Any:
+        """``gguf.GGMLQuantizationType.MXFP4`` (39); ``gguf`` is imported only when asked."""
+        import gguf
+
+        return gguf.GGMLQuantizationType.MXFP4
+
+    def to_ggml_blocks(self, qt: Any) -> torch.Tensor:
+        """A ``QuantizedTensor`` of this scheme -> GGML MXFP4 block bytes, uint8 ``[rows, cols/32 * 17]``."""
+        rows, cols = as_2d(qt.shape)
+        return to_gguf_mxfp4_blocks(qt.qweight.reshape(rows, cols // 2), qt.scales.reshape(rows, -1))
+
+    def from_ggml_blocks(self, blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+        """GGML MXFP4 block bytes ``[rows, cols/32 * 17]`` -> the ``QuantizedTensor`` qkit quantized."""
+        from qkit.schemes.quantized import QuantizedTensor
+
+        rows, cols = as_2d(tuple(shape))
+        qweight, exps = from_gguf_mxfp4_blocks(blocks.reshape(rows, -1))
+        if tuple(qweight.shape) != (rows, cols // 2):
+            raise SchemeError(f"MXFP4 blocks of {list(blocks.shape)} bytes do not hold a {list(shape)} tensor")
+        return QuantizedTensor.from_parts(self, {"qweight": qweight, "scales": exps}, tuple(shape), dtype)
+
 
 @dataclass(frozen=True)
 class NVFP4Scheme:
@@ -547,6 +572,19 @@ def to_gguf_mxfp4_blocks(qweight: torch.Tensor, exps: torch.Tensor) -> torch.Ten
     blocks = codes.view(rows, -1, 2, MXFP4_BLOCK // 2)
     qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).to(torch.uint8)
     return torch.cat((exps.reshape(rows, -1, 1), qs), dim=2).reshape(rows, -1)
+
+
+def from_gguf_mxfp4_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`to_gguf_mxfp4_blocks`: GGML MXFP4 block bytes uint8 ``[rows, nb * 17]`` ->
+    ``(qweight uint8 [rows, nb * 16], exps uint8 [rows, nb])`` in qkit's layout (:func:`pack_fp4`)."""
+    rows = blocks.shape[0]
+    if blocks.dtype != torch.uint8 or blocks.shape[1] % (MXFP4_BLOCK // 2 + 1):
+        raise SchemeError(f"GGML MXFP4 rows are whole 17-byte blocks of uint8; got {blocks.dtype} {list(blocks.shape)}")
+    b = blocks.reshape(rows, -1, MXFP4_BLOCK // 2 + 1)
+    exps = b[:, :, 0].contiguous()
+    qs = b[:, :, 1:]
+    codes = torch.stack((qs & 0x0F, qs >> 4), dim=2)  # [rows, nb, 2, 16]: elements j and j + 16
+    return pack_fp4(codes.reshape(rows, -1)), exps
 
 
 # --------------------------------------------------------------------------- helpers for calibrated methods
