@@ -613,3 +613,46 @@ def test_requantizing_the_published_q4_1_reproduces_llama_cpps_file(default_mode
     r = verify_checkpoint(assets.DEFAULT_MODEL.path, device="cpu")
     assert r.passed and r.logits_max_abs_diff == 0.0 and all(c.matches_export is None for c in r.tensors)
     assert {s: v["tensors"] for s, v in r.by_scheme().items()} == {"q4_1": 210, "q8_0": 1}  # token_embd is Q8_0
+
+
+def test_fast_kv_reader_equals_the_gguf_package(tmp_path):
+    """``read_kv_fields`` (bulk header parse) gives every field's type and value exactly as gguf's reader."""
+    import gguf as g
+
+    from qkit.export.gguf import read_kv_fields
+
+    V = g.GGUFValueType
+    path = tmp_path / "kv.gguf"
+    w = g.GGUFWriter(str(path), "llama")
+    w.add_key_value("t.u8", 7, V.UINT8)
+    w.add_key_value("t.i8", -7, V.INT8)
+    w.add_key_value("t.u16", 65535, V.UINT16)
+    w.add_key_value("t.i16", -300, V.INT16)
+    w.add_key_value("t.u32", 2**32 - 1, V.UINT32)
+    w.add_key_value("t.i32", -(2**31), V.INT32)
+    w.add_key_value("t.u64", 2**64 - 1, V.UINT64)
+    w.add_key_value("t.i64", -(2**63), V.INT64)
+    w.add_key_value("t.f32", 0.1, V.FLOAT32)
+    w.add_key_value("t.f64", 0.1, V.FLOAT64)
+    w.add_key_value("t.bool", True, V.BOOL)
+    w.add_key_value("t.str", "ünïcode", V.STRING)
+    w.add_key_value("t.strs", ["a", "", "\u2581b", "<|im_end|>"], V.ARRAY, sub_type=V.STRING)
+    w.add_key_value("t.ints", [1, -2, 3], V.ARRAY, sub_type=V.INT32)
+    w.add_key_value("t.floats", [0.5, -1.25], V.ARRAY, sub_type=V.FLOAT32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    reader = g.GGUFReader(str(path))
+    fast = {k: (t, v, s) for k, t, v, s in read_kv_fields(path)}
+    real = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # the reader's own header pseudo-fields
+    assert list(fast) == list(real)
+    for key, f in real.items():
+        t, v, s = fast[key]
+        assert t == f.types[0], key
+        if t == V.ARRAY:
+            assert s == f.types[-1]
+            ref = [bytes(f.parts[i]) for i in f.data] if s == V.STRING else [f.parts[i].tolist()[0] for i in f.data]
+        else:
+            ref = bytes(f.parts[-1]) if t == V.STRING else f.parts[-1].tolist()[0]
+        assert v == ref and type(v) is type(ref), key
+    assert fast["t.str"][1] == "ünïcode".encode() and fast["t.u64"][1] == 2**64 - 1 and fast["t.bool"][1] is True
