@@ -67,7 +67,6 @@ undamped ``Xᵀ X``: ``tr(Δ XXᵀ Δᵀ)``), per-layer solve seconds, per-block
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -98,6 +97,7 @@ from qkit.schemes.fp4 import (
 from qkit.schemes.nf4 import nf4_codes, nf4_tables
 from qkit.schemes.packing import pack_nibbles
 from qkit.schemes.registry import AbsmaxScheme, NF4Scheme
+from qkit.threads import one_torch_thread
 
 DEFAULT_DAMPENING = 0.01  # fraction of mean(diag H) added to the diagonal (the reference's percdamp)
 DEFAULT_BLOCK_SIZE = 128  # columns per lazy batch update (the reference's blocksize)
@@ -566,20 +566,6 @@ def _source_dtypes(directory) -> dict[str, torch.dtype]:
     return out
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """Run the column loop on one CPU thread, then restore the count. Its operations touch a few thousand
-    numbers each; with a thread pool every one pays a barrier, which costs milliseconds when the cores
-    are shared with other processes (measured: a 576x1536 solve 1.3 s on one thread, 7.9 s on two, on a
-    busy 2-core machine). The large matmuls (Hessians, forward passes) run outside, on every thread."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def accumulate_gram(H: torch.Tensor, x: torch.Tensor, chunk: int = 256) -> None:
     """``H += xᵀ x`` on and above the diagonal only (``x [n, d]``, ``H [d, d]`` fp32); ``symmetrize(H)``
     completes it. Block rows of ``chunk`` columns: about 60-70 % of a full product's multiply-adds for
@@ -678,7 +664,7 @@ class GPTQMethod:
             scheme = targets[full]
             ts = time.perf_counter()
             W = linear.weight.detach().to(device=XtX.device, dtype=torch.float32)
-            with _one_thread():
+            with one_torch_thread():
                 solved = gptq_solve(W, None, scheme, block_size=options.block_size, prepared=prepared,
                                     scale_rule=options.scale_rule)
             seconds = time.perf_counter() - ts
@@ -702,7 +688,7 @@ class GPTQMethod:
             linear.weight.data.copy_(W_hat.to(linear.weight.device))
 
         def prepare(XtX: torch.Tensor) -> PreparedHessian:
-            with _one_thread():
+            with one_torch_thread():
                 return prepare_hessian(XtX, options.dampening, options.act_order)
 
         def process(i: int, block: torch.nn.Module, inputs) -> list[torch.Tensor] | None:
