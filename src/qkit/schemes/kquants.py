@@ -55,7 +55,6 @@ fallback above), for a dense (not mixture-of-experts) llama/qwen2-family model; 
 
 from __future__ import annotations
 
-import contextlib
 
 import dataclasses
 import re
@@ -303,17 +302,13 @@ CHUNK = 1024  # super-blocks per pass: keeps the [32, sub-blocks] intermediates 
 def in_chunks(encode: Any, x: torch.Tensor, size: int) -> torch.Tensor:
     """``encode`` over ``CHUNK`` super-blocks at a time (every block is independent of the others).
 
-    On the CPU with torch's intra-op pool at one thread: the search is thousands of small operations,
-    which a multi-threaded pool slows down (measured on the default model with 2 threads: a q4_k GGUF
-    export 4.9 s with the pool, 2.9-3.1 s on one thread; Python threads over the chunks gained nothing,
-    the operations being too small to leave the GIL for long)."""
-    from qkit.threads import one_torch_thread
-
+    (Tried and measured, not kept: the search under a one-thread torch pool, or with Python threads over
+    the chunks, was no faster with 2 threads on the default model: a q4_k GGUF export 3.0-3.4 s either
+    way; the operations are too small to leave the GIL for long.)"""
     check_finite(*torch.aminmax(x))
     out = torch.empty(x.shape[0], size, dtype=torch.uint8, device=x.device)
-    with one_torch_thread() if x.device.type == "cpu" else contextlib.nullcontext():
-        for i in range(0, x.shape[0], CHUNK):
-            out[i : i + CHUNK] = encode(x[i : i + CHUNK])
+    for i in range(0, x.shape[0], CHUNK):
+        out[i : i + CHUNK] = encode(x[i : i + CHUNK])
     return out
 
 
