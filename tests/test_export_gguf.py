@@ -656,3 +656,31 @@ def test_fast_kv_reader_equals_the_gguf_package(tmp_path):
             ref = bytes(f.parts[-1]) if t == V.STRING else f.parts[-1].tolist()[0]
         assert v == ref and type(v) is type(ref), key
     assert fast["t.str"][1] == "ünïcode".encode() and fast["t.u64"][1] == 2**64 - 1 and fast["t.bool"][1] is True
+
+
+def test_fast_kv_reader_refuses_bad_files_in_one_line(tmp_path):
+    import gguf as g
+
+    from qkit.export.gguf import read_kv_fields
+
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(40))
+    with pytest.raises(ExportError, match="is not a GGUF file"):
+        read_kv_fields(not_gguf)
+    good = tmp_path / "kv.gguf"
+    w = g.GGUFWriter(str(good), "llama")
+    w.add_key_value("t.strs", ["token"] * 1000, g.GGUFValueType.ARRAY, sub_type=g.GGUFValueType.STRING)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ExportError, match="truncated GGUF metadata") as err:
+        read_kv_fields(cut)
+    assert "\n" not in str(err.value)
+    bad_key = tmp_path / "badkey.gguf"
+    i = data.index(b"general.architecture")
+    bad_key.write_bytes(data[:i] + b"\xff" + data[i + 1 :])
+    with pytest.raises(ExportError, match="not UTF-8"):
+        read_kv_fields(bad_key)

@@ -346,7 +346,11 @@ def _parse_kv(buf: memoryview, n_kv: int) -> list[tuple[str, int, Any, int | Non
         return bytes(buf[start:pos])
 
     for _ in range(n_kv):
-        key = string().decode("utf-8")
+        raw = string()
+        try:
+            key = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ExportError(f"a GGUF metadata key is not UTF-8 ({raw[:40]!r}); the file is corrupt") from None
         (vtype,) = struct.unpack_from("<I", buf, pos)
         pos += 4
         if vtype == 8:

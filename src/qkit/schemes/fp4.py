@@ -181,7 +181,7 @@ def e2m1_pack_arith(y: torch.Tensor, out: torch.Tensor, *, ties_to_even: bool, w
 
 
 _LUT_BITS = 21  # the low mantissa bits a bucket spans: the top 11 bits (sign, exponent, 2 mantissa bits) index it
-_LUTS: dict[tuple[torch.device, bool], torch.Tensor] = {}
+_LUTS: dict[tuple[torch.device, bool, int], torch.Tensor] = {}
 
 
 def e2m1_code_table(ties_to_even: bool, device: torch.device | str = "cpu", minus_zero: int | None = None) -> torch.Tensor:
@@ -280,7 +280,7 @@ _PAIR_TABLES: dict[torch.device, torch.Tensor] = {}
 def _pair_table(device: torch.device) -> torch.Tensor:
     """fp32 ``[256, 2]``: the two E2M1 values (low nibble, high nibble) of every byte (cached per device)."""
     if device not in _PAIR_TABLES:
-        values = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+        values = e2m1_table()
         byte = torch.arange(256)
         _PAIR_TABLES[device] = torch.stack((values[byte & 15], values[byte >> 4]), dim=1).to(device)
     return _PAIR_TABLES[device]
@@ -371,7 +371,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         e = mxfp4_exponents(amax)  # garbage for a non-finite block: refused after the loop
         exps[r0:r1] = e
         # 1 / 2**(e - 127) = 2**(127 - e): fp32 exponent field 254 - e, normal since e <= 252 (a < 2**128).
-        inverse = ((2 * E8M0_BIAS - e) << 23).view(torch.float32).unsqueeze(2)
+        inverse = e8m0_reciprocals(e).unsqueeze(2)
         yc = torch.mul(x[r0:r1].view(r1 - r0, nb, MXFP4_BLOCK), inverse, out=y[: r1 - r0])  # exact: a power-of-two rescale
         e2m1_pack(yc.view(r1 - r0, cols), qweight[r0:r1], ties_to_even=False, work=work)
     if bool((amax_bits >= _INF).any()):
