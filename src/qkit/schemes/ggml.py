@@ -33,6 +33,10 @@ out-of-range float to an integer (only in blocks whose ``d`` is below fp32's nor
 under about 1e-37), qkit reproduces what that conversion does on x86-64 (``cvttss2si``: the code of a
 block whose ``1/d`` overflows is 0); such blocks dequantize to zeros either way.
 
+On CPU the encoders run as one compiled pass per block (:func:`compiled`, :mod:`qkit.schemes.kernels`);
+the torch encoders below are its oracle and handle what it hands back (NaN / inf weights, fp16
+overflow, scales below fp32's normal range).
+
 A row width that is not a multiple of 32 is refused (``resolve`` raises ``SchemeError``); llama.cpp's
 quantizer would store such a tensor as F16. Weights with NaN or inf are refused by ``encode``
 (``NonFiniteWeightError``) because the scales are inside the blocks, where ``quantize_tensor``'s scale
@@ -50,6 +54,7 @@ import numpy as np
 import torch
 
 from qkit.errors import NonFiniteWeightError, SchemeError
+from qkit.schemes import kernels
 from qkit.schemes.registry import as_2d, register
 
 T = gguf.GGMLQuantizationType
@@ -396,7 +401,42 @@ def decode_q5_1(b: torch.Tensor) -> torch.Tensor:
     return (read_fp16(b, 0) * _with_high_bit(b[:, 4:8], b[:, 8:]).float()) + read_fp16(b, 2)
 
 
-_ENCODERS: dict[Any, Any] = {T.Q8_0: encode_q8_0, T.Q4_0: encode_q4_0, T.Q4_1: encode_q4_1, T.Q5_0: encode_q5_0, T.Q5_1: encode_q5_1}
+def compiled(kind: str, size: int, encode: Any) -> Any:
+    """``encode`` (the torch encoder above, the oracle) run by the compiled kernel where it takes the tensor
+    (:mod:`qkit.schemes.kernels`, same bytes): the kernel writes the codes and returns ``d`` (and ``min``)
+    in fp32, converted to fp16 here as the torch encoders do. A tensor with a NaN / inf weight or a scale
+    beyond fp16 goes back to ``encode``, which refuses it with its own message; blocks whose ``d`` is below
+    fp32's normal range (weights under ~1e-37) are re-encoded by ``encode``, the only code that reproduces
+    the C casts there."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not kernels.available(x) or x.shape[0] == 0:
+            return encode(x)
+        out, d, m, flags = kernels.blocks32(x, kind, size)
+        h = d.to(torch.float16)
+        mins = m.to(torch.float16) if kind in ("q4_1", "q5_1") else None
+        if bool((flags == 2).any()) or not bool(torch.isfinite(h).all()) or (mins is not None and not bool(torch.isfinite(mins).all())):
+            return encode(x)
+        out[:, :2] = fp16_bytes(h)
+        if mins is not None:
+            out[:, 2:4] = fp16_bytes(mins)
+        if bool(flags.any()):
+            rows = flags.nonzero().squeeze(1)
+            out[rows] = encode(x.index_select(0, rows))
+        return out
+
+    run.__name__ = run.__qualname__ = encode.__name__
+    run.__doc__ = encode.__doc__
+    return run
+
+
+_ENCODERS: dict[Any, Any] = {
+    T.Q8_0: compiled("q8_0", 34, encode_q8_0),
+    T.Q4_0: compiled("q4_0", 18, encode_q4_0),
+    T.Q4_1: compiled("q4_1", 20, encode_q4_1),
+    T.Q5_0: compiled("q5_0", 22, encode_q5_0),
+    T.Q5_1: compiled("q5_1", 24, encode_q5_1),
+}
 _DECODERS: dict[Any, Any] = {T.Q8_0: decode_q8_0, T.Q4_0: decode_q4_0, T.Q4_1: decode_q4_1, T.Q5_0: decode_q5_0, T.Q5_1: decode_q5_1}
 
 

@@ -1,0 +1,356 @@
+"""The numba code of :mod:`qkit.schemes.kernels` (imported on first use: numba costs ~0.2 s to import).
+
+Read :mod:`qkit.schemes.kernels` first: what the kernels compute, and why they are exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+LANES = 64  # sub-blocks per tile: 64 fp32 lanes = 4 AVX-512 / 8 AVX2 vectors per C statement
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: nearest_int's constant
+_EPS = np.float32(1e-15)  # GROUP_MAX_EPS
+# (rmin + rdelta*is + nmax) of make_qkx2_quants(32, 15, ..., -1.f, 0.1f, 20): each step rounded to fp32
+QKX2_STEPS = np.array(
+    [np.float32(np.float32(-1.0) + np.float32(0.1) * np.float32(i)) + np.float32(15) for i in range(21)], dtype=np.float32
+)
+# -(nmax + 0.1f*is) of make_qx_quants(16, 32, ...), is = -9..9 without 0
+QX_STEPS = np.array([-(np.float32(32) + np.float32(0.1) * np.float32(i)) for i in range(-9, 10) if i != 0], dtype=np.float32)
+
+_compiled = njit(nogil=True, cache=True, error_model="numpy")
+_inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
+
+@_inline
+def _codes(X, iscale, shift, lo, hi, out):  # noqa: ANN001 - numba
+    """``out = clamp(nearest_int(iscale * (X - shift)), lo, hi)`` per lane."""
+    for i in range(X.shape[0] // LANES):
+        b = i * LANES
+        for k in range(LANES):
+            v = (iscale[k] * (X[b + k] - shift[k]) + _MAGIC) - _MAGIC
+            v = lo if v < lo else v
+            out[b + k] = hi if v > hi else v
+
+@_inline
+def _qkx2_sums(X, W, iscale, shift, hi, S):  # noqa: ANN001
+    """Codes of one candidate and their sums ``sum w*l``, ``sum w*l*l``, ``sum w*l*x`` (C order)."""
+    for k in range(3 * LANES):
+        S[k] = _F0
+    for i in range(X.shape[0] // LANES):
+        b = i * LANES
+        for k in range(LANES):
+            x = X[b + k]
+            v = (iscale[k] * (x - shift[k]) + _MAGIC) - _MAGIC
+            v = _F0 if v < _F0 else v
+            v = hi if v > hi else v
+            wl = W[b + k] * v
+            S[k] += wl
+            S[LANES + k] += wl * v
+            S[2 * LANES + k] += wl * x
+
+@_inline
+def _qkx2_error(X, W, iscale, shift, hi, a, m, E):  # noqa: ANN001
+    """``sum w * (a*l + m - x)**2`` per lane, the codes recomputed from ``iscale``/``shift``."""
+    for k in range(LANES):
+        E[k] = _F0
+    for i in range(X.shape[0] // LANES):
+        b = i * LANES
+        for k in range(LANES):
+            x = X[b + k]
+            v = (iscale[k] * (x - shift[k]) + _MAGIC) - _MAGIC
+            v = _F0 if v < _F0 else v
+            v = hi if v > hi else v
+            d = a[k] * v + m[k] - x
+            E[k] += W[b + k] * (d * d)
+
+@_compiled
+def _qkx2_tile(X, W, La, V, n, nmax, q4_k_weights):  # noqa: ANN001
+    """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, -1, 0.1, 20, false)`` on ``LANES``
+    sub-blocks at once. In: ``X`` (element-major tile), ``W`` (its weights; with ``q4_k_weights``
+    computed here as ``quantize_row_q4_K_ref`` does). Out: ``V[5]`` scale, ``V[0]`` min (negated by
+    the caller), ``La`` the codes. A sub-block with ``max == min`` gets scale ``1/inf = 0``, codes 0
+    and no candidate (``D = 0``): the C code's early return, without a branch."""
+    hi = np.float32(nmax)
+    mn, mx, sum_w, sum_x, isc, scale = V[0], V[1], V[2], V[3], V[4], V[5]
+    best_is, best_sh, best_err, ts, tm, ce, dd = V[6], V[7], V[8], V[9], V[10], V[11], V[12]
+    S = V[13:16].ravel()
+    if q4_k_weights:  # q4_k's importance weights: av_x = sqrtf(sum x*x / 32), w = av_x + |x|
+        for k in range(LANES):
+            ce[k] = _F0
+        for i in range(n):
+            b = i * LANES
+            for k in range(LANES):
+                ce[k] += X[b + k] * X[b + k]
+        for k in range(LANES):
+            ce[k] = np.sqrt(ce[k] / np.float32(n))
+        for i in range(n):
+            b = i * LANES
+            for k in range(LANES):
+                W[b + k] = ce[k] + abs(X[b + k])
+    for k in range(LANES):
+        x0, w0 = X[k], W[k]
+        mn[k] = x0
+        mx[k] = x0
+        sum_w[k] = w0
+        sum_x[k] = w0 * x0
+    for i in range(1, n):
+        b = i * LANES
+        for k in range(LANES):
+            x = X[b + k]
+            mn[k] = x if x < mn[k] else mn[k]
+            mx[k] = x if x > mx[k] else mx[k]
+        for k in range(LANES):
+            sum_w[k] += W[b + k]
+            sum_x[k] += W[b + k] * X[b + k]
+    for k in range(LANES):
+        if mn[k] > _F0:
+            mn[k] = _F0
+        v = hi / (mx[k] - mn[k])
+        scale[k] = _F1 / v
+        v = v if np.isfinite(v) else _F0
+        isc[k] = v
+        best_is[k] = v
+        best_sh[k] = mn[k]
+    _qkx2_error(X, W, isc, mn, hi, scale, mn, best_err)
+    for c in QKX2_STEPS:
+        for k in range(LANES):
+            v = c / (mx[k] - mn[k])
+            isc[k] = v if np.isfinite(v) else _F0
+        _qkx2_sums(X, W, isc, mn, hi, S)
+        for k in range(LANES):
+            sl, sl2, sxl = S[k], S[LANES + k], S[2 * LANES + k]
+            D = sum_w[k] * sl2 - sl * sl
+            a = (sum_w[k] * sxl - sum_x[k] * sl) / D
+            m = (sl2 * sum_x[k] - sl * sxl) / D
+            if m > _F0:
+                m = _F0
+                a = sxl / sl2
+            ts[k] = a
+            tm[k] = m
+            dd[k] = D
+        _qkx2_error(X, W, isc, mn, hi, ts, tm, ce)
+        for k in range(LANES):
+            if dd[k] > _F0 and ce[k] < best_err[k]:
+                best_err[k] = ce[k]
+                scale[k] = ts[k]
+                best_is[k] = isc[k]
+                best_sh[k] = mn[k]
+                mn[k] = tm[k]
+    _codes(X, best_is, best_sh, _F0, hi, La)
+
+@_compiled
+def _qx_tile(X, La, V, n, nmax):  # noqa: ANN001
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on ``LANES`` sub-blocks: ``V[2]`` the scale,
+    ``La`` the stored codes ``l + nmax`` (0 for an all-zero sub-block)."""
+    amax, mx, scale, best, isc, best_is, sumlx, suml2 = V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7]
+    lo, hi = np.float32(-nmax), np.float32(nmax - 1)
+    for k in range(LANES):
+        amax[k] = _F0
+        mx[k] = _F0
+    for i in range(n):
+        b = i * LANES
+        for k in range(LANES):
+            x = X[b + k]
+            ax = abs(x)
+            big = ax > amax[k]
+            amax[k] = ax if big else amax[k]
+            mx[k] = x if big else mx[k]
+    for si in range(-1, QX_STEPS.shape[0]):
+        for k in range(LANES):
+            v = (np.float32(-nmax) if si < 0 else QX_STEPS[si]) / mx[k]
+            isc[k] = v if np.isfinite(v) else _F0
+            sumlx[k] = _F0
+            suml2[k] = _F0
+        for i in range(n):
+            b = i * LANES
+            for k in range(LANES):
+                x = X[b + k]
+                v = (isc[k] * x + _MAGIC) - _MAGIC
+                v = lo if v < lo else v
+                v = hi if v > hi else v
+                w = x * x
+                sumlx[k] += w * x * v
+                suml2[k] += w * v * v
+        if si < 0:
+            for k in range(LANES):
+                scale[k] = sumlx[k] / suml2[k] if suml2[k] != _F0 else _F0
+                best[k] = scale[k] * sumlx[k]
+                best_is[k] = isc[k]
+        else:
+            for k in range(LANES):
+                if suml2[k] > _F0 and sumlx[k] * sumlx[k] > best[k] * suml2[k]:
+                    scale[k] = sumlx[k] / suml2[k]
+                    best[k] = scale[k] * sumlx[k]
+                    best_is[k] = isc[k]
+    for i in range(n):
+        b = i * LANES
+        for k in range(LANES):
+            v = (best_is[k] * X[b + k] + _MAGIC) - _MAGIC
+            v = lo if v < lo else v
+            v = hi if v > hi else v
+            La[b + k] = (v + np.float32(nmax)) if amax[k] >= _EPS else _F0
+    for k in range(LANES):
+        if amax[k] < _EPS:
+            scale[k] = _F0
+
+@_compiled
+def _run_qkx2(x, w, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
+    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]`` (rows; ``w`` like ``x``, or empty for q4_k's weights)."""
+    n = x.shape[1]
+    X = np.zeros(n * LANES, np.float32)
+    W = np.zeros(n * LANES, np.float32)
+    La = np.empty(n * LANES, np.float32)
+    V = np.empty((16, LANES), np.float32)
+    for s0 in range(lo, hi, LANES):
+        t = min(LANES, hi - s0)
+        for k in range(LANES):
+            for i in range(n):
+                X[i * LANES + k] = x[s0 + k, i] if k < t else _F0
+        if w.shape[0]:
+            for k in range(LANES):
+                for i in range(n):
+                    W[i * LANES + k] = w[s0 + k, i] if k < t else _F0
+        _qkx2_tile(X, W, La, V, n, nmax, w.shape[0] == 0)
+        for k in range(t):
+            scale[s0 + k] = V[5, k]
+            the_min[s0 + k] = -V[0, k]
+            for i in range(n):
+                L[s0 + k, i] = np.uint8(La[i * LANES + k])
+
+@_compiled
+def _run_qx(x, lo, hi, nmax, scale, L):  # noqa: ANN001
+    n = x.shape[1]
+    X = np.zeros(n * LANES, np.float32)
+    La = np.empty(n * LANES, np.float32)
+    V = np.empty((8, LANES), np.float32)
+    for s0 in range(lo, hi, LANES):
+        t = min(LANES, hi - s0)
+        for k in range(LANES):
+            for i in range(n):
+                X[i * LANES + k] = x[s0 + k, i] if k < t else _F0
+        _qx_tile(X, La, V, n, nmax)
+        for k in range(t):
+            scale[s0 + k] = V[2, k]
+            for i in range(n):
+                L[s0 + k, i] = np.uint8(La[i * LANES + k])
+
+
+
+# --------------------------------------------------------------------------- llama.cpp's 32-element blocks
+
+Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 = 0, 1, 2, 3, 4  # ``kind`` of _run_blocks32
+_ABS = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)
+_FLT_MIN_BITS = np.int32(0x00800000)  # bits of 2**-126, the smallest normal fp32
+_HALF_BELOW = np.float32(np.nextafter(np.float32(0.5), np.float32(0)))  # roundf(v) = trunc(v + copysign(this, v))
+
+
+@_inline
+def _key(bits):  # noqa: ANN001
+    """A signed int32 ordered as the fp32 values of ``bits`` (``-0`` just below ``+0``); its own inverse."""
+    return bits ^ ((bits >> 31) & _ABS)
+
+
+@_compiled
+def _run_blocks32(x, xi, lo, hi, kind, out, d_out, m_out, flags):  # noqa: ANN001
+    """Blocks ``lo..hi`` of ``x`` ``[nb, 32]`` (``xi`` its int32 view) -> codes into ``out[:, header:]``,
+    the fp32 ``d`` (and ``min`` of q4_1/q5_1) into ``d_out`` / ``m_out``; the caller writes them as fp16.
+
+    The extremes are integer reductions over the fp32 bits (exact, vectorised without reordering any
+    float operation): ``max |x|`` over ``bits & 0x7fffffff``, signed max / min over :func:`_key`; where
+    the C loops' answer depends on the order (a ``+a`` / ``-a`` tie for q4_0 / q5_0's first element of
+    largest magnitude, a zero extreme's sign for q4_1 / q5_1) the block is scanned in order. Then the C
+    statements per block, in fp32. ``flags[b]``: 2 for a block holding NaN or inf, 1 for a ``d`` below
+    fp32's normal range (``x/d`` unbounded there); the caller re-encodes those blocks with the torch code.
+    """
+    one = np.empty(1, np.int32)
+    onef = one.view(np.float32)
+    for b in range(lo, hi):
+        amax = np.int32(0)
+        kmax = np.int32(-(2**31))
+        kmin = np.int32(2**31 - 1)
+        for j in range(32):
+            bits = xi[b, j]
+            a = bits & _ABS
+            amax = a if a > amax else amax
+            k = _key(bits)
+            kmax = k if k > kmax else kmax
+            kmin = k if k < kmin else kmin
+        flags[b] = 0
+        if amax >= _INF_BITS:
+            flags[b] = 2
+            continue
+        if kind >= Q4_1:  # first_extremes: min / max as the C loop from x[0] finds them
+            one[0] = _key(kmin)
+            mn = onef[0]
+            one[0] = _key(kmax)
+            mx = onef[0]
+            if mn == _F0 or mx == _F0:  # a zero extreme: the sign of the first zero
+                for j in range(32):
+                    if x[b, j] == _F0:
+                        z = x[b, j]
+                        mn = z if mn == _F0 else mn
+                        mx = z if mx == _F0 else mx
+                        break
+            d = (mx - mn) / np.float32(15 if kind == Q4_1 else 31)
+            m_out[b] = mn
+        else:
+            one[0] = amax
+            fa = onef[0]
+            if kind == Q8_0:
+                d = fa / np.float32(127)
+                mn = _F0
+            else:  # the first element of largest magnitude, signed (+0 for a block of zeros)
+                neg = _key(amax | np.int32(-(2**31)))
+                sm = fa
+                if amax != 0 and kmax == amax and kmin == neg:
+                    for j in range(32):
+                        if (xi[b, j] & _ABS) == amax:
+                            sm = x[b, j]
+                            break
+                elif amax != 0 and kmin == neg:
+                    sm = -fa
+                d = sm / np.float32(-8 if kind == Q4_0 else -16)
+                mn = _F0
+        d_out[b] = d
+        ad = abs(d)
+        if ad != _F0 and ad < np.float32(2.0**-126):
+            flags[b] = 1
+            continue
+        idv = _F1 / d if d != _F0 else _F0
+        if kind == Q8_0:
+            for j in range(32):
+                v = x[b, j] * idv
+                s = _HALF_BELOW if v >= _F0 else -_HALF_BELOW
+                out[b, 2 + j] = np.uint8(np.int32(v + s) & 0xFF)
+        elif kind == Q4_0 or kind == Q5_0:
+            off = np.float32(8.5) if kind == Q4_0 else np.float32(16.5)
+            cap = 15 if kind == Q4_0 else 31
+            qh = np.uint32(0)
+            for j in range(16):
+                q0 = min(cap, np.int32(x[b, j] * idv + off))
+                q1 = min(cap, np.int32(x[b, j + 16] * idv + off))
+                if kind == Q4_0:
+                    out[b, 2 + j] = np.uint8(q0 | (q1 << 4))
+                else:
+                    out[b, 6 + j] = np.uint8((q0 & 15) | ((q1 & 15) << 4))
+                    qh |= np.uint32(((q0 >> 4) & 1) << j) | np.uint32(((q1 >> 4) & 1) << (j + 16))
+            if kind == Q5_0:
+                for t in range(4):
+                    out[b, 2 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))
+        else:
+            qh = np.uint32(0)
+            cap = 15 if kind == Q4_1 else 255
+            for j in range(16):
+                q0 = min(cap, np.int32((x[b, j] - mn) * idv + np.float32(0.5)))
+                q1 = min(cap, np.int32((x[b, j + 16] - mn) * idv + np.float32(0.5)))
+                if kind == Q4_1:
+                    out[b, 4 + j] = np.uint8(q0 | (q1 << 4))
+                else:
+                    out[b, 8 + j] = np.uint8((q0 & 15) | ((q1 & 15) << 4))
+                    qh |= np.uint32(((q0 >> 4) & 1) << j) | np.uint32(((q1 >> 4) & 1) << (j + 16))
+            if kind == Q5_1:
+                for t in range(4):
+                    out[b, 4 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))

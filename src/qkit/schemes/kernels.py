@@ -1,0 +1,122 @@
+"""Compiled CPU kernels (numba) for the k-quants' scale searches, bit-exact with the torch code they replace.
+
+``make_qkx2_quants`` (q4_k) and ``make_qx_quants`` (q6_k) try 21 / 19 candidate scales per sub-block and
+keep the best, each candidate a pass of rounding and *sequential* fp32 sums over the sub-block (the C
+loops add in order; any other order rounds differently). In torch that is ~40 tensor operations per
+candidate over multi-megabyte intermediates, memory-bound; the C reference runs it one sub-block at a
+time, scalar. These kernels run the C loops *across* sub-blocks instead: a tile of ``LANES`` sub-blocks
+is laid out element-major (element ``i`` of sub-block ``k`` at ``i * LANES + k``), so every C statement
+becomes one loop over the lanes that LLVM vectorises (AVX2 / AVX-512) without reordering any sum: each
+lane still adds its own terms in the C order. No fast-math: no FMA contraction, no reassociation, IEEE
+division and square root, so the results are the C code's, bit for bit (``tests/test_schemes_kquants.py``
+compares them with the torch path and with llama.cpp's recorded and built bytes).
+
+Rounding is the C ``nearest_int``: ``(v + 12582912.f) - 12582912.f`` is round-half-to-even for the
+bounded ``|v| < 2**22`` it gets (codes of at most ~17 before clamping); an inverse scale that overflows
+(a sub-block narrower than about 4e-38) is replaced by 0 before rounding, giving code 0, as the C trick
+gives for inf and NaN.
+
+Threads: the sub-blocks are split into one contiguous range per torch thread (``torch.get_num_threads()``,
+which ``--threads`` sets); the kernels release the GIL. Compiled on first use and cached on disk
+(numba's ``cache=True``); where numba is not installed, or the tensor is not on the CPU, the callers
+use the torch code (``available()``).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+
+_STATE: dict[str, Any] = {"on": os.environ.get("QKIT_KERNELS", "numba") != "torch", "jit": None}
+
+
+def _jit() -> ModuleType | None:
+    """The compiled module, imported once; ``None`` (torch code) where numba cannot be imported."""
+    if _STATE["jit"] is None:
+        try:
+            from qkit.schemes import _kernels_jit
+        except ImportError:  # numba is a dependency; this keeps a broken install usable, on the torch path
+            _STATE["on"] = False
+            return None
+        _STATE["jit"] = _kernels_jit
+    return _STATE["jit"]
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether the compiled kernels take ``x``: a CPU tensor, numba importable, not disabled (by
+    ``QKIT_KERNELS=torch`` in the environment or :func:`set_enabled`)."""
+    return bool(_STATE["on"]) and x.device.type == "cpu" and _jit() is not None
+
+
+def set_enabled(on: bool) -> bool:
+    """Turn the kernels on or off for this process (tests compare both paths); returns the old state."""
+    old = bool(_STATE["on"])
+    _STATE["on"] = bool(on)
+    return old
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _split(run, S: int) -> None:  # noqa: ANN001
+    """``run(lo, hi)`` over ``[0, S)`` in one contiguous range per torch thread (GIL released)."""
+    threads = max(1, min(torch.get_num_threads(), S // 256))
+    if threads == 1:
+        run(0, S)
+        return
+    if not _POOL or _POOL[0]._max_workers < threads:  # noqa: SLF001
+        _POOL[:] = [ThreadPoolExecutor(max_workers=threads, thread_name_prefix="qkit-kernel")]
+    step = -(-S // threads // 64) * 64  # whole tiles of the kernels' 64 lanes
+    jobs = [_POOL[0].submit(run, lo, min(S, lo + step)) for lo in range(0, S, step)]
+    for j in jobs:
+        j.result()
+
+
+def qkx2(x: torch.Tensor, w: torch.Tensor | None, nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_qkx2_quants`` on every row of ``x`` ``[S, n]`` fp32 (a sub-block a row) with weights ``w``
+    (same shape), or ``w=None`` for q4_k's ``av_x + |x|``. Returns ``(scale [S], the_min [S], L [S, n]
+    uint8)``, as :func:`qkit.schemes.kquants.make_qkx2_quants` (which is the oracle in the tests)."""
+    S, n = x.shape
+    xn = x.contiguous().numpy()
+    wn = np.empty((0, n), np.float32) if w is None else w.contiguous().numpy()
+    scale, the_min = np.empty(S, np.float32), np.empty(S, np.float32)
+    L = np.empty((S, n), np.uint8)
+    _split(lambda lo, hi: _jit()._run_qkx2(xn, wn, lo, hi, nmax, scale, the_min, L), S)
+    return torch.from_numpy(scale), torch.from_numpy(the_min), torch.from_numpy(L)
+
+
+def qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qx_quants(n, nmax, x, L, 1, NULL)`` on every row of ``x`` ``[S, n]`` fp32: ``(scale [S],
+    L [S, n] uint8)``, the stored codes ``l + nmax`` (0 for an all-zero row), as
+    :func:`qkit.schemes.kquants.make_qx_quants`."""
+    S, n = x.shape
+    xn = x.contiguous().numpy()
+    scale = np.empty(S, np.float32)
+    L = np.empty((S, n), np.uint8)
+    _split(lambda lo, hi: _jit()._run_qx(xn, lo, hi, nmax, scale, L), S)
+    return torch.from_numpy(scale), torch.from_numpy(L)
+
+
+BLOCK32_KINDS = {"q8_0": 0, "q4_0": 1, "q5_0": 2, "q4_1": 3, "q5_1": 4}
+
+
+def blocks32(x: torch.Tensor, kind: str, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's ``quantize_row_<kind>_ref`` on every row of ``x`` ``[nb, 32]`` fp32, except the fp16
+    header: ``(blocks uint8 [nb, size] with the codes written after the header, d fp32 [nb], min fp32 [nb]
+    (q4_1 / q5_1), flags uint8 [nb])``; ``flags`` 2 marks a block with NaN or inf, 1 a ``d`` below fp32's
+    normal range: their bytes are not written (:mod:`qkit.schemes.ggml` re-encodes them with its torch
+    code, which is exact there and refuses non-finite weights)."""
+    jit = _jit()
+    nb = x.shape[0]
+    xn = x.contiguous().numpy()
+    out = np.empty((nb, size), np.uint8)
+    d, m = np.empty(nb, np.float32), np.empty(nb, np.float32)
+    flags = np.empty(nb, np.uint8)
+    k = BLOCK32_KINDS[kind]
+    _split(lambda lo, hi: jit._run_blocks32(xn, xn.view(np.int32), lo, hi, k, out, d, m, flags), nb)
+    return torch.from_numpy(out), torch.from_numpy(d), torch.from_numpy(m), torch.from_numpy(flags)
