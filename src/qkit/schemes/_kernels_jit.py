@@ -354,3 +354,60 @@ def _run_blocks32(x, xi, lo, hi, kind, out, d_out, m_out, flags):  # noqa: ANN00
             if kind == Q5_1:
                 for t in range(4):
                     out[b, 4 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))
+
+
+# --------------------------------------------------------------------------- k-quant codes from the final scales
+
+
+@_compiled
+def _run_q4_k_codes(x, L, dd, dm, lo, hi, out):  # noqa: ANN001
+    """``quantize_row_q4_K_ref``'s last loop for super-blocks ``lo..hi``: ``l = nearest_int((x + dm) / dd)``
+    clamped to 0..15 (the search's codes ``L`` where ``dd == 0``), packed two per byte into
+    ``out[:, 16:144]`` (``qs[32*p + l] = q[64p + l] | q[64p + 32 + l] << 4``)."""
+    for b in range(lo, hi):
+        for p in range(4):
+            j0, j1 = 2 * p, 2 * p + 1
+            d0, d1, m0, m1 = dd[b, j0], dd[b, j1], dm[b, j0], dm[b, j1]
+            for t in range(32):
+                e0, e1 = 64 * p + t, 64 * p + 32 + t
+                if d0 == _F0:
+                    q0 = np.int32(L[b, e0])
+                else:
+                    v = ((x[b, e0] + m0) / d0 + _MAGIC) - _MAGIC
+                    q0 = min(15, max(0, np.int32(v)))
+                if d1 == _F0:
+                    q1 = np.int32(L[b, e1])
+                else:
+                    v = ((x[b, e1] + m1) / d1 + _MAGIC) - _MAGIC
+                    q1 = min(15, max(0, np.int32(v)))
+                out[b, 16 + 32 * p + t] = np.uint8(q0 | (q1 << 4))
+
+
+@_compiled
+def _run_q6_k_codes(x, L, dd, zero, lo, hi, out):  # noqa: ANN001
+    """``quantize_row_q6_K_ref``'s last loops for super-blocks ``lo..hi``: ``l = nearest_int(x / dd)``
+    clamped to -32..31, plus 32 (the search's stored codes ``L`` where ``dd == 0``, 0 in a ``zero``
+    super-block), packed into ``ql`` (``out[:, 0:128]``) and ``qh`` (``out[:, 128:192]``) as the C code
+    does: element ``128h + 32j + l`` -> low nibble in ``ql[64h + 32(j%2) + l]`` (high half if ``j >= 2``),
+    bits 4-5 in ``qh[32h + l]`` at bit ``2j``."""
+    q = np.empty(256, np.int32)
+    for b in range(lo, hi):
+        if zero[b]:
+            for t in range(192):
+                out[b, t] = 0
+            continue
+        for s in range(16):
+            d = dd[b, s]
+            for t in range(16):
+                e = 16 * s + t
+                if d == _F0:
+                    q[e] = np.int32(L[b, e])
+                else:
+                    v = (x[b, e] / d + _MAGIC) - _MAGIC
+                    q[e] = min(31, max(-32, np.int32(v))) + 32
+        for h in range(2):
+            for t in range(32):
+                a0, a1, a2, a3 = q[128 * h + t], q[128 * h + 32 + t], q[128 * h + 64 + t], q[128 * h + 96 + t]
+                out[b, 64 * h + t] = np.uint8((a0 & 15) | ((a2 & 15) << 4))
+                out[b, 64 * h + 32 + t] = np.uint8((a1 & 15) | ((a3 & 15) << 4))
+                out[b, 128 + 32 * h + t] = np.uint8((a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6))

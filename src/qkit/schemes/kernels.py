@@ -120,3 +120,20 @@ def blocks32(x: torch.Tensor, kind: str, size: int) -> tuple[torch.Tensor, torch
     k = BLOCK32_KINDS[kind]
     _split(lambda lo, hi: jit._run_blocks32(xn, xn.view(np.int32), lo, hi, k, out, d, m, flags), nb)
     return torch.from_numpy(out), torch.from_numpy(d), torch.from_numpy(m), torch.from_numpy(flags)
+
+
+def q4_k_codes(x: torch.Tensor, L: torch.Tensor, dd: torch.Tensor, dm: torch.Tensor, out: torch.Tensor) -> None:
+    """q4_k's final codes, packed into ``out[:, 16:144]`` (``block_q4_K`` bytes ``[nb, 144]``) from ``x``
+    ``[nb, 256]``, the search's codes ``L`` uint8 ``[nb, 256]`` and ``d*sc`` / ``dmin*m`` fp32 ``[nb, 8]``."""
+    jit, args = _jit(), [t.contiguous().numpy() for t in (x, L, dd, dm)]
+    on = out.numpy()
+    _split(lambda lo, hi: jit._run_q4_k_codes(*args, lo, hi, on), x.shape[0])
+
+
+def q6_k_codes(x: torch.Tensor, L: torch.Tensor, dd: torch.Tensor, zero: torch.Tensor, out: torch.Tensor) -> None:
+    """q6_k's final codes, packed into ``out[:, :192]`` (``ql`` and ``qh`` of ``block_q6_K`` ``[nb, 210]``)
+    from ``x`` ``[nb, 256]``, the search's stored codes ``L`` uint8 ``[nb, 256]``, ``d*sc`` fp32 ``[nb, 16]``
+    and the all-zero super-blocks ``zero`` bool ``[nb]``."""
+    jit, args = _jit(), [t.contiguous().numpy() for t in (x, L, dd, zero)]
+    on = out.numpy()
+    _split(lambda lo, hi: jit._run_q6_k_codes(*args, lo, hi, on), x.shape[0])

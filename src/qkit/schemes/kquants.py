@@ -345,19 +345,22 @@ def _encode_q4_k(x: torch.Tensor) -> torch.Tensor:
     dmin = fp16_scale(max_min / 63, "minimum", x)
     dd = d.float().unsqueeze(1) * ls.float()  # [nb, 8]
     dm = dmin.float().unsqueeze(1) * lm.float()
-    xb = x.view(nb, 8, 32)
-    keep = dd == 0  # if (!d) continue;  the codes of make_qkx2_quants stay
-    safe = torch.where(keep, torch.ones_like(dd), dd)
-    q = (xb + dm.unsqueeze(2)).div_(safe.unsqueeze(2)).round_().clamp_(0, 15)
-    q = torch.where(keep.unsqueeze(2), L, q).to(torch.uint8)
     out = torch.empty(nb, 144, dtype=torch.uint8, device=x.device)
+    if kernels.available(x):
+        kernels.q4_k_codes(x, L.view(nb, QK_K), dd, dm, out)
+    else:
+        xb = x.view(nb, 8, 32)
+        keep = dd == 0  # if (!d) continue;  the codes of make_qkx2_quants stay
+        safe = torch.where(keep, torch.ones_like(dd), dd)
+        q = (xb + dm.unsqueeze(2)).div_(safe.unsqueeze(2)).round_().clamp_(0, 15)
+        q = torch.where(keep.unsqueeze(2), L, q).to(torch.uint8)
+        out[:, 16:].view(nb, 4, 32).copy_(q[:, 0::2] | (q[:, 1::2] << 4))
     out[:, 0:2] = fp16_bytes(d)
     out[:, 2:4] = fp16_bytes(dmin)
     ls8, lm8 = ls.to(torch.uint8), lm.to(torch.uint8)
     out[:, 4:8] = ls8[:, :4] | ((ls8[:, 4:] >> 4) << 6)
     out[:, 8:12] = lm8[:, :4] | ((lm8[:, 4:] >> 4) << 6)
     out[:, 12:16] = (ls8[:, 4:] & 0x0F) | ((lm8[:, 4:] & 0x0F) << 4)
-    out[:, 16:].view(nb, 4, 32).copy_(q[:, 0::2] | (q[:, 1::2] << 4))
     return out
 
 
@@ -398,16 +401,19 @@ def _encode_q6_k(x: torch.Tensor) -> torch.Tensor:
     sc = (scales * iscale.unsqueeze(1)).round_().clamp_(max=127)
     sc = torch.where(zero.unsqueeze(1), torch.zeros_like(sc), sc).to(torch.int8)
     dd = d.float().unsqueeze(1) * sc.float()
-    keep = dd == 0
-    safe = torch.where(keep, torch.ones_like(dd), dd)
-    q = x.view(nb, 16, 16).div(safe.unsqueeze(2)).round_().clamp_(-32, 31).add_(32)
-    q = torch.where(keep.unsqueeze(2), L, q).to(torch.uint8)
-    q = torch.where(zero.view(nb, 1, 1), torch.zeros_like(q), q).reshape(nb, 2, 4, 32)  # [half, quarter, l]
     out = torch.empty(nb, 210, dtype=torch.uint8, device=x.device)
-    ql = out[:, :128].view(nb, 2, 2, 32)
-    ql.copy_((q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4))
-    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
-    out[:, 128:192].view(nb, 2, 32).copy_(qh)
+    if kernels.available(x):
+        kernels.q6_k_codes(x, L.view(nb, QK_K), dd, zero, out)
+    else:
+        keep = dd == 0
+        safe = torch.where(keep, torch.ones_like(dd), dd)
+        q = x.view(nb, 16, 16).div(safe.unsqueeze(2)).round_().clamp_(-32, 31).add_(32)
+        q = torch.where(keep.unsqueeze(2), L, q).to(torch.uint8)
+        q = torch.where(zero.view(nb, 1, 1), torch.zeros_like(q), q).reshape(nb, 2, 4, 32)  # [half, quarter, l]
+        ql = out[:, :128].view(nb, 2, 2, 32)
+        ql.copy_((q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4))
+        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+        out[:, 128:192].view(nb, 2, 32).copy_(qh)
     out[:, 192:208] = sc.view(torch.uint8)
     out[:, 208:210] = fp16_bytes(d)
     return out
