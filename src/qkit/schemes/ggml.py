@@ -412,6 +412,10 @@ def compiled(kind: str, size: int, encode: Any) -> Any:
     def run(x: torch.Tensor) -> torch.Tensor:
         if not kernels.available(x) or x.shape[0] == 0:
             return encode(x)
+        with kernels.owning_the_cores():
+            return finish(x)
+
+    def finish(x: torch.Tensor) -> torch.Tensor:
         out, d, m, flags = kernels.blocks32(x, kind, size)
         h = d.to(torch.float16)
         mins = m.to(torch.float16) if kind in ("q4_1", "q5_1") else None

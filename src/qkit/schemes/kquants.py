@@ -59,6 +59,7 @@ fallback above), for a dense (not mixture-of-experts) llama/qwen2-family model; 
 from __future__ import annotations
 
 
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -300,19 +301,22 @@ def make_qx_quants(x: torch.Tensor, nmax: int = 32) -> tuple[torch.Tensor, torch
 # --------------------------------------------------------------------------- Q4_K
 
 
-CHUNK = 1024  # super-blocks per pass: keeps the [32, sub-blocks] intermediates near the cache
+CHUNK = 1024  # super-blocks per pass of the torch code: keeps the [32, sub-blocks] intermediates near the cache
+KERNEL_CHUNK = 16384  # with the compiled kernels (few intermediates; each pass costs ~40 small torch operations)
 
 
 def in_chunks(encode: Any, x: torch.Tensor, size: int) -> torch.Tensor:
-    """``encode`` over ``CHUNK`` super-blocks at a time (every block is independent of the others).
-
-    (Tried and measured, not kept: the search under a one-thread torch pool, or with Python threads over
-    the chunks, was no faster with 2 threads on the default model: a q4_k GGUF export 3.0-3.4 s either
-    way; the operations are too small to leave the GIL for long.)"""
-    check_finite(*torch.aminmax(x))
-    out = torch.empty(x.shape[0], size, dtype=torch.uint8, device=x.device)
-    for i in range(0, x.shape[0], CHUNK):
-        out[i : i + CHUNK] = encode(x[i : i + CHUNK])
+    """``encode`` over ``CHUNK`` (``KERNEL_CHUNK``) super-blocks at a time (every block is independent of the others). With
+    the compiled kernels, torch runs at one thread inside and the kernels take the cores
+    (:func:`qkit.schemes.kernels.owning_the_cores`). (The torch path alone was measured no faster with
+    2 threads, under a one-thread pool or with Python threads over the chunks: its operations are too
+    small to leave the GIL for long.)"""
+    with kernels.owning_the_cores() if kernels.available(x) else contextlib.nullcontext():
+        check_finite(*torch.aminmax(x))
+        out = torch.empty(x.shape[0], size, dtype=torch.uint8, device=x.device)
+        chunk = KERNEL_CHUNK if kernels.available(x) else CHUNK
+        for i in range(0, x.shape[0], chunk):
+            out[i : i + chunk] = encode(x[i : i + chunk])
     return out
 
 
