@@ -17,6 +17,8 @@ blocks (the only ones they accept) and the exceptions stated where a property do
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import numpy as np
@@ -49,11 +51,26 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType  # noqa: E402
 from gguf import quants as gguf_quants  # noqa: E402
 
+from qkit.schemes import kernels  # noqa: E402
+
 PROPS = settings(max_examples=30, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 FP4 = ("mxfp4", "nvfp4")
 BLOCK = {"mxfp4": 32, "nvfp4": 16}
 LEVELS = np.array(E2M1_VALUES)
+
+
+PATHS = pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch"])
+
+
+@contextlib.contextmanager
+def path(compiled: bool):
+    """The compiled kernels (qkit.schemes.kernels) on or off: the oracle tests run both encoders."""
+    old = kernels.set_enabled(compiled)
+    try:
+        yield
+    finally:
+        kernels.set_enabled(old)
 
 
 def codes_of(qt) -> list[int]:
@@ -262,10 +279,12 @@ def test_nvfp4_block_scale_saturates_e4m3_with_a_given_global_scale():
 # --------------------------------------------------------------------------- oracles: gguf (MXFP4)
 
 
+@PATHS
 @pytest.mark.parametrize("case", range(len(weight_cases())), ids=[n for n, _ in weight_cases()])
-def test_mxfp4_bit_exact_with_gguf_quantize_and_dequantize(case):
+def test_mxfp4_bit_exact_with_gguf_quantize_and_dequantize(case, compiled):
     _, w = weight_cases()[case]
-    qt = quantize_tensor(w, get_scheme("mxfp4"))
+    with path(compiled):
+        qt = quantize_tensor(w, get_scheme("mxfp4"))
     ref = gguf_quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4)
     ours = to_gguf_mxfp4_blocks(qt.qweight, qt.scales)
     assert torch.equal(ours, torch.from_numpy(ref).reshape(ours.shape))  # E8M0 bytes and codes, bit for bit
@@ -273,14 +292,16 @@ def test_mxfp4_bit_exact_with_gguf_quantize_and_dequantize(case):
     assert torch.equal(qt.dequantize().view(torch.int32), deq.view(torch.int32))
 
 
+@PATHS
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 4), blocks=st.integers(1, 4), seed=st.integers(0, 2**31),
        scale=st.sampled_from([1e-6, 1e-3, 0.02, 1.0, 1e3]), bf16=st.booleans())
-def test_mxfp4_bit_exact_with_gguf_random(rows, blocks, seed, scale, bf16):
+def test_mxfp4_bit_exact_with_gguf_random(rows, blocks, seed, scale, bf16, compiled):
     w = torch.randn(rows, 32 * blocks, generator=torch.Generator().manual_seed(seed)) * scale
     if bf16:
         w = w.bfloat16().float()
-    qt = quantize_tensor(w, get_scheme("mxfp4"))
+    with path(compiled):
+        qt = quantize_tensor(w, get_scheme("mxfp4"))
     ref = gguf_quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4)
     assert torch.equal(to_gguf_mxfp4_blocks(qt.qweight, qt.scales), torch.from_numpy(ref).reshape(rows, -1))
 
@@ -322,13 +343,15 @@ def reference_nvfp4(w: torch.Tensor, global_scale: torch.Tensor | None = None) -
     return {**compressed, "scale_fp32": scale, "dense_bf16": NVFP4PackedCompressor.decompress(dict(compressed), scheme)["weight"]}
 
 
+@PATHS
 @pytest.mark.parametrize("case", range(len(weight_cases())), ids=[n for n, _ in weight_cases()])
-def test_nvfp4_bit_exact_with_compressed_tensors(case):
+def test_nvfp4_bit_exact_with_compressed_tensors(case, compiled):
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward_helpers import _dequantize
 
     _, w = weight_cases()[case]
-    qt = quantize_tensor(w, get_scheme("nvfp4"))
+    with path(compiled):
+        qt = quantize_tensor(w, get_scheme("nvfp4"))
     ref = reference_nvfp4(w)
     assert torch.equal(qt.qweight, ref["weight_packed"])  # codes and packing
     assert torch.equal(qt.scales, ref["weight_scale"].view(torch.uint8))  # E4M3 block scales
@@ -341,25 +364,29 @@ def test_nvfp4_bit_exact_with_compressed_tensors(case):
     assert torch.equal(qt.dequantize(torch.bfloat16), ref["dense_bf16"])
 
 
-def test_nvfp4_saturation_with_given_global_scale_matches_compressed_tensors():
+@PATHS
+def test_nvfp4_saturation_with_given_global_scale_matches_compressed_tensors(compiled):
     w = nvfp4_case()
     gs = torch.tensor([4480.0])
-    q, sb, _ = quantize_nvfp4(w, global_scale=gs)
+    with path(compiled):
+        q, sb, _ = quantize_nvfp4(w, global_scale=gs)
     ref = reference_nvfp4(w, global_scale=gs)
     assert torch.equal(q, ref["weight_packed"]) and torch.equal(sb, ref["weight_scale"].view(torch.uint8))
 
 
+@PATHS
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 4), blocks=st.integers(1, 5), seed=st.integers(0, 2**31),
        scale=st.sampled_from([1e-6, 1e-3, 0.02, 1.0, 1e3]), bf16=st.booleans(), outlier=st.booleans())
-def test_nvfp4_bit_exact_with_compressed_tensors_random(rows, blocks, seed, scale, bf16, outlier):
+def test_nvfp4_bit_exact_with_compressed_tensors_random(rows, blocks, seed, scale, bf16, outlier, compiled):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(rows, 16 * blocks, generator=g) * scale
     if outlier:
         w[0, 0] *= 1000.0  # most blocks far below the tensor max: small and subnormal E4M3 scales
     if bf16:
         w = w.bfloat16().float()
-    q, sb, gs = quantize_nvfp4(w)
+    with path(compiled):
+        q, sb, gs = quantize_nvfp4(w)
     ref = reference_nvfp4(w)
     assert torch.equal(q, ref["weight_packed"])
     assert torch.equal(sb, ref["weight_scale"].view(torch.uint8))

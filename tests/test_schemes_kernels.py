@@ -1,4 +1,5 @@
-"""The compiled kernels (``qkit.schemes.kernels``, numba) write the same bytes as the torch encoders.
+"""The compiled kernels (``qkit.schemes.kernels``, numba) write the same bytes as the torch encoders
+(llama.cpp's block formats here; the FP4 oracle tests in ``test_schemes_fp4.py`` run both paths too).
 
 The torch encoders are the oracles here: they are tested bit for bit against the gguf package and
 llama.cpp's own recorded bytes (``test_schemes_ggml.py``, ``test_schemes_kquants.py``), and these tests run
@@ -23,7 +24,7 @@ from qkit.schemes import get_scheme, kernels, quantize_tensor
 from test_schemes_ggml import CASES, TYPES
 from test_schemes_kquants import GOLDEN, NAME_OF
 
-ALL = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k")
+ALL = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4", "nvfp4")
 PROPS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 

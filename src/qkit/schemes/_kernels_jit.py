@@ -411,3 +411,67 @@ def _run_q6_k_codes(x, L, dd, zero, lo, hi, out):  # noqa: ANN001
                 out[b, 64 * h + t] = np.uint8((a0 & 15) | ((a2 & 15) << 4))
                 out[b, 64 * h + 32 + t] = np.uint8((a1 & 15) | ((a3 & 15) << 4))
                 out[b, 128 + 32 * h + t] = np.uint8((a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6))
+
+
+# --------------------------------------------------------------------------- FP4 (E2M1) blocks
+
+
+@_compiled
+def _run_block_absmax(xi, lo, hi, block, out):  # noqa: ANN001
+    """``out[r, b] = max |x|`` over block ``b`` of row ``r``, as int32 bits (rows ``lo..hi`` of the int32
+    view ``xi``): for non-negative floats the bit order is the value order, and NaN's bits exceed inf's."""
+    nb = xi.shape[1] // block
+    for r in range(lo, hi):
+        for b in range(nb):
+            m = np.int32(0)
+            for j in range(block):
+                a = xi[r, b * block + j] & _ABS
+                m = a if a > m else m
+            out[r, b] = m
+
+
+_ONE = np.int32(0x3F800000)  # fp32 bits of 1.0
+_SIX = np.int32(0x40C00000)  # 6.0
+_QUARTER_UP = np.int32(0x3E800001)  # just above 0.25
+_THREE_QUARTERS = np.int32(0x3F400000)  # 0.75
+_ROUND = np.int32((1 << 21) - 1 - 0x3F000000 - (1 << 22))  # e2m1_pack_arith's mantissa rounding and code offset
+
+
+@_compiled
+def _run_e2m1(x, scale, divide, ties_to_even, minus_zero, lo, hi, block, out):  # noqa: ANN001
+    """Rows ``lo..hi``: ``y = x / scale[r, b]`` (``divide``) or ``x * scale[r, b]`` per block, rounded to E2M1
+    by :func:`qkit.schemes.fp4.e2m1_pack_arith`'s integer formula on the fp32 bits (branch-free, so every
+    step vectorises), an exact ``-0.0`` coded ``minus_zero``, packed two per byte (column ``2j`` low)."""
+    rows, cols = x.shape
+    nb = cols // block
+    y = np.empty(cols, np.float32)
+    bits = y.view(np.int32)
+    codes = np.empty(cols, np.int32)
+    tie_lo = _THREE_QUARTERS if ties_to_even else _THREE_QUARTERS + np.int32(1)
+    for r in range(lo, hi):
+        for b in range(nb):
+            s = scale[r, b]
+            base = b * block
+            if divide:
+                for j in range(block):
+                    y[base + j] = x[r, base + j] / s
+            else:
+                for j in range(block):
+                    y[base + j] = x[r, base + j] * s
+        for j in range(cols):
+            v = bits[j]
+            m = v & _ABS
+            sign = (v >> np.int32(28)) & np.int32(8)
+            a = (m - tie_lo) >> np.int32(31)  # -1 below the 0.75 midpoint
+            nz = ~((m - _QUARTER_UP) >> np.int32(31))  # -1 above 0.25 (a nonzero code)
+            if not ties_to_even:
+                sign = sign & nz  # gguf: a value that rounds to 0 is +0
+            a = a - nz
+            m = _ONE if m < _ONE else m
+            m = _SIX if m > _SIX else m
+            if ties_to_even:
+                m = m + ((m >> np.int32(22)) & np.int32(1))
+            c = (((m + _ROUND) >> np.int32(22)) + a) | sign
+            codes[j] = c if v != np.int32(-(2**31)) else minus_zero
+        for k in range(cols // 2):
+            out[r, k] = np.uint8(codes[2 * k] | (codes[2 * k + 1] << np.int32(4)))

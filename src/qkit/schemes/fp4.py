@@ -68,6 +68,7 @@ from typing import Any
 import torch
 
 from qkit.errors import SchemeError
+from qkit.schemes import kernels
 from qkit.schemes.registry import as_2d, register
 
 # E2M1 magnitudes by code 0..7 (OCP MX v1.0, table 5); codes 8..15 are their negatives.
@@ -360,6 +361,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     rows, cols = x.shape
     nb = cols // MXFP4_BLOCK
     qweight = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+    if kernels.available(x):  # two compiled passes: block absmax, then scale + round + pack
+        with kernels.owning_the_cores():
+            amax_bits = kernels.block_absmax_bits(x, MXFP4_BLOCK)
+            if bool((amax_bits >= _INF).any()):
+                return None
+            e = mxfp4_exponents(amax_bits.view(torch.float32))
+            kernels.e2m1_blocks(x, e8m0_reciprocals(e), divide=False, ties_to_even=False, minus_zero=0, out=qweight)
+            return qweight, e.to(torch.uint8)
     amax_bits = torch.empty(rows, nb, dtype=torch.int32, device=x.device)
     exps = torch.empty(rows, nb, dtype=torch.uint8, device=x.device)
     step = min(rows, _rows_per_chunk(cols))  # buffers no larger than the matrix
@@ -417,6 +426,19 @@ def quantize_nvfp4(
     x = _as_fp32_2d(w)
     rows, cols = x.shape
     nb = cols // NVFP4_BLOCK
+    if kernels.available(x):  # two compiled passes: block absmax (the tensor's is their max), then the codes
+        with kernels.owning_the_cores():
+            amax_bits = kernels.block_absmax_bits(x, NVFP4_BLOCK)
+            peak = amax_bits.max()
+            if int(peak) >= _INF:
+                return None
+            amax = amax_bits.view(torch.float32)
+            gs = nvfp4_global_scale(peak.view(torch.float32)) if global_scale is None else global_scale.float().reshape(1)
+            s = nvfp4_block_scales(amax, gs)
+            qweight = torch.empty(rows, cols // 2, dtype=torch.uint8, device=x.device)
+            # a -0.0 (a -0.0 weight, or a negative one the division underflows) is +0, as in e2m1_pack below
+            kernels.e2m1_blocks(x, s / gs, divide=True, ties_to_even=True, minus_zero=0, out=qweight)
+            return qweight, s.to(torch.float8_e4m3fn).view(torch.uint8), gs
     lo, hi = torch.aminmax(x)  # one read pass: the tensor scale needs max |w| before any block
     if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
         return None

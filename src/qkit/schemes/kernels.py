@@ -84,10 +84,11 @@ def owning_the_cores() -> Iterator[None]:
             _STATE["threads"] = None
 
 
-def _split(run, S: int) -> None:  # noqa: ANN001
+def _split(run, S: int, unit: int = 256) -> None:  # noqa: ANN001
     """``run(lo, hi)`` over ``[0, S)`` in one contiguous range per thread: torch's thread count, or the
-    one :func:`owning_the_cores` saved (the kernels release the GIL)."""
-    threads = max(1, min(_STATE["threads"] or torch.get_num_threads(), S // 256))
+    one :func:`owning_the_cores` saved (the kernels release the GIL), and no more than one per ``unit``
+    items."""
+    threads = max(1, min(_STATE["threads"] or torch.get_num_threads(), S // unit))
     if threads == 1:
         run(0, S)
         return
@@ -159,3 +160,24 @@ def q6_k_codes(x: torch.Tensor, L: torch.Tensor, dd: torch.Tensor, zero: torch.T
     jit, args = _jit(), [t.contiguous().numpy() for t in (x, L, dd, zero)]
     on = out.numpy()
     _split(lambda lo, hi: jit._run_q6_k_codes(*args, lo, hi, on), x.shape[0])
+
+
+def block_absmax_bits(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp32 ``x`` ``[rows, cols]`` -> int32 ``[rows, cols / block]``: the bits of each block's ``max |x|``
+    (``>= 0x7F800000`` where the block holds NaN or inf)."""
+    jit, rows = _jit(), x.shape[0]
+    xi = x.contiguous().view(torch.int32).numpy()
+    out = np.empty((rows, x.shape[1] // block), np.int32)
+    _split(lambda lo, hi: jit._run_block_absmax(xi, lo, hi, block, out), rows, unit=max(1, 2**16 // x.shape[1]))
+    return torch.from_numpy(out)
+
+
+def e2m1_blocks(x: torch.Tensor, scale: torch.Tensor, *, divide: bool, ties_to_even: bool, minus_zero: int, out: torch.Tensor) -> None:
+    """E2M1 codes of ``x / scale`` (``divide``) or ``x * scale`` per block (``scale`` fp32 ``[rows, blocks]``),
+    packed into uint8 ``out`` ``[rows, cols / 2]``, an exact ``-0.0`` coded ``minus_zero``: one pass, the
+    bytes of :func:`qkit.schemes.fp4.e2m1_pack` on the same values."""
+    jit, rows = _jit(), x.shape[0]
+    block = x.shape[1] // scale.shape[1]
+    args = (x.contiguous().numpy(), scale.contiguous().numpy(), divide, ties_to_even, minus_zero)
+    on = out.numpy()
+    _split(lambda lo, hi: jit._run_e2m1(*args, lo, hi, block, on), rows, unit=max(1, 2**15 // x.shape[1]))
