@@ -215,8 +215,12 @@ def llama_tokens(gguf_file: Path, text_file: Path) -> list[int]:
     return json.loads(line)
 
 
-def llama_perplexity(gguf_file: Path, text_file: Path, ctx: int, threads: int) -> dict:
+def llama_perplexity(gguf_file: Path, text_file: Path, ctx: int, threads: int, logprobs: Path | None = None) -> dict:
+    """``llama-perplexity``; with ``logprobs``, also ``--kl-divergence-base logprobs``: it then writes the
+    log-probabilities of every scored position (read by :func:`read_llama_logprobs`)."""
     cmd = [blr.tool_path("llama-perplexity"), "-m", gguf_file, "-f", text_file, "-c", ctx, "-t", threads]
+    if logprobs is not None:
+        cmd += ["--kl-divergence-base", logprobs]
     sec, p = sh(cmd)
     out = p.stdout + p.stderr
     m, c, short = PPL_RE.search(out), CHUNKS_RE.search(out), TOO_SHORT_RE.search(out)
@@ -230,6 +234,37 @@ def llama_perplexity(gguf_file: Path, text_file: Path, ctx: int, threads: int) -
     elif not m:
         r["error"] = out[-2000:]
     return r
+
+
+def read_llama_logprobs(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(token ids, NLL of each scored token) from a ``--kl-divergence-base`` file of llama-perplexity.
+
+    Layout (tools/perplexity/perplexity.cpp, ``perplexity()`` with ``logits_file``, and ``log_softmax``):
+    the 8 bytes ``_logits_``, int32 ``n_ctx``, int32 ``n_vocab``, int32 ``n_chunk``, int32 tokens
+    ``[n_chunk * n_ctx]``, then per scored position (``n_ctx - 1 - n_ctx // 2`` per chunk) ``nv = 2 *
+    ((n_vocab + 1) // 2) + 4`` uint16: two fp32 (``scale``, ``min_log_prob``) and per vocabulary entry
+    ``q``, with ``log p = min_log_prob + scale * q`` (steps of ``scale`` <= 16 nats / 65535 = 2.4e-4; ``q =
+    0`` means at or below ``min_log_prob``, 16 nats under the top logit)."""
+    raw = path.read_bytes()
+    if raw[:8] != b"_logits_":
+        raise SystemExit(f"{path}: not a llama-perplexity logits file")
+    n_ctx, n_vocab, n_chunk = (int(v) for v in np.frombuffer(raw, dtype="<i4", count=3, offset=8))
+    tokens = np.frombuffer(raw, dtype="<i4", count=n_chunk * n_ctx, offset=20)
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    per_chunk = n_ctx - 1 - n_ctx // 2
+    rows = np.frombuffer(raw, dtype="<u2", offset=20 + 4 * n_chunk * n_ctx).reshape(n_chunk * per_chunk, nv)
+    head = rows[:, :4].copy().view("<f4")  # [scale, min_log_prob]
+    targets = tokens.reshape(n_chunk, n_ctx)[:, n_ctx // 2 + 1:].reshape(-1)
+    q = rows[np.arange(rows.shape[0]), 4 + targets].astype(np.float64)
+    return tokens, -(head[:, 1].astype(np.float64) + head[:, 0].astype(np.float64) * q)
+
+
+def per_token(llama_nll: np.ndarray, qkit_nll: np.ndarray) -> dict:
+    """Per scored token, llama.cpp's NLL minus qkit's: mean (= ln of the PPL ratio) with its paired SE
+    (SD / sqrt(n)), SD, and the largest |difference|."""
+    d = llama_nll - qkit_nll
+    return {"mean": float(d.mean()), "se": float(d.std(ddof=1) / np.sqrt(d.size)), "sd": float(d.std(ddof=1)),
+            "max_abs": float(np.abs(d).max()), "n": int(d.size)}
 
 
 def scored_positions(n_tokens: int, ctx: int) -> tuple[int, int]:
@@ -257,7 +292,7 @@ def qkit_perplexity(model, ids: list[int], ctx: int, bos: int | None) -> dict:
     mean = v.mean().item()
     var = (v.pow(2).mean() - v.mean().pow(2)).item()
     ppl = float(np.exp(mean))
-    return {"ppl": ppl, "se": ppl * float(np.sqrt(var / (v.numel() - 1))), "count": int(v.numel())}
+    return {"ppl": ppl, "se": ppl * float(np.sqrt(var / (v.numel() - 1))), "count": int(v.numel()), "nll": v.numpy()}
 
 
 def swap(model, tensors: dict, originals: dict) -> None:
@@ -392,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for k, f in ppl_files.items():
         print(f"    llama-perplexity {k} ...", flush=True)
-        r = {"llama": llama_perplexity(f, ruth, ctx, 2)}
+        lp_file = work / f"logprobs-{k.replace(' ', '-')}.bin" if k in weights else None
+        r = {"llama": llama_perplexity(f, ruth, ctx, 2, lp_file)}
         if r["llama"].get("chunks") is not None and r["llama"]["chunks"] != len(tokens[k]) // ctx:
             r["warning"] = f"llama-perplexity used {r['llama']['chunks']} chunks, llama-tokenize's ids give {len(tokens[k]) // ctx}"
         if k in weights:
@@ -401,16 +437,38 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             r["qkit"] = qkit_perplexity(lm, tokens[k], ctx, bos[k])
             r["qkit"]["seconds"] = round(time.perf_counter() - t0, 1)
+            handles = hook_activations(lm, weights[k])
             if weights[k]:  # the same, with llama.cpp's rounding of the activations (see act_round)
-                handles = hook_activations(lm, weights[k])
                 r["qkit_act_rounded"] = qkit_perplexity(lm, tokens[k], ctx, bos[k])
-                for h in handles:
-                    h.remove()
+            # The noise of this very computation: the same again with every embedding weight moved by one fp32
+            # ulp (a perturbation of the size of fp32 rounding noise), per token against the unperturbed run.
+            emb = lm.get_input_embeddings().weight
+            saved = emb.detach().clone()
+            with torch.no_grad():
+                emb.copy_(torch.nextafter(saved, torch.full_like(saved, float("inf"))))
+            ulp = qkit_perplexity(lm, tokens[k], ctx, bos[k])
+            with torch.no_grad():
+                emb.copy_(saved)
+            base = r["qkit_act_rounded" if weights[k] else "qkit"]["nll"]
+            r["one_ulp_noise"] = per_token(ulp["nll"], base)
+            for h in handles:
+                h.remove()
                 if "ppl" in r["llama"]:
                     r["diff_act_rounded"] = r["llama"]["ppl"] - r["qkit_act_rounded"]["ppl"]
             restore(lm, originals)
             if "ppl" in r["llama"]:
                 r["diff"] = r["llama"]["ppl"] - r["qkit"]["ppl"]
+                lp_ids, lp_nll = read_llama_logprobs(lp_file)
+                r["per_token_ids_match"] = bool(np.array_equal(lp_ids, np.asarray(tokens[k][: lp_ids.size])))
+                r["per_token"] = per_token(lp_nll, r["qkit"]["nll"])
+                if "qkit_act_rounded" in r:
+                    r["per_token_act_rounded"] = per_token(lp_nll, r["qkit_act_rounded"]["nll"])
+                    shift = r["qkit_act_rounded"]["nll"] - r["qkit"]["nll"]  # what the rounding moves, per token
+                    r["rounding_explains"] = float(np.corrcoef(lp_nll - r["qkit"]["nll"], shift)[0, 1])
+                lp_file.unlink()
+        for key in ("qkit", "qkit_act_rounded"):
+            if key in r:
+                r[key].pop("nll")
         rows[k] = r
     doc["perplexity"] = rows
     doc["seconds_total"] = round(time.perf_counter() - t_start, 1)
@@ -473,6 +531,25 @@ def report(doc: dict, threads: list[int]) -> None:
               + (f"  ({r['warning']})" if "warning" in r else ""))
     print("  act. rounded: qkit's weights with the activations rounded as ggml's CPU matmul rounds them for a "
           "quantized weight (Q8_0 for 32-block types, Q8_K for k-quants)")
+    print()
+    print("  per scored token, llama.cpp's NLL - qkit's (llama.cpp's log-probabilities from --kl-divergence-base, "
+          "16-bit: steps of <= 2.4e-4 nats):")
+    print(f"  {'file':<14}{'qkit':<16}{'mean (ln PPL ratio)':>22}{'paired SE':>11}{'SD':>9}{'max |d|':>9}{'corr. with rounding':>21}")
+    for k, r in doc["perplexity"].items():
+        for key, label in (("per_token", "torch"), ("per_token_act_rounded", "act. rounded")):
+            if key in r:
+                t = r[key]
+                corr = f"{r['rounding_explains']:.3f}" if key == "per_token" and "rounding_explains" in r else ""
+                print(f"  {k:<14}{label:<16}{t['mean']:>+22.5f}{t['se']:>11.5f}{t['sd']:>9.4f}{t['max_abs']:>9.4f}{corr:>21}")
+    print("  corr. with rounding: correlation, over tokens, of (llama.cpp - qkit) with what the activation rounding "
+          "alone changes in qkit's NLL")
+    print()
+    print("  the same qkit computation (act. rounded where the weights are quantized) with every embedding weight one "
+          "fp32 ulp up, per token against itself unperturbed:")
+    for k, r in doc["perplexity"].items():
+        if "one_ulp_noise" in r:
+            t = r["one_ulp_noise"]
+            print(f"  {k:<14}{'1-ulp noise':<16}{t['mean']:>+22.5f}{t['se']:>11.5f}{t['sd']:>9.4f}{t['max_abs']:>9.4f}")
     print(f"total {doc['seconds_total']:.0f} s")
 
 
