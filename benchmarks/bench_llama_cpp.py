@@ -36,6 +36,12 @@ Everything in one run (the llama.cpp vendored by the llama-cpp-python sdist that
    matmul also rounds the activations to its ``vec_dot_type`` (Q8_0, or Q8_K for k-quants) before each dot
    product; a second qkit column applies that rounding (forward pre-hooks on the quantized matrices) to
    show how much of the llama.cpp - qkit difference it accounts for.
+5. **Per token**: the runs on the F32 file and qkit's files also write llama.cpp's log-probabilities of
+   every scored position (``--kl-divergence-base``, read by ``read_llama_logprobs``); per token, llama.cpp's
+   NLL minus qkit's, with and without the activation rounding: mean (= ln of the PPL ratio), paired SE,
+   SD. And the noise of the computation itself: qkit's run again with every embedding weight one fp32
+   ulp up, against itself. With quantized weights the 8-bit rounding of every matmul input turns fp32-size
+   differences into whole quantization steps, so that noise is what llama.cpp's own result is known to.
 
 Skips (one line, exit 0) when the tools are not built.
 """
