@@ -23,15 +23,24 @@ QX_STEPS = np.array([-(np.float32(32) + np.float32(0.1) * np.float32(i)) for i i
 _compiled = njit(nogil=True, cache=True, error_model="numpy")
 _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
 
+
+@_inline
+def _round_clamp(v, lo, hi):  # noqa: ANN001
+    """``clamp(nearest_int(v), lo, hi)`` in fp32: ``(v + 12582912.f) - 12582912.f`` rounds half to even for
+    ``|v| < 2**22``."""
+    v = (v + _MAGIC) - _MAGIC
+    v = lo if v < lo else v
+    return hi if v > hi else v
+
+
 @_inline
 def _codes(X, iscale, shift, lo, hi, out):  # noqa: ANN001 - numba
     """``out = clamp(nearest_int(iscale * (X - shift)), lo, hi)`` per lane."""
     for i in range(X.shape[0] // LANES):
         b = i * LANES
         for k in range(LANES):
-            v = (iscale[k] * (X[b + k] - shift[k]) + _MAGIC) - _MAGIC
-            v = lo if v < lo else v
-            out[b + k] = hi if v > hi else v
+            out[b + k] = _round_clamp(iscale[k] * (X[b + k] - shift[k]), lo, hi)
+
 
 @_inline
 def _qkx2_sums(X, W, iscale, shift, hi, S):  # noqa: ANN001
@@ -42,13 +51,12 @@ def _qkx2_sums(X, W, iscale, shift, hi, S):  # noqa: ANN001
         b = i * LANES
         for k in range(LANES):
             x = X[b + k]
-            v = (iscale[k] * (x - shift[k]) + _MAGIC) - _MAGIC
-            v = _F0 if v < _F0 else v
-            v = hi if v > hi else v
+            v = _round_clamp(iscale[k] * (x - shift[k]), _F0, hi)
             wl = W[b + k] * v
             S[k] += wl
             S[LANES + k] += wl * v
             S[2 * LANES + k] += wl * x
+
 
 @_inline
 def _qkx2_error(X, W, iscale, shift, hi, a, m, E):  # noqa: ANN001
@@ -59,11 +67,10 @@ def _qkx2_error(X, W, iscale, shift, hi, a, m, E):  # noqa: ANN001
         b = i * LANES
         for k in range(LANES):
             x = X[b + k]
-            v = (iscale[k] * (x - shift[k]) + _MAGIC) - _MAGIC
-            v = _F0 if v < _F0 else v
-            v = hi if v > hi else v
+            v = _round_clamp(iscale[k] * (x - shift[k]), _F0, hi)
             d = a[k] * v + m[k] - x
             E[k] += W[b + k] * (d * d)
+
 
 @_compiled
 def _qkx2_tile(X, W, La, V, n, nmax, q4_k_weights):  # noqa: ANN001
@@ -140,6 +147,7 @@ def _qkx2_tile(X, W, La, V, n, nmax, q4_k_weights):  # noqa: ANN001
                 mn[k] = tm[k]
     _codes(X, best_is, best_sh, _F0, hi, La)
 
+
 @_compiled
 def _qx_tile(X, La, V, n, nmax):  # noqa: ANN001
     """``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on ``LANES`` sub-blocks: ``V[2]`` the scale,
@@ -167,9 +175,7 @@ def _qx_tile(X, La, V, n, nmax):  # noqa: ANN001
             b = i * LANES
             for k in range(LANES):
                 x = X[b + k]
-                v = (isc[k] * x + _MAGIC) - _MAGIC
-                v = lo if v < lo else v
-                v = hi if v > hi else v
+                v = _round_clamp(isc[k] * x, lo, hi)
                 w = x * x
                 sumlx[k] += w * x * v
                 suml2[k] += w * v * v
@@ -187,13 +193,28 @@ def _qx_tile(X, La, V, n, nmax):  # noqa: ANN001
     for i in range(n):
         b = i * LANES
         for k in range(LANES):
-            v = (best_is[k] * X[b + k] + _MAGIC) - _MAGIC
-            v = lo if v < lo else v
-            v = hi if v > hi else v
+            v = _round_clamp(best_is[k] * X[b + k], lo, hi)
             La[b + k] = (v + np.float32(nmax)) if amax[k] >= _EPS else _F0
     for k in range(LANES):
         if amax[k] < _EPS:
             scale[k] = _F0
+
+
+@_inline
+def _load_tile(src, s0, t, n, dst):  # noqa: ANN001
+    """Rows ``s0..s0+t`` of ``src`` ``[S, n]`` into the element-major tile ``dst`` (lanes past ``t`` zero)."""
+    for k in range(LANES):
+        for i in range(n):
+            dst[i * LANES + k] = src[s0 + k, i] if k < t else _F0
+
+
+@_inline
+def _store_codes(La, s0, t, n, L):  # noqa: ANN001
+    """The tile's codes back into rows ``s0..s0+t`` of ``L`` ``[S, n]`` (uint8)."""
+    for k in range(t):
+        for i in range(n):
+            L[s0 + k, i] = np.uint8(La[i * LANES + k])
+
 
 @_compiled
 def _run_qkx2(x, w, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
@@ -205,37 +226,30 @@ def _run_qkx2(x, w, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
     V = np.empty((16, LANES), np.float32)
     for s0 in range(lo, hi, LANES):
         t = min(LANES, hi - s0)
-        for k in range(LANES):
-            for i in range(n):
-                X[i * LANES + k] = x[s0 + k, i] if k < t else _F0
+        _load_tile(x, s0, t, n, X)
         if w.shape[0]:
-            for k in range(LANES):
-                for i in range(n):
-                    W[i * LANES + k] = w[s0 + k, i] if k < t else _F0
+            _load_tile(w, s0, t, n, W)
         _qkx2_tile(X, W, La, V, n, nmax, w.shape[0] == 0)
         for k in range(t):
             scale[s0 + k] = V[5, k]
             the_min[s0 + k] = -V[0, k]
-            for i in range(n):
-                L[s0 + k, i] = np.uint8(La[i * LANES + k])
+        _store_codes(La, s0, t, n, L)
+
 
 @_compiled
 def _run_qx(x, lo, hi, nmax, scale, L):  # noqa: ANN001
+    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]``: ``make_qx_quants`` scales and stored codes."""
     n = x.shape[1]
     X = np.zeros(n * LANES, np.float32)
     La = np.empty(n * LANES, np.float32)
     V = np.empty((8, LANES), np.float32)
     for s0 in range(lo, hi, LANES):
         t = min(LANES, hi - s0)
-        for k in range(LANES):
-            for i in range(n):
-                X[i * LANES + k] = x[s0 + k, i] if k < t else _F0
+        _load_tile(x, s0, t, n, X)
         _qx_tile(X, La, V, n, nmax)
         for k in range(t):
             scale[s0 + k] = V[2, k]
-            for i in range(n):
-                L[s0 + k, i] = np.uint8(La[i * LANES + k])
-
+        _store_codes(La, s0, t, n, L)
 
 
 # --------------------------------------------------------------------------- llama.cpp's 32-element blocks
@@ -243,7 +257,6 @@ def _run_qx(x, lo, hi, nmax, scale, L):  # noqa: ANN001
 Q8_0, Q4_0, Q5_0, Q4_1, Q5_1 = 0, 1, 2, 3, 4  # ``kind`` of _run_blocks32
 _ABS = np.int32(0x7FFFFFFF)
 _INF_BITS = np.int32(0x7F800000)
-_FLT_MIN_BITS = np.int32(0x00800000)  # bits of 2**-126, the smallest normal fp32
 _HALF_BELOW = np.float32(np.nextafter(np.float32(0.5), np.float32(0)))  # roundf(v) = trunc(v + copysign(this, v))
 
 
@@ -325,35 +338,19 @@ def _run_blocks32(x, xi, lo, hi, kind, out, d_out, m_out, flags):  # noqa: ANN00
                 v = x[b, j] * idv
                 s = _HALF_BELOW if v >= _F0 else -_HALF_BELOW
                 out[b, 2 + j] = np.uint8(np.int32(v + s) & 0xFF)
-        elif kind == Q4_0 or kind == Q5_0:
-            off = np.float32(8.5) if kind == Q4_0 else np.float32(16.5)
-            cap = 15 if kind == Q4_0 else 31
+        else:  # (int8)((x - min) * id + offset), capped; min = 0 for q4_0 / q5_0, where x - 0 is x exactly
+            off = np.float32(8.5) if kind == Q4_0 else np.float32(16.5) if kind == Q5_0 else np.float32(0.5)
+            cap = 31 if kind == Q5_0 else 255 if kind == Q5_1 else 15  # q5_1: (uint8_t), no MIN in the C code
+            qs = 2 if kind == Q4_0 else 4 if kind == Q4_1 else 6 if kind == Q5_0 else 8  # where qs[] starts
             qh = np.uint32(0)
             for j in range(16):
-                q0 = min(cap, np.int32(x[b, j] * idv + off))
-                q1 = min(cap, np.int32(x[b, j + 16] * idv + off))
-                if kind == Q4_0:
-                    out[b, 2 + j] = np.uint8(q0 | (q1 << 4))
-                else:
-                    out[b, 6 + j] = np.uint8((q0 & 15) | ((q1 & 15) << 4))
-                    qh |= np.uint32(((q0 >> 4) & 1) << j) | np.uint32(((q1 >> 4) & 1) << (j + 16))
-            if kind == Q5_0:
+                q0 = min(cap, np.int32((x[b, j] - mn) * idv + off))
+                q1 = min(cap, np.int32((x[b, j + 16] - mn) * idv + off))
+                out[b, qs + j] = np.uint8((q0 & 15) | ((q1 & 15) << 4))
+                qh |= np.uint32(((q0 >> 4) & 1) << j) | np.uint32(((q1 >> 4) & 1) << (j + 16))
+            if kind == Q5_0 or kind == Q5_1:  # qh: bit j is bit 4 of code j, little-endian, before qs
                 for t in range(4):
-                    out[b, 2 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))
-        else:
-            qh = np.uint32(0)
-            cap = 15 if kind == Q4_1 else 255
-            for j in range(16):
-                q0 = min(cap, np.int32((x[b, j] - mn) * idv + np.float32(0.5)))
-                q1 = min(cap, np.int32((x[b, j + 16] - mn) * idv + np.float32(0.5)))
-                if kind == Q4_1:
-                    out[b, 4 + j] = np.uint8(q0 | (q1 << 4))
-                else:
-                    out[b, 8 + j] = np.uint8((q0 & 15) | ((q1 & 15) << 4))
-                    qh |= np.uint32(((q0 >> 4) & 1) << j) | np.uint32(((q1 >> 4) & 1) << (j + 16))
-            if kind == Q5_1:
-                for t in range(4):
-                    out[b, 4 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))
+                    out[b, qs - 4 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))
 
 
 # --------------------------------------------------------------------------- k-quant codes from the final scales
@@ -373,13 +370,11 @@ def _run_q4_k_codes(x, L, dd, dm, lo, hi, out):  # noqa: ANN001
                 if d0 == _F0:
                     q0 = np.int32(L[b, e0])
                 else:
-                    v = ((x[b, e0] + m0) / d0 + _MAGIC) - _MAGIC
-                    q0 = min(15, max(0, np.int32(v)))
+                    q0 = np.int32(_round_clamp((x[b, e0] + m0) / d0, _F0, np.float32(15)))
                 if d1 == _F0:
                     q1 = np.int32(L[b, e1])
                 else:
-                    v = ((x[b, e1] + m1) / d1 + _MAGIC) - _MAGIC
-                    q1 = min(15, max(0, np.int32(v)))
+                    q1 = np.int32(_round_clamp((x[b, e1] + m1) / d1, _F0, np.float32(15)))
                 out[b, 16 + 32 * p + t] = np.uint8(q0 | (q1 << 4))
 
 
@@ -403,8 +398,7 @@ def _run_q6_k_codes(x, L, dd, zero, lo, hi, out):  # noqa: ANN001
                 if d == _F0:
                     q[e] = np.int32(L[b, e])
                 else:
-                    v = (x[b, e] / d + _MAGIC) - _MAGIC
-                    q[e] = min(31, max(-32, np.int32(v))) + 32
+                    q[e] = np.int32(_round_clamp(x[b, e] / d, np.float32(-32), np.float32(31))) + 32
         for h in range(2):
             for t in range(32):
                 a0, a1, a2, a3 = q[128 * h + t], q[128 * h + 32 + t], q[128 * h + 64 + t], q[128 * h + 96 + t]

@@ -1,27 +1,32 @@
-"""Compiled CPU kernels (numba) for the k-quants' scale searches, bit-exact with the torch code they replace.
+"""Compiled CPU kernels (numba) for llama.cpp's block formats and FP4, bit-exact with the torch encoders.
 
-``make_qkx2_quants`` (q4_k) and ``make_qx_quants`` (q6_k) try 21 / 19 candidate scales per sub-block and
-keep the best, each candidate a pass of rounding and *sequential* fp32 sums over the sub-block (the C
-loops add in order; any other order rounds differently). In torch that is ~40 tensor operations per
-candidate over multi-megabyte intermediates, memory-bound; the C reference runs it one sub-block at a
-time, scalar. These kernels run the C loops *across* sub-blocks instead: a tile of ``LANES`` sub-blocks
-is laid out element-major (element ``i`` of sub-block ``k`` at ``i * LANES + k``), so every C statement
-becomes one loop over the lanes that LLVM vectorises (AVX2 / AVX-512) without reordering any sum: each
-lane still adds its own terms in the C order. No fast-math: no FMA contraction, no reassociation, IEEE
-division and square root, so the results are the C code's, bit for bit (``tests/test_schemes_kquants.py``
-compares them with the torch path and with llama.cpp's recorded and built bytes).
+The torch encoders (:mod:`qkit.schemes.ggml`, :mod:`qkit.schemes.kquants`, :mod:`qkit.schemes.fp4`) stay
+the oracle (``tests/test_schemes_kernels.py`` compares the two paths; the gguf, llama.cpp and
+compressed-tensors oracle tests run both) and the path for tensors on other devices.
 
-Rounding is the C ``nearest_int``: ``(v + 12582912.f) - 12582912.f`` is round-half-to-even for the
-bounded ``|v| < 2**22`` it gets (codes of at most ~17 before clamping); an inverse scale that overflows
+**k-quant searches.** ``make_qkx2_quants`` (q4_k) and ``make_qx_quants`` (q6_k) try 21 / 19 candidate
+scales per sub-block and keep the best, each candidate a pass of rounding and *sequential* fp32 sums over
+the sub-block (the C loops add in order; any other order rounds differently and can pick another
+candidate). In torch that is ~40 tensor operations per candidate over multi-megabyte intermediates; the C
+reference runs it one sub-block at a time, scalar. These kernels run the C loops *across* sub-blocks: a
+tile of 64 sub-blocks is laid out element-major (element ``i`` of sub-block ``k`` at ``i * 64 + k``), so
+every C statement becomes one loop over the lanes that LLVM vectorises (AVX2 / AVX-512) without
+reordering anything: each lane adds its own terms in the C order. No fast-math: no FMA contraction, no
+reassociation, IEEE division and square root. Rounding is the C ``nearest_int``: ``(v + 12582912.f) -
+12582912.f`` rounds half to even for the bounded ``|v| < 2**22`` it gets; an inverse scale that overflows
 (a sub-block narrower than about 4e-38) is replaced by 0 before rounding, giving code 0, as the C trick
-gives for inf and NaN.
+gives for inf and NaN. The final codes and their packing are compiled too.
 
-Threads: the sub-blocks are split into one contiguous range per torch thread (``torch.get_num_threads()``,
-which ``--threads`` sets); the kernels release the GIL. Compiled on first use and cached on disk
-(numba's ``cache=True``); where numba is not installed, or the tensor is not on the CPU, the callers
-use the torch code (``available()``).
+**32-element blocks** (q8_0, q4_0, q4_1, q5_0, q5_1): one pass per block; extremes as integer reductions
+over the fp32 bits, the C statements per block; blocks the C casts treat specially are handed back
+(:func:`blocks32`). **FP4**: block absmax from the bits, then scale, E2M1 rounding (the integer formula of
+:func:`qkit.schemes.fp4.e2m1_pack_arith`) and packing in one pass (:func:`e2m1_blocks`).
+
+Threads: the work is split into one contiguous range per torch thread (``torch.get_num_threads()``, which
+``--threads`` sets; see :func:`owning_the_cores`); the kernels release the GIL. Compiled on first use
+(~4 s) and cached on disk (numba's ``cache=True``). Where numba cannot be imported, ``QKIT_KERNELS=torch``
+is set, or the tensor is not on the CPU, the callers use the torch code (:func:`available`).
 """
-
 from __future__ import annotations
 
 import contextlib
