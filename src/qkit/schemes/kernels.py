@@ -24,7 +24,7 @@ over the fp32 bits, the C statements per block; blocks the C casts treat special
 
 Threads: the work is split into one contiguous range per torch thread (``torch.get_num_threads()``, which
 ``--threads`` sets; see :func:`owning_the_cores`); the kernels release the GIL. Compiled on first use
-(~4 s) and cached on disk (numba's ``cache=True``). Where numba cannot be imported, ``QKIT_KERNELS=torch``
+(~5 s) and cached on disk (numba's ``cache=True``). Where numba cannot be imported, ``QKIT_KERNELS=torch``
 is set, or the tensor is not on the CPU, the callers use the torch code (:func:`available`).
 """
 from __future__ import annotations
