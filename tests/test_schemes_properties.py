@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.granularity import PerGroup, PerRow, PerTensor
-from qkit.schemes import DEFAULT_SCHEMES, get_scheme, quantize_tensor
+from qkit.schemes import DEFAULT_SCHEMES, get_scheme, quantize_tensor, scheme_names
 from qkit.schemes.nf4 import nf4_tables
 from qkit.schemes.packing import unpack_nibbles
 
@@ -341,3 +341,16 @@ def test_empty_and_integer_tensors_are_refused():
         quantize_tensor(torch.zeros(0, 4), get_scheme("int8-row"), name="e")
     with pytest.raises(SchemeError, match="floating-point"):
         quantize_tensor(torch.zeros(2, 4, dtype=torch.int32), get_scheme("nf4"), name="i")
+
+
+@pytest.mark.parametrize("name", sorted({*scheme_names(), *SCHEMES}))
+def test_a_weight_that_requires_grad_quantizes_like_its_detached_copy(name):
+    """A model parameter passed as it is (``requires_grad=True``): same parts, none of them tracking grad
+    (encoders with ``out=`` operations and the compiled kernels' numpy views both refused it before)."""
+    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    scheme = get_scheme(name)
+    a = quantize_tensor(w, scheme, name="model.layers.0.self_attn.q_proj.weight")
+    b = quantize_tensor(w.detach().clone(), scheme, name="model.layers.0.self_attn.q_proj.weight")
+    for key, part in a.parts.items():
+        assert not part.requires_grad, key
+        assert torch.equal(part, b.parts[key]), key

@@ -110,8 +110,8 @@ def qkx2(x: torch.Tensor, w: torch.Tensor | None, nmax: int) -> tuple[torch.Tens
     (same shape), or ``w=None`` for q4_k's ``av_x + |x|``. Returns ``(scale [S], the_min [S], L [S, n]
     uint8)``, as :func:`qkit.schemes.kquants.make_qkx2_quants` (which is the oracle in the tests)."""
     S, n = x.shape
-    xn = x.contiguous().numpy()
-    wn = np.empty((0, n), np.float32) if w is None else w.contiguous().numpy()
+    xn = x.detach().contiguous().numpy()
+    wn = np.empty((0, n), np.float32) if w is None else w.detach().contiguous().numpy()
     scale, the_min = np.empty(S, np.float32), np.empty(S, np.float32)
     L = np.empty((S, n), np.uint8)
     _split(lambda lo, hi: _jit()._run_qkx2(xn, wn, lo, hi, nmax, scale, the_min, L), S)
@@ -123,7 +123,7 @@ def qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     L [S, n] uint8)``, the stored codes ``l + nmax`` (0 for an all-zero row), as
     :func:`qkit.schemes.kquants.make_qx_quants`."""
     S, n = x.shape
-    xn = x.contiguous().numpy()
+    xn = x.detach().contiguous().numpy()
     scale = np.empty(S, np.float32)
     L = np.empty((S, n), np.uint8)
     _split(lambda lo, hi: _jit()._run_qx(xn, lo, hi, nmax, scale, L), S)
@@ -141,7 +141,7 @@ def blocks32(x: torch.Tensor, kind: str, size: int) -> tuple[torch.Tensor, torch
     code, which is exact there and refuses non-finite weights)."""
     jit = _jit()
     nb = x.shape[0]
-    xn = x.contiguous().numpy()
+    xn = x.detach().contiguous().numpy()
     out = np.empty((nb, size), np.uint8)
     d, m = np.empty(nb, np.float32), np.empty(nb, np.float32)
     flags = np.empty(nb, np.uint8)
@@ -153,7 +153,7 @@ def blocks32(x: torch.Tensor, kind: str, size: int) -> tuple[torch.Tensor, torch
 def q4_k_codes(x: torch.Tensor, L: torch.Tensor, dd: torch.Tensor, dm: torch.Tensor, out: torch.Tensor) -> None:
     """q4_k's final codes, packed into ``out[:, 16:144]`` (``block_q4_K`` bytes ``[nb, 144]``) from ``x``
     ``[nb, 256]``, the search's codes ``L`` uint8 ``[nb, 256]`` and ``d*sc`` / ``dmin*m`` fp32 ``[nb, 8]``."""
-    jit, args = _jit(), [t.contiguous().numpy() for t in (x, L, dd, dm)]
+    jit, args = _jit(), [t.detach().contiguous().numpy() for t in (x, L, dd, dm)]
     on = out.numpy()
     _split(lambda lo, hi: jit._run_q4_k_codes(*args, lo, hi, on), x.shape[0])
 
@@ -162,7 +162,7 @@ def q6_k_codes(x: torch.Tensor, L: torch.Tensor, dd: torch.Tensor, zero: torch.T
     """q6_k's final codes, packed into ``out[:, :192]`` (``ql`` and ``qh`` of ``block_q6_K`` ``[nb, 210]``)
     from ``x`` ``[nb, 256]``, the search's stored codes ``L`` uint8 ``[nb, 256]``, ``d*sc`` fp32 ``[nb, 16]``
     and the all-zero super-blocks ``zero`` bool ``[nb]``."""
-    jit, args = _jit(), [t.contiguous().numpy() for t in (x, L, dd, zero)]
+    jit, args = _jit(), [t.detach().contiguous().numpy() for t in (x, L, dd, zero)]
     on = out.numpy()
     _split(lambda lo, hi: jit._run_q6_k_codes(*args, lo, hi, on), x.shape[0])
 
@@ -171,7 +171,7 @@ def block_absmax_bits(x: torch.Tensor, block: int) -> torch.Tensor:
     """fp32 ``x`` ``[rows, cols]`` -> int32 ``[rows, cols / block]``: the bits of each block's ``max |x|``
     (``>= 0x7F800000`` where the block holds NaN or inf)."""
     jit, rows = _jit(), x.shape[0]
-    xi = x.contiguous().view(torch.int32).numpy()
+    xi = x.detach().contiguous().view(torch.int32).numpy()
     out = np.empty((rows, x.shape[1] // block), np.int32)
     _split(lambda lo, hi: jit._run_block_absmax(xi, lo, hi, block, out), rows, unit=max(1, 2**16 // x.shape[1]))
     return torch.from_numpy(out)
@@ -183,6 +183,6 @@ def e2m1_blocks(x: torch.Tensor, scale: torch.Tensor, *, divide: bool, ties_to_e
     bytes of :func:`qkit.schemes.fp4.e2m1_pack` on the same values."""
     jit, rows = _jit(), x.shape[0]
     block = x.shape[1] // scale.shape[1]
-    args = (x.contiguous().numpy(), scale.contiguous().numpy(), divide, ties_to_even, minus_zero)
+    args = (x.detach().contiguous().numpy(), scale.detach().contiguous().numpy(), divide, ties_to_even, minus_zero)
     on = out.numpy()
     _split(lambda lo, hi: jit._run_e2m1(*args, lo, hi, block, on), rows, unit=max(1, 2**15 // x.shape[1]))

@@ -84,6 +84,7 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
     shape = tuple(w.shape)
     if w.numel() == 0:
         raise SchemeError(f"tensor {name} is empty (shape {list(shape)}); exclude it from quantization")
+    w = w.detach()  # a parameter that requires grad (quantization is not differentiated through)
     if hasattr(scheme, "resolve"):  # a recipe or a format with a fallback picks the scheme per tensor
         scheme = scheme.resolve(shape, name)
     try:
