@@ -306,11 +306,11 @@ KERNEL_CHUNK = 16384  # with the compiled kernels (few intermediates; each pass 
 
 
 def in_chunks(encode: Any, x: torch.Tensor, size: int) -> torch.Tensor:
-    """``encode`` over ``CHUNK`` (``KERNEL_CHUNK``) super-blocks at a time (every block is independent of the others). With
-    the compiled kernels, torch runs at one thread inside and the kernels take the cores
-    (:func:`qkit.schemes.kernels.owning_the_cores`). (The torch path alone was measured no faster with
-    2 threads, under a one-thread pool or with Python threads over the chunks: its operations are too
-    small to leave the GIL for long.)"""
+    """``encode`` over ``CHUNK`` (with the kernels ``KERNEL_CHUNK``) super-blocks at a time (every block is
+    independent of the others). With the compiled kernels, torch runs at one thread inside and the
+    kernels take the cores (:func:`qkit.schemes.kernels.owning_the_cores`). (The torch path alone was
+    measured no faster with 2 threads, under a one-thread pool or with Python threads over the chunks:
+    its operations are too small to leave the GIL for long.)"""
     with kernels.owning_the_cores() if kernels.available(x) else contextlib.nullcontext():
         check_finite(*torch.aminmax(x))
         out = torch.empty(x.shape[0], size, dtype=torch.uint8, device=x.device)
