@@ -73,29 +73,29 @@ def _qkx2_error(X, W, iscale, shift, hi, a, m, E):  # noqa: ANN001
 
 
 @_compiled
-def _qkx2_tile(X, W, La, V, n, nmax, q4_k_weights):  # noqa: ANN001
+def _qkx2_tile(X, W, La, V, n, nmax):  # noqa: ANN001
     """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, -1, 0.1, 20, false)`` on ``LANES``
-    sub-blocks at once. In: ``X`` (element-major tile), ``W`` (its weights; with ``q4_k_weights``
-    computed here as ``quantize_row_q4_K_ref`` does). Out: ``V[5]`` scale, ``V[0]`` min (negated by
+    sub-blocks at once, with q4_k's weights. In: ``X`` (element-major tile); ``W`` is filled here with the
+    weights ``quantize_row_q4_K_ref`` passes. Out: ``V[5]`` scale, ``V[0]`` min (negated by
     the caller), ``La`` the codes. A sub-block with ``max == min`` gets scale ``1/inf = 0``, codes 0
     and no candidate (``D = 0``): the C code's early return, without a branch."""
     hi = np.float32(nmax)
     mn, mx, sum_w, sum_x, isc, scale = V[0], V[1], V[2], V[3], V[4], V[5]
     best_is, best_sh, best_err, ts, tm, ce, dd = V[6], V[7], V[8], V[9], V[10], V[11], V[12]
     S = V[13:16].ravel()
-    if q4_k_weights:  # q4_k's importance weights: av_x = sqrtf(sum x*x / 32), w = av_x + |x|
+    # q4_k's importance weights: av_x = sqrtf(sum x*x / 32), w = av_x + |x|
+    for k in range(LANES):
+        ce[k] = _F0
+    for i in range(n):
+        b = i * LANES
         for k in range(LANES):
-            ce[k] = _F0
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                ce[k] += X[b + k] * X[b + k]
+            ce[k] += X[b + k] * X[b + k]
+    for k in range(LANES):
+        ce[k] = np.sqrt(ce[k] / np.float32(n))
+    for i in range(n):
+        b = i * LANES
         for k in range(LANES):
-            ce[k] = np.sqrt(ce[k] / np.float32(n))
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                W[b + k] = ce[k] + abs(X[b + k])
+            W[b + k] = ce[k] + abs(X[b + k])
     for k in range(LANES):
         x0, w0 = X[k], W[k]
         mn[k] = x0
@@ -217,19 +217,17 @@ def _store_codes(La, s0, t, n, L):  # noqa: ANN001
 
 
 @_compiled
-def _run_qkx2(x, w, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
-    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]`` (rows; ``w`` like ``x``, or empty for q4_k's weights)."""
+def _run_qkx2(x, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
+    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]`` (a sub-block a row): q4_k's ``make_qkx2_quants``."""
     n = x.shape[1]
     X = np.zeros(n * LANES, np.float32)
-    W = np.zeros(n * LANES, np.float32)
+    W = np.empty(n * LANES, np.float32)
     La = np.empty(n * LANES, np.float32)
     V = np.empty((16, LANES), np.float32)
     for s0 in range(lo, hi, LANES):
         t = min(LANES, hi - s0)
         _load_tile(x, s0, t, n, X)
-        if w.shape[0]:
-            _load_tile(w, s0, t, n, W)
-        _qkx2_tile(X, W, La, V, n, nmax, w.shape[0] == 0)
+        _qkx2_tile(X, W, La, V, n, nmax)
         for k in range(t):
             scale[s0 + k] = V[5, k]
             the_min[s0 + k] = -V[0, k]

@@ -107,16 +107,15 @@ def _split(run, S: int, unit: int) -> None:  # noqa: ANN001
         j.result()
 
 
-def qkx2(x: torch.Tensor, w: torch.Tensor | None, nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``make_qkx2_quants`` on every row of ``x`` ``[S, n]`` fp32 (a sub-block a row) with weights ``w``
-    (same shape), or ``w=None`` for q4_k's ``av_x + |x|``. Returns ``(scale [S], the_min [S], L [S, n]
-    uint8)``, as :func:`qkit.schemes.kquants.make_qkx2_quants` (which is the oracle in the tests)."""
+def qkx2(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_qkx2_quants`` on every row of ``x`` ``[S, n]`` fp32 (a sub-block a row) with q4_k's weights
+    ``av_x + |x|``. Returns ``(scale [S], the_min [S], L [S, n] uint8)``, as
+    :func:`qkit.schemes.kquants.make_qkx2_quants` (the oracle in the tests)."""
     S, n = x.shape
     xn = x.detach().contiguous().numpy()
-    wn = np.empty((0, n), np.float32) if w is None else w.detach().contiguous().numpy()
     scale, the_min = np.empty(S, np.float32), np.empty(S, np.float32)
     L = np.empty((S, n), np.uint8)
-    _split(lambda lo, hi: _jit()._run_qkx2(xn, wn, lo, hi, nmax, scale, the_min, L), S, unit=2048)
+    _split(lambda lo, hi: _jit()._run_qkx2(xn, lo, hi, nmax, scale, the_min, L), S, unit=2048)
     return torch.from_numpy(scale), torch.from_numpy(the_min), torch.from_numpy(L)
 
 

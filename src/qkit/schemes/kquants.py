@@ -328,7 +328,7 @@ def encode_q4_k(x: torch.Tensor) -> torch.Tensor:
 def _encode_q4_k(x: torch.Tensor) -> torch.Tensor:
     nb = x.shape[0]
     if kernels.available(x):
-        scales, mins, L = kernels.qkx2(x.reshape(nb * 8, 32), None, 15)
+        scales, mins, L = kernels.qkx2(x.reshape(nb * 8, 32), 15)
         L = L.view(nb, 8, 32)
     else:
         xs = x.view(nb * 8, 32).t().contiguous()  # [32, sub-blocks]
