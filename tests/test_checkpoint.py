@@ -92,6 +92,11 @@ def test_sharded_write_with_index(tiny_model_dir, tmp_path):
     index = json.loads((out / INDEX_FILE).read_text())
     assert set(index["metadata"]["qkit"]["tensors"]) == set(result.quantized)
     assert read_manifest(out)["tensors"] == index["metadata"]["qkit"]["tensors"]
+    for path in files:  # each shard's manifest lists exactly the quantized tensors whose parts it stores
+        with safe_open(str(path), framework="pt") as f:
+            listed = set(json.loads(f.metadata()["qkit"])["tensors"])
+            stored = {k.rsplit(".", 1)[0] for k in f.keys() if k.rsplit(".", 1)[0] in result.quantized}
+        assert listed == stored, path.name
     back = dict(iter_quantized(out))
     for name, qt in result.quantized.items():
         assert torch.equal(back[name].dequantize(), qt.dequantize())

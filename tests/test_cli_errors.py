@@ -88,22 +88,44 @@ def test_unreachable_hub_id(tmp_path, monkeypatch):
 
 
 def test_existing_output_directory_is_refused_and_untouched(tiny_model_dir, tmp_path):
+    # Not something qkit wrote: --force would not help either, so the refusal does not suggest it.
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
     result, text = run("quantize", str(tiny_model_dir), "-o", str(out))
-    assert_clean_error(result, text, "already exists", "--force")
+    assert_clean_error(result, text, "already exists", "not something qkit wrote")
+    assert "--force" not in text
     assert (out / "precious.txt").read_text() == "keep me"
     assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]
 
 
-def test_force_replaces_the_output(tiny_model_dir, tmp_path):
+def test_existing_qkit_output_is_refused_with_a_force_hint(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    result, text = run("quantize", str(tiny_model_dir), "-o", str(out), "--scheme", "int8-row")
+    assert result.exit_code == 0, text
+    result, text = run("quantize", str(tiny_model_dir), "-o", str(out), "--scheme", "int8-row")
+    assert_clean_error(result, text, "already exists", "--force")
+
+
+def test_force_replaces_a_qkit_output(tiny_model_dir, tmp_path):
+    out = tmp_path / "out"
+    result, text = run("quantize", str(tiny_model_dir), "-o", str(out), "--scheme", "int8-row")
+    assert result.exit_code == 0, text
+    result, text = run("quantize", str(tiny_model_dir), "-o", str(out), "--force", "--scheme", "int4-row")
+    assert result.exit_code == 0, text
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["scheme"]["name"] == "int4-row"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the replaced output is gone, no sibling left
+
+
+def test_force_refuses_a_directory_qkit_did_not_write(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "old.txt").write_text("old")
     result, text = run("quantize", str(tiny_model_dir), "-o", str(out), "--force", "--scheme", "int8-row")
-    assert result.exit_code == 0, text
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert_clean_error(result, text, "not something qkit wrote")
+    assert "--force" not in text
+    assert sorted(p.name for p in out.iterdir()) == ["old.txt"] and (out / "old.txt").read_text() == "old"
 
 
 def test_pinned_asset_hash_mismatch(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ CASES = [
     (["quantize", MISSING, "-o", "OUT", "--device", "bogus"], "unknown device 'bogus'"),
     # eval
     (["eval", MISSING, "--window", "1"], "--window must be at least 2"),
-    (["eval", MISSING, "--tokens", "1"], "--tokens must be at least 2"),
+    (["eval", MISSING, "--tokens", "1"], "--tokens must be at least 3"),
     (["eval", MISSING, "--agree-tokens", "0"], "--agree-tokens must be at least 1"),
     (["eval", MISSING, "--schemes", "int8-row,bogus"], "'bogus'"),
     (["eval", MISSING, "--scale-dtype", "fp7"], "scale dtype 'fp7'"),

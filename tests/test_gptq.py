@@ -361,11 +361,13 @@ def test_checkpoint_loads_with_the_exact_weights_the_method_chose(gptq_checkpoin
         assert torch.equal(model.get_parameter(name), qt.dequantize(torch.float32))
 
 
-def test_eval_of_the_checkpoint_equals_the_in_memory_row(gptq_checkpoint, tiny64, cal_file):
+def test_eval_of_the_checkpoint_equals_the_in_memory_row(gptq_checkpoint, tiny64, cal_file, tmp_path):
     from qkit.evaluation import EvalOptions, evaluate
 
     out, _ = gptq_checkpoint
-    fast = dict(tokens=128, battery_tokens=4, corpus=cal_file)
+    corpus = tmp_path / "corpus.txt"  # disjoint from the calibration text (eval refuses calibrating on the eval text)
+    corpus.write_text(" ".join(f"Seven green frogs sang song {i} beside a quiet river while owls watched." for i in range(20)))
+    fast = dict(tokens=128, battery_tokens=4, corpus=str(corpus))
     in_memory = evaluate(tiny64, options=EvalOptions(schemes=("int4-g32",), methods=("gptq",),
                                                      method_options=tuple(sorted(opts(cal_file).items())), **fast))
     saved = evaluate(out, options=EvalOptions(reference=str(tiny64), **fast))

@@ -22,11 +22,12 @@ from qkit.checkpoint import (
     tensor_shapes,
     write_json,
 )
-from qkit.errors import InputError
+from qkit.errors import InputError, OutputError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
 from qkit.methods import RTN, get_method, make_options
-from qkit.models import ModelRef, copy_aux_files, parse_device, read_config, resolve
+from qkit.models import ModelRef, check_complete, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
+from qkit.outputs import Input, directory_inputs, file_inputs, model_inputs
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.kquants import bind_model
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
@@ -89,6 +90,7 @@ def quantize_model(
     format: str = QKIT,
     activations: str | None = None,
     allow_pickle: bool = False,
+    trust_remote_code: bool = False,
     collect: bool = False,
     method: str = RTN,
     method_options: Mapping[str, Any] | None = None,
@@ -104,17 +106,29 @@ def quantize_model(
     ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
     libraries load, or ``gguf`` for one llama.cpp file (``output`` ending in ``.gguf``, else a directory
     holding ``model.gguf``; see ``qkit.export``); a scheme the format cannot express is refused before any work.
+    ``output`` is refused before any work (``qkit.outputs.check_output``) if it is, contains or lies inside
+    an input (the model as given and as resolved, the calibration file), whatever ``force``; if it exists,
+    unless ``force`` and qkit wrote it; and if its place cannot be written (read-only, full, not a directory).
     ``method``: ``rtn`` (default: round to nearest, streamed) or a calibrated method (``qkit.methods``:
     ``gptq``, ``awq``, ...) with its ``method_options``; a method runs over the whole model first (its
     progress through ``on_block(done, total)``), then the same writer stores its tensors. What the method
     did (options, calibration text and sha256) goes into the manifest under ``method``.
+    ``trust_remote_code``: allow the model's own Python (``qkit.models.custom_code``); without it such a
+    model is refused before any work, and every transformers call is told ``False``.
     ``activations``: with ``format="compressed-tensors"`` and ``int8-row`` weights, ``"int8-token"`` writes
     a W8A8 checkpoint (dynamic per-token int8 activations, ``int-quantized``: the layout vLLM serves; see
     ``qkit.export.compressed_tensors_w8a8``), typically after ``method="smoothquant"``.
     """
     t0 = time.perf_counter()
+    if output is None or str(output) == "":
+        raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
     out = Path(output)
-    check_output(format, out, force)
+    # The output is checked before any work: first against what the arguments name, then (below) against
+    # the resolved model too. One that is, contains or lies inside an input is refused whatever ``force``.
+    cal = (method_options or {}).get("calibration")
+    given = [*(model_inputs(model) if ref is None else []),
+             *file_inputs("the calibration text", None if cal is None else str(cal))]
+    check_output(format, out, force, given)
     default = get_scheme(scheme, scale_dtype)
     rules = Rules.parse(include, exclude, keep, scale_dtype)
     dev = parse_device(device)
@@ -129,9 +143,12 @@ def quantize_model(
     options = make_options(chooser, method_options) if chooser else None
     if chooser is None and method_options:
         raise InputError(f"options {', '.join(sorted(method_options))} need a calibrated --method (gptq, awq, ...)")
-    ref = ref or resolve(model, allow_pickle=allow_pickle)
+    ref = ref or resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
     if ref.is_quantized:
         raise InputError(f"{ref.spec} is already a qkit checkpoint; quantize the original model instead")
+    check_complete(ref, trust_remote_code=trust_remote_code)  # missing tensors: refused before any method runs
+    inputs = [*given, *resolved_inputs(ref)]
+    check_output(format, out, force, inputs)  # a few stat calls: the resolved directory was not known above
     shapes = dict(tensor_shapes(ref.directory))
     # A recipe (q4_k_m) needs facts of the model (layer count, tied embeddings): bound here, once.
     config = read_config(ref.directory)
@@ -158,7 +175,7 @@ def quantize_model(
     result.method = RTN if chooser is None else chooser.name
     result.method_record = manifest.get("method", {})
     qbytes = 0
-    with atomic_output(export, out, force) as tmp:
+    with atomic_output(export, out, force, inputs) as tmp:
         writer = export.writer(tmp, max_shard_bytes) if export else ShardWriter(tmp, manifest, max_shard_bytes)
         for name, tensor in iter_tensors(ref.directory):
             s = targets.get(name)
@@ -195,6 +212,16 @@ def quantize_model(
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def resolved_inputs(ref: ModelRef) -> list[Input]:
+    """What a resolved model reads: its local directory (with its symlinks' targets), the GGUF it was
+    converted from, the hub snapshot it came from; an output must stay clear of all of them."""
+    found = directory_inputs("the model", ref.directory)
+    for key, label in (("gguf", "the source GGUF"), ("snapshot", "the model's hub snapshot")):
+        if ref.provenance.get(key):
+            found.append((label, ref.provenance[key]))
+    return found
 
 
 def _quantize_on(tensor: torch.Tensor, scheme: Scheme, name: str, device: torch.device) -> QuantizedTensor:

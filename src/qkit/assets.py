@@ -9,6 +9,7 @@ Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -18,6 +19,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,3 +141,16 @@ def fetch(asset: PinnedAsset) -> Path:
     finally:
         part.unlink(missing_ok=True)
     return target
+
+
+@contextlib.contextmanager
+def quiet_hub() -> Iterator[None]:
+    """huggingface_hub logs every retry ("Retrying in 1s [Retry 1/5]") and HTTP error as a warning on
+    stderr: a failed fetch must be one line, qkit's own."""
+    hub_log = logging.getLogger("huggingface_hub")
+    saved = hub_log.level
+    hub_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        hub_log.setLevel(saved)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
-import re
-import shutil
 import struct
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qkit.errors import CheckpointError, OutputExistsError
+from qkit import outputs
+from qkit.errors import CheckpointError, SchemeError
+from qkit.outputs import (  # noqa: F401 (re-exported: callers import them from here)
+    OLD_MARK,
+    TMP_MARK,
+    Input,
+    _pid_alive,
+    remove_stale_siblings,
+    stale_siblings,
+)
 from qkit.schemes import QuantizedTensor
+from qkit.schemes.quantized import check_parts
 from qkit.transform import entry_to_spec, manifest_entry
 
 SINGLE_FILE = "model.safetensors"
@@ -42,96 +51,35 @@ os.umask(_UMASK)
 
 
 # --------------------------------------------------------------------------- atomic output
+# Where qkit may write, and the hidden staging siblings, live in qkit.outputs (layer 1: --json writes use
+# them too); a checkpoint directory is one such output.
 
 
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an existing ``out`` unless ``force``; call before any expensive work."""
-    if out.exists() and not force:
-        raise OutputExistsError(f"output {out} already exists; pass --force to replace it or choose another -o")
-    if out.exists() and not out.is_dir():
-        raise OutputExistsError(f"output {out} exists and is not a directory; remove it or choose another -o")
-
-
-TMP_MARK = ".qkit-tmp-"  # hidden sibling being written: .NAME.qkit-tmp-PID-RANDOM
-OLD_MARK = ".qkit-old-"  # the replaced output, removed once the new one is in place: .NAME.qkit-old-PID-RANDOM
-_SIBLING = re.compile(r"^\.(?P<name>.+)(?:\.qkit-tmp-|\.qkit-old-)(?P<pid>[0-9]+)-[0-9a-f]{8}$")
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (``kill(pid, 0)`` sends nothing; it only checks)."""
-    if pid <= 0:
-        return True  # not a writer's pid: never treat it as gone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # exists (another user's process) or cannot tell: keep its directory
-    return True
-
-
-def stale_siblings(out: Path) -> list[Path]:
-    """Hidden temporary siblings (``.NAME.qkit-tmp-PID-*``, ``.NAME.qkit-old-PID-*``) in ``out``'s parent
-    whose writer process is gone: what a run killed with SIGKILL (or a power cut) leaves behind.
-
-    Any NAME counts: every such directory in the parent was written by qkit and is garbage once its
-    writer has exited. The name holds the writer's PID only (no host name); on a file system shared
-    between machines, a writer on another host whose PID does not exist here would count as gone.
-    """
-    parent = Path(out).parent
-    try:
-        entries = list(parent.iterdir())
-    except OSError:  # no parent yet: nothing to clean
-        return []
-    found = []
-    for p in entries:
-        m = _SIBLING.match(p.name)
-        if m and p.is_dir() and not p.is_symlink() and not _pid_alive(int(m.group("pid"))):
-            found.append(p)
-    return sorted(found)
-
-
-def remove_stale_siblings(out: Path) -> list[Path]:
-    """Remove ``stale_siblings(out)``; return the paths removed (to report them)."""
-    removed = []
-    for p in stale_siblings(out):
-        shutil.rmtree(p, ignore_errors=True)
-        if not p.exists():
-            removed.append(p)
-    return removed
+def check_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) -> None:
+    """Refuse a directory output qkit must not or cannot write (``qkit.outputs.check_output``): one that is,
+    contains or lies inside an input (whatever ``force``), an existing one without ``force`` or not written
+    by qkit, an unwritable place. Call before any expensive work."""
+    outputs.check_output(out, kind="dir", force=force, inputs=inputs)
 
 
 @contextlib.contextmanager
 def atomic_directory(
-    out: Path, force: bool = False, on_stale: Callable[[list[Path]], None] | None = None
+    out: Path, force: bool = False, on_stale: Callable[[list[Path]], None] | None = None,
+    inputs: Iterable[Input] = (),
 ) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success it replaces ``out`` by rename, else it is removed.
 
-    An interrupted or failed write never leaves a partial ``out`` and never touches an existing one. The
-    sibling is ``.NAME.qkit-tmp-PID-RANDOM``: a run killed before it could clean up (SIGKILL) leaves only
-    that, and the next write into the same parent removes it (``remove_stale_siblings``), reporting the
-    removed paths to ``on_stale``.
+    An interrupted or failed write never leaves a partial ``out`` and never touches an existing one; a
+    full disk or another failed write is one ``OutputError`` line, with the sibling (and any parent
+    directory created for ``out``) removed. The sibling is ``.NAME.qkit-tmp-PID-RANDOM``: a run killed
+    before it could clean up (SIGKILL) leaves only that, and the next write into the same parent removes
+    it (``remove_stale_siblings``), reporting the removed paths to ``on_stale``.
     """
     out = Path(out)
-    check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    removed = remove_stale_siblings(out)
-    if removed and on_stale:
-        on_stale(removed)
-    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = out.parent / f".{out.name}{TMP_MARK}{tag}"
-    tmp.mkdir()
-    try:
+    check_output(out, force, inputs)
+    with outputs.staged(out, on_stale=on_stale) as tmp:
         yield tmp
-        old = out.parent / f".{out.name}{OLD_MARK}{tag}"
-        if out.exists():
-            check_output(out, force)  # it may have appeared while we worked
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        outputs.publish_directory(tmp, out, recheck=lambda: check_output(out, force))
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -159,14 +107,12 @@ class ShardWriter:
         self.entries: dict[str, dict] = {}
 
     def add(self, name: str, value: QuantizedTensor | torch.Tensor) -> None:
-        if isinstance(value, QuantizedTensor):
-            tensors = value.tensors(name)
-            self._pending_entries[name] = manifest_entry(value)
-        else:
-            tensors = {name: value}
+        tensors = value.tensors(name) if isinstance(value, QuantizedTensor) else {name: value}
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         if self._pending and self._pending_bytes + size > self.max_shard_bytes:
             self._flush()
+        if isinstance(value, QuantizedTensor):  # after the flush: the entry goes with the shard holding its parts
+            self._pending_entries[name] = manifest_entry(value)
         for key, t in tensors.items():
             if key in self._pending or any(key in names for _, names in self._shards):
                 raise CheckpointError(f"tensor {key} would be written twice; rename or drop the duplicate")
@@ -214,16 +160,38 @@ class ShardWriter:
 # --------------------------------------------------------------------------- reading
 
 
+def _read_index(index: Path) -> dict[str, Any]:
+    """A ``model.safetensors.index.json``: an object whose ``weight_map`` maps tensor names to the plain file
+    names of shards in the same directory (a name with a path separator could point outside it), and whose
+    ``metadata``, if any, is an object. Anything else is one ``CheckpointError`` line naming the index."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index} is not valid JSON ({exc}); re-download or re-create the checkpoint") from exc
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {index} ({exc.strerror or exc}); check its permissions") from exc
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no weight_map object naming the shards; re-download or re-create the checkpoint")
+    bad = [v for k, v in weight_map.items()
+           if not isinstance(v, str) or v in ("", ".", "..") or Path(v).name != v or "\\" in v]
+    if bad:
+        raise CheckpointError(
+            f"{index}: weight_map names {bad[0]!r}, not a shard file name in the checkpoint directory; "
+            "re-download or re-create the checkpoint"
+        )
+    if not isinstance(data.get("metadata", {}), dict):
+        raise CheckpointError(f"{index}: metadata is not an object; re-download or re-create the checkpoint")
+    return data
+
+
 def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a model directory, in index order."""
+    """The safetensors files of a model directory, in index order (see ``_read_index`` for what an index
+    must hold; every shard it names must exist)."""
     directory = Path(directory)
     index = directory / INDEX_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({exc}); re-create it") from exc
-        files = list(dict.fromkeys(weight_map.values()))
+        files = list(dict.fromkeys(_read_index(index)["weight_map"].values()))
         missing = [f for f in files if not (directory / f).is_file()]
         if missing:
             raise CheckpointError(f"{index} names missing shard(s) {', '.join(missing)}; re-download or re-create the checkpoint")
@@ -247,8 +215,29 @@ def open_safetensors(path: Path, device: str = "cpu"):
 
 
 def read_manifest(directory: Path) -> dict | None:
-    """The merged qkit manifest of a checkpoint directory, or ``None`` for a plain model directory."""
+    """The merged qkit manifest of a checkpoint directory, or ``None`` for a plain model directory.
+
+    Checked whole before any tensor is read (``_manifest``): a tampered or truncated manifest is one
+    ``CheckpointError`` line naming the file and, for a bad entry, the tensor.
+    """
+    return _manifest(directory)[0]
+
+
+Spec = tuple[Any, tuple[int, ...], torch.dtype]  # (scheme, original shape, original dtype) of one quantized weight
+
+
+def _manifest(directory: Path) -> tuple[dict | None, dict[str, Spec]]:
+    """``(merged manifest or None, {weight name: spec})``.
+
+    Every shard's manifest must be a JSON object of this format and version with a ``tensors`` object,
+    the same in every shard but for ``tensors``; every entry must rebuild (``entry_to_spec``); a tensor
+    listed by two shards must have one entry; an index's ``metadata.qkit``, if any, must be the merged
+    manifest (no reader uses it, so a tampered copy would otherwise pass unnoticed).
+    """
+    from qkit.transform import MANIFEST_FORMAT, MANIFEST_VERSION
+
     merged: dict | None = None
+    specs: dict[str, Spec] = {}
     for path in weight_files(directory):
         with open_safetensors(path) as f:
             raw = (f.metadata() or {}).get(MANIFEST_KEY)
@@ -258,10 +247,35 @@ def read_manifest(directory: Path) -> dict | None:
             shard = json.loads(raw)
         except ValueError as exc:
             raise CheckpointError(f"{path}: the qkit manifest is not valid JSON ({exc}); re-create the checkpoint") from exc
+        if not isinstance(shard, dict) or not isinstance(shard.get("tensors"), dict):
+            raise CheckpointError(f"{path}: the qkit manifest is not an object with a tensors object; re-create the checkpoint")
+        if shard.get("format") != MANIFEST_FORMAT or shard.get("format_version") != MANIFEST_VERSION:
+            raise CheckpointError(
+                f"{path}: the qkit manifest is format {shard.get('format')!r} version {shard.get('format_version')!r}; "
+                f"this qkit reads {MANIFEST_FORMAT!r} version {MANIFEST_VERSION}: re-create the checkpoint with it"
+            )
         if merged is None:
             merged = {**shard, "tensors": {}}
-        merged["tensors"].update(shard.get("tensors", {}))
-    return merged
+        elif {k: v for k, v in shard.items() if k != "tensors"} != {k: v for k, v in merged.items() if k != "tensors"}:
+            raise CheckpointError(f"{path}: the qkit manifest differs from the first shard's; re-create the checkpoint")
+        for name, entry in shard["tensors"].items():
+            if name in merged["tensors"]:
+                if merged["tensors"][name] != entry:
+                    raise CheckpointError(f"{path}: tensor {name} has two different manifest entries; re-create the checkpoint")
+                continue
+            try:
+                specs[name] = entry_to_spec(entry, name)
+            except CheckpointError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            merged["tensors"][name] = entry
+    index = Path(directory) / INDEX_FILE
+    if index.is_file():
+        recorded = _read_index(index).get("metadata", {}).get(MANIFEST_KEY)
+        if recorded is not None and recorded != merged:
+            raise CheckpointError(
+                f"{index}: its qkit manifest (metadata.qkit) differs from the one in the shards; re-create the checkpoint"
+            )
+    return merged, specs
 
 
 _ST_DTYPES = {
@@ -272,18 +286,41 @@ _ST_DTYPES = {
 }
 
 
+def _check_header_entry(key: str, v: Any, data_bytes: int) -> None:
+    """One header entry: ``{"dtype": str, "shape": [int >= 0, ...], "data_offsets": [begin, end]}`` with
+    ``0 <= begin <= end <= data_bytes`` and, for a known dtype, ``end - begin`` the bytes of that shape."""
+    def is_int(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    if not isinstance(v, dict) or not isinstance(v.get("dtype"), str):
+        raise ValueError(f"tensor {key} has no dtype")
+    shape, offsets = v.get("shape"), v.get("data_offsets")
+    if not isinstance(shape, list) or not all(is_int(d) for d in shape):
+        raise ValueError(f"tensor {key} has shape {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_int(x) for x in offsets) or offsets[0] > offsets[1]:
+        raise ValueError(f"tensor {key} has data offsets {offsets!r}")
+    if offsets[1] > data_bytes:
+        raise ValueError(f"tensor {key} ends past the end of the file")
+    dtype = _ST_DTYPES.get(v["dtype"])
+    if dtype is not None and math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
+        raise ValueError(f"tensor {key}: {offsets[1] - offsets[0]} bytes do not hold a {v['dtype']} {shape}")
+
+
 def _read_header(path: Path, fh) -> tuple[dict, int]:
-    """A safetensors file's header (8-byte little-endian length, then JSON) and where its data starts."""
+    """A safetensors file's header (8-byte little-endian length, then JSON) and where its data starts;
+    every entry checked (``_check_header_entry``), so a corrupt header is one line, not a reshape error."""
     try:
         size = os.fstat(fh.fileno()).st_size
         (n,) = struct.unpack("<Q", fh.read(8))
         if n > size - 8:
             raise ValueError("the header is longer than the file")
         header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
         header.pop("__metadata__", None)
-        if any(8 + n + int(v["data_offsets"][1]) > size for v in header.values()):
-            raise ValueError("a tensor ends past the end of the file")
-    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        for key, v in header.items():
+            _check_header_entry(key, v, size - 8 - n)
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise CheckpointError(
             f"{path} is not a readable safetensors file (truncated or corrupt: {str(exc).splitlines()[0]}); "
             "re-download or re-create it"
@@ -324,31 +361,61 @@ def tensor_shapes(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Stored:
+    """A stored tensor as its header describes it (what ``check_parts`` compares, before any data is read)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | str
+
+
+def _check_stored_parts(directory: Path, specs: dict[str, Spec]) -> None:
+    """Every manifest entry's stored parts, from the headers alone: exactly the parts its scheme stores,
+    each of the shape and dtype the scheme implies for the original shape (``check_parts``). Refuses
+    before any data is read: missing, extra, truncated, re-typed or re-shaped parts, and a weight stored
+    both whole and as parts. One ``CheckpointError`` naming the tensor."""
+    parts: dict[str, dict[str, _Stored]] = {name: {} for name in specs}
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            for key in f.keys():
+                if key in specs:
+                    raise CheckpointError(f"checkpoint {directory}: tensor {key} is stored whole and listed as quantized; re-create it")
+                base, dot, part = key.rpartition(".")
+                if dot and base in parts:
+                    info = f.get_slice(key)
+                    parts[base][part] = _Stored(tuple(info.get_shape()), _ST_DTYPES.get(info.get_dtype(), info.get_dtype()))
+    for name, (scheme, shape, _) in specs.items():
+        try:
+            check_parts(scheme, parts[name], shape, name)
+        except SchemeError as exc:
+            raise CheckpointError(f"checkpoint {directory}: {exc}; re-create it") from None
+
+
 def iter_quantized(directory: Path, device: str = "cpu") -> Iterator[tuple[str, QuantizedTensor | torch.Tensor]]:
-    """Stream a checkpoint as ``(weight name, QuantizedTensor)`` for quantized weights, else ``(name, tensor)``."""
-    manifest = read_manifest(directory) or {"tensors": {}}
-    entries = manifest["tensors"]
+    """Stream a checkpoint as ``(weight name, QuantizedTensor)`` for quantized weights, else ``(name, tensor)``.
+
+    The manifest and every quantized weight's stored parts are checked before the first tensor is read
+    (``_manifest``, ``_check_stored_parts``): a tampered checkpoint is refused in one line, never
+    decoded into other weights. Parts are held until the last of a weight's parts arrives (a writer may
+    split them across shards).
+    """
+    _, specs = _manifest(directory)
+    _check_stored_parts(directory, specs)
     held: dict[str, dict[str, torch.Tensor]] = {}
-    schemes: dict[str, tuple] = {}
     for key, t in iter_tensors(directory, device):
         base, dot, part = key.rpartition(".")
-        if dot and base in entries:
-            if base not in schemes:
-                schemes[base] = entry_to_spec(entries[base])
-            scheme, shape, dtype = schemes[base]
-            if part not in scheme.parts:
-                raise CheckpointError(f"checkpoint {directory}: unexpected tensor {key} for scheme {scheme.name}; re-create it")
+        if dot and base in specs:
+            scheme, shape, dtype = specs[base]
             parts = held.setdefault(base, {})
             parts[part] = t
             if len(parts) == len(scheme.parts):
-                yield base, QuantizedTensor.from_parts(scheme, parts, shape, dtype)
-                del held[base], schemes[base]
+                del held[base]
+                try:  # checked above from the headers; from_parts checks the tensors themselves
+                    yield base, QuantizedTensor.from_parts(scheme, parts, shape, dtype, name=base)
+                except SchemeError as exc:
+                    raise CheckpointError(f"checkpoint {directory}: {exc}; re-create it") from None
         else:
             yield key, t
-    if held:
-        raise CheckpointError(
-            f"checkpoint {directory} lacks stored parts (qweight, scales, ...) of {', '.join(sorted(held))}; re-create it"
-        )
 
 
 def checkpoint_bytes(directory: Path) -> int:

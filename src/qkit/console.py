@@ -19,6 +19,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from qkit import outputs
+
 
 # Where the output is not a terminal (a pipe, a file, CI), nothing is wrapped at an assumed width:
 # tables print at their natural width, titles and notes on one line, captions wrapped at the wider of
@@ -162,14 +164,20 @@ def show_library_status() -> None:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` as sorted JSON to ``path`` atomically, or to stdout for ``-``."""
+    """Write ``data`` as sorted JSON to ``path`` atomically, or to stdout for ``-``.
+
+    The target was checked before any work (``qkit.outputs.check_output``, kind ``json``); a write that
+    fails here (a disk filled meanwhile) is one ``OutputError`` and leaves no temporary file behind, and
+    a killed run's hidden ``.NAME.qkit-tmp-PID-*`` file is removed by the next write into that directory.
+    """
     text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
     if str(path) == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, target)
+    outputs.write_text(path, text, what="--json", on_stale=_report_stale)
+
+
+def _report_stale(removed: list[Path]) -> None:
+    status(f"removed {len(removed)} temporary file{'s' if len(removed) > 1 else ''} of killed runs (their writer "
+           f"process is gone): {', '.join(str(p) for p in removed)}")

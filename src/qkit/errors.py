@@ -35,7 +35,11 @@ class CheckpointError(QkitError):
     """A checkpoint that cannot be read (truncated or corrupt safetensors, bad manifest)."""
 
 
-class OutputExistsError(QkitError):
+class OutputError(QkitError):
+    """An output qkit may not or cannot write: an input, not qkit's to replace, not writable, out of space."""
+
+
+class OutputExistsError(OutputError):
     """The output path exists and ``--force`` was not given."""
 
 

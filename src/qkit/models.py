@@ -11,16 +11,27 @@
    GGUF; qkit dequantizes them to fp32, so its "reference" means "the published weights, dequantized".
 
 Security: never ``trust_remote_code`` unless asked; never unpickle ``.bin``/``.pt`` weights unless asked.
+Every transformers call passes ``trust_remote_code`` explicitly: left unset, transformers *asks* on stdin
+("Do you wish to run the custom code? [y/N]") and a piped "y" runs the repository's Python. A model that
+needs such code is refused by ``resolve`` in one line, before any work, unless the user allowed it; the
+decision travels with the ``ModelRef`` (``ModelRef.trust_remote_code``) to every later load.
+
+Completeness: transformers initialises at random any weight the config implies but the files lack, and
+ignores stored tensors the config does not describe. ``check_complete`` compares the two (headers only)
+before any work; ``check_architecture`` refuses sizes transformers would crash on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
 import logging
+import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +44,7 @@ from qkit.checkpoint import (
     atomic_directory,
     iter_quantized,
     read_manifest,
+    tensor_shapes,
     weight_files,
     write_json,
 )
@@ -66,6 +78,8 @@ class ModelRef:
     spec: str  # what the user gave (or the default's name)
     directory: Path
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The user allowed the model's own code (--trust-remote-code): every later load of this ref may run it.
+    trust_remote_code: bool = field(default=False, compare=False)
 
     @property
     def is_quantized(self) -> bool:
@@ -83,19 +97,89 @@ class LoadedModel:
 # --------------------------------------------------------------------------- resolving
 
 
+def _denied(path: Path | str, exc: OSError) -> ModelLoadError:
+    """One line for a file qkit may not read (root is never refused, so this is a plain user's problem)."""
+    return ModelLoadError(f"permission denied reading {exc.filename or path}; make it readable "
+                          "(chmod/chown) or run as a user who may read it")
+
+
 def read_config(directory: Path) -> dict[str, Any]:
-    """The parsed config.json of a model directory (or the config file itself, if given one)."""
+    """The parsed config.json of a model directory (or the config file itself, if given one).
+
+    Also ``check_architecture``: sizes transformers would crash on are refused here, for every reader.
+    """
     path = Path(directory)
-    path = path if path.is_file() else path / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{directory} has no config.json; pass a Hugging Face model directory, a .gguf file or a hub id")
     try:
-        config = json.loads(path.read_text())
+        path = path if path.is_file() else path / "config.json"
+        if not path.is_file():
+            raise ModelLoadError(f"{directory} has no config.json; pass a Hugging Face model directory, a .gguf file or a hub id")
+        text = path.read_text()
+    except PermissionError as exc:
+        raise _denied(path, exc) from exc
+    except IsADirectoryError as exc:
+        raise ModelLoadError(f"{path} is a directory, not a config file; pass the model directory or its config.json") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path} ({exc.strerror or exc}); check the model files") from exc
+    try:
+        config = json.loads(text)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"malformed {path} ({exc}); fix the JSON or re-download the model") from exc
-    if not isinstance(config, dict) or "model_type" not in config:
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ModelLoadError(f"malformed {path}: no 'model_type' key; fix it or re-download the model")
+    check_architecture(config, str(path))
     return config
+
+
+# Sizes every causal LM config names (llama-style and GPT-2-style keys): each must be a positive integer.
+_SIZE_KEYS = (
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_positions",
+)
+
+
+def check_architecture(config: Mapping[str, Any], name: str = "config.json") -> None:
+    """Refuse (``ModelLoadError``, one line) a config whose sizes transformers or qkit would crash on.
+
+    Positive integer sizes; ``num_attention_heads`` divides ``hidden_size`` unless ``head_dim`` is given;
+    ``num_key_value_heads`` divides ``num_attention_heads``; with rotary embeddings, an even rotary
+    dimension (``head_dim * partial_rotary_factor``; RoPE rotates pairs). A multimodal config's
+    ``text_config`` is checked the same way. ``name`` is what the message calls the config.
+    """
+    configs = [(name, config)]
+    if isinstance(config.get("text_config"), Mapping):
+        configs.append((f"{name} text_config", config["text_config"]))
+    for where, cfg in configs:
+        for key in _SIZE_KEYS:
+            value = cfg.get(key)
+            if value is None:  # absent, or null (head_dim: null means hidden_size // heads)
+                continue
+            # A per-layer list (gemma3n's intermediate_size) is fine when every entry is a size.
+            if not all(_positive_int(v) for v in (value if isinstance(value, list) and value else [value])):
+                raise ModelLoadError(f"{where}: {key} is {value!r}, not a positive integer; fix the config")
+
+        def size(key: str, alt: str | None = None) -> int | None:
+            value = cfg.get(key, cfg.get(alt) if alt else None)
+            return value if _positive_int(value) else None  # lists: no arithmetic rule applies
+
+        hidden, heads, head_dim = size("hidden_size", "n_embd"), size("num_attention_heads", "n_head"), size("head_dim")
+        if hidden and heads and head_dim is None:
+            if hidden % heads:
+                raise ModelLoadError(f"{where}: hidden_size {hidden} is not a multiple of num_attention_heads {heads} "
+                                     "(and no head_dim is given); fix the config")
+            head_dim = hidden // heads
+        kv = size("num_key_value_heads")
+        if heads and kv and heads % kv:
+            raise ModelLoadError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}; "
+                                 "fix the config")
+        factor = cfg.get("partial_rotary_factor", 1.0)
+        rotary = any(k in cfg for k in ("rope_theta", "rope_scaling", "rope_parameters"))
+        if rotary and head_dim and isinstance(factor, (int, float)) and int(head_dim * factor) % 2:
+            raise ModelLoadError(f"{where}: the rotary dimension {int(head_dim * factor)} (head_dim {head_dim}) is odd; "
+                                 "RoPE rotates pairs of dimensions, fix the config")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0  # bool is an int in Python
 
 
 def _check_weights(directory: Path, allow_pickle: bool) -> None:
@@ -111,8 +195,98 @@ def _check_weights(directory: Path, allow_pickle: bool) -> None:
         raise ModelLoadError(f"{directory} has no *.safetensors weights; pass a complete model directory")
 
 
-def resolve(model: str | Path | None = None, *, allow_pickle: bool = False) -> ModelRef:
-    """Turn a MODEL argument into a local directory (fetching or converting once, then cached)."""
+# --------------------------------------------------------------------------- custom (remote) code
+
+
+def _auto_map_keys(auto_map: Any) -> list[str]:
+    if isinstance(auto_map, Mapping):
+        return [str(k) for k in auto_map]
+    return ["AutoTokenizer"] if auto_map else []  # the legacy list form names a tokenizer
+
+
+def custom_code(directory: Path, config: Mapping[str, Any] | None = None) -> list[str]:
+    """What in ``directory`` transformers could only honour by running the repository's own Python.
+
+    ``config.json``'s ``auto_map`` when its ``model_type`` has no built-in causal LM (with a built-in one,
+    transformers uses its own code when ``trust_remote_code=False``); ``tokenizer_config.json``'s
+    ``auto_map`` when its ``tokenizer_class`` is not one transformers has (a built-in fallback would be a
+    different tokenizer than the repository's). Returns lines such as ``"config.json auto_map: AutoConfig"``.
+    """
+    directory = Path(directory)
+    config = read_config(directory) if config is None else config
+    found = []
+    keys = _auto_map_keys(config.get("auto_map"))
+    if keys:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            found.append(f"config.json auto_map: {', '.join(keys)}")
+    tok_path = directory / "tokenizer_config.json"
+    try:
+        tok = json.loads(tok_path.read_text()) if tok_path.is_file() else {}
+    except PermissionError as exc:
+        raise _denied(tok_path, exc) from exc
+    except (OSError, ValueError, UnicodeDecodeError):
+        tok = {}  # malformed: transformers fails on it before any code runs (load_tokenizer says why)
+    auto_map = tok.get("auto_map") if isinstance(tok, dict) else None
+    if isinstance(auto_map, Mapping):
+        auto_map = auto_map.get("AutoTokenizer")
+    if auto_map:
+        from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+        cls = tok.get("tokenizer_class")
+        known = isinstance(cls, str) and any(
+            tokenizer_class_from_name(c) is not None for c in (cls, cls.removesuffix("Fast"), cls.removesuffix("Fast") + "Fast"))
+        if not known:
+            found.append(f"tokenizer_config.json auto_map: AutoTokenizer ({cls or 'no tokenizer_class'})")
+    return found
+
+
+def check_remote_code(directory: Path, spec: str, trust_remote_code: bool, config: Mapping[str, Any] | None = None) -> None:
+    """Refuse, in one line and before any work, a model that needs its own code unless the user trusts it."""
+    if trust_remote_code:
+        return
+    found = custom_code(directory, config)
+    if found:
+        raise ModelLoadError(
+            f"{spec} needs custom code from its repository ({'; '.join(found)}); qkit never runs it unless asked: "
+            "pass --trust-remote-code (qkit quantize, qkit verify) if you trust it"
+        )
+
+
+# --------------------------------------------------------------------------- resolving
+
+
+def _exists(path: Path) -> str | None:
+    """``"file"``, ``"dir"``, another kind, or None; a path qkit may not look at is a permission error."""
+    try:
+        if path.is_dir():
+            return "dir"
+        if path.is_file():
+            return "file"
+        return "other" if path.exists() else None
+    except PermissionError as exc:
+        raise _denied(path, exc) from exc
+
+
+def _local_lookalike(spec: str) -> Path | None:
+    """For a hub-id-shaped spec (``models/x``): the local directory its first part names, if one exists.
+
+    A ``models/x`` whose ``models/`` exists here is a local path that is missing, not a hub id."""
+    first = Path(spec.split("/", 1)[0])
+    return first if _exists(first) == "dir" else None
+
+
+def resolve(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = False,
+            trust_remote_code: bool = False) -> ModelRef:
+    """Turn a MODEL argument into a local directory (fetching or converting once, then cached).
+
+    A model that needs its own Python (``custom_code``) is refused unless ``trust_remote_code``; the
+    returned ref carries that permission to ``load``. A ``ModelRef`` is returned as it is: a command
+    may resolve first (to refuse a bad MODEL before its status line) and pass the ref on as MODEL.
+    """
+    if isinstance(model, ModelRef):
+        return model
     if model is None or str(model) == "":
         gguf = assets.fetch(assets.DEFAULT_MODEL)
         directory = _gguf_directory(gguf, assets.DEFAULT_MODEL.member_sha256)
@@ -121,38 +295,63 @@ def resolve(model: str | Path | None = None, *, allow_pickle: bool = False) -> M
         return ModelRef("default", DEFAULT_MODEL_NAME, directory, prov)
     spec = str(model)
     path = Path(spec).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        sha = assets.sha256_file(path)
+    kind = _exists(path)
+    if kind == "file" and path.suffix == ".gguf":
+        try:
+            sha = assets.sha256_file(path)
+        except PermissionError as exc:
+            raise _denied(path, exc) from exc
         return ModelRef("gguf", spec, _gguf_directory(path, sha), {"gguf": str(path), "sha256": sha})
-    if path.is_dir():
+    if kind == "dir":
         config = read_config(path)
-        _check_weights(path, allow_pickle)
+        check_remote_code(path, spec, trust_remote_code, config)
+        try:
+            _check_weights(path, allow_pickle)
+            # safetensors reports an unreadable shard as corrupt: name the real cause first (cheap: no open)
+            unreadable = [p for p in weight_files(path) if not os.access(p, os.R_OK)]
+        except PermissionError as exc:
+            raise _denied(path, exc) from exc
+        if unreadable:
+            raise _denied(path, PermissionError(errno.EACCES, "Permission denied", str(unreadable[0])))
         kind = "qkit" if (config.get("quantization_config") or {}).get("quant_method") == "qkit" else "directory"
-        return ModelRef(kind, spec, path, {"path": str(path.resolve())})
-    if path.exists():
+        return ModelRef(kind, spec, path, {"path": str(path.resolve())}, trust_remote_code)
+    if kind is not None:
         raise InputError(f"{spec} is neither a model directory nor a .gguf file; pass one of those")
     if _HUB_ID.match(spec) and not spec.startswith((".", "~")):
-        return _from_hub(spec, allow_pickle)
+        local = _local_lookalike(spec)
+        if local is not None:
+            raise InputError(f"no such file or directory: {spec} ({local}/ exists here but holds no "
+                             f"{spec.split('/', 1)[1]}, so it is not fetched from the hub); pass an existing model directory")
+        return _from_hub(spec, allow_pickle, trust_remote_code)
     raise InputError(f"no such file or directory: {spec}; pass a model directory, a .gguf file or a hub id")
 
 
-def _from_hub(repo_id: str, allow_pickle: bool) -> ModelRef:
-    from huggingface_hub import snapshot_download
+def _from_hub(repo_id: str, allow_pickle: bool, trust_remote_code: bool = False) -> ModelRef:
+    from huggingface_hub import constants, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     if allow_pickle:
         patterns += list(_PICKLED)
     quiet_progress()
     try:
-        local = snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
+        with assets.quiet_hub():
+            local = snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
     except Exception as exc:  # huggingface_hub raises many types (network, auth, not found)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if constants.HF_HUB_OFFLINE:
+            raise ModelLoadError(
+                f"cannot fetch {repo_id}: HF_HUB_OFFLINE is set and the local hub cache does not hold it; "
+                "pass a local model directory or .gguf file, or unset HF_HUB_OFFLINE to download it"
+            ) from exc
+        text = " ".join(str(exc).split())
+        first = (text.split(". ")[0] if text else type(exc).__name__)[:160]
         raise ModelLoadError(
-            f"cannot fetch {repo_id} from the Hugging Face hub ({first[:160]}); "
+            f"cannot fetch {repo_id} from the Hugging Face hub ({first}); "
             "pass a local model directory or .gguf file instead"
         ) from exc
-    ref = resolve(local, allow_pickle=allow_pickle)
-    return ModelRef("hub" if ref.kind == "directory" else ref.kind, repo_id, ref.directory, {"hub_id": repo_id, "snapshot": local})
+    check_remote_code(Path(local), repo_id, trust_remote_code)  # named by its hub id, not the snapshot path
+    ref = resolve(local, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    return ModelRef("hub" if ref.kind == "directory" else ref.kind, repo_id, ref.directory,
+                    {"hub_id": repo_id, "snapshot": local}, ref.trust_remote_code)
 
 
 # --------------------------------------------------------------------------- GGUF -> cached safetensors
@@ -205,8 +404,11 @@ def _convert_gguf(gguf: Path, sha256: str, out: Path) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         quiet_progress()
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF names a built-in architecture; the explicit False keeps a stray tokenizer_config.json with an
+        # auto_map beside the file from making transformers ask to run its code.
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=False)
     except Exception as exc:  # transformers raises many types for unsupported GGUF files
         raise ModelLoadError(f"cannot read {gguf} as a GGUF model ({str(exc).splitlines()[0][:160]}); "
                              "pass a GGUF of an architecture transformers supports") from exc
@@ -252,13 +454,22 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(directory: Path, trust_remote_code: bool = False):
+    """The tokenizer of ``directory``, or None when it has no tokenizer files (quantize does not need one;
+    eval says so itself). Files that are there but fail to load are a ``ModelLoadError`` naming the cause,
+    never a silent None (an invalid config would otherwise read as "no tokenizer")."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
-    except Exception:  # no tokenizer files: quantize does not need one, eval says so itself
-        return None
+    except Exception as exc:  # transformers raises many types
+        if not any((Path(directory) / f).is_file() for f in _TOKENIZER_FILES):
+            return None
+        raise ModelLoadError(f"cannot load the tokenizer of {directory} ({_cause(exc)}); "
+                             "fix or re-download its tokenizer files and config.json") from exc
 
 
 def dequantized_state_dict(directory: Path, dtype: torch.dtype | None = None, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -295,7 +506,12 @@ def load(
     dev = parse_device(device)  # bad options fail before the model is resolved (fetched, converted)
     if device_map is not None:
         check_device_map(device_map)
-    ref = ref or resolve(model, allow_pickle=allow_pickle)
+    ref = ref or resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    # The permission given when the ref was resolved holds for its loads (quantize's methods load by ref).
+    trust_remote_code = trust_remote_code or ref.trust_remote_code
+    if not trust_remote_code:  # a ref built by hand has not been through resolve's check
+        check_remote_code(ref.directory, ref.spec, False)
+    check_complete(ref, trust_remote_code=trust_remote_code)  # before any weight is read
     manifest = None
     try:
         if ref.is_quantized:
@@ -333,6 +549,214 @@ def load(
     if device_map is None:
         lm.to(dev)
     return LoadedModel(lm, load_tokenizer(ref.directory, trust_remote_code), ref, manifest)
+
+
+# --------------------------------------------------------------------------- completeness
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """The state dict a config implies: ``shapes`` of the tensors a checkpoint must store, ``aliases``
+    (a tied name -> the stored name it shares, e.g. ``lm_head.weight`` -> ``model.embed_tokens.weight``),
+    and the names transformers itself ignores when missing or unexpected."""
+
+    shapes: dict[str, tuple[int, ...]]
+    aliases: dict[str, str]
+    ignore_missing: tuple[str, ...]
+    ignore_unexpected: tuple[str, ...]
+    buffers: frozenset[str]  # last name part of non-persistent buffers (rotary inv_freq): never stored
+    linears: tuple[str, ...]  # every nn.Linear module (tied ones included), sorted: what export formats target
+    # transformers renames or fuses this architecture's stored tensors on load (MoE experts: per-expert
+    # w1/w3 -> gate_up_proj): stored names are not state-dict names, so they cannot be compared here.
+    converted: bool = False
+
+
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: the meta device makes initialisation free anyway
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_cached(directory: str, stamp: tuple, trust_remote_code: bool) -> _Expected:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    quiet_progress()
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+        if hasattr(config, "quantization_config"):  # a qkit checkpoint: the plain model's state dict
+            del config.quantization_config
+        with torch.device("meta"), _no_init():  # no memory, no initialisation: ~15 ms once imported
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        raise ModelLoadError(f"cannot build the model {directory}/config.json describes ({_cause(exc)}); "
+                             "fix the config or pass a model of an architecture transformers knows") from exc
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    if not tied and getattr(config, "tie_word_embeddings", False):  # transformers < 5
+        emb, out = model.get_input_embeddings(), model.get_output_embeddings()
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        if emb is not None and out is not None:
+            tied = {names.get(id(out.weight), "lm_head.weight"): names.get(id(emb.weight), "model.embed_tokens.weight")}
+    state = model.state_dict()  # persistent parameters and buffers only, as save_pretrained stores them
+    persistent = set(state)
+    buffers = frozenset(n.rpartition(".")[2] for n, _ in model.named_buffers() if n not in persistent)
+    return _Expected(
+        {k: tuple(v.shape) for k, v in state.items() if k not in tied},
+        {k: v for k, v in tied.items() if v in state},
+        tuple(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()),
+        tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+        buffers,
+        tuple(sorted(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)),
+        _converted(model),
+    )
+
+
+def _converted(model) -> bool:
+    try:
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+    except ImportError:  # transformers < 5 loads stored names as they are
+        return False
+    return bool(extract_weight_conversions_for_model(model))
+
+
+def _cause(exc: BaseException, limit: int = 200) -> str:
+    """One line of an exception's message; transformers' config validation wraps the real ``ValueError``
+    ("The hidden size (64) is not a multiple of ...") in a validator error: name the real one."""
+    inner = exc.__cause__ if type(exc).__name__ == "StrictDataclassClassValidationError" and exc.__cause__ else exc
+    return (" ".join(str(inner).split()) or type(inner).__name__)[:limit]
+
+
+def _expected(directory: Path, trust_remote_code: bool) -> _Expected:
+    config = Path(directory) / "config.json"
+    try:
+        st = config.stat()
+    except PermissionError as exc:
+        raise _denied(config, exc) from exc
+    except OSError as exc:
+        raise ModelLoadError(f"{directory} has no config.json; pass a Hugging Face model directory") from exc
+    # Keyed by the config's identity: quantize checks, then its method loads the same ref: built once.
+    return _expected_cached(str(Path(directory).resolve()), (st.st_mtime_ns, st.st_size), bool(trust_remote_code))
+
+
+def expected_tensors(directory: Path, *, trust_remote_code: bool = False) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors the config in ``directory`` implies a checkpoint stores.
+
+    Built on the meta device from config.json (no weights read): the model's persistent state dict, less
+    tied weights (``lm_head.weight`` under ``tie_word_embeddings``, stored once as the embedding) and
+    non-persistent buffers (rotary ``inv_freq``). Raises ``ModelLoadError`` for a config transformers
+    cannot build.
+    """
+    return dict(_expected(Path(directory), trust_remote_code).shapes)
+
+
+def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[str]:
+    """Names of every ``nn.Linear`` module of the model in ``directory`` (tied ones included), from the same
+    meta-device build as ``expected_tensors`` (built once per config)."""
+    return list(_expected(Path(directory), trust_remote_code).linears)
+
+
+def _logical_shapes(ref: ModelRef, stored: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A qkit checkpoint's stored parts (``W.qweight``, ``W.scales``, ...) mapped back to ``W`` with the
+    original shape its manifest records; other tensors as stored."""
+    manifest = read_manifest(ref.directory) or {}
+    entries = manifest.get("tensors")
+    if not isinstance(entries, dict):
+        raise ModelLoadError(f"checkpoint {ref.directory}: its qkit manifest has no 'tensors' table; re-create it")
+    out: dict[str, tuple[int, ...]] = {}
+    for key, shape in stored.items():
+        base, dot, _ = key.rpartition(".")
+        if dot and base in entries:
+            entry = entries[base]
+            orig = entry.get("shape") if isinstance(entry, dict) else None
+            if not isinstance(orig, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in orig):
+                raise ModelLoadError(f"checkpoint {ref.directory}: the manifest entry of {base} has no valid shape; "
+                                     "re-create the checkpoint")
+            out[base] = tuple(orig)
+        else:
+            out[key] = tuple(shape)
+    return out
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (f" (and {len(names) - limit} more)" if len(names) > limit else "")
+
+
+def check_complete(ref: ModelRef, *, trust_remote_code: bool = False) -> None:
+    """Refuse (``ModelLoadError``, one line) a model whose stored tensors are not what its config implies.
+
+    Compares ``expected_tensors`` with the safetensors headers (``tensor_shapes``; no data read), a qkit
+    checkpoint's quantized parts mapped back to their weights. Missing tensors would be initialised at
+    random by transformers; a wrong shape makes it fail with "look at the above report" and nothing
+    above; unexpected tensors (``model.layers.2.*`` of a 2-layer config, a renamed tensor) would be
+    silently ignored by transformers yet quantized and counted by qkit, so they are refused too. Tensors
+    transformers declares ignorable and stored non-persistent buffers (old checkpoints' ``inv_freq``) pass.
+    Not checked: architectures whose stored tensors transformers renames or fuses on load (MoE experts in
+    transformers 5), whose names only its converters can map.
+    """
+    exp = _expected(ref.directory, trust_remote_code or ref.trust_remote_code)
+    if exp.converted:  # names differ by design (see _Expected.converted): transformers' own report applies
+        return
+    try:
+        stored = dict(tensor_shapes(ref.directory))
+    except PermissionError as exc:
+        raise _denied(ref.directory, exc) from exc
+    if ref.is_quantized:
+        stored = _logical_shapes(ref, stored)
+    present: dict[str, tuple[int, ...]] = {}
+    for name, shape in stored.items():
+        present.setdefault(exp.aliases.get(name, name), tuple(shape))
+    missing = [n for n in exp.shapes if n not in present and not any(re.search(p, n) for p in exp.ignore_missing)]
+    wrong = [n for n in exp.shapes if n in present and present[n] != exp.shapes[n]]
+    unexpected = sorted(
+        n for n in present if n not in exp.shapes and n not in exp.aliases
+        and n.rpartition(".")[2] not in exp.buffers and not any(re.search(p, n) for p in exp.ignore_unexpected))
+    if not (missing or wrong or unexpected):
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {_names(missing)}{_whole_layers(missing, exp.shapes)}")
+    if wrong:
+        n = wrong[0]
+        parts.append(f"{n} is stored as {list(present[n])} but the config implies {list(exp.shapes[n])}"
+                     + (f" (and {len(wrong) - 1} more shapes differ)" if len(wrong) > 1 else ""))
+    if unexpected:
+        parts.append(f"unexpected {_names(unexpected)}, which the config does not describe")
+    raise ModelLoadError(
+        f"{ref.spec} does not hold the tensors its config.json implies: {'; '.join(parts)} "
+        f"({len(missing)} missing, {len(wrong)} of the wrong shape, {len(unexpected)} unexpected); "
+        "re-download or re-create the model, or fix config.json"
+    )
+
+
+def checked(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = False,
+            trust_remote_code: bool = False) -> ModelRef:
+    """``resolve`` then ``check_complete``: for a command that prints a status line before it loads, so a
+    bad MODEL is still refused in one line. Pass the ref on as MODEL (``load`` does not build it again)."""
+    ref = resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    check_complete(ref, trust_remote_code=trust_remote_code)
+    return ref
+
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def _whole_layers(missing: list[str], shapes: dict[str, tuple[int, ...]]) -> str:
+    """`` (layers 2, 3 entirely)`` when whole layers are missing (a config declaring more layers than stored)."""
+    def layer(n: str) -> int | None:
+        m = _LAYER.search(n)
+        return int(m.group(1)) if m else None
+
+    by_layer: dict[int, set[str]] = {}
+    for n in shapes:
+        if (i := layer(n)) is not None:
+            by_layer.setdefault(i, set()).add(n)
+    gone = set(missing)
+    whole = sorted(i for i, names in by_layer.items() if names <= gone)
+    if not whole:
+        return ""
+    return f" (layer{'s' if len(whole) > 1 else ''} {_names([str(i) for i in whole], 4)} entirely)"
 
 
 _DEVICE_MAP_WORDS = ("auto", "balanced", "balanced_low_0", "sequential")

@@ -42,9 +42,19 @@ def available_cores() -> int:
 
 
 def check_threads(threads: int | None) -> None:
-    """Refuse a thread count below 1 (call before any work)."""
-    if threads is not None and threads < 1:
+    """Refuse a thread count below 1, or above the cores this process may use (call before any work):
+    more threads than cores only adds barrier waits on preempted threads (``--threads 10000`` measured
+    3x slower than 1 thread on a 2-core machine)."""
+    if threads is None:
+        return
+    if threads < 1:
         raise InputError(f"--threads must be at least 1 (got {threads})")
+    cores = available_cores()
+    if threads > cores:
+        raise InputError(
+            f"--threads {threads} is more than the {cores} CPU core{'s' if cores != 1 else ''} this process may use "
+            f"(its CPU affinity and cgroup quota); pass --threads {cores} or fewer"
+        )
 
 
 def set_threads(threads: int | None = None) -> int:
@@ -73,3 +83,35 @@ def one_torch_thread():
     finally:
         torch.set_num_threads(n)
 
+
+
+# --------------------------------------------------------------------------- memory
+
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP_MEMORY = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current"))  # cgroup v2
+
+
+def available_memory(device: str | None = None) -> int | None:
+    """Bytes this process can still allocate: on a CUDA device the free memory the driver reports; on the
+    CPU ``MemAvailable`` (``/proc/meminfo``), capped by a cgroup v2 limit (``memory.max - memory.current``).
+    ``None`` where it cannot be told (no ``/proc``): callers then skip their memory check."""
+    if device is not None and str(device).startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free)
+    found = None
+    try:
+        for line in _MEMINFO.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit, current = (p.read_text().strip() for p in _CGROUP_MEMORY)
+        if limit != "max":
+            left = max(0, int(limit) - int(current))
+            found = left if found is None else min(found, left)
+    except (OSError, ValueError):
+        pass
+    return found

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qkit import __version__
-from qkit.errors import InputError
+from qkit.errors import CheckpointError, InputError, SchemeError
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import scheme_from_dict
 
@@ -127,9 +127,37 @@ def new_manifest(scheme: Scheme, rules: Rules | None = None) -> dict:
     }
 
 
-def entry_to_spec(entry: dict) -> tuple[Scheme, tuple[int, ...], torch.dtype]:
-    """Read one manifest tensor entry back: ``(scheme, shape, original dtype)``."""
-    dtype = getattr(torch, str(entry.get("dtype", "")), None)
-    if not isinstance(dtype, torch.dtype):
-        raise InputError(f"manifest entry {entry} has an unknown dtype; re-create the checkpoint")
-    return scheme_from_dict(entry["scheme"]), tuple(int(d) for d in entry["shape"]), dtype
+# The original dtypes a quantized weight can have: quantize_tensor takes floating-point weights only.
+_FLOAT_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def entry_to_spec(entry: dict, name: str = "<tensor>") -> tuple[Scheme, tuple[int, ...], torch.dtype]:
+    """Read one manifest tensor entry back: ``(scheme, shape, original dtype)``.
+
+    Raises ``CheckpointError`` naming ``name`` for an entry that is not ``{"scheme": {...}, "shape": [int
+    >= 1, ...], "dtype": a floating-point dtype}`` or whose scheme the registry
+    does not rebuild exactly (``scheme_from_dict``).
+    """
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"manifest entry of tensor {name} is {type(entry).__name__}, not an object; re-create the checkpoint")
+    missing = [k for k in ("scheme", "shape", "dtype") if k not in entry]
+    if missing:
+        raise CheckpointError(f"manifest entry of tensor {name} has no {', '.join(missing)}; re-create the checkpoint")
+    shape = entry["shape"]
+    # bool is an int in Python and 64.0 is not a JSON integer: both are tampering, not shapes.
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in shape):
+        raise CheckpointError(
+            f"manifest entry of tensor {name} has shape {shape!r}, not a list of positive integers; re-create the checkpoint"
+        )
+    dtype = _FLOAT_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointError(
+            f"manifest entry of tensor {name} has dtype {entry['dtype']!r}, not one of {', '.join(_FLOAT_DTYPES)}; "
+            "re-create the checkpoint"
+        )
+    try:
+        scheme = scheme_from_dict(entry["scheme"])
+    except SchemeError as exc:
+        raise CheckpointError(f"tensor {name}: {exc}") from None
+    return scheme, tuple(shape), dtype

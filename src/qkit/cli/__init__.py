@@ -10,7 +10,9 @@ traceback.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import typer
 
@@ -49,15 +51,40 @@ app.command("verify")(_quantize.verify)
 app.add_typer(_inspect.inspect_app, name="inspect")
 
 
+INTERRUPTED = "interrupted; nothing was written"
+_interrupted = threading.Event()
+
+
+def _on_sigint(signum, frame) -> None:
+    """Ctrl-C: note it (typer turns the KeyboardInterrupt into a bare exit code 130, so ``main`` could not
+    tell it from a command's own exit), then raise KeyboardInterrupt as Python's own handler does: it
+    unwinds every ``with``/``finally``, so each atomic write removes its staging sibling. A second Ctrl-C
+    while that runs kills the process at once (the default action); the next run into the same parent
+    removes what it left (``qkit.checkpoint.remove_stale_siblings``)."""
+    _interrupted.set()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.default_int_handler(signum, frame)
+
+
+def _exit_interrupted() -> None:
+    console.error(INTERRUPTED)
+    sys.exit(130)
+
+
 def main() -> None:
-    """Entry point: usage errors and ``QkitError`` become one line on stderr and exit code 2."""
+    """Entry point: usage errors and ``QkitError`` become one line on stderr and exit code 2; Ctrl-C
+    becomes the one line ``error: interrupted; nothing was written`` and exit code 130."""
     import importlib
 
     # typer vendors click in some versions: take the exception classes from wherever typer's come from.
     cx = importlib.import_module(typer.BadParameter.__module__)
     no_args = getattr(cx, "NoArgsIsHelpError", ())
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        signal.signal(signal.SIGINT, _on_sigint)
     try:
         code = app(standalone_mode=False)
+    except KeyboardInterrupt:  # outside a command's body (typer converts those to exit code 130)
+        _exit_interrupted()
     except no_args as exc:  # bare ``qkit`` or a bare sub-app: show its help
         text = exc.ctx.get_help()  # typer's rich help prints itself and returns ""
         if text:
@@ -67,12 +94,13 @@ def main() -> None:
         where = exc.ctx.command_path if exc.ctx is not None else "qkit"
         console.error(f"{exc.format_message()} (see '{where} --help')")
         sys.exit(exc.exit_code)
-    except typer.Abort:
-        console.error("interrupted; nothing was written")
-        sys.exit(130)
+    except typer.Abort:  # end of input at a prompt (qkit itself never prompts)
+        _exit_interrupted()
     except QkitError as exc:  # raised outside a command body
         console.error(str(exc))
         sys.exit(exc.exit_code)
+    if _interrupted.is_set():
+        _exit_interrupted()
     sys.exit(code if isinstance(code, int) else 0)
 
 

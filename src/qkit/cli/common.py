@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable
 from typing import Annotated, Optional
 
 import typer
 
-from qkit import console
+from qkit import console, outputs
 from qkit.errors import InputError, QkitError
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
@@ -31,6 +32,7 @@ ModelArg = Annotated[
 JsonOpt = Annotated[
     Optional[str], typer.Option("--json", help="Also write everything the table shows as JSON to PATH ('-': stdout).", metavar="PATH")
 ]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output (-o, --json) that qkit wrote.")]
 DeviceOpt = Annotated[
     Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N. Default: CUDA when available, else CPU.")
 ]
@@ -112,9 +114,17 @@ def handles_errors(fn):
     return wrapper
 
 
-def json_target(json_path: str | None) -> None:
-    """With ``--json -`` the JSON owns stdout and the tables move to stderr."""
+def json_target(json_path: str | None, force: bool = False, inputs: Iterable[outputs.Input] = ()) -> None:
+    """Check the ``--json`` target before any work: not empty, not a directory, not one of ``inputs`` (or
+    inside one) whatever ``force``, an existing file only with ``force`` and only if it is JSON, a writable
+    place (``qkit.outputs.check_output``). With ``--json -`` the JSON owns stdout and the tables move to stderr."""
+    if json_path is not None and json_path != "-":
+        outputs.check_output(json_path, kind="json", force=force, inputs=inputs, what="--json")
     console.use_stderr_for_tables(json_path == "-")
+
+
+model_inputs = outputs.model_inputs  # what a MODEL argument reads, for the output checks
+file_inputs = outputs.file_inputs  # a file option (a corpus, --calibration, --config; hf:... is none)
 
 
 def use_threads(threads: int | None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Optional
 
 import typer
@@ -13,13 +14,16 @@ from qkit.cli.common import (
     CalibrationSeqlenOpt,
     DeviceMapOpt,
     DeviceOpt,
+    ForceOpt,
     JsonOpt,
     ModelArg,
     ThreadsOpt,
     comma_list,
     handles_errors,
     human_bytes,
+    file_inputs,
     json_target,
+    model_inputs,
     use_threads,
     calibration_options,
 )
@@ -32,7 +36,7 @@ SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-sepa
 MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.")]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
 CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] (default: the pinned Book of Ruth).")]
-TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score [default: 2048].")]
+TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score, at least 3 (a standard error needs 2 scored positions; the first token of each window is context only) [default: 2048].")]
 WindowOpt = Annotated[Optional[int], typer.Option("--window", help="Window length in tokens [default: min(2048, the model's context)].")]
 AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="Reference tokens per battery prompt for greedy agreement [default: 9].")]
 NoRepetitionPenaltyOpt = Annotated[bool, typer.Option("--no-repetition-penalty", help="Pure greedy battery answers (ignore the model's repetition penalty).")]
@@ -70,6 +74,7 @@ def eval_(
     device: DeviceOpt = None,
     device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
@@ -77,7 +82,8 @@ def eval_(
 
     from qkit.evaluation import evaluate
 
-    json_target(json_path)
+    json_target(json_path, force, [*model_inputs(model), *model_inputs(reference, "the reference"),
+                                   *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration)])
     given = {
         "schemes": tuple(comma_list(schemes)) if schemes else None,
         "methods": tuple(comma_list(methods)) if methods else None,
@@ -108,10 +114,26 @@ def eval_(
 
 
 def _fmt_change(pct: float, se: float) -> str:
-    """A perplexity change: "+6.5% ± 1.0" (paired SE), or "x56,925" once it is a multiple, not a percentage."""
+    """A perplexity change: "+6.5% ± 1.0" (paired SE), or "x56,925" once it is a multiple, not a percentage;
+    "not finite" / "+6.5% (no SE)" where a number could not be computed (never a bare "± nan")."""
+    if not math.isfinite(pct):
+        return "not finite"
     if pct >= 900:
         return f"x{1 + pct / 100:,.0f}"
-    return f"{pct:+,.1f}% ± {se:,.1f}"
+    return f"{pct:+,.1f}% ± {se:,.1f}" if math.isfinite(se) else f"{pct:+,.1f}% (no SE)"
+
+
+def _fmt_estimate(value: float, se: float, scored: int, digits: int = 2) -> str:
+    """"12.34 ± 0.56"; without a standard error, says so and on how many tokens (never "± nan")."""
+    if not math.isfinite(value):
+        return "not finite"
+    if not math.isfinite(se):
+        return f"{value:,.{digits}f} (no standard error on {scored:,} token{'s' if scored != 1 else ''})"
+    return f"{value:,.{digits}f} ± {se:,.{digits}f}"
+
+
+def _fmt_number(value: float, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else "-"
 
 
 def render_eval(report) -> None:
@@ -124,16 +146,16 @@ def render_eval(report) -> None:
     rows, styles = [], []
     for r in report.rows:
         is_ref = r is ref
-        collapsed = not is_ref and r.perplexity >= 10 * ref.perplexity
+        collapsed = not is_ref and not (r.perplexity < 10 * ref.perplexity)  # NaN / inf count as collapsed
         rows.append([
             r.scheme,
-            f"{r.bits_per_weight:.3f}",
+            _fmt_number(r.bits_per_weight, ".3f"),  # "-": a model with no block projection to count bits of
             *([_fmt_runtime_bits(r.act_bits, r.kv_bits)] if runtime_bits else []),
             human_bytes(r.size_bytes),
-            f"{r.perplexity:,.2f} ± {r.perplexity_se:,.2f}",
+            _fmt_estimate(r.perplexity, r.perplexity_se, report.provenance["scored_tokens"]),
             "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
-            f"{r.kld:.4f}",
-            f"{100 * r.top1_match:.1f}%",
+            _fmt_number(r.kld, ".4f"),
+            _fmt_number(100 * r.top1_match, ".1f") + "%",
             f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)",
             f"{r.agreement}/{r.agreement_total}",
         ])

@@ -14,19 +14,23 @@ from qkit.cli.common import (
     CalibrationSeqlenOpt,
     DeviceMapOpt,
     DeviceOpt,
+    ForceOpt,
     JsonOpt,
     ModelArg,
     ScaleDtypeOpt,
     ThreadsOpt,
     calibration_options,
     handles_errors,
+    file_inputs,
     json_target,
+    model_inputs,
     use_threads,
 )
 from qkit.inspect import errors as _ierrors  # defaults come from the library, defined once
 from qkit.inspect import nexttoken as _inext
 from qkit.inspect import outliers as _iout
 from qkit.inspect import sensitivity as _isens
+from qkit.models import checked
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 
 inspect_app = typer.Typer(
@@ -56,13 +60,14 @@ def inspect_errors_(
     calibration_seqlen: CalibrationSeqlenOpt = None,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """Relative error ||W - W_hat||_F / ||W||_F of every projection matrix under each scheme."""
     from qkit.errors import InputError
     from qkit.methods import get_method
 
-    json_target(json_path)
+    json_target(json_path, force, [*model_inputs(model), *file_inputs("the calibration text", calibration)])
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
     chooser = get_method(method) if method else None
@@ -99,11 +104,12 @@ def inspect_matrix_(
     top: Annotated[int, typer.Option("--top", help="Without NAME: how many matrices to list.")] = _ierrors.TOP_MATRICES,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """One matrix: statistics, outliers beyond 6 sigma, error per scheme, int4 levels used. Without NAME: the top 10 by max/std."""
-    json_target(json_path)
     model, name = _ierrors.split_model_and_name(args or [])
+    json_target(json_path, force, model_inputs(model))
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
     if name is None:
@@ -134,15 +140,19 @@ def inspect_outliers_(
     device: DeviceOpt = None,
     device_map: DeviceMapOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """Residual-stream outliers: largest dimensions per layer, their persistence, a histogram, and tensor-wide INT8."""
-    json_target(json_path)
+    json_target(json_path, force, model_inputs(model))
     _iout.check_options(prompt=prompt, corpus_tokens=corpus_tokens, exclude_top=exclude_top, threshold=threshold,
                         top=top, device=device, device_map=device_map)
     use_threads(threads)
+    ref = checked(model)  # a bad MODEL is refused in one line, before the status line
+    if corpus_tokens is not None:  # so is more than the model's context
+        _iout.check_context(corpus_tokens, _iout.resolve_with_context(ref)[1], "--corpus-tokens", ref.spec)
     console.status("loading the model and running the prompt")
-    r = _iout.residual_outliers(model, prompt=prompt, corpus_tokens=corpus_tokens, layer=layer, exclude_top=exclude_top,
+    r = _iout.residual_outliers(ref, prompt=prompt, corpus_tokens=corpus_tokens, layer=layer, exclude_top=exclude_top,
                                 threshold=threshold, top=top, device=device, device_map=device_map)
     render.outliers(r)
     if json_path:
@@ -164,21 +174,24 @@ def inspect_sensitivity_(
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """Which layers' (or matrices') quantization moves the output: KL divergence from the reference, ranked."""
     from qkit.errors import InputError
 
-    json_target(json_path)
+    json_target(json_path, force, model_inputs(model))
     if scheme is None:
         raise InputError("missing --scheme: the scheme whose damage to measure, e.g. --scheme int4-tensor")
     _isens.check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
                          scale_dtype=scale_dtype, device=device)
     use_threads(threads)
+    ref = checked(model)  # a bad MODEL is refused in one line, before the status line
+    _iout.check_context(tokens, _iout.resolve_with_context(ref)[1], "--tokens", ref.spec)  # so is more than its context
     console.status("loading the model")
     with console.progress() as bar:
         r = _isens.rank_sensitivity(
-            model, scheme=scheme, by=by, tokens=tokens, text=text, keep=keep, suggest=suggest, threshold=threshold,
+            ref, scheme=scheme, by=by, tokens=tokens, text=text, keep=keep, suggest=suggest, threshold=threshold,
             scale_dtype=scale_dtype, device=device,
             on_start=lambda n: bar.start(f"quantizing one {by} at a time ({scheme})", n), on_unit=bar.callback(),
         )
@@ -195,15 +208,16 @@ def inspect_next_token_(
     temperature: Annotated[str, typer.Option("--temperature", help="Comma-separated temperatures.")] = ",".join(f"{t:g}" for t in _inext.TEMPERATURES),
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """Top-k next-token probabilities after TEXT at each temperature: the soft labels distillation trains on."""
     from qkit.errors import InputError
 
-    json_target(json_path)
     if len(args) > 2:
         raise InputError(f"expected [MODEL] TEXT, got {len(args)} arguments; quote the text")
     model, text = (None, args[0]) if len(args) == 1 else (args[0], args[1])
+    json_target(json_path, force, model_inputs(model))
     _inext.check_options(top=top, temperatures=temperature, device=device)
     use_threads(threads)
     r = _inext.next_token(model, text=text, top=top, temperatures=temperature, device=device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,6 +17,7 @@ from qkit.cli.common import (
     AlphaOpt,
     NoClipOpt,
     DeviceOpt,
+    ForceOpt,
     JsonOpt,
     ModelArg,
     PickleOpt,
@@ -23,19 +25,22 @@ from qkit.cli.common import (
     ThreadsOpt,
     TrustOpt,
     handles_errors,
+    file_inputs,
     human_bytes,
     json_target,
+    model_inputs,
     parse_size,
     use_threads,
     calibration_options,
 )
+from qkit.errors import InputError
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 
 SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")]
-OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (refused if it exists, unless --force).")]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")]
+# A str, not a Path: typer turns an empty -o '' into Path('.'), the current directory.
+OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory, or FILE.gguf with --format gguf (an existing one is replaced only with --force, and only if qkit wrote it; never a path that is or holds an input).", metavar="PATH")]
 IncludeOpt = Annotated[list[str], typer.Option("--include", help="Also quantize tensors matching this glob (repeatable).")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Never quantize tensors matching this glob (repeatable).")]
 KeepOpt = Annotated[list[str], typer.Option("--keep", help="SCHEME:GLOB, e.g. int8:'*.down_proj.weight' or none:GLOB (repeatable).")]
@@ -79,17 +84,20 @@ def quantize(
     """Write a quantized safetensors checkpoint of MODEL (qkit's format, or one vLLM/transformers load)."""
     from qkit.api import quantize_model
     from qkit.checkpoint import remove_stale_siblings
-    from qkit.errors import InputError
-    from qkit.export import QKIT, get_format
+    from qkit.export import QKIT, check_output, get_format
     from qkit.threads import check_threads
 
-    json_target(json_path)
-    # Every check that needs no model comes first; quantize_model itself checks the output, scheme, rules
-    # and device before it reads the model.
+    # Every check that needs no model comes first: both outputs against what the arguments name (an output
+    # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
+    # resolved model, and the scheme, rules and device, before it reads the model.
+    inputs = [*model_inputs(model), *file_inputs("the calibration text", calibration)]
+    json_target(json_path, force, inputs)
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
     if fmt != QKIT:
         get_format(fmt)
+    check_output(fmt, output, force, inputs)
+    _check_json_beside_output(json_path, output)
     shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
     check_threads(threads)
     removed = remove_stale_siblings(output)
@@ -121,6 +129,7 @@ def quantize(
             activations=activations,
             **shard,
             allow_pickle=allow_pickle,
+            trust_remote_code=trust_remote_code,
             on_start=lambda n: bar.start(f"quantizing ({scheme})", n),
             on_tensor=bar.callback(),
             method=method,
@@ -130,6 +139,15 @@ def quantize(
     render_quantize(result)
     if json_path:
         console.write_json(json_path, result.to_dict())
+
+
+def _check_json_beside_output(json_path: str | None, output: str) -> None:
+    """--json may go inside -o (written after it), never be -o itself or one of its parents."""
+    if json_path in (None, "-"):
+        return
+    j, o = (os.path.realpath(os.path.abspath(p)) for p in (json_path, output))
+    if o == j or o.startswith(j.rstrip(os.sep) + os.sep):
+        raise InputError(f"--json {json_path} {'is' if o == j else 'contains'} -o {output}; give the JSON another path")
 
 
 def render_quantize(result) -> None:
@@ -192,14 +210,16 @@ def verify(
     checkpoint: Annotated[Path, typer.Argument(help="A directory written by qkit quantize --format compressed-tensors|bitsandbytes, or a .gguf file (or directory) of --format gguf.", show_default=False)],
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Load an exported CHECKPOINT with its target library and compare it with qkit, weight by weight and on logits."""
     from qkit.export.verify import verify_checkpoint
 
-    json_target(json_path)
+    json_target(json_path, force, model_inputs(checkpoint, "the checkpoint"))
     use_threads(threads)
-    r = verify_checkpoint(checkpoint, device=device)
+    r = verify_checkpoint(checkpoint, device=device, trust_remote_code=trust_remote_code)
     render_verify(r)
     if json_path:
         console.write_json(json_path, r.to_dict())

@@ -10,15 +10,19 @@ from qkit import console
 from qkit.cli.common import (
     ConfigOpt,
     DeviceOpt,
+    ForceOpt,
     JsonOpt,
     ModelArg,
     ThreadsOpt,
     comma_list,
+    file_inputs,
     handles_errors,
     int_list,
     json_target,
+    model_inputs,
     use_threads,
 )
+from qkit.models import checked
 from qkit.serving import batching as _batching  # defaults come from the library, defined once
 from qkit.serving import budget as _budget
 from qkit.serving import kv as _kv
@@ -49,13 +53,17 @@ def kv_(
     measure: Annotated[bool, typer.Option("--measure", help="Run the model on a TOKENS-token prompt and sum the cache it allocated.")] = False,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
 ) -> None:
     """KV cache bytes per token and in total, against full multi-head and multi-query attention."""
-    json_target(json_path)
+    json_target(json_path, force, [*model_inputs(model), *file_inputs("the config", config)])
     _kv.check_options(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
     use_threads(threads)
     if measure:
+        if config is None:
+            model = checked(model)  # a bad MODEL is refused in one line, before the status line
+        _kv.check_measure_size(model=model, config=config, tokens=tokens, dtype=dtype, device=device)  # context, memory
         console.status(f"measuring: one forward pass over {tokens:,} tokens in {dtype}")
     r = _kv.kv_report(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
     render_kv(r, tokens, users, dtype)
@@ -114,10 +122,12 @@ def budget_(
     conversation: Annotated[int, typer.Option("--conversation", help="Tokens of one conversation (rows holding fewer are flagged).")] = _budget.DEFAULT_CONVERSATION,
     chapter: Annotated[bool, typer.Option("--chapter", help=f"The chapter's assumptions, stated in the output: nominal 7e9/13e9/70e9 parameters, every weight at the format's bits (int8 = 8, int4 = 4.125), a {_budget.CHAPTER_RESERVE_GIB:g} GiB reserve unless --reserve is given.")] = False,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
     ctx: typer.Context = None,
 ) -> None:
     """Per card size: weight memory per format, KV bytes per token, and the resident tokens that fit."""
-    json_target(json_path)
+    json_target(json_path, force, [*(i for m in models or [] for i in model_inputs(None if m == "default" else m)),
+                                   *(i for c in config or [] for i in file_inputs("the config", c))])
     presets = comma_list(preset)
     # --chapter has its own reserve unless --reserve is given on the command line.
     reserve_given = ctx is None or ctx.get_parameter_source("reserve").name != "DEFAULT"
@@ -169,9 +179,10 @@ def speculate_(
     gamma: Annotated[str, typer.Option("--gamma", help="Draft lengths, comma-separated.")] = ",".join(map(str, _spec.DEFAULT_GAMMAS)),
     cost: Annotated[Optional[float], typer.Option("--cost", help=f"Draft forward cost as a fraction of a target forward (default {_spec.DEFAULT_COST:g}; with --from, the bits/w ratio).")] = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Expected tokens per verification pass and speedup of speculative decoding with a (quantized) draft."""
-    json_target(json_path)
+    json_target(json_path, force, file_inputs("the eval JSON", from_eval))
     r = _spec.speculate(alphas=alpha or [], from_eval=from_eval, gammas=int_list(gamma, "--gamma"), cost=cost)
     render_speculate(r)
     if json_path:
@@ -220,11 +231,12 @@ def bench_(
     threads: ThreadsOpt = None,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Measure generation with and without the KV cache, prefill, decode and batching on this machine."""
     from qkit.serving.bench import bench
 
-    json_target(json_path)
+    json_target(json_path, force, [*model_inputs(model), *file_inputs("the config", config)])
     use_threads(threads)
     r = bench(model=model, config=config, device=device, quick=quick, repeats=repeats, threads=threads,
               on_stage=console.status)
@@ -282,11 +294,12 @@ def simulate_batching_(
     step_ms: Annotated[Optional[float], typer.Option("--step-ms", help="Cost of one decode step in ms (any batch size).")] = None,
     bench_json: Annotated[Optional[str], typer.Option("--bench", help="A qkit bench --json file: measured step cost per batch size.", metavar="BENCH.json")] = None,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Static batching (a batch runs until its longest member ends) against continuous batching."""
     from qkit.errors import InputError
 
-    json_target(json_path)
+    json_target(json_path, force, [*file_inputs("the lengths file", lengths), *file_inputs("the bench JSON", bench_json)])
     if step_ms is not None and bench_json is not None:
         raise InputError("give either --step-ms or --bench, not both")
     cost = (_batching.constant_cost(step_ms / 1e3) if step_ms is not None

@@ -77,25 +77,32 @@ def verified(name: str, text: str, expected_sha256: str, source: str) -> Corpus:
     return Corpus(name, text, actual, source)
 
 
-def load_corpus(spec: str | None = None) -> Corpus:
-    """``None``: the pinned default; a path: that UTF-8 text file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset."""
+def load_corpus(spec: str | None = None, *, what: str = "corpus file", option: str = "--corpus") -> Corpus:
+    """``None``: the pinned default; a path: that UTF-8 text file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset.
+
+    ``what`` and ``option`` name the input in messages (``"calibration file"``, ``"--calibration"`` when
+    reading a calibration text), so each refusal names the option the user gave."""
     if spec is None or spec == "" or spec == "default":
         return pinned_corpus()
     if spec.startswith("hf:"):
-        return _hf_corpus(spec[3:])
+        return _hf_corpus(spec[3:], option)
     path = Path(spec).expanduser()
+    if not path.exists():
+        raise InputError(f"{what} {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] to {option}")
     if not path.is_file():
-        raise InputError(f"corpus file {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]]")
+        raise InputError(f"{what} {spec} is not a file (a directory?); pass a UTF-8 text file to {option}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"corpus file {spec} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from exc
+        raise InputError(f"{what} {spec} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from exc
+    except OSError as exc:  # permission denied, an I/O error: the real cause, not "does not exist"
+        raise InputError(f"cannot read {what} {spec} ({exc.strerror or type(exc).__name__}); check its permissions or pass another {option}") from exc
     if not text.strip():
-        raise InputError(f"corpus file {spec} is empty; pass a file with text in it")
+        raise InputError(f"{what} {spec} is empty; pass a file with text in it to {option}")
     return Corpus(path.name, text, _sha(text), str(path.resolve()))
 
 
-def _hf_corpus(spec: str) -> Corpus:
+def _hf_corpus(spec: str, option: str = "--corpus") -> Corpus:
     parts = spec.split(":")
     if not parts[0] or len(parts) > 3:
         raise InputError(f"hf:{spec} is malformed; use hf:DATASET[:CONFIG[:SPLIT]], e.g. hf:wikitext:wikitext-2-raw-v1:test")
@@ -103,11 +110,12 @@ def _hf_corpus(spec: str) -> Corpus:
     try:
         import datasets
 
-        ds = datasets.load_dataset(dataset, config, split=split)
+        with assets.quiet_hub():  # the hub's retry warnings would precede the one-line error
+            ds = datasets.load_dataset(dataset, config, split=split)
     except Exception as exc:  # datasets raises many types for network and lookup failures
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ModelLoadError(
-            f"cannot load dataset {dataset} from the Hugging Face hub ({first[:160]}); pass a local text file with --corpus instead"
+            f"cannot load dataset {dataset} from the Hugging Face hub ({first[:160]}); pass a local text file with {option} instead"
         ) from exc
     column = "text" if "text" in ds.column_names else ds.column_names[0]
     text = "\n".join(t for t in ds[column] if isinstance(t, str) and t)

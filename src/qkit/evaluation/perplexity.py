@@ -2,7 +2,9 @@
 
 The corpus's first ``tokens`` tokens are cut into non-overlapping windows of ``window`` tokens; within
 each window, position ``t`` (1..w-1) is predicted from positions ``< t``, so ``tokens - n_windows``
-positions are scored (the first token of each window has no context and is not scored).
+positions are scored (the first token of each window has no context and is not scored; a last window
+of one token is dropped): ``scored_positions(tokens, window)``. A standard error needs at least
+``MIN_SCORED`` = 2 scored positions; fewer is refused before the model is loaded (``check_scored``).
 
 For a model with log-probabilities ``log q`` and the reference's ``log p`` at each scored position::
 
@@ -38,7 +40,7 @@ class TokenScores:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll.mean().item())
+        return _exp(self.nll.mean().item())
 
     @property
     def perplexity_se(self) -> float:
@@ -64,13 +66,48 @@ class TokenScores:
         comparing two independent perplexity SEs.
         """
         d = self.nll - reference.nll
-        ratio = math.exp(d.mean().item())
+        ratio = _exp(d.mean().item())
         return 100 * (ratio - 1), 100 * ratio * _se(d)
 
 
+def _exp(x: float) -> float:
+    # math.exp raises OverflowError past ~709; a collapsed row's mean NLL can get there: its perplexity is inf
+    return math.exp(x) if x < 709.0 else math.inf
+
+
 def _se(x: torch.Tensor) -> float:
+    """Standard error of the mean; NaN when it does not exist (fewer than ``MIN_SCORED`` values): every
+    reader (``qkit.evaluation.runner.interpret``, the table) says so instead of calling a NaN significant."""
     n = x.numel()
-    return x.std(unbiased=True).item() / math.sqrt(n) if n > 1 else float("nan")
+    return x.std(unbiased=True).item() / math.sqrt(n) if n >= MIN_SCORED else float("nan")
+
+
+MIN_SCORED = 2  # scored positions a standard error needs (the unbiased std divides by n - 1)
+
+
+def scored_positions(tokens: int, window: int) -> int:
+    """Positions scored from ``tokens`` tokens in non-overlapping windows of ``window`` (``split_windows``):
+    each full window scores ``window - 1``; a last shorter window of ``r >= 2`` tokens scores ``r - 1``."""
+    full, rest = divmod(tokens, window)
+    return full * (window - 1) + max(0, rest - 1)
+
+
+def min_tokens(window: int | None) -> int:
+    """The fewest tokens that score ``MIN_SCORED`` positions: 3 in one window of 3 or more, else two windows
+    of 2 (``window`` 2). ``None`` (window not known yet: any default window is at least 3) gives 3."""
+    return 2 * MIN_SCORED if window == 2 else MIN_SCORED + 1
+
+
+def check_scored(tokens: int, window: int | None) -> None:
+    """Refuse ``--tokens`` too few for a standard error with this window, in one line, before any model work."""
+    least = min_tokens(window)
+    if tokens < least:
+        scored = f"{scored_positions(tokens, window)} position(s)" if window else f"at most {max(0, tokens - 1)} position(s)"
+        raise InputError(
+            f"--tokens must be at least {least}" + (f" with --window {window}" if window else "")
+            + f", got {tokens}: that scores {scored} (the first token of each window has no context), and a "
+            f"standard error needs {MIN_SCORED}; pass --tokens {least} or more"
+        )
 
 
 def split_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
@@ -94,8 +131,9 @@ class CorpusReference:
 
     def __init__(self, model, ids: torch.Tensor, window: int):
         self.windows = split_windows(ids, window)
-        if not self.windows:
-            raise InputError("the corpus has fewer than 2 tokens; pass a longer text")
+        if self.scored_tokens < MIN_SCORED:  # the runner refuses this before loading; a library caller here
+            raise InputError(f"the corpus scores {self.scored_tokens} position(s) in windows of {window} tokens; a "
+                             f"standard error needs {MIN_SCORED}: pass a longer text")
         self.ref_logprobs = [position_logprobs(model, w) for w in self.windows]
         self.ref_argmax = [lp.argmax(-1) for lp in self.ref_logprobs]
 

@@ -10,13 +10,14 @@ GGUF writes one file rather than a safetensors directory: ``check_output``, ``at
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qkit.checkpoint import atomic_directory, checkpoint_bytes
 from qkit.checkpoint import check_output as _check_directory
-from qkit.errors import ExportError, InputError
+from qkit.errors import ExportError, InputError, OutputError
 from qkit.export.common import EXPORT_MANIFEST, ExportPlan, Format, PreparedExport, make_plan
+from qkit.outputs import Input
 from qkit.schemes import Scheme
 
 QKIT = "qkit"
@@ -49,6 +50,11 @@ def get_format(name: str) -> Format:
     raise InputError(f"unknown format {name!r}; use one of {', '.join(FORMATS)}")
 
 
+def _trusted(ref) -> bool:
+    """Whether the user allowed the model's own code when ``ref`` was resolved (``ModelRef.trust_remote_code``)."""
+    return bool(getattr(ref, "trust_remote_code", False))
+
+
 def prepare_export(
     name: str, directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], manifest: dict,
     *, ref=None, activations: str | None = None,
@@ -67,7 +73,7 @@ def prepare_export(
             raise ExportError(f"--activations {key} is exported only as compressed-tensors W8A8 (int-quantized), not "
                               f"--format {name}; use --format compressed-tensors")
         fmt = w8a8.W8A8Format(key)
-        plan = make_plan(directory, targets, shapes)
+        plan = make_plan(directory, targets, shapes, trust_remote_code=_trusted(ref))
         fmt.check(plan)
         manifest["activations"] = key
         return PreparedExport(fmt, plan, manifest)
@@ -76,35 +82,41 @@ def prepare_export(
 
         return gguf.prepare(directory, targets, shapes, manifest, ref=ref)
     fmt = get_format(name)
-    plan = make_plan(directory, targets, shapes)
+    plan = make_plan(directory, targets, shapes, trust_remote_code=_trusted(ref))
     fmt.check(plan)
     return PreparedExport(fmt, plan, manifest)
 
 
-def check_output(name: str, out: Path, force: bool) -> None:
-    """Refuse an existing output of format ``name`` unless ``force`` (before any work)."""
+def check_output(name: str, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+    """Refuse an output of format ``name`` qkit must not or cannot write, before any work: one that is,
+    contains or lies inside one of ``inputs`` (whatever ``force``), an existing one without ``force`` or
+    not written by qkit, an unwritable place (``qkit.outputs.check_output``)."""
+    if out is None or str(out) == "":  # before Path(), which reads "" as ".": the current directory
+        raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
     if is_gguf(name):
         from qkit.export import gguf
 
-        gguf.check_output(Path(out), force)
+        gguf.check_output(Path(out), force, inputs)
         return
-    _check_directory(Path(out), force)
+    _check_directory(Path(out), force, inputs)
 
 
 @contextlib.contextmanager
-def atomic_output(export: PreparedExport | None, out: Path, force: bool = False) -> Iterator[Path]:
+def atomic_output(export: PreparedExport | None, out: Path, force: bool = False,
+                  inputs: Iterable[Input] = ()) -> Iterator[Path]:
     """The staging directory an export is written into, published atomically on success.
 
     A directory (``checkpoint.atomic_directory``) for qkit and the safetensors formats; for GGUF, a
-    staging directory whose ``model.gguf`` becomes OUT (``OUT.gguf``) or ``OUT/model.gguf``.
+    staging directory whose ``model.gguf`` becomes OUT (``OUT.gguf``) or ``OUT/model.gguf``. A failed
+    write (full disk) leaves nothing and is one ``OutputError`` line.
     """
     if export is not None and export.format.name == "gguf":
         from qkit.export import gguf
 
-        with gguf.atomic_output(Path(out), force) as tmp:
+        with gguf.atomic_output(Path(out), force, inputs) as tmp:
             yield tmp
         return
-    with atomic_directory(Path(out), force) as tmp:
+    with atomic_directory(Path(out), force, inputs=inputs) as tmp:
         yield tmp
 
 

@@ -22,9 +22,10 @@ import torch
 
 from qkit import __version__
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, ShardWriter, open_safetensors, weight_files, write_json
-from qkit.errors import ExportError
+from qkit.errors import ExportError, QkitError
+from qkit.models import linear_modules as _model_linears
 from qkit.schemes import QuantizedTensor, Scheme
-from qkit.transform import manifest_entry
+from qkit.transform import entry_to_spec, manifest_entry
 
 EXPORT_MANIFEST = "qkit-export.json"
 EXPORT_VERSION = 1
@@ -87,31 +88,19 @@ def safetensors_dtypes(directory: Path) -> dict[str, torch.dtype | None]:
     return out
 
 
-def linear_modules(directory: Path) -> list[str]:
+def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[str]:
     """Names of every ``nn.Linear`` of the model in ``directory`` (instantiated on the meta device: no memory).
 
     Tied linears (``lm_head`` tied to the embedding) are included: they exist as modules, so a target
-    library must be told to leave them alone even though the checkpoint does not store them.
+    library must be told to leave them alone even though the checkpoint does not store them. The build is
+    ``qkit.models``' (shared with ``check_complete``, so done once); it passes ``trust_remote_code``
+    explicitly: left unset, transformers asks on stdin to run the directory's code.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    try:
-        config = AutoConfig.from_pretrained(str(directory))
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ExportError(
-            f"cannot build the model of {directory} to find its linear layers ({str(exc).splitlines()[0][:160]}); "
-            "export formats need an architecture transformers knows, use --format qkit"
-        ) from exc
-    return sorted(n for n, m in model.named_modules() if type(m) is torch.nn.Linear)
+    return _model_linears(directory, trust_remote_code=trust_remote_code)
 
 
-def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]]) -> ExportPlan:
+def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], *,
+              trust_remote_code: bool = False) -> ExportPlan:
     dtypes = safetensors_dtypes(directory)
     config = json.loads((Path(directory) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype")
@@ -120,7 +109,7 @@ def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tup
         first = next((dtypes[n] for n in targets if dtypes.get(n) is not None), torch.float32)
         model_dtype = first
     return ExportPlan(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None},
-                      tuple(linear_modules(directory)), model_dtype)
+                      tuple(linear_modules(directory, trust_remote_code=trust_remote_code)), model_dtype)
 
 
 def check_linear_targets(plan: ExportPlan, fmt: str) -> None:
@@ -132,6 +121,65 @@ def check_linear_targets(plan: ExportPlan, fmt: str) -> None:
             f"--format {fmt} quantizes only linear layers, but {bad[0]} is not the weight of one"
             f"{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}; drop it from --include, or use --format qkit"
         )
+
+
+@dataclass(frozen=True)
+class ExportEntry:
+    """One quantized tensor of an export record: the scheme qkit wrote it with, its original shape and
+    dtype, and the sha256 of its codes and scales (``fingerprint``; None if not recorded)."""
+
+    scheme: Scheme
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sha256: str | None
+
+
+def check_export_record(record: object, where: str, fmt: str) -> dict[str, ExportEntry]:
+    """The tensors of an export record (``qkit-export.json``, or a GGUF's ``qkit.export`` field), checked.
+
+    ``fmt``: the format the checkpoint itself declares (its ``quantization_config``, or ``gguf``). Raises
+    ``ExportError`` (one line naming ``where``) for anything but an object whose ``format`` is ``fmt``,
+    whose ``format_version`` this qkit reads, and whose ``tensors`` maps names to manifest entries
+    (``transform.entry_to_spec``) with a hex ``sha256``: a hand-edited record is refused, never used.
+    """
+    fix = "re-export the checkpoint with qkit quantize --format"
+    if not isinstance(record, dict):
+        raise ExportError(f"{where} is a JSON {type(record).__name__}, not an object; {fix}")
+    got = record.get("format")
+    if got != fmt:
+        raise ExportError(f"{where} declares format {got!r}, but the checkpoint is {fmt}; {fix}")
+    version = record.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= EXPORT_VERSION:
+        raise ExportError(f"{where} has format_version {version!r}; this qkit reads versions 1 to {EXPORT_VERSION}: {fix}")
+    tensors = record.get("tensors")
+    if not isinstance(tensors, dict):
+        raise ExportError(f"{where} has 'tensors' of type {type(tensors).__name__}, not an object of tensor entries; {fix}")
+    out = {}
+    for name, entry in tensors.items():
+        try:
+            scheme, shape, dtype = entry_to_spec(entry, name)
+        except QkitError as exc:
+            raise ExportError(f"{where}: {exc}") from None
+        sha = entry.get("sha256")
+        if sha is not None and not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            raise ExportError(f"{where}: the sha256 of {name} is {sha!r}, not 64 hex digits; {fix}")
+        out[name] = ExportEntry(scheme, shape, dtype, sha)
+    return out
+
+
+def read_export_manifest(directory: Path, fmt: str) -> dict[str, ExportEntry] | None:
+    """The checked tensors of ``directory/qkit-export.json`` (``check_export_record``); None without one
+    (a checkpoint qkit did not write: schemes are then inferred from the files)."""
+    path = Path(directory) / EXPORT_MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except PermissionError as exc:
+        raise ExportError(f"permission denied reading {path}; make it readable") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ExportError(f"{path} is not valid JSON ({exc}); re-export the checkpoint with qkit quantize --format") from exc
+    return check_export_record(record, str(path), fmt)
 
 
 def fingerprint(qt: QuantizedTensor) -> str:

@@ -48,9 +48,8 @@ import json
 import math
 import os
 import shutil
-import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
@@ -59,10 +58,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from qkit import __version__
+from qkit import __version__, outputs
 from qkit.checkpoint import atomic_directory, write_json
-from qkit.errors import ExportError, OutputExistsError
+from qkit.errors import ExportError
 from qkit.export.common import EXPORT_MANIFEST, EXPORT_VERSION, ExportPlan, PreparedExport, fingerprint, safetensors_dtypes
+from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
 from qkit.transform import manifest_entry
 
@@ -430,7 +430,7 @@ def _is_gpt2_pretokenizer(tokenizer_json: dict) -> bool:
     return norm is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)
 
 
-def hf_tokenizer(directory: Path, config: dict, arch: str) -> dict:
+def hf_tokenizer(directory: Path, config: dict, arch: str, *, trust_remote_code: bool = False) -> dict:
     """llama.cpp's ``_set_vocab_gpt2`` for the byte-level BPE tokenizer in ``directory``.
 
     Returns ``{"pre", "tokens", "types", "special" (gguf.SpecialVocab), "add_space_prefix"}``; raises
@@ -455,7 +455,8 @@ def hf_tokenizer(directory: Path, config: dict, arch: str) -> dict:
         )
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(directory))
+    # Explicit: left unset, a tokenizer_config.json auto_map makes transformers ask on stdin to run its code.
+    tok = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
     vocab = tok.get_vocab()
     vocab_size = config.get("vocab_size") or len(vocab)
     if max(vocab.values()) >= vocab_size:
@@ -608,45 +609,52 @@ class GGUFExport(PreparedExport):
         return w
 
 
-def check_output(out: Path, force: bool) -> None:
-    """Refuse an existing OUT without ``force``, and a ``.gguf`` OUT that is a directory (or a directory OUT that is a file)."""
+def is_qkit_gguf(path: Path) -> bool:
+    """Whether ``path`` is a GGUF file qkit wrote: its header carries the ``qkit.export`` record (reads the
+    metadata only, never the tensors)."""
+    try:
+        return any(key == RECORD_KEY for key, *_ in read_kv_fields(Path(path)))
+    except (ExportError, OSError, ValueError):
+        return False
+
+
+def check_output(out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+    """Refuse an OUT qkit must not or cannot write (``qkit.outputs.check_output``): a ``.gguf`` OUT is one
+    file, replaced (with ``force``) only if it is a GGUF qkit wrote; another OUT is a directory holding
+    ``model.gguf``, replaced only if it is a qkit export. Either is refused, whatever ``force``, if it is,
+    contains or lies inside one of ``inputs`` (the source GGUF among them)."""
     out = Path(out)
-    if out.exists() and not force:
-        raise OutputExistsError(f"output {out} already exists; pass --force to replace it or choose another -o")
-    if out.exists() and out.suffix == ".gguf" and out.is_dir():
-        raise OutputExistsError(f"output {out} is a directory; remove it or choose another -o")
-    if out.exists() and out.suffix != ".gguf" and not out.is_dir():
-        raise OutputExistsError(f"output {out} exists and is not a directory; remove it or choose another -o")
+    if out.suffix == ".gguf":
+        outputs.check_output(out, kind="file", force=force, inputs=inputs, owned=is_qkit_gguf,
+                             describe="a GGUF file with qkit's qkit.export record")
+    else:
+        outputs.check_output(out, kind="dir", force=force, inputs=inputs)
 
 
 @contextlib.contextmanager
-def atomic_output(out: Path, force: bool = False) -> Iterator[Path]:
+def atomic_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) -> Iterator[Path]:
     """Yield a hidden staging directory; on success publish the GGUF, else remove everything.
 
     ``OUT.gguf``: the staging directory's ``model.gguf`` is renamed to OUT (one ``rename`` on the same file
     system: atomic). A directory OUT: it holds ``model.gguf`` and ``qkit-export.json`` only (``quantize_model``
     also writes config.json and tokenizer files into every export directory; a GGUF file carries both
-    itself) and replaces OUT by rename, as ``checkpoint.atomic_directory`` does.
+    itself) and replaces OUT by rename, as ``checkpoint.atomic_directory`` does. A failed write (full disk)
+    leaves nothing behind and is one ``OutputError`` line.
     """
     out = Path(out)
-    check_output(out, force)
+    check_output(out, force, inputs)
     if out.suffix != ".gguf":
-        with atomic_directory(out, force) as tmp:
+        with atomic_directory(out, force, inputs=inputs) as tmp:
             yield tmp
             for p in list(tmp.iterdir()):
                 if p.name not in (FILE, EXPORT_MANIFEST):
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
         return
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # the same hidden-sibling naming as checkpoint.atomic_directory, so a killed run's leftovers are found
-    tmp = out.parent / f".{out.name}.qkit-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    # the same hidden-sibling staging as checkpoint.atomic_directory, so a killed run's leftovers are found
+    with outputs.staged(out) as tmp:
         yield tmp
         check_output(out, force)  # it may have appeared while we worked
         os.replace(tmp / FILE, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def gguf_path(out: Path) -> Path:
@@ -724,7 +732,8 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
     if arch == "llama" and kind == "llama3":
         outputs["<rope_freqs>"] = TensorOut("rope_freqs.weight", T.F32, None)
     source = source_gguf(directory, ref)
-    tokenizer = None if source is not None else hf_tokenizer(directory, config, arch)
+    tokenizer = None if source is not None else hf_tokenizer(
+        directory, config, arch, trust_remote_code=bool(getattr(ref, "trust_remote_code", False)))
     plan = ExportPlan(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None}, (),
                       dtypes.get(next(iter(targets)), torch.float32) if targets else torch.float32)
     ftype = file_type(manifest.get("scheme", {}), resolved)
@@ -855,4 +864,4 @@ def read_record(path: Path, reader=None) -> dict | None:
 
 
 __all__ = ["FILE", "FORMAT", "NAME", "GGUFExport", "GGUFFileWriter", "atomic_output", "check_output", "gguf_path",
-           "inverse_permutation", "prepare", "read_record", "row_permutation"]
+           "inverse_permutation", "is_qkit_gguf", "prepare", "read_record", "row_permutation"]

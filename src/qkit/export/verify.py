@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -53,12 +52,11 @@ from pathlib import Path
 import torch
 
 from qkit.checkpoint import iter_tensors, tensor_shapes
-from qkit.errors import ExportError, InputError, ModelLoadError
+from qkit.errors import ExportError, InputError, ModelLoadError, QkitError
 from qkit.export import EXPORT_MANIFEST, get_format
-from qkit.export.common import Format, fingerprint
-from qkit.models import load_tokenizer, parse_device, read_config
+from qkit.export.common import ExportEntry, Format, check_export_record, fingerprint, read_export_manifest
+from qkit.models import check_remote_code, load_tokenizer, parse_device, read_config
 from qkit.schemes import QuantizedTensor
-from qkit.transform import entry_to_spec
 
 PROMPT = "The capital of France is Paris. Water boils at one hundred degrees, and the quick brown fox"
 LOGITS_RTOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 2e-2}
@@ -179,19 +177,21 @@ def _stored_parts(fmt_name: str, keys: list[str]) -> dict[str, str]:
     return out
 
 
-def iter_decoded(directory: Path) -> Iterator[tuple[str, QuantizedTensor | torch.Tensor, bool | None]]:
+def iter_decoded(directory: Path, entries: dict[str, ExportEntry] | None = None
+                 ) -> Iterator[tuple[str, QuantizedTensor | torch.Tensor, bool | None]]:
     """Stream an export as qkit reads it: ``(name, QuantizedTensor or tensor, matches_export)``.
 
     ``matches_export``: for a quantized weight, whether the decoded codes and scales have the sha256 that
     ``qkit-export.json`` recorded when qkit wrote them (None without that file, or for other tensors).
+    ``entries``: that file's checked tensors (``read_export_manifest``), when the caller has read them.
     """
     directory = Path(directory)
     fmt_name, qc = checkpoint_format(directory)
     from qkit.export import compressed_tensors_w8a8 as w8a8
 
     fmt: Format = w8a8.FORMAT if w8a8.is_w8a8(qc) else get_format(fmt_name)
-    sidecar = directory / EXPORT_MANIFEST
-    entries = json.loads(sidecar.read_text())["tensors"] if sidecar.is_file() else None
+    if entries is None:
+        entries = read_export_manifest(directory, fmt_name)
     keys = [k for k, _ in tensor_shapes(directory)]
     parts_of = w8a8.stored_parts(keys) if w8a8.is_w8a8(qc) else _stored_parts(fmt_name, keys)
     # compressed-tensors: int modules store 3 tensors, nvfp4 3, mxfp4 2 (count them); bitsandbytes 4.
@@ -211,13 +211,19 @@ def iter_decoded(directory: Path) -> Iterator[tuple[str, QuantizedTensor | torch
         if entries is not None:
             if name not in entries:
                 raise ExportError(f"{name} is quantized in the weights but not in {EXPORT_MANIFEST}; re-export")
-            scheme, _, dtype = entry_to_spec(entries[name])
+            scheme, dtype = entries[name].scheme, entries[name].dtype
         else:
             scheme = fmt.infer_scheme(qc, module, parts)
             dtype = parts["weight_scale"].dtype if fmt_name == "compressed-tensors" else getattr(
                 torch, fmt.quant_state(parts)["dtype"])
-        qt = fmt.decode(parts, scheme, dtype)
-        recorded = (entries or {}).get(name, {}).get("sha256")
+        try:
+            qt = fmt.decode(parts, scheme, dtype)
+        except QkitError:
+            raise
+        except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as exc:  # stored parts that do not fit the scheme
+            raise ExportError(f"{directory}: the stored tensors of {name} do not decode as {scheme.name} "
+                              f"({' '.join(str(exc).split())[:160]}); re-export the checkpoint") from exc
+        recorded = entries[name].sha256 if entries is not None else None
         yield name, qt, (None if recorded is None else fingerprint(qt) == recorded)
     if held:
         raise ExportError(f"{directory}: {', '.join(sorted(held))} lack some of their stored tensors; re-export")
@@ -259,8 +265,8 @@ def _library_version(fmt_name: str) -> str:
         raise InputError(f"verifying a {fmt_name} checkpoint needs the {pkg} package; pip install {pkg}") from exc
 
 
-def _prompt_ids(directory: Path, vocab: int) -> torch.Tensor:
-    tok = load_tokenizer(directory)
+def _prompt_ids(directory: Path, vocab: int, trust_remote_code: bool = False) -> torch.Tensor:
+    tok = load_tokenizer(directory, trust_remote_code)
     if tok is not None:
         ids = tok(PROMPT, return_tensors="pt")["input_ids"]
         if ids.numel() and int(ids.max()) < vocab:
@@ -282,24 +288,40 @@ def _within(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int, bool]:
 
 
 def verify_checkpoint(
-    checkpoint: str | Path, *, device: str | None = None, fast_cpu_kernel: bool = False
+    checkpoint: str | Path, *, device: str | None = None, fast_cpu_kernel: bool = False,
+    trust_remote_code: bool = False,
 ) -> VerifyResult:
-    """Load ``checkpoint`` with its target library and compare it with qkit's reading (see the module doc)."""
+    """Load ``checkpoint`` with its target library and compare it with qkit's reading (see the module doc).
+
+    ``trust_remote_code``: allow the checkpoint's own Python (an ``auto_map`` copied from its model);
+    without it such a checkpoint is refused first, and every transformers call is told ``False``.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     directory = Path(checkpoint)
-    if _is_gguf_export(directory):
-        return verify_gguf(directory, device=device)
-    if not directory.is_dir():
+    try:
+        gguf_export = _is_gguf_export(directory)
+        is_dir = directory.is_dir()
+    except PermissionError as exc:
+        raise InputError(f"permission denied reading {exc.filename or directory}; make it readable") from exc
+    if gguf_export:
+        return verify_gguf(directory, device=device, trust_remote_code=trust_remote_code)
+    if not is_dir:
         raise InputError(f"no such checkpoint directory: {checkpoint}; pass the -o directory of qkit quantize --format ...")
+    check_remote_code(directory, str(checkpoint), trust_remote_code)
     fmt_name, qc = checkpoint_format(directory)
+    entries = read_export_manifest(directory, fmt_name)  # a corrupt record is refused before any model is built
     from qkit.export import compressed_tensors_w8a8 as w8a8
 
     library = _library_version(fmt_name)
     dev = parse_device(device)
 
     with _quiet():
-        config = AutoConfig.from_pretrained(str(directory))
+        try:
+            config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        except Exception as exc:  # transformers raises many types (a trusted auto_map whose code is absent: OSError)
+            raise ModelLoadError(f"transformers cannot read the config of {directory} "
+                                 f"({' '.join(str(exc).split())[:200]}); re-export it") from exc
         del config.quantization_config
         dtype = getattr(config, "dtype", None) or torch.float32
         if isinstance(dtype, str):
@@ -308,7 +330,7 @@ def verify_checkpoint(
         dtype, dtype_note = getattr(get_format(fmt_name), "runtime_dtype", lambda qc, d: (d, None))(qc, dtype)
         # qkit's side: its own reading of the exported bytes, dequantized by qkit.
         state, schemes, dense, matches = {}, {}, {}, {}
-        for name, value, match in iter_decoded(directory):
+        for name, value, match in iter_decoded(directory, entries):
             if isinstance(value, QuantizedTensor):
                 dense[name] = value.dequantize(dtype)
                 schemes[name] = value.scheme.name
@@ -317,7 +339,7 @@ def verify_checkpoint(
             else:
                 state[name] = value
         with _no_init():  # every weight is loaded next; random init would cost seconds for nothing
-            ours = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            ours = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
         missing = ours.load_state_dict(state, strict=False).missing_keys
         tied = set(getattr(ours, "_tied_weights_keys", None) or [])
         if [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
@@ -326,7 +348,8 @@ def verify_checkpoint(
         ours.eval().to(dev)
         # The library's side: exactly how a user loads the directory.
         try:
-            theirs = AutoModelForCausalLM.from_pretrained(str(directory), device_map={"": str(dev)}, dtype=dtype)
+            theirs = AutoModelForCausalLM.from_pretrained(str(directory), device_map={"": str(dev)}, dtype=dtype,
+                                                          trust_remote_code=trust_remote_code)
         except Exception as exc:  # transformers and the quantization libraries raise many types
             raise ModelLoadError(
                 f"transformers could not load {directory} with {fmt_name} ({str(exc).splitlines()[0][:200]}); "
@@ -338,7 +361,7 @@ def verify_checkpoint(
                 if hasattr(m, "support_avx512bf16_for_cpu"):
                     m.support_avx512bf16_for_cpu = False
 
-        ids = _prompt_ids(directory, config.vocab_size).to(dev)
+        ids = _prompt_ids(directory, config.vocab_size, trust_remote_code).to(dev)
         checks = []
         with torch.no_grad():
             if fmt_name == "bitsandbytes":  # before a forward can repack the weights for the CPU fast path
@@ -398,7 +421,7 @@ def _is_gguf_export(path: Path) -> bool:
     return (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "model.gguf").is_file())
 
 
-def verify_gguf(checkpoint: str | Path, *, device: str | None = None) -> VerifyResult:
+def verify_gguf(checkpoint: str | Path, *, device: str | None = None, trust_remote_code: bool = False) -> VerifyResult:
     """``qkit verify`` for a GGUF file (see the module docstring); ``checkpoint``: the file or its OUT directory."""
     from importlib.metadata import version
 
@@ -418,15 +441,21 @@ def verify_gguf(checkpoint: str | Path, *, device: str | None = None) -> VerifyR
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
     if arch not in gg.ARCHITECTURES:
         raise InputError(f"{path} is a GGUF of architecture {arch!r}; qkit verify reads the llama and qwen2 files qkit writes")
-    record = gg.read_record(path, reader) or {"tensors": {}}
-    entries = record["tensors"]
+    where = f"the qkit.export record of {path}"
+    try:
+        record = gg.read_record(path, reader)
+    except (ValueError, UnicodeDecodeError, RecursionError, IndexError, TypeError) as exc:
+        raise ExportError(f"{where} is not valid JSON ({' '.join(str(exc).split())[:120]}); "
+                          "re-export it with qkit quantize --format gguf") from exc
+    entries = {} if record is None else check_export_record(record, where, gg.NAME)
     library = f"gguf {version('gguf')} + transformers {version('transformers')}"
     T = gguf.GGMLQuantizationType
     with _quiet():
         # The library's side first: exactly how a user loads the file. Its config (read from the file) is
         # the one qkit's model is built with, so the two differ in their weights only.
         try:
-            theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                          trust_remote_code=trust_remote_code)
         except Exception as exc:  # transformers raises many types for GGUF files it cannot read
             raise ModelLoadError(
                 f"transformers could not load {path} ({str(exc).splitlines()[0][:200]}); "
@@ -438,7 +467,7 @@ def verify_gguf(checkpoint: str | Path, *, device: str | None = None) -> VerifyR
             del config.quantization_config
         cfg = config.to_dict()
         with _no_init():
-            ours = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            ours = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
         hf_names = list(ours.state_dict())
         by_gguf = {v: k for k, v in gg.tensor_names(arch, config.num_hidden_layers, hf_names,
                                                      bool(getattr(config, "tie_word_embeddings", False))).items() if v}
@@ -462,11 +491,17 @@ def verify_gguf(checkpoint: str | Path, *, device: str | None = None) -> VerifyR
                 raw = raw[inv]
             entry = entries.get(hf)
             if entry is not None:
-                scheme, _, dtype = entry_to_spec(entry)
+                scheme, dtype = entry.scheme, entry.dtype
             else:
                 scheme, dtype = gg.scheme_for_type(t.tensor_type), torch.float32
-            qt = gg.FORMAT.decode({"qweight": raw}, scheme, dtype)
-            matches[hf] = None if entry is None else fingerprint(qt) == entry.get("sha256")
+            try:
+                qt = gg.FORMAT.decode({"qweight": raw}, scheme, dtype)
+            except QkitError:
+                raise
+            except (ValueError, RuntimeError, TypeError, IndexError) as exc:  # a record naming another type
+                raise ExportError(f"{where}: {hf} is stored as {t.tensor_type.name}, which does not decode as "
+                                  f"{scheme.name} ({' '.join(str(exc).split())[:120]}); re-export it") from exc
+            matches[hf] = None if entry is None or entry.sha256 is None else fingerprint(qt) == entry.sha256
             dense[hf] = qt.dequantize(torch.float32)
             reference[hf] = ref
             schemes[hf] = scheme.name
@@ -480,7 +515,7 @@ def verify_gguf(checkpoint: str | Path, *, device: str | None = None) -> VerifyR
         ours.tie_weights()
         ours.eval().to(dev)
         try:
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=trust_remote_code)
             ids = tok(PROMPT, return_tensors="pt")["input_ids"]
             if not ids.numel() or int(ids.max()) >= config.vocab_size:
                 raise ValueError("prompt ids outside the vocabulary")

@@ -34,7 +34,7 @@ import torch
 from qkit.checkpoint import open_safetensors, tensor_shapes, weight_files
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow, PerTensor
-from qkit.models import ModelRef, resolve
+from qkit.models import ModelRef, check_complete, resolve
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.absmax import quantize_absmax
@@ -158,6 +158,7 @@ def _ref_for(model: str | Path | None, ref: ModelRef | None) -> ModelRef:
     ref = ref or resolve(model)
     if ref.is_quantized:
         raise InputError(f"{ref.spec} is a qkit checkpoint; inspect the original model it was made from instead")
+    check_complete(ref)  # a missing matrix would silently drop out of every mean
     return ref
 
 

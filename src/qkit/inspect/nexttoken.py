@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.inspect.outliers import encode
+from qkit.inspect.outliers import check_context, encode, model_context
 
 TOP = 5
 TEMPERATURES = (1.0, 2.0)
@@ -80,7 +80,9 @@ def next_token(
     temps = check_options(top=top, temperatures=temperatures, device=device if loaded is None else None)
     loaded = loaded or load(model, device=device)
     lm = loaded.model
-    ids = encode(loaded.tokenizer, text).to(next(lm.parameters()).device)
+    ids = encode(loaded.tokenizer, text, what="TEXT")
+    check_context(ids.shape[1], model_context(lm), "TEXT", loaded.ref.spec)  # before the forward pass
+    ids = ids.to(next(lm.parameters()).device)
     with torch.no_grad():
         logits = lm(ids, use_cache=False).logits[0, -1].float().cpu()
     top = min(top, logits.numel())

@@ -59,12 +59,13 @@ QUANTILES = (0.25, 0.5, 0.75)  # the "typical" dimensions: quartile- and median-
 # --------------------------------------------------------------------------- prompts
 
 
-def default_prompt() -> str:
-    """The fixed English paragraph (about 80 tokens) in ``corpora/outliers_prompt.txt``."""
+def default_prompt(option: str = "--prompt") -> str:
+    """The fixed English paragraph (about 80 tokens) in ``corpora/outliers_prompt.txt``; ``option``: the
+    command's own text option, which the message for a broken install suggests."""
     try:
         text = (resources.files("qkit.corpora") / PROMPT_NAME).read_text(encoding="utf-8")
     except (ModuleNotFoundError, FileNotFoundError, OSError) as exc:
-        raise InputError(f"the default prompt corpora/{PROMPT_NAME} is missing from this install; pass --prompt TEXT") from exc
+        raise InputError(f"the default prompt corpora/{PROMPT_NAME} is missing from this install; pass {option} TEXT") from exc
     return " ".join(text.split())
 
 
@@ -77,16 +78,44 @@ def corpus_text() -> str:
     return load_corpus().text
 
 
-def encode(tokenizer: Any, text: str, max_tokens: int | None = None) -> torch.Tensor:
-    """``text`` -> token ids ``[1, T]`` (int64), cut to the first ``max_tokens``."""
+def encode(tokenizer: Any, text: str, max_tokens: int | None = None, what: str = "--prompt") -> torch.Tensor:
+    """``text`` -> token ids ``[1, T]`` (int64), cut to the first ``max_tokens``. ``what``: how the command
+    takes the text (``--prompt``, ``--text``, the ``TEXT`` argument), for the messages."""
     if tokenizer is None:
         raise InputError("this model has no tokenizer files; pass a model directory that includes its tokenizer")
     if not text.strip():
-        raise InputError("the prompt is empty; pass --prompt with some text")
+        raise InputError(f"the text ({what}) is empty; pass some text as {what}")
     ids = tokenizer(text, return_tensors="pt").input_ids[:, : max_tokens or None]
     if ids.shape[1] == 0:
-        raise InputError("the prompt encodes to no tokens; pass a longer --prompt")
+        raise InputError(f"the text ({what}) encodes to no tokens; pass a longer {what}")
     return ids
+
+
+def model_context(model: Any) -> int | None:
+    """The longest sequence a loaded transformers model (or a config dict) takes: ``max_position_embeddings``
+    or its gpt-2 style equivalent (``qkit.serving.kv.context_length``); None when the config does not say."""
+    from qkit.serving.kv import context_length
+
+    return context_length(model if isinstance(model, dict) else model.config.to_dict())
+
+
+def check_context(tokens: int, context: int | None, what: str, model: str) -> None:
+    """Refuse a forward pass over more tokens than the model's context, before it runs (positions past the
+    context are beyond what the model was built for, and the attention's memory grows with the length)."""
+    if context is not None and tokens > context:
+        raise InputError(
+            f"{what} gives {tokens:,} tokens, more than the {context:,}-token context of {model} "
+            f"(max_position_embeddings); pass {context:,} tokens or fewer"
+        )
+
+
+def resolve_with_context(model: Any) -> tuple[Any, int | None]:
+    """``(ModelRef, context)`` from the config alone: a command can bound its token counts before loading
+    (``model`` may already be a ``ModelRef``, returned as it is)."""
+    from qkit.models import read_config, resolve
+
+    ref = resolve(model)
+    return ref, model_context(read_config(ref.directory))
 
 
 def prompt_ids(
@@ -326,7 +355,7 @@ def analyse_hidden(
     if not -n_layers <= layer < n_layers:
         raise InputError(f"--layer must be between 0 and {n_layers - 1}, got {layer}")
     layer %= n_layers
-    if threshold <= 1:
+    if not threshold > 1:  # NaN too
         raise InputError(f"--threshold must be above 1 (a multiple of the median dimension), got {threshold}")
     top = max(1, min(top, n_hidden))
     maxima = dim_maxima(hidden)
@@ -377,7 +406,7 @@ def check_options(
         raise InputError(f"--corpus-tokens must be at least 1, got {corpus_tokens}")
     if exclude_top < 0:
         raise InputError(f"--exclude-top must be at least 0, got {exclude_top}")
-    if threshold <= 1:
+    if not threshold > 1:  # NaN too
         raise InputError(f"--threshold must be above 1 (a multiple of the median dimension), got {threshold}")
     if top < 1:
         raise InputError(f"--top must be at least 1, got {top}")
@@ -408,8 +437,18 @@ def residual_outliers(
 
     check_options(prompt=prompt, corpus_tokens=corpus_tokens, exclude_top=exclude_top, threshold=threshold, top=top,
                   device=device if loaded is None else None, device_map=device_map if loaded is None else None)
-    loaded = loaded or load(model, device=device, device_map=device_map)
+    if loaded is None:
+        ref, context = resolve_with_context(model)
+        if corpus_tokens is not None:
+            check_context(corpus_tokens, context, "--corpus-tokens", ref.spec)
+        loaded = load(ref, device=device, device_map=device_map)
     ids, source = prompt_ids(loaded.tokenizer, prompt=prompt, corpus_tokens=corpus_tokens)
+    context = model_context(loaded.model)
+    if prompt is None and corpus_tokens is None and context is not None and ids.shape[1] > context:
+        # the built-in prompt is longer than a small model's context: use what fits (a text the user gave
+        # is refused instead, below, since cutting it would measure something other than what was asked)
+        ids, source = ids[:, :context], f"{source} (its first {context:,} tokens: the model's context)"
+    check_context(ids.shape[1], context, "--prompt" if prompt is not None else source, loaded.ref.spec)
     hidden = residual_stream(loaded.model, ids)
     report = analyse_hidden(
         hidden, layer=layer, exclude_top=exclude_top, threshold=threshold, top=top,

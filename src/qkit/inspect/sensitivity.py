@@ -32,6 +32,9 @@ import torch
 from qkit.errors import InputError
 from qkit.inspect.errors import matrix_stats
 from qkit.inspect.outliers import (
+    check_context,
+    model_context,
+    resolve_with_context,
     OUTLIER_THRESHOLD,
     capture,
     corpus_text,
@@ -227,11 +230,11 @@ def sensitivity_ids(tokenizer: Any, *, tokens: int, text: str | None) -> tuple[t
     if tokens < 2:
         raise InputError(f"--tokens must be at least 2, got {tokens}")
     if text is not None:
-        return encode(tokenizer, text, tokens), "--text"
+        return encode(tokenizer, text, tokens, what="--text"), "--text"
     try:
         return encode(tokenizer, corpus_text(), tokens), f"pinned corpus, first {tokens} tokens"
     except InputError:  # no corpus module in this qkit: the fixed paragraph stands in
-        return encode(tokenizer, default_prompt(), tokens), "corpora/outliers_prompt.txt"
+        return encode(tokenizer, default_prompt("--text"), tokens), "corpora/outliers_prompt.txt"
 
 
 # --------------------------------------------------------------------------- the analysis
@@ -262,7 +265,7 @@ def check_options(
         raise InputError(f"--tokens must be at least 2, got {tokens}")
     if suggest is not None and suggest < 0:
         raise InputError(f"--suggest must be at least 0, got {suggest}")
-    if threshold <= 1:
+    if not threshold > 1:  # NaN too
         raise InputError(f"--threshold must be above 1 (a multiple of the median channel), got {threshold}")
     parse_device(device)
     return s, k
@@ -295,7 +298,12 @@ def rank_sensitivity(
 
     s, k = check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
                          scale_dtype=scale_dtype, device=device if loaded is None else None)
-    loaded = loaded or load(model, device=device)
+    if loaded is None:
+        ref, context = resolve_with_context(model)
+        check_context(tokens, context, "--tokens", ref.spec)  # before the model loads
+        loaded = load(ref, device=device)
+    else:
+        check_context(tokens, model_context(loaded.model), "--tokens", loaded.ref.spec)
     if loaded.ref.is_quantized:
         raise InputError(f"{loaded.ref.spec} is already quantized; run sensitivity on the original model")
     lm = loaded.model

@@ -86,7 +86,8 @@ def load_calibration_text(source: str | None = None) -> Corpus:
     (offline: one line saying to pass a local file). Not yet checked for overlap (see ``check_disjoint``)."""
     if source is None or source in ("", "default"):
         return pinned_calibration_text()
-    return load_corpus(source)  # the same file / hf: handling and messages as eval's --corpus
+    # The same file / hf: handling as eval's --corpus; the messages name the calibration file and option.
+    return load_corpus(source, what="calibration file", option="--calibration")
 
 
 _WORD = re.compile(r"\w+")

@@ -304,6 +304,14 @@ def _check_width(name: str, block: int, shape: tuple[int, ...], tensor: str) -> 
     )
 
 
+def _fp4_layout(name: str, block: int, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """qweight uint8 ``[rows, cols/2]`` and one scale byte per block, uint8 ``[rows, cols/block]``."""
+    rows, cols = as_2d(tuple(shape))
+    if cols % block or cols == 0:
+        raise SchemeError(f"{name} stores whole blocks of {block} per row; a width of {cols} is not")
+    return {"qweight": ((rows, cols // 2), torch.uint8), "scales": ((rows, cols // block), torch.uint8)}
+
+
 def _non_finite(device: torch.device) -> dict[str, torch.Tensor]:
     """What ``encode`` returns for NaN / inf input: ``quantize_tensor`` raises on the NaN scale."""
     return {"qweight": torch.zeros(0, dtype=torch.uint8, device=device),
@@ -507,6 +515,10 @@ class MXFP4Scheme:
         qweight = parts["qweight"].reshape(rows, cols // 2)
         return dequantize_mxfp4(qweight, parts["scales"].reshape(rows, -1), dtype).reshape(shape)
 
+    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{part: (shape, dtype)}`` that ``encode`` stores: packed codes, one E8M0 byte per block of each row."""
+        return _fp4_layout(self.name, self.block_size, shape)
+
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
         """Stored bytes: ``n/2`` codes + ``n/32`` E8M0 scales = 4.25 bits per weight."""
         n = math.prod(shape)
@@ -571,6 +583,10 @@ class NVFP4Scheme:
         qweight = parts["qweight"].reshape(rows, cols // 2)
         out = dequantize_nvfp4(qweight, parts["scales"].reshape(rows, -1), parts["global_scale"], dtype)
         return out.reshape(shape)
+
+    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{part: (shape, dtype)}`` that ``encode`` stores: as mxfp4's (E4M3 scale bytes) plus the fp32 global scale."""
+        return {**_fp4_layout(self.name, self.block_size, shape), "global_scale": ((1,), torch.float32)}
 
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
         """Stored bytes: ``n/2`` codes + ``n/16`` E4M3 scales + 4 (the fp32 global scale) = 4.5 + 32/n bits per weight."""

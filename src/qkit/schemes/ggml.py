@@ -129,6 +129,14 @@ class GGMLScheme:
         blocks = parts["qweight"].reshape(-1, self.type_size)
         return _DECODERS[self.ggml_type](blocks).reshape(shape).to(dtype)
 
+    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{part: (shape, dtype)}`` that ``encode`` stores for a weight of ``shape`` (checked on reading)."""
+        rows, cols = as_2d(tuple(shape))
+        width = shape[-1] if shape else 1
+        if width % self.block_size:
+            raise SchemeError(f"{self.name} stores whole blocks of {self.block_size} per row; a width of {width} is not")
+        return {"qweight": ((rows, cols // self.block_size * self.type_size), torch.uint8), "scales": ((0,), torch.float16)}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -555,6 +555,10 @@ class Q4KMRecipe:
                 return s.decode(parts, shape, dtype)
         raise SchemeError(f"{self.name}: {per_row} bytes per row of width {cols} match none of its types")
 
+    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """A recipe stores no parts of its own: each tensor's manifest entry names the type it got."""
+        raise SchemeError(f"{self.name} is a recipe, not a stored type; a tensor's entry names the type it got (q4_k, q6_k, q5_0, q8_0)")
+
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "name": self.name,

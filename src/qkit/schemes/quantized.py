@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes.registry import Scheme, as_2d
 
-__all__ = ["QuantizedTensor", "as_2d", "dequantize", "quantize_tensor"]
+__all__ = ["QuantizedTensor", "as_2d", "check_parts", "dequantize", "quantize_tensor"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,8 +42,13 @@ class QuantizedTensor:
 
     @classmethod
     def from_parts(
-        cls, scheme: Scheme, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype
+        cls, scheme: Scheme, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+        *, name: str = "<tensor>",
     ) -> QuantizedTensor:
+        """Assemble stored parts, refusing (``SchemeError`` naming ``name``) parts whose names, shapes or
+        dtypes are not exactly what ``scheme`` stores for a weight of ``shape`` (``scheme.part_layout``):
+        a decoder would otherwise read past, cut or reinterpret them into silently wrong weights."""
+        check_parts(scheme, parts, tuple(shape), name)
         extra = {k: v for k, v in parts.items() if k not in ("qweight", "scales")}
         return cls(scheme, parts["qweight"], parts["scales"], tuple(shape), dtype, extra)
 
@@ -69,6 +75,27 @@ class QuantizedTensor:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
+
+
+def check_parts(scheme: Scheme, parts: dict[str, Any], shape: tuple[int, ...], name: str = "<tensor>") -> None:
+    """Refuse parts that are not what ``scheme`` stores for a ``shape`` weight. ``parts`` maps each part
+    name to a tensor, or to anything with ``shape`` and ``dtype`` (a header's description of one)."""
+    try:
+        layout = scheme.part_layout(tuple(shape))
+    except SchemeError as exc:
+        raise SchemeError(f"tensor {name}: a {list(shape)} weight cannot be stored in {scheme.name} ({exc})") from None
+    if set(parts) != set(layout):
+        raise SchemeError(
+            f"tensor {name}: stored parts {', '.join(sorted(parts)) or 'none'}, but {scheme.name} stores "
+            f"{', '.join(sorted(layout))}"
+        )
+    for part, (want_shape, want_dtype) in layout.items():
+        got = parts[part]
+        if tuple(got.shape) != tuple(want_shape) or got.dtype != want_dtype:
+            raise SchemeError(
+                f"tensor {name}: {part} is {str(got.dtype).removeprefix('torch.')} {list(got.shape)}, but a "
+                f"{list(shape)} weight in {scheme.name} stores {str(want_dtype).removeprefix('torch.')} {list(want_shape)}"
+            )
 
 
 def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") -> QuantizedTensor:
@@ -104,7 +131,7 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
             f"tensor {name}: a scale overflows {scheme.scale_dtype} (max |w| = {w.abs().max().item():.4g}); "
             "use --scale-dtype fp32"
         )
-    return QuantizedTensor.from_parts(scheme, parts, shape, w.dtype)
+    return QuantizedTensor.from_parts(scheme, parts, shape, w.dtype, name=name)
 
 
 def dequantize(qt: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

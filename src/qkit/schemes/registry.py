@@ -85,6 +85,12 @@ class AbsmaxScheme:
         q = self.codes(parts, shape)
         return dequantize_absmax(q, parts["scales"], self.granularity, dtype).reshape(shape)
 
+    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{part: (shape, dtype)}`` that ``encode`` stores for a weight of ``shape`` (checked on reading)."""
+        rows, cols = as_2d(tuple(shape))
+        q = ((-(-rows * cols // 2),), torch.uint8) if self.packed else ((rows, cols), torch.int8)
+        return {"qweight": q, "scales": (self.granularity.scale_shape((rows, cols)), self.scale_dtype)}
+
     def to_dict(self) -> dict[str, Any]:
         g = self.granularity
         return {
@@ -121,6 +127,11 @@ class NF4Scheme:
 
     def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return dequantize_nf4(parts["qweight"], parts["scales"], shape, self.block_size, dtype)
+
+    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """``{part: (shape, dtype)}`` that ``encode`` stores: codes of the flattened tensor, one absmax per block."""
+        n = math.prod(shape)
+        return {"qweight": ((-(-n // 2),), torch.uint8), "scales": ((-(-n // self.block_size),), self.scale_dtype)}
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -226,16 +237,31 @@ def get_scheme(name: str, scale_dtype: str | torch.dtype | None = None) -> Schem
 
 
 def scheme_from_dict(d: dict[str, Any]) -> Scheme:
-    """Rebuild a scheme from its manifest entry, checking that the registry still agrees with it."""
+    """Rebuild a scheme from its manifest entry, checking that the registry still agrees with it.
+
+    Raises ``SchemeError`` for an entry that is not a dict, has no string ``name``, names an unknown
+    scheme, or differs in any recorded field (bits, group or block size, scale dtype, ...) from what the
+    registry builds under that name: a hand-edited entry is refused, never decoded with other numbers.
+    """
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+        raise SchemeError(f"manifest scheme entry {d!r} is malformed (not an object with a scheme name); re-create the checkpoint")
     try:
-        scheme = get_scheme(d["name"], d.get("scale_dtype"))
-        if d.get("kind") == "nf4" and d.get("block_size") not in (None, scheme.block_size):
-            scheme = dataclasses.replace(scheme, block_size=int(d["block_size"]))
-    except (KeyError, TypeError) as exc:
-        raise SchemeError(f"manifest scheme entry {d!r} is malformed ({exc}); re-create the checkpoint") from exc
-    if scheme.to_dict() != {k: d.get(k) for k in scheme.to_dict()}:
+        scale_dtype = d.get("scale_dtype")
+        scheme = get_scheme(d["name"], scale_dtype if isinstance(scale_dtype, str) else None)  # else: mismatch below
+        block = d.get("block_size")
+        if d.get("kind") == "nf4" == scheme.kind and block != scheme.block_size:
+            # NF4 with another block size is real (bitsandbytes' blocksize); any other type is not one.
+            if not isinstance(block, int) or isinstance(block, bool):
+                raise SchemeError(f"block_size {block!r} is not an integer")
+            scheme = dataclasses.replace(scheme, block_size=block)
+    except SchemeError as exc:
+        raise SchemeError(f"manifest scheme entry {d!r} is malformed ({exc}); re-create the checkpoint") from None
+    want = scheme.to_dict()
+    differ = [k for k in want if d.get(k) != want[k]]
+    if differ:
         raise SchemeError(
-            f"manifest scheme entry {d} does not match this qkit's {scheme.to_dict()}; "
-            "re-create the checkpoint with this version of qkit"
+            f"manifest scheme entry {d.get('name')!r} does not match this qkit's: "
+            + ", ".join(f"{k} {d.get(k)!r} where it has {want[k]!r}" for k in differ)
+            + "; re-create the checkpoint with this version of qkit"
         )
     return scheme

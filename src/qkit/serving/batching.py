@@ -36,6 +36,13 @@ DEFAULT_SEED = 0
 LENGTH_MEDIAN = 128
 LENGTH_SIGMA = 1.0
 LENGTH_MAX = 2048
+# Upper bounds, checked before anything is drawn, read or simulated. The simulation takes one event step
+# per request (~10 us) and holds about 400 bytes per request at its peak (the lengths, two finish times,
+# their Python lists in the report and its JSON; measured: 100,000 requests add 38 MB of RSS and 1.7 s):
+# 10 million requests are minutes of work and about 4 GB. A length is at most 2**53 steps (an exact float).
+MAX_REQUESTS = 10_000_000
+BYTES_PER_REQUEST = 512
+MAX_LENGTH = 2**53
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,10 @@ class StepCost:
     source: str = "unit cost (1 step)"
 
     def __post_init__(self) -> None:
-        if len(self.batch_sizes) != len(self.costs) or not self.costs or any(c <= 0 for c in self.costs):
-            raise InputError("a step cost needs one positive cost per batch size")
+        if (len(self.batch_sizes) != len(self.costs) or not self.costs
+                or not all(c > 0 and math.isfinite(c) for c in self.costs)
+                or any(b < 1 for b in self.batch_sizes) or len(set(self.batch_sizes)) != len(self.batch_sizes)):
+            raise InputError("a step cost needs one positive, finite cost per distinct batch size of at least 1")
 
     def __call__(self, b: int) -> float:
         top = self.batch_sizes[-1]
@@ -70,17 +79,61 @@ def constant_cost(seconds: float) -> StepCost:
 
 def cost_from_bench(path: str | Path) -> StepCost:
     """The batching table of a ``qkit bench --json`` file: median step seconds per batch size."""
+    text = _read_text(path, "bench file", "write one with qkit bench --json PATH")
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(text)
         rows = data["batching"]["rows"]
-        pairs = sorted((int(r["batch"]), float(r["step_seconds"]["median"])) for r in rows)
-    except FileNotFoundError:
-        raise InputError(f"no such bench file: {path}; write one with qkit bench --json PATH") from None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        pairs = sorted((r["batch"], float(r["step_seconds"]["median"])) for r in rows)
+        if any(isinstance(b, bool) or not isinstance(b, int) for b, _ in pairs):
+            raise ValueError("a batch size is not an integer")
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise InputError(f"{path} has no batching table ({exc}); pass the file written by qkit bench --json") from exc
     if not pairs:
         raise InputError(f"{path} has an empty batching table; re-run qkit bench")
-    return StepCost(tuple(b for b, _ in pairs), tuple(c for _, c in pairs), "s", f"measured by qkit bench ({path})")
+    try:
+        return StepCost(tuple(b for b, _ in pairs), tuple(c for _, c in pairs), "s", f"measured by qkit bench ({path})")
+    except InputError as exc:
+        raise InputError(f"{path}: {exc}; pass the file written by qkit bench --json") from None
+
+
+def _read_text(path: str | Path, what: str, fix: str, max_bytes: int | None = None) -> str:
+    """A UTF-8 file's text, or one line: missing, unreadable (permission, a directory), larger than
+    ``max_bytes``, or not UTF-8."""
+    p = Path(path)
+    try:
+        if max_bytes is not None and p.stat().st_size > max_bytes:
+            raise InputError(f"{what} {path} is larger than {max_bytes:,} bytes (more than {MAX_REQUESTS:,} requests); {fix}")
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"no such {what}: {path}; {fix}") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} {path} is a directory; {fix}") from None
+    except PermissionError:
+        raise InputError(f"{what} {path}: permission denied; make it readable or {fix}") from None
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {path} ({exc.strerror or exc}); {fix}") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} {path} is not UTF-8 text ({exc.reason}); {fix}") from None
+
+
+def check_requests(requests: int, what: str = "--requests") -> None:
+    """Refuse a request count the simulation cannot take: below 1, above ``MAX_REQUESTS``, or more than the
+    memory free holds at ``BYTES_PER_REQUEST`` each (``qkit.threads.available_memory``)."""
+    from qkit.threads import available_memory
+
+    if requests < 1:
+        raise InputError(f"{what} must be at least 1 (got {requests})")
+    if requests > MAX_REQUESTS:
+        raise InputError(
+            f"{what} {requests:,} is more than the simulation takes ({MAX_REQUESTS:,}: one event step and about "
+            f"{BYTES_PER_REQUEST} bytes per request); pass at most {MAX_REQUESTS:,} requests"
+        )
+    free = available_memory()
+    if free is not None and requests * BYTES_PER_REQUEST > free:
+        raise InputError(
+            f"{what} {requests:,} needs about {requests * BYTES_PER_REQUEST / 2**30:,.1f} GiB ({BYTES_PER_REQUEST} bytes per "
+            f"request), more than the {free / 2**30:,.1f} GiB free; pass at most {free // BYTES_PER_REQUEST:,} requests"
+        )
 
 
 def draw_lengths(requests: int = DEFAULT_REQUESTS, seed: int = DEFAULT_SEED) -> list[int]:
@@ -93,15 +146,22 @@ def draw_lengths(requests: int = DEFAULT_REQUESTS, seed: int = DEFAULT_SEED) -> 
 
 def read_lengths(path: str | Path) -> list[int]:
     """Output lengths from a file: integers separated by whitespace or commas, or a JSON list."""
+    # Each length is at least 2 bytes of text ("1\n"): a larger file holds more than MAX_REQUESTS of them.
+    text = _read_text(path, "lengths file", "pass a file of integers, one per line", max_bytes=24 * MAX_REQUESTS)
     try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise InputError(f"no such lengths file: {path}; pass a file of integers, one per line") from None
-    try:
-        values = json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
-        lengths = [int(v) for v in values]
+        if text.lstrip().startswith("["):
+            values = json.loads(text)
+            # JSON numbers must be integers already: 1.5 or true is not a length (int() would cut or cast it)
+            if not isinstance(values, list) or any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+                raise ValueError("a JSON list of integers is needed")
+            lengths = values
+        else:
+            lengths = [int(v) for v in text.replace(",", " ").split()]
     except (ValueError, TypeError) as exc:
-        raise InputError(f"{path} must hold integer output lengths, one per line ({exc})") from exc
+        raise InputError(f"{path} must hold integer output lengths, one per line ({str(exc)[:80]})") from exc
+    check_requests(len(lengths), f"lengths file {path}: its number of requests")
+    if lengths and max(lengths) > MAX_LENGTH:
+        raise InputError(f"{path}: output length {max(lengths):,} is more than {MAX_LENGTH:,} steps; pass shorter lengths")
     return lengths
 
 
@@ -142,8 +202,11 @@ def simulate_continuous(lengths: Sequence[int], slots: int, cost: StepCost) -> P
     taken at once (one loop iteration per finishing event, never one per step)."""
     L = np.asarray(lengths, dtype=np.int64)
     finish = np.zeros(len(L))
-    remaining = np.zeros(slots, dtype=np.int64)
-    owner = np.full(slots, -1)
+    # Slots beyond the number of requests never hold one: arrays of min(slots, n) (a huge --slots allocates
+    # nothing), while the slot-steps paid for still count every slot.
+    width = min(slots, len(L))
+    remaining = np.zeros(width, dtype=np.int64)
+    owner = np.full(width, -1)
     queue = 0
     t = 0.0
     paid = 0
@@ -195,19 +258,22 @@ def simulate_batching(
     """Run both policies over the same requests and compare them (ratios > 1 favour continuous)."""
     if slots < 1:
         raise InputError(f"--slots must be at least 1 (got {slots})")
+    if seed < 0:
+        raise InputError(f"--seed must be a non-negative integer (got {seed})")
     if lengths_file is not None:
         lengths = read_lengths(lengths_file)
         source = str(lengths_file)
     elif lengths is not None:
         source = "given"
     else:
-        if requests < 1:
-            raise InputError(f"--requests must be at least 1 (got {requests})")
+        check_requests(requests)
         lengths = draw_lengths(requests, seed)
         source = f"lognormal(median {LENGTH_MEDIAN}, sigma {LENGTH_SIGMA}, max {LENGTH_MAX}), seed {seed}"
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise InputError("output lengths must be positive integers, at least one request")
+    if max(lengths) > MAX_LENGTH:
+        raise InputError(f"output length {max(lengths):,} is more than {MAX_LENGTH:,} steps; pass shorter lengths")
     cost = cost or StepCost()
     static = simulate_static(lengths, slots, cost)
     cont = simulate_continuous(lengths, slots, cost)

@@ -28,7 +28,15 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.serving.kv import cache_kwarg, output_cache, read_config_file
+from qkit.serving.kv import (
+    architecture_from_config,
+    cache_kwarg,
+    hf_config,
+    human_bytes,
+    output_cache,
+    parameter_estimate,
+    read_config_file,
+)
 from qkit.transform import is_block_projection
 
 BENCH_SEED = 0
@@ -210,8 +218,9 @@ def bench(
     ``threads`` sets torch's CPU threads for the run and restores the previous number afterwards (on a
     machine shared with other jobs, one thread per free core avoids oversubscribed thread barriers).
     """
-    if threads is not None and threads < 1:
-        raise InputError(f"--threads must be at least 1 (got {threads})")
+    from qkit.threads import check_threads
+
+    check_threads(threads)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -222,7 +231,7 @@ def bench(
 
 
 def _bench(model, config, device, quick, repeats, settings, on_stage) -> BenchReport:
-    from qkit.models import load, parse_device
+    from qkit.models import checked, load, parse_device
     from qkit.serving.kv import model_from_config
 
     cfg = settings or (BenchConfig.quick() if quick else BenchConfig())
@@ -232,11 +241,18 @@ def _bench(model, config, device, quick, repeats, settings, on_stage) -> BenchRe
     if model is not None and config is not None:
         raise InputError("give either MODEL or --config, not both")
     dev = parse_device(device)
+    # A bad MODEL or --config is refused in one line, before the first stage line.
+    if config is None:
+        model = checked(model)
+    else:
+        config_dict = read_config_file(config)
+        check_random_model_fits(architecture_from_config(config_dict, str(config)), dev)  # sizes and memory, before building it
+        hf_config(config_dict)  # and transformers' own checks, before the first stage line
     stage = on_stage or (lambda _s: None)
     start = time.perf_counter()
     stage("loading the model")
     if config is not None:
-        lm = model_from_config(read_config_file(config), torch.float32, dev)
+        lm = model_from_config(config_dict, torch.float32, dev)
         name = f"{config} (random weights)"
     else:
         loaded = load(model, device=dev)
@@ -253,6 +269,19 @@ def _bench(model, config, device, quick, repeats, settings, on_stage) -> BenchRe
         _batching(run, cfg, report, stage)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def check_random_model_fits(arch: Any, device: torch.device) -> None:
+    """Refuse a ``--config`` whose random fp32 model (``parameter_estimate`` x 4 bytes) does not fit in the
+    memory free on ``device`` (``qkit.threads.available_memory``), before it is built."""
+    from qkit.threads import available_memory
+
+    need, free = parameter_estimate(arch) * 4, available_memory(str(device))
+    if free is not None and need > free:
+        raise InputError(
+            f"--config {arch.name} describes a model of {parameter_estimate(arch):,} parameters: its random fp32 weights "
+            f"need about {human_bytes(need)}, more than the {human_bytes(free)} free on {device}; pass a smaller config"
+        )
 
 
 def _generation(run: _Runner, cfg: BenchConfig, macs: MacCounts, report: BenchReport, stage) -> None:

@@ -346,6 +346,11 @@ def model_specs(
     return specs
 
 
+# Card sizes and reserves are GiB counts below this (a PiB: far beyond any card, and far from a float's
+# overflow when turned into bytes).
+MAX_GIB = 2.0**20
+
+
 def budget(
     *,
     models: Sequence[str] = (),
@@ -375,10 +380,10 @@ def budget(
         if chapter:
             chapter_weight_bytes(1, f)  # refuses a format the chapter cannot price, before any work
         check_format(f)
-    if not gpus_gib or any(g <= 0 for g in gpus_gib):
-        raise InputError(f"--gpu needs positive card sizes in GiB, e.g. 8,16,24 (got {list(gpus_gib)})")
-    if reserve_gib < 0:
-        raise InputError(f"--reserve must be >= 0 GiB (got {reserve_gib})")
+    if not gpus_gib or not all(0 < g < MAX_GIB for g in gpus_gib):  # NaN and inf fail too
+        raise InputError(f"--gpu needs positive card sizes in GiB below {MAX_GIB:,.0f}, e.g. 8,16,24 (got {list(gpus_gib)})")
+    if not 0 <= reserve_gib < MAX_GIB:
+        raise InputError(f"--reserve must be >= 0 GiB and below {MAX_GIB:,.0f} (got {reserve_gib})")
     if conversation < 1:
         raise InputError(f"--conversation must be at least 1 token (got {conversation})")
     kv_dtype = check_kv_dtype(kv_dtype)  # fp16, ..., int8 / int4 (codes + an fp16 scale per token and kv head)

@@ -38,6 +38,11 @@ DEFAULT_USERS = 1
 # Three ways to hold the same 65,536 resident tokens: the cache only depends on their total.
 EQUIVALENT_SPLITS: tuple[tuple[int, int], ...] = ((32, 2048), (64, 1024), (128, 512))
 MEASURE_SEED = 0
+# The serving analyses build per-layer tables (budget's tensor list, bench's random model): a config with
+# more layers than this is refused. Published decoders have at most a few hundred.
+MAX_LAYERS = 10_000
+# Keys naming the longest sequence a model takes (llama/qwen/mistral; gpt-2 style), first found wins.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
 # Integer caches (what ``qkit eval``'s kv-int8 / kv-int4-token rows simulate): per token and kv head,
@@ -170,7 +175,77 @@ def architecture_from_config(config: dict[str, Any], name: str = "config") -> Ar
         raise ModelLoadError(
             f"config {name}: {arch.heads} heads and {arch.kv_heads} kv heads do not make a valid attention layout; fix the config.json"
         )
+    if config.get("head_dim") is None and arch.hidden % arch.heads:
+        raise ModelLoadError(
+            f"config {name}: hidden size {arch.hidden} is not a multiple of {arch.heads} heads (and no head_dim is given); fix the config.json"
+        )
+    if min(arch.hidden, arch.intermediate) < 1 or arch.vocab < 0:
+        raise ModelLoadError(f"config {name}: hidden, intermediate and vocab sizes must be positive; fix the config.json")
+    if arch.layers > MAX_LAYERS:
+        raise ModelLoadError(f"config {name}: {arch.layers:,} layers is more than qkit's limit of {MAX_LAYERS:,}; fix the config.json")
     return arch
+
+
+def context_length(config: dict[str, Any]) -> int | None:
+    """The longest sequence ``config``'s model takes (``max_position_embeddings``, or a gpt-2 style
+    ``n_positions`` ...; a multimodal config's ``text_config``); ``None`` when it does not say."""
+    if isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    value = _first(config, *CONTEXT_KEYS)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def parameter_estimate(arch: Architecture) -> int:
+    """Parameters of a llama-style decoder with ``arch``'s sizes (projections, norms, embeddings; an untied
+    lm head counted once more): what a model built from the config holds."""
+    h, q, kv, ff = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.intermediate
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * ff + 2 * h
+    return arch.layers * per_layer + h + arch.vocab * h * (1 if arch.tie_word_embeddings else 2)
+
+
+def check_measure_size(*, model: Any = None, config: str | Path | None = None, tokens: int = DEFAULT_TOKENS,
+                       dtype: str = DEFAULT_KV_DTYPE, device: str | None = None) -> None:
+    """``kv --measure``'s forward pass against the model's context and the memory free (``check_forward_fits``),
+    from the config alone: a command calls it before its status line (``kv_report`` checks again)."""
+    arch, raw = resolve_architecture(model, config)
+    check_forward_fits(arch, raw, tokens, kv_dtype(dtype), check_measure(dtype, device), random_weights=config is not None)
+    if config is not None:
+        hf_config(raw)  # transformers' own checks of a config it will build
+
+
+def check_forward_fits(arch: Architecture, config: dict[str, Any], tokens: int, dtype: torch.dtype, device: torch.device,
+                       *, random_weights: bool, what: str = "--tokens") -> None:
+    """Refuse, before anything is loaded, a forward pass over ``tokens`` tokens that the model or the machine
+    cannot take: more than the model's context (``context_length``), or more memory than ``device`` has free
+    (``qkit.threads.available_memory``) for the cache (``2 x layers x kv_heads x head_dim`` elements per token),
+    the activations (about ``4 x hidden + 2 x intermediate`` elements per token) and, for a model built from a
+    config, its random weights (``parameter_estimate``)."""
+    from qkit.threads import available_memory
+
+    context = context_length(config)
+    if context is not None and tokens > context:
+        raise InputError(
+            f"{what} {tokens:,} is more than the {context:,}-token context of {arch.name} (max_position_embeddings); "
+            f"pass {what} {context:,} or fewer"
+        )
+    free = available_memory(str(device))
+    if free is None:
+        return
+    size = dtype.itemsize
+    per_token = (2 * arch.layers * arch.kv_heads * arch.head_dim + 4 * arch.hidden + 2 * arch.intermediate) * size
+    weights = parameter_estimate(arch) * size if random_weights else 0
+    need = weights + tokens * per_token
+    if weights + per_token > free:
+        raise InputError(
+            f"the random {dtype.itemsize * 8}-bit weights of {arch.name} ({parameter_estimate(arch):,} parameters) need about "
+            f"{human_bytes(weights)}, more than the {human_bytes(free)} free on {device}; pass a smaller config"
+        )
+    if need > free:
+        fit = max(0, (free - weights) // per_token)
+        raise InputError(
+            f"{what} {tokens:,} needs about {human_bytes(need)} on {device} ({'random weights, ' if weights else ''}cache and "
+            f"activations), more than the {human_bytes(free)} free; pass {what} {fit:,} or fewer"
+        )
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -253,6 +328,8 @@ def kv_report(
     """
     check_options(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
     arch, raw = resolve_architecture(model, config)
+    if measure:  # before the model is built or loaded
+        check_forward_fits(arch, raw, tokens, kv_dtype(dtype), check_measure(dtype, device), random_weights=config is not None)
     per_token = arch.kv_bytes_per_token(dtype)
     variants = []
     for label, kv in (("this model", arch.kv_heads), ("MHA (kv heads = heads)", arch.heads), ("MQA (1 kv head)", 1)):
@@ -306,9 +383,11 @@ def output_cache(out: Any) -> Any:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
-def model_from_config(config_dict: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = MEASURE_SEED):
-    """A causal LM with seeded random weights built from a config dict (no weights are read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def hf_config(config_dict: dict[str, Any]) -> Any:
+    """The transformers config of a config dict, validated as transformers validates it (heads that do not
+    divide the hidden size, ...): one ``ModelLoadError`` line, and cheap (no weights), so a command calls it
+    before its status line."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -317,11 +396,24 @@ def model_from_config(config_dict: dict[str, Any], dtype: torch.dtype, device: t
     if model_type is None:
         raise ModelLoadError("the config has no 'model_type'; pass a Hugging Face config.json")
     try:
-        config = AutoConfig.for_model(model_type, **cfg)
+        return AutoConfig.for_model(model_type, **cfg)
+    except Exception as exc:  # transformers' config validation raises its own types (StrictDataclass...Error)
+        cause = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ModelLoadError(f"cannot build a {model_type} model from the config ({cause}); fix the config.json") from exc
+
+
+def model_from_config(config_dict: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = MEASURE_SEED):
+    """A causal LM with seeded random weights built from a config dict (no weights are read)."""
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(config_dict)
+    try:
         torch.manual_seed(seed)
-        lm = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"cannot build a {model_type} model from the config ({str(exc).splitlines()[0][:160]})") from exc
+        # explicit: a --config never runs code (an auto_map would make transformers ask on stdin)
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    except Exception as exc:  # transformers raises many types for a config it cannot build
+        cause = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise ModelLoadError(f"cannot build a {config.model_type} model from the config ({cause}); fix the config.json") from exc
     return lm.eval().to(device)
 
 

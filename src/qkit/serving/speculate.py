@@ -90,16 +90,16 @@ def drafts_from_eval(path: str | Path) -> list[dict[str, Any]]:
     Rows have scheme, bits_per_weight, agreement (a count of agreeing tokens, or a fraction when a float),
     agreement_total and optionally agreement_ci95; the ``reference`` row gives the target's bits per weight.
     """
-    p = Path(path)
+    from qkit.serving.batching import _read_text
+
+    text = _read_text(path, "eval file", "write one with qkit eval --json PATH")
     try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InputError(f"no such eval file: {path}; write one with qkit eval --json PATH") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+        data = json.loads(text)
+    except ValueError as exc:
         raise InputError(f"{path} is not valid JSON ({exc}); pass the file written by qkit eval --json") from exc
     rows = data.get("rows") if isinstance(data, dict) else None
-    if not isinstance(rows, list):
-        raise InputError(f"{path} has no 'rows' list; pass the file written by qkit eval --json")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise InputError(f"{path} has no 'rows' list of objects; pass the file written by qkit eval --json")
     try:
         ref = next(r for r in rows if r.get("scheme") == "reference")
     except StopIteration:
@@ -117,10 +117,14 @@ def drafts_from_eval(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError("an agreement count needs agreement_total")
             alpha = _check_alpha(a / n if is_count else a, f"{r['scheme']} in {path}")
             ci = r.get("agreement_ci95")
-            out.append({"draft": str(r["scheme"]), "alpha": alpha, "n": n,
-                        "ci95": (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None,
-                        "cost": float(r["bits_per_weight"]) / float(ref["bits_per_weight"])})
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+            ci = (float(ci[0]), float(ci[1])) if isinstance(ci, (list, tuple)) and len(ci) == 2 else None
+            if ci is not None and not 0.0 <= ci[0] <= ci[1] <= 1.0:  # NaN fails too
+                raise ValueError(f"agreement_ci95 {list(ci)} is not a range within [0, 1]")
+            cost = float(r["bits_per_weight"]) / float(ref["bits_per_weight"])
+            if not (cost >= 0 and math.isfinite(cost)):
+                raise ValueError(f"bits_per_weight ratio {cost} is not a non-negative number")
+            out.append({"draft": str(r["scheme"]), "alpha": alpha, "n": n, "ci95": ci, "cost": cost})
+        except (KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as exc:
             raise InputError(
                 f"row {r.get('scheme', '?')!r} of {path} lacks scheme/bits_per_weight/agreement ({exc}); "
                 "pass the file written by qkit eval --json"

@@ -1,0 +1,126 @@
+"""One registry idiom for every kind of named thing: schemes, methods, runtimes, eval rows, export formats.
+
+Layer 1 (beside ``errors``): it knows nothing of what it holds. A kind makes one ``Registry`` and its
+modules register into it at import::
+
+    FORMATS: Registry[Format] = Registry("format", error=InputError)
+    FORMATS.register("gguf", GGUF_FORMAT, aliases=("GGUF",))
+    FORMATS.get("ggfu")   # InputError: unknown format 'ggfu'; did you mean gguf? (one of: ...)
+
+Names are matched after ``normalize`` (by default: stripped, lower case, ``_`` read as ``-``), so
+``Q4_K_M`` and ``q4-k-m`` name the same entry when a kind asks for that. A *family* is a pattern plus a
+factory for names that are too many to list (``int4-g64``, ``int8-g128``): ``get`` tries the listed
+names first, then each family in registration order. ``names()`` lists registered names in
+registration order (families are not enumerated); that order is what help texts and docs tables show.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from qkit.errors import InputError, QkitError
+
+T = TypeVar("T")
+
+
+def _default_key(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+class Registry(Generic[T]):
+    """Names -> values of one kind, with aliases, pattern families and "did you mean" errors."""
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        error: type[QkitError] = InputError,
+        normalize: Callable[[str], str] = _default_key,
+        hint: str = "",
+    ) -> None:
+        self.kind = kind
+        self.error = error
+        self.normalize = normalize
+        self.hint = hint  # appended to an unknown-name error, e.g. "; int{4,8}-gN for any group size N"
+        self._entries: dict[str, T] = {}  # canonical name -> value, in registration order
+        self._keys: dict[str, str] = {}  # normalized name or alias -> canonical name
+        self._families: list[tuple[re.Pattern[str], Callable[[re.Match[str]], T], str]] = []
+
+    # ------------------------------------------------------------------ registering
+
+    def register(self, name: str, value: T, *, aliases: tuple[str, ...] = ()) -> T:
+        """Register ``value`` under ``name`` (and ``aliases``); a name taken twice is a programming error."""
+        for key in (name, *aliases):
+            k = self.normalize(key)
+            if k in self._keys and self._keys[k] != name:
+                raise ValueError(f"{self.kind} {key!r} is registered twice ({self._keys[k]!r} and {name!r})")
+            self._keys[k] = name
+        self._entries[name] = value
+        return value
+
+    def decorator(self, name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[T], T]:
+        """``@REGISTRY.decorator("name")`` over a class or function registers it under ``name``."""
+
+        def wrap(value: T) -> T:
+            return self.register(name, value, aliases=aliases)
+
+        return wrap
+
+    def register_family(self, pattern: str, factory: Callable[[re.Match[str]], T], example: str = "") -> None:
+        """Names matching ``pattern`` (a regular expression over the normalized name, matched whole) are
+        made by ``factory(match)``; ``example`` is how the family is written in error messages."""
+        self._families.append((re.compile(pattern), factory, example))
+
+    # ------------------------------------------------------------------ looking up
+
+    def find(self, name: str) -> T | None:
+        """The value called ``name`` (a registered name, an alias or a family member), or None."""
+        k = self.normalize(str(name))
+        if k in self._keys:
+            return self._entries[self._keys[k]]
+        for pattern, factory, _ in self._families:
+            m = pattern.fullmatch(k)
+            if m:
+                return factory(m)
+        return None
+
+    def get(self, name: str) -> T:
+        """The value called ``name``, or ``self.error``: "unknown KIND 'x'; did you mean y? (one of: ...)"."""
+        value = self.find(name)
+        if value is None:
+            raise self.error(self.unknown(name))
+        return value
+
+    def unknown(self, name: str) -> str:
+        """The one-line message for an unknown ``name``."""
+        close = difflib.get_close_matches(self.normalize(str(name)), list(self._keys), n=1, cutoff=0.6)
+        guess = f"did you mean {self._keys[close[0]]}? " if close else ""
+        families = [ex for _, _, ex in self._families if ex]
+        listed = ", ".join([*self._entries, *families])
+        return f"unknown {self.kind} {name!r}; {guess}use one of: {listed}{self.hint}"
+
+    def canonical(self, name: str) -> str | None:
+        """The registered name ``name`` (or its alias) stands for, or None (families have no canonical name)."""
+        return self._keys.get(self.normalize(str(name)))
+
+    def names(self) -> list[str]:
+        """Registered names in registration order (aliases and family members not included)."""
+        return list(self._entries)
+
+    def items(self) -> list[tuple[str, T]]:
+        return list(self._entries.items())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.find(name) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+__all__ = ["Registry"]
