@@ -151,6 +151,17 @@ def test_trust_remote_code_reaches_every_load(untrusted, tmp_path, marker, spawn
     marker.unlink()
 
 
+def test_trust_remote_code_reaches_eval(untrusted, tmp_path, marker):
+    """eval takes the flag too: the reference and every row are built from the directory's own classes."""
+    marker.unlink(missing_ok=True)
+    r = invoke("eval", untrusted, *EVAL_FAST, "--json", tmp_path / "r.json", "--trust-remote-code")
+    assert r.code == 0 and r.exception is None, r.text
+    assert marker.read_text() == "model code ran"
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    assert [row["scheme"] for row in rows] == ["reference", "int8-row"] and rows[1]["matrices"] == 14
+    marker.unlink()
+
+
 def _model_commands(model: Path, out: Path) -> list[list[str]]:
     """Every command that reads a MODEL (see `qkit --help`; speculate and simulate read none)."""
     return [

@@ -250,7 +250,7 @@ def check_remote_code(directory: Path, spec: str, trust_remote_code: bool, confi
     if found:
         raise ModelLoadError(
             f"{spec} needs custom code from its repository ({'; '.join(found)}); qkit never runs it unless asked: "
-            "pass --trust-remote-code (qkit quantize, qkit verify) if you trust it"
+            "pass --trust-remote-code (qkit quantize, qkit eval, qkit verify) if you trust it"
         )
 
 

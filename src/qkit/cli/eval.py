@@ -18,6 +18,7 @@ from qkit.cli.common import (
     JsonOpt,
     ModelArg,
     ThreadsOpt,
+    TrustOpt,
     comma_list,
     handles_errors,
     human_bytes,
@@ -76,6 +77,7 @@ def eval_(
     json_path: JsonOpt = None,
     force: ForceOpt = False,
     threads: ThreadsOpt = None,
+    trust_remote_code: TrustOpt = False,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
     import dataclasses
@@ -95,6 +97,7 @@ def eval_(
         "scale_dtype": scale_dtype,
         "device": device,
         "device_map": device_map,
+        "trust_remote_code": trust_remote_code or None,
     }
     options = dataclasses.replace(_eval_defaults(), **{k: v for k, v in given.items() if v is not None})
     runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}

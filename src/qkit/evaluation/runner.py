@@ -80,6 +80,7 @@ class EvalOptions:
     device: str | None = None
     device_map: str | None = None  # "auto" etc.: spread the reference over several devices (accelerate)
     seed: int = 0
+    trust_remote_code: bool = False  # allow a model's own code (auto_map); never asked for interactively
 
     def validate(self) -> None:
         """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
@@ -216,10 +217,10 @@ def evaluate(
     removed = remove_stale_row_dirs()
     if removed:
         say(f"removed {len(removed)} temporary row checkpoint(s) left by killed evals: {', '.join(map(str, removed))}")
-    target = resolve(model)
+    target = resolve(model, trust_remote_code=options.trust_remote_code)
     checkpoint: ModelRef | None = None
     if target.is_quantized:
-        checkpoint, ref = target, resolve(options.reference)
+        checkpoint, ref = target, resolve(options.reference, trust_remote_code=options.trust_remote_code)
         if ref.is_quantized:
             raise InputError(f"--reference {ref.spec} is itself a qkit checkpoint; pass the original model it was made from")
         specs: list[RowSpec] = []
