@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from qkit.api import quantize_model
-from qkit.evaluation.corpora import load_corpus
+from qkit.api import QuantizeOptions, quantize_model
+from qkit.texts import load_corpus
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.methods.calibration import CalibrationOptions, calibration_ids
 from qkit.models import load, resolve
@@ -133,8 +133,8 @@ def main() -> None:
                     except ValueError:
                         options[key] = value
                 t0, c0 = time.perf_counter(), time.process_time()
-                r = quantize_model(ref=ref_model, output=Path(tmp) / "out", scheme=scheme, method=method, force=True,
-                                   method_options=options, collect=True, on_block=None)
+                r = quantize_model(ref_model, output=Path(tmp) / "out", scheme=scheme, method=method,
+                                   method_options=options, collect=True, options=QuantizeOptions(force=True))
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
                 scores[variant] = swap_score(lm, {**r.replaced, **r.quantized}, ref)
                 s = scores[variant]

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from qkit.evaluation.corpora import load_corpus
+from qkit.texts import load_corpus
 from qkit.evaluation.perplexity import CorpusReference, position_logprobs
 from qkit.models import load
 

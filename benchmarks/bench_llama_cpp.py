@@ -144,18 +144,20 @@ def _file_digest(path: Path) -> str:
 def time_qkit(work: Path, repeats: int, threads: list[int]) -> tuple[dict, dict]:
     import torch
 
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
 
     res, collected = {}, {}
     n0 = torch.get_num_threads()
     for name, _ in SCHEMES:
         out = work / f"qkit-{name}.gguf"
-        r = {"call": f"qkit.api.quantize_model(None, output=OUT.gguf, scheme={name!r}, format='gguf', force=True)"}
+        r = {"call": f"qkit.api.quantize_model(None, output=OUT.gguf, scheme={name!r}, format='gguf', "
+                     "options=QuantizeOptions(force=True))"}
         for t in threads:
             torch.set_num_threads(t)
             times = []
             for _ in range(repeats):
-                q = quantize_model(None, output=out, scheme=name, format="gguf", force=True, collect=True)
+                q = quantize_model(None, output=out, scheme=name, format="gguf", collect=True,
+                                   options=QuantizeOptions(force=True))
                 times.append(q.seconds)
             r[f"t{t}_s"] = round(statistics.median(times), 3)
             r[f"t{t}_all"] = [round(x, 3) for x in times]
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from qkit.evaluation.corpora import load_corpus
+    from qkit.texts import load_corpus
     from qkit.models import load, resolve
     from qkit.threads import available_cores
 

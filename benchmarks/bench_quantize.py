@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from _timing import round_robin
 
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.checkpoint import iter_tensors
 from qkit.models import resolve
 from qkit.schemes import DEFAULT_SCHEMES, get_scheme, quantize_tensor
@@ -90,7 +90,7 @@ def bench_model(directory: Path, repeats: int, scheme: str) -> dict:
             save_file(dict(iter_tensors(directory)), str(out / "model.safetensors"))
 
         def qkit_quantize() -> None:
-            quantize_model(None, output=tmp / "q", scheme=scheme, force=True)
+            quantize_model(None, output=tmp / "q", scheme=scheme, options=QuantizeOptions(force=True))
 
         times = round_robin({"load_and_resave": resave, "quantize_model": qkit_quantize}, repeats)
     resave_runs, q_runs = times["load_and_resave"], times["quantize_model"]

@@ -25,7 +25,7 @@ from _timing import round_robin  # noqa: E402
 
 from qkit.evaluation.agreement import agreement, reference_continuation  # noqa: E402
 from qkit.evaluation.battery import build_prompts, generate_answers, load_battery, model_repetition_penalty  # noqa: E402
-from qkit.evaluation.corpora import load_corpus  # noqa: E402
+from qkit.texts import load_corpus  # noqa: E402
 from qkit.evaluation.perplexity import CorpusReference  # noqa: E402
 from qkit.evaluation.runner import EvalOptions, _Swapper, build_row_model  # noqa: E402
 from qkit.evaluation.specs import RowSpec  # noqa: E402

@@ -26,7 +26,7 @@ spec = importlib.util.spec_from_file_location("test_streaming", ROOT / "tests" /
 synthetic = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(synthetic)
 
-from qkit.api import quantize_model  # noqa: E402
+from qkit.api import QuantizeOptions, quantize_model  # noqa: E402
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, ShardWriter, iter_tensors  # noqa: E402
 
 
@@ -72,7 +72,8 @@ def main() -> None:
             for s in schemes:
                 settle()
                 t = time.perf_counter()
-                quantize_model(src, output=out, scheme=s, device="cpu", max_shard_bytes=args.max_shard_bytes)
+                quantize_model(src, output=out, scheme=s,
+                               options=QuantizeOptions(device="cpu", max_shard_bytes=args.max_shard_bytes))
                 times[s].append(time.perf_counter() - t)
                 shutil.rmtree(out)
         floor = statistics.median(times["io-floor"])

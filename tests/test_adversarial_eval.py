@@ -214,7 +214,7 @@ def _row(name: str, **kw):
 
 
 def test_a_change_without_a_standard_error_is_never_a_real_difference():
-    from qkit.evaluation.runner import interpret
+    from qkit.evaluation.notes import interpret
 
     nan = float("nan")
     notes = interpret([_row("reference"), _row("int4", perplexity=12.0, perplexity_se=nan, perplexity_change_pct=20.0,
@@ -226,7 +226,7 @@ def test_a_change_without_a_standard_error_is_never_a_real_difference():
 
 
 def test_a_non_finite_perplexity_is_a_collapse_not_a_difference():
-    from qkit.evaluation.runner import interpret
+    from qkit.evaluation.notes import interpret
 
     nan = float("nan")
     notes = interpret([_row("reference"), _row("int2", perplexity=nan, perplexity_change_pct=nan, perplexity_change_se_pct=nan,

@@ -41,7 +41,7 @@ def src(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def src_gguf(src, tmp_path_factory) -> Path:
     """A GGUF file of the tiny model (written by qkit, so it carries the qkit.export record)."""
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
 
     out = tmp_path_factory.mktemp("gguf") / "src.gguf"
     quantize_model(src, output=out, scheme="q8_0", format="gguf")
@@ -111,12 +111,13 @@ def test_the_resolved_model_directory_counts_as_an_input(src, tmp_path, monkeypa
     """The library checks -o again once the model is resolved (a hub snapshot, a ``ref`` given): the
     resolved directory is an input even when the arguments did not name it."""
     from qkit import api
+    from qkit.api import QuantizeOptions
     from qkit.models import resolve
 
     ref = resolve(src)
     monkeypatch.setattr(api, "prepare_export", _tripwire)
     with Unchanged(inputs=[src], dirs=[src]), pytest.raises(OutputError, match=NEVER):
-        api.quantize_model(output=src / "out", ref=ref, scheme="q8_0", format="gguf", force=True)
+        api.quantize_model(ref, output=src / "out", scheme="q8_0", format="gguf", options=QuantizeOptions(force=True))
 
 
 def test_the_cache_of_converted_models_is_an_input(src_gguf, cache, no_work):

@@ -94,11 +94,9 @@ def _scheme_names() -> list[str]:
 def test_scheme_bytes(name):
     from qkit.schemes import get_scheme, quantize_tensor
 
-    from qkit.schemes.kquants import bind_model
-
     # a recipe (q4_k_m) binds to a model's config and resolves the type by name: layer 0's down_proj of a
     # 30-layer model (Q6_K in the recipe); any other scheme is returned unchanged
-    scheme = bind_model(get_scheme(name), {"num_hidden_layers": 30, "tie_word_embeddings": True})
+    scheme = get_scheme(name).bind({"num_hidden_layers": 30, "tie_word_embeddings": True})
     qt = quantize_tensor(_matrix(), scheme, name="model.layers.0.mlp.down_proj.weight")
     parts = qt.tensors("w")
     _check("schemes", name, _digest_parts(parts))
@@ -141,10 +139,10 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("label, fmt, scheme, extra", EXPORTS, ids=[e[0] for e in EXPORTS])
 def test_export_bytes(source, tmp_path, label, fmt, scheme, extra):
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
 
     out = tmp_path / ("model.gguf" if fmt == "gguf" else "out")
-    quantize_model(source, output=out, scheme=scheme, format=fmt, **extra)
+    quantize_model(source, output=out, scheme=scheme, format=fmt, options=QuantizeOptions(**extra))
     if fmt == "gguf":
         digest = _gguf_digest(out)
     else:

@@ -8,17 +8,14 @@ import pytest
 import torch
 
 from qkit.errors import InputError
-from qkit.evaluation.corpora import Corpus, data_file, load_corpus
 from qkit.methods.calibration import (
     DEFAULT_SAMPLES,
     DEFAULT_SEQLEN,
     CalibrationOptions,
     calibration_ids,
-    check_disjoint,
-    pinned_calibration_text,
     sample_windows,
-    shingle_hashes,
 )
+from qkit.texts import Corpus, check_disjoint, data_file, load_corpus, pinned_calibration_text, shingle_hashes
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 import qkit
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.checkpoint import INDEX_FILE, ShardWriter, atomic_directory, iter_quantized, read_manifest, weight_files
 from qkit.errors import CheckpointError, OutputExistsError
 from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor, scheme_names
@@ -85,7 +85,8 @@ def test_plain_python_can_decode_a_checkpoint(tiny_model_dir, tmp_path):
 
 def test_sharded_write_with_index(tiny_model_dir, tmp_path):
     out = tmp_path / "q"
-    result = quantize_model(tiny_model_dir, output=out, scheme="nf4", max_shard_bytes=40_000, collect=True)
+    result = quantize_model(tiny_model_dir, output=out, scheme="nf4", collect=True,
+                            options=QuantizeOptions(max_shard_bytes=40_000))
     files = weight_files(out)
     assert len(files) > 2 and (out / INDEX_FILE).is_file()
     assert all(p.name.endswith(f"-of-{len(files):05d}.safetensors") for p in files)
@@ -119,7 +120,7 @@ def test_interrupted_quantize_leaves_no_output(tiny_model_dir, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        quantize_model(tiny_model_dir, output=out, scheme="nf4", on_tensor=boom)
+        quantize_model(tiny_model_dir, output=out, scheme="nf4", progress=lambda step: step.done and boom(step.name))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -151,7 +152,8 @@ def test_rules_select_block_projections_and_apply_overrides(tiny_model_dir, tmp_
     assert rules.scheme_for("model.layers.1.self_attn.v_proj.weight", (4, 4), nf4) is None
     assert Rules.parse(include=["lm_head.weight"]).scheme_for("lm_head.weight", (8, 4), nf4) is nf4
     out = tmp_path / "mixed"
-    result = quantize_model(tiny_model_dir, output=out, scheme="nf4", keep=["int8:*.down_proj.weight"])
+    result = quantize_model(tiny_model_dir, output=out, scheme="nf4",
+                            options=QuantizeOptions(keep=["int8:*.down_proj.weight"]))
     assert result.schemes_used == {"nf4": 12, "int8-row": 2}
     kinds = {n: e["scheme"]["name"] for n, e in read_manifest(out)["tensors"].items()}
     assert kinds["model.layers.1.mlp.down_proj.weight"] == "int8-row" and kinds["model.layers.1.mlp.up_proj.weight"] == "nf4"

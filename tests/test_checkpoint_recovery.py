@@ -54,7 +54,7 @@ def test_atomic_directory_names_its_sibling_with_its_pid_and_cleans_first(tmp_pa
 WRITER = textwrap.dedent(
     """
     import sys, time
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
 
     done = []
 
@@ -65,7 +65,8 @@ WRITER = textwrap.dedent(
             time.sleep(120)
 
     # max_shard_bytes=1: every tensor is flushed to its own shard file, so files are on disk when killed
-    quantize_model(sys.argv[1], output=sys.argv[2], scheme="int8-row", max_shard_bytes=1, on_tensor=slow)
+    quantize_model(sys.argv[1], output=sys.argv[2], scheme="int8-row", options=QuantizeOptions(max_shard_bytes=1),
+                   progress=lambda step: step.done and slow(step.name))
     """
 )
 

@@ -58,7 +58,7 @@ def test_library_status_lines(capfd):
 def test_gguf_conversion_bar_is_replaced(capfd):
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    from qkit.models import _no_gguf_bar
+    from qkit.models.gguf import _no_gguf_bar
 
     original = gguf_utils.tqdm
     items = list(range(5))

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 
 from qkit.errors import InputError
 from qkit.evaluation import specs
-from qkit.evaluation.runner import Row, interpret
+from qkit.evaluation.notes import interpret
+from qkit.evaluation.runner import Row
 from qkit.evaluation.specs import RowSpec, register_preset, resolve_rows
 
 
@@ -51,7 +53,7 @@ def test_bad_names_are_refused_in_one_line(names, methods, message):
 
 
 def test_presets_expand_and_an_unknown_member_is_refused_when_used(monkeypatch):
-    monkeypatch.setattr(specs, "_PRESETS", dict(specs._PRESETS))  # the test's presets do not outlive it
+    monkeypatch.setattr(specs, "PRESETS", copy.deepcopy(specs.PRESETS))  # the test's presets do not outlive it
     register_preset("test-two-rows", ["int8-row", "int4-g64"])
     assert [s.name for s in resolve_rows(["test-two-rows", "nf4"])] == ["int8-row", "int4-g64", "nf4"]
     register_preset("test-broken", ["int8-row", "no-such-scheme"])

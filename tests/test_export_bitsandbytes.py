@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError
 from qkit.models import load
 from qkit.schemes import get_scheme, quantize_tensor
@@ -49,7 +49,8 @@ def test_export_is_byte_identical_to_bitsandbytes_own_save(llama128, tmp_path):
     theirs_dir = tmp_path / "bnb-own"
     AutoModelForCausalLM.from_pretrained(str(llama128), quantization_config=cfg, device_map="cpu").save_pretrained(str(theirs_dir))
     ours_dir = tmp_path / "qkit"
-    quantize_model(llama128, output=ours_dir, scheme="nf4", scale_dtype="fp32", format="bitsandbytes", device="cpu")
+    quantize_model(llama128, output=ours_dir, scheme="nf4", format="bitsandbytes",
+                   options=QuantizeOptions(scale_dtype="fp32", device="cpu"))
     theirs, ours = load_file(str(theirs_dir / "model.safetensors")), load_file(str(ours_dir / "model.safetensors"))
     assert sorted(ours) == sorted(theirs)
     for key in theirs:
@@ -63,7 +64,7 @@ def test_export_is_byte_identical_to_bitsandbytes_own_save(llama128, tmp_path):
 
 def test_layout_golden(llama128, tmp_path):
     out = tmp_path / "nf4"
-    quantize_model(llama128, output=out, scheme="nf4", format="bitsandbytes", device="cpu")
+    quantize_model(llama128, output=out, scheme="nf4", format="bitsandbytes", options=QuantizeOptions(device="cpu"))
     t = load_file(str(out / "model.safetensors"))
     k = "model.layers.0.mlp.down_proj.weight"  # [128, 256]
     assert t[k].dtype == torch.uint8 and tuple(t[k].shape) == (128 * 256 // 2, 1)
@@ -81,7 +82,8 @@ def test_layout_golden(llama128, tmp_path):
 def test_transformers_loads_export(tmp_path, llama128, dtype, scale):
     src_dir = llama128 if dtype == torch.float32 else make_llama(tmp_path / "half", dtype=dtype)
     out = tmp_path / "nf4"
-    r = quantize_model(src_dir, output=out, scheme="nf4", scale_dtype=scale, format="bitsandbytes", device="cpu")
+    r = quantize_model(src_dir, output=out, scheme="nf4", format="bitsandbytes",
+                       options=QuantizeOptions(scale_dtype=scale, device="cpu"))
     assert r.format == "bitsandbytes" and r.matrices == 14
     theirs = load_with_transformers(out)
     assert isinstance(theirs.model.layers[0].self_attn.q_proj, bnb.nn.Linear4bit)
@@ -99,7 +101,8 @@ def test_transformers_loads_export(tmp_path, llama128, dtype, scale):
                 assert got.dtype == dtype
                 assert torch.allclose(got.float(), expected, rtol=torch.finfo(dtype).eps, atol=0), name
     ids = prompt_ids(src_dir)
-    ours = load(quantize_model(src_dir, output=tmp_path / "qkit", scheme="nf4", scale_dtype=scale, device="cpu").output,
+    ours = load(quantize_model(src_dir, output=tmp_path / "qkit", scheme="nf4",
+                               options=QuantizeOptions(scale_dtype=scale, device="cpu")).output,
                 device="cpu", dtype=dtype).model
     with torch.no_grad():
         a, b = theirs(ids).logits.float(), ours(ids).logits.float()
@@ -110,10 +113,12 @@ def test_transformers_loads_export(tmp_path, llama128, dtype, scale):
 def test_skipped_modules_and_cpu_block_rule(tiny_model_dir, tmp_path):
     # The conftest tiny llama's MLP is 160 wide: bitsandbytes' CPU kernels would misread its blocks.
     with pytest.raises(ExportError) as err:
-        quantize_model(tiny_model_dir, output=tmp_path / "x", scheme="nf4", format="bitsandbytes", device="cpu")
+        quantize_model(tiny_model_dir, output=tmp_path / "x", scheme="nf4", format="bitsandbytes",
+                       options=QuantizeOptions(device="cpu"))
     assert "model.layers.0.mlp.down_proj.weight is 160 wide; leave such matrices unquantized with --keep none:'*.down_proj.weight'" in str(err.value)
     out = tmp_path / "kept"
-    quantize_model(tiny_model_dir, output=out, scheme="nf4", keep=["none:*.down_proj.weight"], format="bitsandbytes", device="cpu")
+    quantize_model(tiny_model_dir, output=out, scheme="nf4", format="bitsandbytes",
+                   options=QuantizeOptions(keep=["none:*.down_proj.weight"], device="cpu"))
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qc["llm_int8_skip_modules"] == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     theirs = load_with_transformers(out)
@@ -130,6 +135,7 @@ def test_skipped_modules_and_cpu_block_rule(tiny_model_dir, tmp_path):
 )
 def test_refused(llama128, tmp_path, scheme, needle):
     with pytest.raises(ExportError) as err:
-        quantize_model(llama128, output=tmp_path / "x", scheme=scheme, format="bitsandbytes", device="cpu")
+        quantize_model(llama128, output=tmp_path / "x", scheme=scheme, format="bitsandbytes",
+                       options=QuantizeOptions(device="cpu"))
     assert needle in str(err.value)
     assert not (tmp_path / "x").exists()

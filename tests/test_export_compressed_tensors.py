@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError
 from qkit.export.compressed_tensors import _pack_int32, _unpack_int32
 from qkit.models import load
@@ -112,7 +112,8 @@ SCHEMES = ["int4-g32", "int4-g64", "int4-g128", "int8-g64", "int4-row", "int8-ro
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_transformers_loads_export_bit_identical(llama128, tmp_path, scheme):
     out = tmp_path / "ct"
-    result = quantize_model(llama128, output=out, scheme=scheme, format="compressed-tensors", device="cpu")
+    result = quantize_model(llama128, output=out, scheme=scheme, format="compressed-tensors",
+                            options=QuantizeOptions(device="cpu"))
     assert result.format == "compressed-tensors" and result.matrices == 14
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     s = get_scheme(scheme)
@@ -144,7 +145,7 @@ def test_transformers_loads_export_bit_identical(llama128, tmp_path, scheme):
             compared += 1
     assert compared == 14
     # Logits against qkit's own checkpoint of the same scheme, loaded by qkit (the eval path).
-    ours = load(quantize_model(llama128, output=tmp_path / "qkit", scheme=scheme, device="cpu").output, device="cpu").model
+    ours = load(quantize_model(llama128, output=tmp_path / "qkit", scheme=scheme, options=QuantizeOptions(device="cpu")).output, device="cpu").model
     with torch.no_grad():
         our_logits = ours(ids).logits
     tol = LOGITS_RTOL * max(1.0, float(our_logits.abs().max()))
@@ -153,8 +154,8 @@ def test_transformers_loads_export_bit_identical(llama128, tmp_path, scheme):
 
 def test_mixed_schemes_and_kept_layers(llama128, tmp_path):
     out = tmp_path / "mixed"
-    quantize_model(llama128, output=out, scheme="int4-g64", keep=["int8-row:*.down_proj.weight", "none:*.o_proj.weight"],
-                   format="compressed-tensors", device="cpu")
+    quantize_model(llama128, output=out, scheme="int4-g64", format="compressed-tensors",
+                   options=QuantizeOptions(keep=["int8-row:*.down_proj.weight", "none:*.o_proj.weight"], device="cpu"))
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     QuantizationConfig.model_validate(qc)
     groups = {g["weights"]["num_bits"]: g for g in qc["config_groups"].values()}
@@ -180,7 +181,8 @@ def test_mixed_schemes_and_kept_layers(llama128, tmp_path):
 def test_half_precision_model_bit_identical(tmp_path, dtype, scale):
     src_dir = make_llama(tmp_path / "half", dtype=dtype)
     out = tmp_path / "ct"
-    quantize_model(src_dir, output=out, scheme="int4-g64", scale_dtype=scale, format="compressed-tensors", device="cpu")
+    quantize_model(src_dir, output=out, scheme="int4-g64", format="compressed-tensors",
+                   options=QuantizeOptions(scale_dtype=scale, device="cpu"))
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").dtype == dtype
     theirs = load_with_transformers(out)
@@ -211,7 +213,8 @@ def test_half_precision_model_bit_identical(tmp_path, dtype, scale):
 def test_refused_before_any_work(llama128, tmp_path, kwargs, needle):
     out = tmp_path / "refused"
     with pytest.raises(ExportError) as err:
-        quantize_model(llama128, output=out, format="compressed-tensors", device="cpu", **kwargs)
+        quantize_model(llama128, output=out, format="compressed-tensors",
+                       options=QuantizeOptions(device="cpu", **kwargs))
     assert needle in str(err.value) and "\n" not in str(err.value)
     assert not out.exists()
 
@@ -219,20 +222,23 @@ def test_refused_before_any_work(llama128, tmp_path, kwargs, needle):
 def test_fp16_scales_on_bf16_model_refused(tmp_path):
     src_dir = make_llama(tmp_path / "bf16", dtype=torch.bfloat16, layers=1)
     with pytest.raises(ExportError, match=r"weights' dtype \(bfloat16\).*--scale-dtype bf16"):
-        quantize_model(src_dir, output=tmp_path / "o", scheme="int4-g64", format="compressed-tensors", device="cpu")
+        quantize_model(src_dir, output=tmp_path / "o", scheme="int4-g64", format="compressed-tensors",
+                       options=QuantizeOptions(device="cpu"))
 
 
 @pytest.mark.slow
 def test_default_model_g128_refused_g64_verified(default_model_dir, tmp_path):
     with pytest.raises(ExportError) as err:
-        quantize_model(None, output=tmp_path / "g128", scheme="int4-g128", format="compressed-tensors", device="cpu")
+        quantize_model(None, output=tmp_path / "g128", scheme="int4-g128", format="compressed-tensors",
+                       options=QuantizeOptions(device="cpu"))
     msg = str(err.value)
     assert "is 576 wide (576 = 4.5 x 128), so int4-g128 cannot be exported; int4-g64 can (it divides every width: 576, 1536)" in msg
 
     from qkit.export.verify import verify_checkpoint
 
     out = tmp_path / "g64"
-    r = quantize_model(None, output=out, scheme="int4-g64", format="compressed-tensors", device="cpu")
+    r = quantize_model(None, output=out, scheme="int4-g64", format="compressed-tensors",
+                       options=QuantizeOptions(device="cpu"))
     assert r.matrices == 210
     v = verify_checkpoint(out, device="cpu")
     assert v.passed and len(v.tensors) == 210

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError
 from qkit.export.verify import verify_checkpoint
 from qkit.schemes import get_scheme, quantize_tensor
@@ -42,7 +42,8 @@ def exports(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for name in FORMAT:
         d = tmp_path_factory.mktemp("fp4") / name
-        r = quantize_model(tiny_model_dir, output=d, scheme=name, format="compressed-tensors", device="cpu")
+        r = quantize_model(tiny_model_dir, output=d, scheme=name, format="compressed-tensors",
+                           options=QuantizeOptions(device="cpu"))
         assert r.format == "compressed-tensors" and r.matrices == 14
         out[name] = d
     return out
@@ -123,7 +124,7 @@ def test_bf16_model_is_verified_as_it_is(tmp_path):
     src = tmp_path / "bf16"
     make_tiny_llama(src, dtype=torch.bfloat16, layers=1)
     out = tmp_path / "ct"
-    quantize_model(src, output=out, scheme="nvfp4", format="compressed-tensors", device="cpu")
+    quantize_model(src, output=out, scheme="nvfp4", format="compressed-tensors", options=QuantizeOptions(device="cpu"))
     r = verify_checkpoint(out, device="cpu")
     assert r.passed and r.dtype == "bfloat16" and "cannot run" not in r.weight_rule
     assert all(t.identical for t in r.tensors)
@@ -131,8 +132,8 @@ def test_bf16_model_is_verified_as_it_is(tmp_path):
 
 def test_mixed_with_int_groups_is_mixed_precision(tiny_model_dir, tmp_path):
     out = tmp_path / "mixed"
-    quantize_model(tiny_model_dir, output=out, scheme="nvfp4", keep=["int8-row:*.down_proj.weight"],
-                   format="compressed-tensors", device="cpu")
+    quantize_model(tiny_model_dir, output=out, scheme="nvfp4", format="compressed-tensors",
+                   options=QuantizeOptions(keep=["int8-row:*.down_proj.weight"], device="cpu"))
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     QuantizationConfig.model_validate(qc)
     assert qc["format"] == "mixed-precision"
@@ -152,7 +153,7 @@ def test_width_that_is_not_whole_blocks_is_refused_before_any_work(tmp_path, nam
     make_tiny_llama(src, layers=1, intermediate=168)  # 168 = 10.5 x 16
     out = tmp_path / "refused"
     with pytest.raises(ExportError) as err:
-        quantize_model(src, output=out, scheme=name, format="compressed-tensors", device="cpu")
+        quantize_model(src, output=out, scheme=name, format="compressed-tensors", options=QuantizeOptions(device="cpu"))
     msg = str(err.value)
     assert f"{name} stores blocks of {16 if name == 'nvfp4' else 32} along each row, but model.layers.0.mlp.down_proj.weight is 168 wide" in msg
     assert "--exclude" in msg and "\n" not in msg and not out.exists()

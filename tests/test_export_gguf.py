@@ -19,12 +19,11 @@ import pytest
 import torch
 
 import qkit.schemes
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError, OutputExistsError, QkitError
 from qkit.export import gguf as gg
 from qkit.export.verify import verify_checkpoint
 from qkit.schemes import get_scheme, quantize_tensor, register, scheme_names
-from qkit.schemes.kquants import bind_model
 
 T = gguf.GGMLQuantizationType
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
@@ -183,7 +182,7 @@ def test_gguf_package_dequantizes_bit_identically(tiny_model_dir, exports, schem
         if heads:
             back = back[gg.inverse_permutation(w.shape[0], heads)]
         if name.endswith(".weight") and ".layers." in name and "norm" not in name:
-            qt = quantize_tensor(w, bind_model(get_scheme(scheme), config), name=name)  # a recipe needs the layer count
+            qt = quantize_tensor(w, get_scheme(scheme).bind(config), name=name)  # a recipe needs the layer count
             assert t.tensor_type == T(int(qt.scheme.ggml_type)), name
             assert torch.equal(back, qt.dequantize(torch.float32)), name
             quantized += 1
@@ -197,7 +196,7 @@ def test_transformers_loads_gguf_with_qkits_weights_and_logits(tiny_model_dir, e
     """transformers dequantizes the file itself (gguf_file=); its weights equal qkit's and so do its logits."""
     path = exports[scheme]
     src = _source(tiny_model_dir)
-    s = bind_model(get_scheme(scheme), json.loads((tiny_model_dir / "config.json").read_text()))
+    s = get_scheme(scheme).bind(json.loads((tiny_model_dir / "config.json").read_text()))
     quantized = {n: quantize_tensor(w, s, name=n).dequantize(torch.float32)
                  for n, w in src.items() if ".layers." in n and n.endswith("proj.weight")}
     ours = _qkit_model(tiny_model_dir, quantized)
@@ -280,7 +279,7 @@ def test_verify_gguf_passes_and_catches_a_missing_permutation(tiny_model_dir, tm
     # A writer that forgets llama.cpp's q/k permutation writes a file every reader agrees on (qkit, gguf and
     # transformers all undo the permutation the same way, so the logits match) but that is not the model:
     # only the codes recorded at export catch it.
-    monkeypatch.setattr(gg, "row_permutation", lambda rows, heads: torch.arange(rows))
+    monkeypatch.setattr(gg.writer, "row_permutation", lambda rows, heads: torch.arange(rows))
     bad = quantize_model(tiny_model_dir, output=tmp_path / "bad.gguf", scheme="q8_0", format="gguf").output
     monkeypatch.undo()
     r = verify_checkpoint(bad, device="cpu")
@@ -309,7 +308,7 @@ def test_directory_output_holds_the_file_and_the_record(tiny_model_dir, tmp_path
     assert verify_checkpoint(out, device="cpu").passed
     with pytest.raises(OutputExistsError):
         quantize_model(tiny_model_dir, output=out, scheme="q4_0", format="gguf")
-    quantize_model(tiny_model_dir, output=out, scheme="q8_0", format="gguf", force=True)
+    quantize_model(tiny_model_dir, output=out, scheme="q8_0", format="gguf", options=QuantizeOptions(force=True))
     assert _fields(out / "model.gguf")["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert _no_leftovers(tmp_path)
 
@@ -321,7 +320,7 @@ def test_file_output_is_atomic_and_refuses_without_force(tiny_model_dir, tmp_pat
     with pytest.raises(OutputExistsError, match="--force"):
         quantize_model(tiny_model_dir, output=out, scheme="q8_0", format="gguf")
     assert out.read_bytes() == before
-    quantize_model(tiny_model_dir, output=out, scheme="q8_0", format="gguf", force=True)
+    quantize_model(tiny_model_dir, output=out, scheme="q8_0", format="gguf", options=QuantizeOptions(force=True))
     assert _fields(out)["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
 
@@ -329,7 +328,7 @@ def test_file_output_is_atomic_and_refuses_without_force(tiny_model_dir, tmp_pat
 def test_quantized_embedding_and_kept_projection(tiny_model_dir, tmp_path):
     """--include the embedding: token_embd gets the block type; an excluded q_proj stays F32 and is still permuted."""
     out = quantize_model(tiny_model_dir, output=tmp_path / "e.gguf", scheme="q8_0", format="gguf",
-                         include=["model.embed_tokens.weight"], exclude=["*.layers.0.self_attn.q_proj.weight"]).output
+                         options=QuantizeOptions(include=["model.embed_tokens.weight"], exclude=["*.layers.0.self_attn.q_proj.weight"])).output
     t = _tensors(out)
     assert t["token_embd.weight"].tensor_type == T.Q8_0 and t["blk.0.attn_q.weight"].tensor_type == T.F32
     w = _source(tiny_model_dir)["model.layers.0.self_attn.q_proj.weight"]
@@ -474,7 +473,7 @@ def test_refuses_a_width_mxfp4_cannot_take_and_nvfp4(tiny_model_dir, tmp_path):
 def _refused(tmp_path: Path, model: Path, needle: str, **kw) -> str:
     out = tmp_path / "refused.gguf"
     with pytest.raises(QkitError) as exc:
-        quantize_model(model, output=out, format="gguf", **kw)
+        quantize_model(model, output=out, format="gguf", options=QuantizeOptions(**kw))
     msg = str(exc.value)
     assert needle in msg and "\n" not in msg, msg
     assert not out.exists() and _no_leftovers(tmp_path)
@@ -523,7 +522,8 @@ def test_refuses_a_tokenizer_llama_cpp_would_not_recognize(tiny_model_dir, tmp_p
 def test_refuses_a_directory_where_a_file_goes(tiny_model_dir, tmp_path):
     (tmp_path / "x.gguf").mkdir()
     with pytest.raises(OutputExistsError, match="is a directory"):
-        quantize_model(tiny_model_dir, output=tmp_path / "x.gguf", scheme="q8_0", format="gguf", force=True)
+        quantize_model(tiny_model_dir, output=tmp_path / "x.gguf", scheme="q8_0", format="gguf",
+                       options=QuantizeOptions(force=True))
 
 
 def test_export_error_is_a_qkit_error():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.cli import app
 from qkit.export import compressed_tensors as ct_format
 from qkit.export.verify import iter_decoded, verify_checkpoint
@@ -30,7 +30,7 @@ def llama128(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "int4-g64"), ("compressed-tensors", "int8-row"), ("bitsandbytes", "nf4")])
 def test_verify_passes_and_decode_reproduces_quantization(llama128, tmp_path, fmt, scheme):
     out = tmp_path / "export"
-    quantize_model(llama128, output=out, scheme=scheme, format=fmt, device="cpu")
+    quantize_model(llama128, output=out, scheme=scheme, format=fmt, options=QuantizeOptions(device="cpu"))
     from safetensors.torch import load_file
 
     src = load_file(str(llama128 / "model.safetensors"))
@@ -53,7 +53,8 @@ def test_verify_catches_a_wrong_encoding(llama128, tmp_path, monkeypatch):
     # Writing qkit's own byte order (first column in the high nibble) instead of swapping the nibbles.
     monkeypatch.setattr(ct_format, "_swap_nibbles", lambda b: b)
     out = tmp_path / "bad"
-    quantize_model(llama128, output=out, scheme="int4-g64", format="compressed-tensors", device="cpu")
+    quantize_model(llama128, output=out, scheme="int4-g64", format="compressed-tensors",
+                   options=QuantizeOptions(device="cpu"))
     monkeypatch.undo()
     r = verify_checkpoint(out, device="cpu")
     assert not r.passed and not r.weights_ok
@@ -65,7 +66,8 @@ def test_verify_catches_a_wrong_encoding(llama128, tmp_path, monkeypatch):
 def test_verify_without_sidecar_reads_config(llama128, tmp_path):
     """A compressed-tensors checkpoint qkit did not write (no qkit-export.json): schemes come from the config."""
     out = tmp_path / "export"
-    quantize_model(llama128, output=out, scheme="int4-g32", format="compressed-tensors", device="cpu")
+    quantize_model(llama128, output=out, scheme="int4-g32", format="compressed-tensors",
+                   options=QuantizeOptions(device="cpu"))
     (out / "qkit-export.json").unlink()
     r = verify_checkpoint(out, device="cpu")
     assert r.passed and all(t.matches_export is None for t in r.tensors)
@@ -119,7 +121,8 @@ def test_verify_refuses_non_exports(llama128, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without CUDA")
 def test_cuda_requested_without_cuda_is_one_line(llama128, tmp_path):
     out = tmp_path / "ct"
-    quantize_model(llama128, output=out, scheme="int4-g64", format="compressed-tensors", device="cpu")
+    quantize_model(llama128, output=out, scheme="int4-g64", format="compressed-tensors",
+                   options=QuantizeOptions(device="cpu"))
     res = runner.invoke(app, ["verify", str(out), "--device", "cuda"])
     assert res.exit_code == 2 and "CUDA is not available here; use --device cpu" in res.output
 
@@ -128,7 +131,7 @@ def test_device_map_auto_matches_plain_load(llama128, tmp_path):
     """``load(device_map="auto")`` (accelerate's dispatch; all on the CPU here) gives the same logits."""
     from qkit.models import load
 
-    q = quantize_model(llama128, output=tmp_path / "q", scheme="int8-row", device="cpu").output
+    q = quantize_model(llama128, output=tmp_path / "q", scheme="int8-row", options=QuantizeOptions(device="cpu")).output
     ids = torch.arange(1, 20).unsqueeze(0)
     for src in (llama128, q):
         plain, spread = load(src, device="cpu").model, load(src, device_map="auto").model
@@ -141,8 +144,10 @@ def test_device_map_auto_matches_plain_load(llama128, tmp_path):
 def test_cuda_export_is_byte_identical_to_cpu(llama128, tmp_path, fmt, scheme):
     from safetensors.torch import load_file
 
-    cpu = quantize_model(llama128, output=tmp_path / "cpu", scheme=scheme, format=fmt, device="cpu").output
-    gpu = quantize_model(llama128, output=tmp_path / "gpu", scheme=scheme, format=fmt, device="cuda").output
+    cpu = quantize_model(llama128, output=tmp_path / "cpu", scheme=scheme, format=fmt,
+                         options=QuantizeOptions(device="cpu")).output
+    gpu = quantize_model(llama128, output=tmp_path / "gpu", scheme=scheme, format=fmt,
+                         options=QuantizeOptions(device="cuda")).output
     a, b = load_file(str(cpu / "model.safetensors")), load_file(str(gpu / "model.safetensors"))
     assert sorted(a) == sorted(b)
     for k in a:
@@ -152,7 +157,8 @@ def test_cuda_export_is_byte_identical_to_cpu(llama128, tmp_path, fmt, scheme):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "int4-g64"), ("bitsandbytes", "nf4")])
 def test_cuda_verify(llama128, tmp_path, fmt, scheme):
-    out = quantize_model(llama128, output=tmp_path / "x", scheme=scheme, format=fmt, device="cuda").output
+    out = quantize_model(llama128, output=tmp_path / "x", scheme=scheme, format=fmt,
+                         options=QuantizeOptions(device="cuda")).output
     r = verify_checkpoint(out, device="cuda")
     assert r.passed and r.device.startswith("cuda") and all(t.identical for t in r.tensors)
 

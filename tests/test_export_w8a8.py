@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError, InputError
 from qkit.export.compressed_tensors_w8a8 import library_fake_quant
 
@@ -34,7 +34,7 @@ def test_library_rule_is_compressed_tensors_own_bit_for_bit():
 def w8a8_dir(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("w8a8") / "sq"
     quantize_model(tiny_model_dir, output=out, scheme="int8-row", method="smoothquant", method_options=CAL,
-                   format="compressed-tensors", activations="int8-token")
+                   format="compressed-tensors", options=QuantizeOptions(activations="int8-token"))
     return out
 
 
@@ -74,11 +74,14 @@ def test_w8a8_verifies_against_the_library_rule_exactly_and_the_simulation_withi
 def test_activations_need_compressed_tensors_and_int8_row(tiny_model_dir, tmp_path):
     out = tmp_path / "o"
     with pytest.raises(InputError, match="--activations declares run-time activation quantization"):
-        quantize_model(tiny_model_dir, output=out, scheme="int8-row", activations="int8-token")
+        quantize_model(tiny_model_dir, output=out, scheme="int8-row", options=QuantizeOptions(activations="int8-token"))
     with pytest.raises(InputError, match="unknown --activations"):
-        quantize_model(tiny_model_dir, output=out, scheme="int8-row", format="compressed-tensors", activations="int4-token")
+        quantize_model(tiny_model_dir, output=out, scheme="int8-row", format="compressed-tensors",
+                       options=QuantizeOptions(activations="int4-token"))
     with pytest.raises(ExportError, match="stores int8 per-channel weights, not int4-g32"):
-        quantize_model(tiny_model_dir, output=out, scheme="int4-g32", format="compressed-tensors", activations="int8-token")
+        quantize_model(tiny_model_dir, output=out, scheme="int4-g32", format="compressed-tensors",
+                       options=QuantizeOptions(activations="int8-token"))
     with pytest.raises(ExportError, match="exported only as compressed-tensors"):
-        quantize_model(tiny_model_dir, output=out, scheme="nf4", format="bitsandbytes", activations="int8-token")
+        quantize_model(tiny_model_dir, output=out, scheme="nf4", format="bitsandbytes",
+                       options=QuantizeOptions(activations="int8-token"))
     assert not out.exists()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from qkit.api import quantize_model
+from qkit.api import block_progress, quantize_model
 from qkit.errors import InputError, SchemeError
 from qkit.methods import get_method
 from qkit.methods.gptq import (
@@ -433,7 +433,7 @@ def test_two_passes_with_batches_also_beat_rtn(tiny64, cal_file, tmp_path):
 def test_progress_reports_every_block(tiny64, cal_file, tmp_path):
     seen = []
     quantize_model(tiny64, output=tmp_path / "p", scheme="int8-row", method="gptq", method_options=opts(cal_file),
-                   on_block=lambda done, total: seen.append((done, total)))
+                   progress=block_progress(lambda done, total: seen.append((done, total))))
     assert seen == [(1, 2), (2, 2)]
 
 
@@ -466,7 +466,7 @@ def test_cli_calibration_shorter_than_one_sample(tiny64, cal_file, tmp_path):
 
 
 def test_cli_calibration_overlapping_the_eval_text(tiny64, tmp_path):
-    from qkit.evaluation.corpora import load_corpus
+    from qkit.texts import load_corpus
 
     cal = tmp_path / "mine.txt"
     cal.write_text("Words of my own, and then a passage copied from the eval text. " * 20 + load_corpus().text[2000:2400])
@@ -520,7 +520,7 @@ def test_gptq_int4_g64_beats_rtn_by_more_than_two_paired_se_on_the_default_model
     """Fewer calibration tokens (8 x 256) and eval tokens (1,024 of Ruth, windows of 512, NLL only) than
     the README's benchmark, to stay near a minute and a half; GPTQ through quantize_model (the path that
     writes checkpoints), RTN as quantize_tensor (what --method rtn writes, tested elsewhere)."""
-    from qkit.evaluation.corpora import load_corpus
+    from qkit.texts import load_corpus
     from qkit.evaluation.perplexity import position_logprobs
     from qkit.models import load
 

@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 import qkit
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.checkpoint import iter_tensors, read_manifest
 from qkit.cli import app
 from qkit.inspect import sensitivity as sens
@@ -152,7 +152,8 @@ def test_residual_outlier_dims_flag_the_matrices_that_read_them(three_layer_dir)
 
 def test_keep_int8_pattern_writes_mixed_checkpoint_that_loads(tiny_model_dir, tmp_path):
     out = tmp_path / "mixed"
-    r = quantize_model(tiny_model_dir, output=out, scheme="nf4", keep=["int8:*.mlp.down_proj.weight", "int8:model.layers.1.*"])
+    r = quantize_model(tiny_model_dir, output=out, scheme="nf4",
+                       options=QuantizeOptions(keep=["int8:*.mlp.down_proj.weight", "int8:model.layers.1.*"]))
     assert r.schemes_used == {"int8-row": 8, "nf4": 6}
     manifest = read_manifest(out)
     schemes = {n: e["scheme"]["name"] for n, e in manifest["tensors"].items()}
@@ -174,7 +175,8 @@ def test_keep_checkpoint_evaluates(tiny_model_dir, tmp_path):
     from conftest import TINY_TEXT
 
     out = tmp_path / "mixed"
-    quantize_model(tiny_model_dir, output=out, scheme="nf4", keep=["int8:*.mlp.down_proj.weight"])
+    quantize_model(tiny_model_dir, output=out, scheme="nf4",
+                   options=QuantizeOptions(keep=["int8:*.mlp.down_proj.weight"]))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINY_TEXT * 3)
     report = evaluation.evaluate(

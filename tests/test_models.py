@@ -10,7 +10,7 @@ import pytest
 from qkit import assets
 from qkit.api import quantize_model
 from qkit.errors import InputError, ModelLoadError
-from qkit.evaluation.corpora import load_corpus
+from qkit.texts import load_corpus
 from qkit.models import resolve
 
 

@@ -10,7 +10,7 @@ import torch
 from qkit.errors import InputError, SchemeError
 from qkit.granularity import PerGroup, PerRow, PerTensor
 from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, get_scheme, register, scheme_names
-from qkit.schemes.registry import _REGISTRY, parse_scale_dtype, scheme_from_dict
+from qkit.schemes.registry import REGISTRY, parse_scale_dtype, scheme_from_dict
 
 
 def test_the_quality_table_schemes_in_order():
@@ -101,7 +101,8 @@ def test_duplicate_registration_is_refused_and_a_new_name_registers():
         s = register(AbsmaxScheme("int8-test-only", 8, PerGroup(16)))
         assert get_scheme("int8-test-only") is s
     finally:
-        _REGISTRY.pop("int8-test-only", None)
+        REGISTRY._entries.pop("int8-test-only", None)  # qkit.registry.Registry has no unregister
+        REGISTRY._keys.pop("int8-test-only", None)
     with pytest.raises(SchemeError):
         get_scheme("int8-test-only")
 

@@ -29,21 +29,15 @@ from hypothesis import strategies as st
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import get_scheme, quantize_tensor, scheme_names
+from qkit.schemes.e2m1 import E2M1_VALUES, e2m1_codes, e2m1_pack, e2m1_pack_arith, mxfp4_exponents, pack_fp4, unpack_fp4
 from qkit.schemes.fp4 import (
-    E2M1_VALUES,
     MXFP4Scheme,
     NVFP4Scheme,
     dequantize_mxfp4,
     dequantize_nvfp4,
-    e2m1_codes,
-    e2m1_pack,
-    e2m1_pack_arith,
-    mxfp4_exponents,
-    pack_fp4,
     quantize_mxfp4,
     quantize_nvfp4,
     to_gguf_mxfp4_blocks,
-    unpack_fp4,
 )
 from qkit.schemes.registry import scheme_from_dict
 
@@ -614,13 +608,13 @@ def test_checkpoint_round_trip_is_the_in_memory_result(tiny_model_dir, tmp_path)
     in-memory transform (the eval path) dequantizes."""
     from safetensors.torch import load_file
 
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
     from qkit.models import load
 
     src = load_file(str(tiny_model_dir / "model.safetensors"))
     for name in FP4:
         out = tmp_path / name
-        r = quantize_model(tiny_model_dir, output=out, scheme=name, device="cpu")
+        r = quantize_model(tiny_model_dir, output=out, scheme=name, options=QuantizeOptions(device="cpu"))
         assert r.matrices == 14
         model = load(out, device="cpu").model
         params = dict(model.named_parameters())

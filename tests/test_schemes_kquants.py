@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import get_scheme, quantize_tensor, scheme_names
-from qkit.schemes.kquants import Q4KMRecipe, bind_model, seq_sum, sqrtf, use_more_bits
+from qkit.schemes.kquant_search import seq_sum, sqrtf
+from qkit.schemes.recipes import Q4KMRecipe, use_more_bits
 from qkit.schemes.registry import scheme_from_dict
 
 T = gguf.GGMLQuantizationType
@@ -145,9 +146,9 @@ def test_default_model_matrices_equal_the_built_llama_cpp(default_model_dir):
 def test_seq_sum_is_the_c_loop(monkeypatch, index_add):
     """``seq_sum`` adds in order with fp32 rounding at each step (torch.sum does not: it differs here),
     through CPU ``index_add_`` and through the plain loop other devices use."""
-    from qkit.schemes import kquants
+    from qkit.schemes import kquant_search
 
-    monkeypatch.setattr(kquants, "_SEQUENTIAL", [index_add])
+    monkeypatch.setattr(kquant_search, "_SEQUENTIAL", [index_add])
     x = (torch.randn(32, 4000, generator=torch.Generator().manual_seed(6)) * torch.exp(torch.randn(32, 4000) * 4)).float()
     xs = x.numpy()
     acc = np.zeros(4000, np.float32)
@@ -257,7 +258,7 @@ def _names(n_layers: int) -> list[str]:
 def test_q4_k_m_assignment_on_30_layers():
     """The default model's shapes (hidden 576, intermediate 1536): Q6_K on attn_v / ffn_down of the
     use_more_bits layers, else Q4_K; then the width fallback (576 -> Q5_0 / Q8_0; 1536 stays)."""
-    recipe = bind_model(get_scheme("q4_k_m"), {"num_hidden_layers": 30, "model_type": "llama", "num_attention_heads": 9,
+    recipe = get_scheme("q4_k_m").bind({"num_hidden_layers": 30, "model_type": "llama", "num_attention_heads": 9,
                                                "num_key_value_heads": 3, "tie_word_embeddings": True})
     more = {0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29}
     shapes = {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576), "o_proj": (576, 576),
@@ -287,7 +288,7 @@ def test_q4_k_m_assignment_on_30_layers():
 
 
 def test_q4_k_m_quantizes_by_name_and_records_the_type_it_wrote():
-    recipe = bind_model(get_scheme("q4_k_m"), {"num_hidden_layers": 30})
+    recipe = get_scheme("q4_k_m").bind({"num_hidden_layers": 30})
     w = torch.randn(64, 1536)
     more = quantize_tensor(w, recipe, name="model.layers.5.mlp.down_proj.weight")
     less = quantize_tensor(w, recipe, name="model.layers.6.mlp.down_proj.weight")
@@ -305,9 +306,9 @@ def test_q4_k_m_needs_the_layer_count_for_attn_v_and_ffn_down():
     assert recipe.resolve((576, 576), "model.layers.3.self_attn.q_proj.weight").name == "q5_0"  # no count needed
     with pytest.raises(SchemeError) as exc:
         recipe.resolve((192, 576), "model.layers.3.self_attn.v_proj.weight")
-    assert "bind_model" in str(exc.value) and "\n" not in str(exc.value)
+    assert "scheme.bind(config)" in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(SchemeError, match="layer index"):
-        bind_model(recipe, {"num_hidden_layers": 4}).resolve((192, 576), "model.layers.9.self_attn.v_proj.weight")
+        recipe.bind({"num_hidden_layers": 4}).resolve((192, 576), "model.layers.9.self_attn.v_proj.weight")
 
 
 def test_q4_k_m_to_dict_and_registry():
@@ -315,10 +316,10 @@ def test_q4_k_m_to_dict_and_registry():
     d = recipe.to_dict()
     assert d["kind"] == "ggml" and d["ggml_type"] == "Q4_K" and d["recipe"] == "LLAMA_FTYPE_MOSTLY_Q4_K_M"
     assert "n_layers" not in d and scheme_from_dict(d) is recipe
-    bound = bind_model(recipe, {"num_hidden_layers": 30, "tie_word_embeddings": True})
+    bound = recipe.bind({"num_hidden_layers": 30, "tie_word_embeddings": True})
     assert bound.to_dict()["n_layers"] == 30 and bound.to_dict()["tied_embeddings"] is True
     assert scheme_from_dict(bound.to_dict()) is recipe  # the recipe; each tensor's entry holds its type
-    assert bind_model(get_scheme("q4_0"), {"num_hidden_layers": 30}) is get_scheme("q4_0")
+    assert get_scheme("q4_0").bind({"num_hidden_layers": 30}) is get_scheme("q4_0")
 
 
 @pytest.mark.parametrize(
@@ -332,13 +333,13 @@ def test_q4_k_m_to_dict_and_registry():
 )
 def test_bind_model_refuses_what_the_recipe_does_not_cover(config, match):
     with pytest.raises(SchemeError, match=match):
-        bind_model(get_scheme("q4_k_m"), config)
+        get_scheme("q4_k_m").bind(config)
 
 
 def test_bind_model_keeps_an_80_layer_llama_without_gqa():
     """llama.cpp's 70B type is llama with 80 layers *and* grouped-query attention (65B has none)."""
     cfg = {"num_hidden_layers": 80, "model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 64}
-    assert bind_model(get_scheme("q4_k_m"), cfg).n_layers == 80
+    assert get_scheme("q4_k_m").bind(cfg).n_layers == 80
 
 
 def test_deterministic_across_thread_counts():

@@ -97,15 +97,15 @@ def test_refuses_models_without_blocks_and_bad_ids():
 def test_gptq_on_cuda_matches_cpu(tiny_model_dir, tmp_path):
     from conftest import TINY_TEXT
 
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
 
     cal = tmp_path / "cal.txt"
     cal.write_text(TINY_TEXT * 30)
     opts = {"calibration": str(cal), "calibration_samples": 4, "calibration_seqlen": 64}
-    cpu = quantize_model(tiny_model_dir, output=tmp_path / "cpu", scheme="int8-row", method="gptq", method_options=opts,
-                         collect=True, device="cpu")
-    gpu = quantize_model(tiny_model_dir, output=tmp_path / "gpu", scheme="int8-row", method="gptq", method_options=opts,
-                         collect=True, device="cuda")
+    cpu = quantize_model(tiny_model_dir, output=tmp_path / "cpu", scheme="int8-row", method="gptq",
+                         method_options=opts, collect=True, options=QuantizeOptions(device="cpu"))
+    gpu = quantize_model(tiny_model_dir, output=tmp_path / "gpu", scheme="int8-row", method="gptq",
+                         method_options=opts, collect=True, options=QuantizeOptions(device="cuda"))
     for name, qt in cpu.quantized.items():
         assert gpu.quantized[name].qweight.device.type == "cpu"
         diff = (gpu.quantized[name].dequantize(torch.float32) - qt.dequantize(torch.float32)).abs()

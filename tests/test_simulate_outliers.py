@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from qkit.cli import app
-from qkit.inspect.outliers import linear_input_levels, linear_inputs_report
+from qkit.inspect.linear_inputs import linear_input_levels, linear_inputs_report
 from qkit.models import load
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from qkit.cli import app
 from qkit.evaluation import EvalOptions, evaluate
 from qkit.evaluation.specs import RowSpec, resolve_rows
-from qkit.simulate.rows import ACTIVATIONS_PRESET
+from qkit.evaluation.rows import ACTIVATIONS_PRESET
 
 FAST = dict(tokens=96, battery_tokens=4, agree_tokens=2)
 

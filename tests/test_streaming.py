@@ -105,15 +105,15 @@ CHILD = textwrap.dedent(
                     return int(line.split()[1]) * 1024
         return 0
 
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, quantize_model
     import torch  # noqa: F401  (imported by qkit.api already; the baseline includes it)
 
     src, out, scheme, shard, warm_src, warm_out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6]
     # Warm-up on a tiny model of the same layout: lazy imports and one-time allocations land in the
     # baseline, so the growth measured below is what the data costs.
-    quantize_model(warm_src, output=warm_out, scheme=scheme, max_shard_bytes=shard, device="cpu")
+    quantize_model(warm_src, output=warm_out, scheme=scheme, options=QuantizeOptions(max_shard_bytes=shard, device="cpu"))
     base = status("VmRSS")
-    r = quantize_model(src, output=out, scheme=scheme, max_shard_bytes=shard, device="cpu")
+    r = quantize_model(src, output=out, scheme=scheme, options=QuantizeOptions(max_shard_bytes=shard, device="cpu"))
     print(json.dumps({"base": base, "peak": status("VmHWM"), "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "seconds": r.seconds, "matrices": r.matrices, "bytes_after": r.bytes_after}))
     """

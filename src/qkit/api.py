@@ -1,13 +1,16 @@
 """Library entry points the CLI wraps: ``quantize_model`` and ``load``.
 
-Each is a plain function called with keyword arguments; defaults live here, once.
+Layer 7 (beside ``cli``). Each is a plain function a script calls; ``quantize_model``'s settings are one
+``QuantizeOptions`` value (every default defined there, once), its progress one callback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +27,12 @@ from qkit.checkpoint import (
 )
 from qkit.errors import InputError, OutputError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
+from qkit.export.compressed_tensors_w8a8 import check_activations
 from qkit.methods import RTN, get_method, make_options
 from qkit.models import ModelRef, check_complete, copy_aux_files, parse_device, read_config, resolve
 from qkit.models import load as _load
 from qkit.outputs import Input, directory_inputs, file_inputs, model_inputs
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
-from qkit.schemes.kquants import bind_model
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, new_manifest, plan
 
@@ -75,34 +78,88 @@ class QuantizeResult:
         }
 
 
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What ``quantize_model`` writes and how; every default defined here, once.
+
+    ``scheme`` the default scheme of the block projections (``qkit.schemes``), ``scale_dtype`` its scale
+    type; ``include`` / ``exclude`` globs and ``keep`` ``SCHEME:GLOB`` overrides (``qkit.transform.Rules``);
+    ``format`` ``qkit`` or an export format (``qkit.export.FORMATS``) and ``activations`` what it declares
+    for run-time activation quantization (``int8-token``: W8A8 compressed-tensors); ``method`` how the
+    codes are chosen (``qkit.methods``) with ``method_options`` (its options dataclass's fields);
+    ``max_shard_bytes`` the largest output shard; ``device`` where the weights are quantized;
+    ``allow_pickle`` / ``trust_remote_code`` what the model may run; ``force`` replace an output qkit wrote.
+    """
+
+    scheme: str = DEFAULT_SCHEME
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    keep: Sequence[str] = ()
+    format: str = QKIT
+    activations: str | None = None
+    method: str = RTN
+    method_options: Mapping[str, Any] | None = None
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    device: str | None = "cpu"
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    force: bool = False
+
+
+@dataclass(frozen=True)
+class QuantizeProgress:
+    """One step of ``quantize_model``: ``stage`` ``"calibrating"`` (a method finished block ``done`` of
+    ``total``) or ``"quantizing"`` (``done == 0``: ``total`` tensors are about to be written; then tensor
+    ``name`` was written, ``done`` of ``total``)."""
+
+    stage: str
+    done: int
+    total: int
+    name: str | None = None
+
+
+Progress = Callable[[QuantizeProgress], None]
+
+
+def block_progress(on_block: Callable[[int, int], None]) -> Progress:
+    """A ``progress`` that passes only a calibrated method's blocks on, as ``on_block(done, total)``."""
+
+    def forward(step: QuantizeProgress) -> None:
+        if step.stage == "calibrating":
+            on_block(step.done, step.total)
+
+    return forward
+
+
 def quantize_model(
-    model: str | Path | None = None,
+    model: str | Path | ModelRef | None = None,
     *,
     output: str | Path,
-    scheme: str = DEFAULT_SCHEME,
-    scale_dtype: str = DEFAULT_SCALE_DTYPE,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    keep: Sequence[str] = (),
-    force: bool = False,
-    device: str | None = "cpu",
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    format: str = QKIT,
-    activations: str | None = None,
-    allow_pickle: bool = False,
-    trust_remote_code: bool = False,
+    options: QuantizeOptions | None = None,
+    progress: Progress | None = None,
     collect: bool = False,
-    method: str = RTN,
+    scheme: str | None = None,
+    method: str | None = None,
     method_options: Mapping[str, Any] | None = None,
-    ref: ModelRef | None = None,
-    on_start: Callable[[int], None] | None = None,
-    on_tensor: Callable[[str], None] | None = None,
-    on_block: Callable[[int, int], None] | None = None,
+    format: str | None = None,
 ) -> QuantizeResult:
-    """Quantize MODEL's block projections with ``scheme`` and write a qkit checkpoint to ``output``.
+    """Quantize MODEL's block projections and write a checkpoint to ``output``; returns what it did.
+
+    ``model``: a local directory, a hub id, a GGUF file, None (the default model), or a ``ModelRef``
+    already resolved (``qkit.models.resolve``). ``options``: a ``QuantizeOptions``; ``scheme``,
+    ``method``, ``method_options`` and ``format`` given here replace the options' own, so a script
+    says the common things in one call::
+
+        quantize_model("HuggingFaceTB/SmolLM2-135M", output="out/nf4", scheme="nf4")
+        quantize_model(None, output="out/g64", scheme="int4-g64", method="gptq",
+                       method_options={"calibration_samples": 16},
+                       options=QuantizeOptions(device="cuda", keep=("int8-row:*.down_proj.weight",)))
+
+    ``progress(QuantizeProgress)`` (optional) is told each calibrated block and each written tensor.
+    ``collect``: keep the quantized tensors (and any full-precision tensors a method replaced) in the result.
 
     Streams: one source tensor at a time (memory-mapped), output flushed shard by shard.
-    ``on_start(n_targets)`` and ``on_tensor(name)`` (after each quantized tensor) drive a progress bar.
     ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
     libraries load, or ``gguf`` for one llama.cpp file (``output`` ending in ``.gguf``, else a directory
     holding ``model.gguf``; see ``qkit.export``); a scheme the format cannot express is refused before any work.
@@ -111,7 +168,7 @@ def quantize_model(
     unless ``force`` and qkit wrote it; and if its place cannot be written (read-only, full, not a directory).
     ``method``: ``rtn`` (default: round to nearest, streamed) or a calibrated method (``qkit.methods``:
     ``gptq``, ``awq``, ...) with its ``method_options``; a method runs over the whole model first (its
-    progress through ``on_block(done, total)``), then the same writer stores its tensors. What the method
+    progress as ``"calibrating"`` steps), then the same writer stores its tensors. What the method
     did (options, calibration text and sha256) goes into the manifest under ``method``.
     ``trust_remote_code``: allow the model's own Python (``qkit.models.custom_code``); without it such a
     model is refused before any work, and every transformers call is told ``False``.
@@ -119,6 +176,13 @@ def quantize_model(
     a W8A8 checkpoint (dynamic per-token int8 activations, ``int-quantized``: the layout vLLM serves; see
     ``qkit.export.compressed_tensors_w8a8``), typically after ``method="smoothquant"``.
     """
+    given_here = {"scheme": scheme, "method": method, "method_options": method_options, "format": format}
+    opts = dataclasses.replace(options or QuantizeOptions(), **{k: v for k, v in given_here.items() if v is not None})
+    scheme, scale_dtype, format, method, method_options = (opts.scheme, opts.scale_dtype, opts.format, opts.method,
+                                                           opts.method_options)
+    force, device, activations, max_shard_bytes = opts.force, opts.device, opts.activations, opts.max_shard_bytes
+    ref = model if isinstance(model, ModelRef) else None
+    model = None if ref is not None else model
     t0 = time.perf_counter()
     if output is None or str(output) == "":
         raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
@@ -130,11 +194,9 @@ def quantize_model(
              *file_inputs("the calibration text", None if cal is None else str(cal))]
     check_output(format, out, force, given)
     default = get_scheme(scheme, scale_dtype)
-    rules = Rules.parse(include, exclude, keep, scale_dtype)
+    rules = Rules.parse(opts.include, opts.exclude, opts.keep, scale_dtype)
     dev = parse_device(device)
     if activations is not None:  # refused before any work: only an export format can declare them
-        from qkit.export.compressed_tensors_w8a8 import check_activations
-
         check_activations(activations)
         if format == QKIT:
             raise InputError("--activations declares run-time activation quantization for --format compressed-tensors "
@@ -143,17 +205,17 @@ def quantize_model(
     options = make_options(chooser, method_options) if chooser else None
     if chooser is None and method_options:
         raise InputError(f"options {', '.join(sorted(method_options))} need a calibrated --method (gptq, awq, ...)")
-    ref = ref or resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    ref = ref or resolve(model, allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code)
     if ref.is_quantized:
         raise InputError(f"{ref.spec} is already a qkit checkpoint; quantize the original model instead")
-    check_complete(ref, trust_remote_code=trust_remote_code)  # missing tensors: refused before any method runs
+    check_complete(ref, trust_remote_code=opts.trust_remote_code)  # missing tensors: refused before any method runs
     inputs = [*given, *resolved_inputs(ref)]
     check_output(format, out, force, inputs)  # a few stat calls: the resolved directory was not known above
     shapes = dict(tensor_shapes(ref.directory))
     # A recipe (q4_k_m) needs facts of the model (layer count, tied embeddings): bound here, once.
     config = read_config(ref.directory)
-    default = bind_model(default, config)
-    rules = Rules(rules.include, rules.exclude, tuple((g, s and bind_model(s, config)) for g, s in rules.overrides))
+    default = default.bind(config)
+    rules = Rules(rules.include, rules.exclude, tuple((g, s and s.bind(config)) for g, s in rules.overrides))
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
@@ -165,11 +227,12 @@ def quantize_model(
                                                          activations=activations)
     precomputed = None
     if chooser is not None:
+        on_block = None if progress is None else partial(_report, progress, "calibrating")
         done = chooser.run(ref, targets, options, device=dev, on_block=on_block)
         precomputed, replaced = done.quantized, done.replaced
         manifest["method"] = {"name": chooser.name, **done.record}
-    if on_start:
-        on_start(len(targets))
+    if progress is not None:
+        progress(QuantizeProgress("quantizing", 0, len(targets)))
     result = QuantizeResult(out, ref.spec, default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0)
     result.format = QKIT if export is None else export.format.name
     result.method = RTN if chooser is None else chooser.name
@@ -194,8 +257,8 @@ def quantize_model(
             result.schemes_used[qt.scheme.name] = result.schemes_used.get(qt.scheme.name, 0) + 1
             if collect:
                 result.quantized[name] = qt
-            if on_tensor:
-                on_tensor(name)
+            if progress is not None:
+                progress(QuantizeProgress("quantizing", result.matrices, len(targets), name))
         writer.close()
         config = read_config(ref.directory)
         config["quantization_config"] = export.quantization_config() if export else {
@@ -212,6 +275,10 @@ def quantize_model(
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _report(progress: Progress, stage: str, done: int, total: int) -> None:
+    progress(QuantizeProgress(stage, done, total))
 
 
 def resolved_inputs(ref: ModelRef) -> list[Input]:

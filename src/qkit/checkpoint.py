@@ -40,7 +40,7 @@ from qkit.outputs import (  # noqa: F401 (re-exported: callers import them from 
 )
 from qkit.schemes import QuantizedTensor
 from qkit.schemes.quantized import check_parts
-from qkit.transform import entry_to_spec, manifest_entry
+from qkit.transform import MANIFEST_FORMAT, MANIFEST_VERSION, entry_to_spec, manifest_entry
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -234,8 +234,6 @@ def _manifest(directory: Path) -> tuple[dict | None, dict[str, Spec]]:
     listed by two shards must have one entry; an index's ``metadata.qkit``, if any, must be the merged
     manifest (no reader uses it, so a tampered copy would otherwise pass unnoticed).
     """
-    from qkit.transform import MANIFEST_FORMAT, MANIFEST_VERSION
-
     merged: dict | None = None
     specs: dict[str, Spec] = {}
     for path in weight_files(directory):
@@ -278,12 +276,31 @@ def _manifest(directory: Path) -> tuple[dict | None, dict[str, Spec]]:
     return merged, specs
 
 
-_ST_DTYPES = {
+# The one table of safetensors header dtype names -> torch dtypes (the names the format's spec defines
+# that torch can hold); readers, the exporters and GPTQ all look dtypes up here.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
+# The floating ones that can be a quantization source (fp8 is a stored format, not a source).
+_SOURCE_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+def tensor_dtypes(directory: Path, *, floating_only: bool = False) -> dict[str, torch.dtype | None]:
+    """The dtype of every stored tensor, ``{name: dtype}``, read from the shard headers only (no data).
+
+    A header dtype that torch cannot hold maps to ``None``; so does every non-source dtype (anything but
+    F64/F32/F16/BF16) when ``floating_only`` (what a quantization plan needs: only those can be sources).
+    """
+    out: dict[str, torch.dtype | None] = {}
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            for key in f.keys():
+                dtype = SAFETENSORS_DTYPES.get(f.get_slice(key).get_dtype())
+                out[key] = None if floating_only and dtype not in _SOURCE_DTYPES else dtype
+    return out
 
 
 def _check_header_entry(key: str, v: Any, data_bytes: int) -> None:
@@ -301,7 +318,7 @@ def _check_header_entry(key: str, v: Any, data_bytes: int) -> None:
         raise ValueError(f"tensor {key} has data offsets {offsets!r}")
     if offsets[1] > data_bytes:
         raise ValueError(f"tensor {key} ends past the end of the file")
-    dtype = _ST_DTYPES.get(v["dtype"])
+    dtype = SAFETENSORS_DTYPES.get(v["dtype"])
     if dtype is not None and math.prod(shape) * dtype.itemsize != offsets[1] - offsets[0]:
         raise ValueError(f"tensor {key}: {offsets[1] - offsets[0]} bytes do not hold a {v['dtype']} {shape}")
 
@@ -340,7 +357,7 @@ def iter_tensors(directory: Path, device: str = "cpu") -> Iterator[tuple[str, to
             header, start = _read_header(path, fh)
             for key in sorted(header):
                 info = header[key]
-                dtype = _ST_DTYPES.get(info.get("dtype"))
+                dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
                 if dtype is None:
                     raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info.get('dtype')}; convert it")
                 begin, end = (int(x) for x in info["data_offsets"])
@@ -383,7 +400,7 @@ def _check_stored_parts(directory: Path, specs: dict[str, Spec]) -> None:
                 base, dot, part = key.rpartition(".")
                 if dot and base in parts:
                     info = f.get_slice(key)
-                    parts[base][part] = _Stored(tuple(info.get_shape()), _ST_DTYPES.get(info.get_dtype(), info.get_dtype()))
+                    parts[base][part] = _Stored(tuple(info.get_shape()), SAFETENSORS_DTYPES.get(info.get_dtype(), info.get_dtype()))
     for name, (scheme, shape, _) in specs.items():
         try:
             check_parts(scheme, parts[name], shape, name)

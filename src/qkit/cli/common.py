@@ -19,6 +19,7 @@ from qkit.errors import InputError, QkitError
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
 from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
+from qkit.threads import set_threads
 
 # --------------------------------------------------------------------------- shared options (defined once)
 
@@ -41,7 +42,7 @@ DeviceMapOpt = Annotated[
     typer.Option(
         "--device-map",
         help="auto | balanced | sequential: spread the model over all GPUs and CPU memory (accelerate); "
-        "CPU-placed layers run slower, see the README.",
+        "CPU-placed layers run slower, see docs/models-devices-threads.md.",
     ),
 ]
 ScaleDtypeOpt = Annotated[str, typer.Option("--scale-dtype", help="Dtype the scales are stored (and applied) in: fp16, bf16, fp32.")]
@@ -55,7 +56,7 @@ ThreadsOpt = Annotated[
     typer.Option(
         "--threads",
         help="CPU threads for torch (default: the cores available to this process; "
-        "on a machine shared with busy processes, fewer is faster, see the README).",
+        "on a machine shared with busy processes, fewer is faster, see docs/models-devices-threads.md).",
         show_default=False,
     ),
 ]
@@ -129,8 +130,6 @@ file_inputs = outputs.file_inputs  # a file option (a corpus, --calibration, --c
 
 def use_threads(threads: int | None) -> int:
     """Set torch's CPU threads once, before any work (``--threads``, else the cores this process may use)."""
-    from qkit.threads import set_threads
-
     return set_threads(threads)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Annotated, Optional
 
 import typer
 
-from qkit import console
+from qkit import console, evaluation  # ``evaluation.evaluate`` looked up per call (a test replaces it)
 from qkit.cli.common import (
     CalibrationOpt,
     CalibrationSamplesOpt,
@@ -28,6 +29,7 @@ from qkit.cli.common import (
     use_threads,
     calibration_options,
 )
+from qkit.evaluation import EvalOptions
 from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
 from qkit.simulate.llm_int8 import LLMInt8Options
@@ -46,12 +48,6 @@ EvalScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", help=
 ThresholdOpt = Annotated[Optional[float], typer.Option("--threshold", help=f"LLM.int8 rows: input features with some |x| >= this run in 16-bit (default: {LLMInt8Options.threshold:g}).")]
 KvResidualOpt = Annotated[Optional[int], typer.Option("--kv-residual", help=f"KV-cache rows: the most recent tokens kept in full precision (default: {KVCacheOptions.kv_residual}).")]
 KvGroupOpt = Annotated[Optional[int], typer.Option("--kv-group", help=f"KV-cache rows with per-channel keys: tokens per key scale (default: {KVCacheOptions.kv_group}).")]
-
-
-def _eval_defaults():
-    from qkit.evaluation import EvalOptions
-
-    return EvalOptions()
 
 
 @handles_errors
@@ -80,10 +76,6 @@ def eval_(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
-    import dataclasses
-
-    from qkit.evaluation import evaluate
-
     json_target(json_path, force, [*model_inputs(model), *model_inputs(reference, "the reference"),
                                    *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration)])
     given = {
@@ -99,7 +91,7 @@ def eval_(
         "device_map": device_map,
         "trust_remote_code": trust_remote_code or None,
     }
-    options = dataclasses.replace(_eval_defaults(), **{k: v for k, v in given.items() if v is not None})
+    options = dataclasses.replace(EvalOptions(), **{k: v for k, v in given.items() if v is not None})
     runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
     if runtime:
         options = dataclasses.replace(options, runtime_options=tuple(sorted({**dict(options.runtime_options), **runtime}.items())))
@@ -110,7 +102,7 @@ def eval_(
         options = dataclasses.replace(options, repetition_penalty=False)
     options.validate()  # every check that needs no model, before the model is touched
     use_threads(threads)
-    report = evaluate(model, options=options, on_status=console.status)
+    report = evaluation.evaluate(model, options=options, on_status=console.status)
     render_eval(report)
     if json_path:
         console.write_json(json_path, report.to_dict())

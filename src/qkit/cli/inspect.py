@@ -27,10 +27,14 @@ from qkit.cli.common import (
     use_threads,
 )
 from qkit.inspect import errors as _ierrors  # defaults come from the library, defined once
+from qkit.inspect import method_errors as _imethod
 from qkit.inspect import nexttoken as _inext
 from qkit.inspect import outliers as _iout
 from qkit.inspect import sensitivity as _isens
+from qkit.errors import InputError
+from qkit.methods import get_method
 from qkit.models import checked
+from qkit.schemes import DEFAULT_SCHEMES
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 
 inspect_app = typer.Typer(
@@ -42,8 +46,6 @@ SchemesOpt = Annotated[list[str], typer.Option("--scheme", "-s", help="Scheme(s)
 
 
 def _split_schemes(values: list[str]) -> tuple[str, ...]:
-    from qkit.schemes import DEFAULT_SCHEMES
-
     names = tuple(s.strip() for v in values for s in v.split(",") if s.strip())
     return names or DEFAULT_SCHEMES
 
@@ -64,9 +66,6 @@ def inspect_errors_(
     threads: ThreadsOpt = None,
 ) -> None:
     """Relative error ||W - W_hat||_F / ||W||_F of every projection matrix under each scheme."""
-    from qkit.errors import InputError
-    from qkit.methods import get_method
-
     json_target(json_path, force, [*model_inputs(model), *file_inputs("the calibration text", calibration)])
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
@@ -85,7 +84,7 @@ def inspect_errors_(
     by_method = []
     for s in schemes if chooser else ():
         with console.progress() as bar:
-            m = _ierrors.method_output_errors(
+            m = _imethod.method_output_errors(
                 model, scheme=s, method=method, scale_dtype=scale_dtype,
                 method_options=calibration_options(calibration, calibration_samples, calibration_seqlen) or None,
                 on_block=lambda done, total: (bar.start(f"{method} ({s}), block by block", total) if done == 1 else None, bar.advance()),
@@ -178,8 +177,6 @@ def inspect_sensitivity_(
     threads: ThreadsOpt = None,
 ) -> None:
     """Which layers' (or matrices') quantization moves the output: KL divergence from the reference, ranked."""
-    from qkit.errors import InputError
-
     json_target(json_path, force, model_inputs(model))
     if scheme is None:
         raise InputError("missing --scheme: the scheme whose damage to measure, e.g. --scheme int4-tensor")
@@ -212,8 +209,6 @@ def inspect_next_token_(
     threads: ThreadsOpt = None,
 ) -> None:
     """Top-k next-token probabilities after TEXT at each temperature: the soft labels distillation trains on."""
-    from qkit.errors import InputError
-
     if len(args) > 2:
         raise InputError(f"expected [MODEL] TEXT, got {len(args)} arguments; quote the text")
     model, text = (None, args[0]) if len(args) == 1 else (args[0], args[1])

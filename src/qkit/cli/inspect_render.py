@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from qkit import console
 from qkit.inspect import outliers as _iout
+from qkit.inspect.method_errors import OUTPUT_ERROR_NOTE
 
 
 def _g(x: float) -> str:
@@ -35,9 +36,7 @@ def errors(r, per_matrix: bool) -> None:
 
 
 def method_errors(m) -> None:
-    """Output-side error per matrix, RTN against a calibrated method (``qkit.inspect.errors.MethodErrors``)."""
-    from qkit.inspect.errors import OUTPUT_ERROR_NOTE
-
+    """Output-side error per matrix, RTN against a calibrated method (``qkit.inspect.method_errors.MethodErrors``)."""
     rows = [[n, f"{v['rtn']:.5f}", f"{v[m.method]:.5f}", f"{v[m.method] / v['rtn']:.2f}" if v["rtn"] > 0 else ""]
             for n, v in m.layers.items()]
     mean_rtn = sum(v["rtn"] for v in m.layers.values()) / len(m.layers)

@@ -37,8 +37,9 @@ from qkit.errors import InputError
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
+from qkit.schemes.table import scheme_help
 
-SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help="int8-tensor, int8-row, int4-tensor, int4-row, int4-g128 (int4-gN, int8-gN), nf4.")]
+SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help=scheme_help())]  # every registered scheme
 # A str, not a Path: typer turns an empty -o '' into Path('.'), the current directory.
 OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output directory, or FILE.gguf with --format gguf (an existing one is replaced only with --force, and only if qkit wrote it; never a path that is or holds an input).", metavar="PATH")]
 IncludeOpt = Annotated[list[str], typer.Option("--include", help="Also quantize tensors matching this glob (repeatable).")]
@@ -82,7 +83,7 @@ def quantize(
     threads: ThreadsOpt = None,
 ) -> None:
     """Write a quantized safetensors checkpoint of MODEL (qkit's format, or one vLLM/transformers load)."""
-    from qkit.api import quantize_model
+    from qkit.api import QuantizeOptions, QuantizeProgress, quantize_model
     from qkit.checkpoint import remove_stale_siblings
     from qkit.export import QKIT, check_output, get_format
     from qkit.threads import check_threads
@@ -110,32 +111,19 @@ def quantize(
     use_threads(threads)
     with console.progress() as bar:
 
-        def on_block(done: int, total: int) -> None:
-            if done == 1:
-                bar.start(f"calibrating ({method}), block by block", total)
+        def progress(step: QuantizeProgress) -> None:
+            if step.stage == "calibrating" and step.done == 1:
+                bar.start(f"calibrating ({method}), block by block", step.total)
+            elif step.stage == "quantizing" and step.done == 0:
+                bar.start(f"quantizing ({scheme})", step.total)
+                return
             bar.advance()
 
-        result = quantize_model(
-            model,
-            output=output,
-            scheme=scheme,
-            scale_dtype=scale_dtype,
-            include=include,
-            exclude=exclude,
-            keep=keep,
-            force=force,
-            device=device,
-            format=fmt,
-            activations=activations,
-            **shard,
-            allow_pickle=allow_pickle,
-            trust_remote_code=trust_remote_code,
-            on_start=lambda n: bar.start(f"quantizing ({scheme})", n),
-            on_tensor=bar.callback(),
-            method=method,
-            method_options=method_options or None,
-            on_block=on_block,
-        )
+        options = QuantizeOptions(scheme=scheme, scale_dtype=scale_dtype, include=include, exclude=exclude, keep=keep,
+                                  format=fmt, activations=activations, method=method,
+                                  method_options=method_options or None, device=device, allow_pickle=allow_pickle,
+                                  trust_remote_code=trust_remote_code, force=force, **shard)
+        result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
     if json_path:
         console.write_json(json_path, result.to_dict())

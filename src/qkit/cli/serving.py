@@ -22,12 +22,14 @@ from qkit.cli.common import (
     model_inputs,
     use_threads,
 )
+from qkit.errors import InputError
 from qkit.models import checked
 from qkit.serving import batching as _batching  # defaults come from the library, defined once
 from qkit.serving import budget as _budget
 from qkit.serving import kv as _kv
 from qkit.serving import speculate as _spec
 from qkit.serving.bench import BenchConfig as _BenchConfig
+from qkit.serving.bench import bench
 
 simulate_app = typer.Typer(help="Simulations of serving policies.", no_args_is_help=True)
 
@@ -234,8 +236,6 @@ def bench_(
     force: ForceOpt = False,
 ) -> None:
     """Measure generation with and without the KV cache, prefill, decode and batching on this machine."""
-    from qkit.serving.bench import bench
-
     json_target(json_path, force, [*model_inputs(model), *file_inputs("the config", config)])
     use_threads(threads)
     r = bench(model=model, config=config, device=device, quick=quick, repeats=repeats, threads=threads,
@@ -297,8 +297,6 @@ def simulate_batching_(
     force: ForceOpt = False,
 ) -> None:
     """Static batching (a batch runs until its longest member ends) against continuous batching."""
-    from qkit.errors import InputError
-
     json_target(json_path, force, [*file_inputs("the lengths file", lengths), *file_inputs("the bench JSON", bench_json)])
     if step_ms is not None and bench_json is not None:
         raise InputError("give either --step-ms or --bench, not both")

@@ -1,5 +1,10 @@
-"""Evaluation: perplexity on a pinned corpus, a factual battery, greedy agreement, KL divergence."""
+"""Evaluation: perplexity on a pinned corpus, a factual battery, greedy agreement, KL divergence.
 
+Layer 6: above ``methods``, ``simulate`` and ``export`` (layer 5), below ``inspect``, ``api`` and ``cli``
+(layer 7). ``rows`` registers the named rows and presets into ``specs`` when the package is imported.
+"""
+
+from qkit.evaluation import rows  # noqa: F401 (registers the named rows and presets)
 from qkit.evaluation.runner import EvalOptions, EvalReport, Row, evaluate
 
 __all__ = ["EvalOptions", "EvalReport", "Row", "evaluate"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qkit.evaluation.corpora import data_file
+from qkit.texts import data_file
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def _exp(x: float) -> float:
 
 def _se(x: torch.Tensor) -> float:
     """Standard error of the mean; NaN when it does not exist (fewer than ``MIN_SCORED`` values): every
-    reader (``qkit.evaluation.runner.interpret``, the table) says so instead of calling a NaN significant."""
+    reader (``qkit.evaluation.notes.interpret``, the table) says so instead of calling a NaN significant."""
     n = x.numel()
     return x.std(unbiased=True).item() / math.sqrt(n) if n >= MIN_SCORED else float("nan")
 

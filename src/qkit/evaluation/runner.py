@@ -1,5 +1,9 @@
 """``qkit eval``: one row per spec, computed from the same transform ``qkit quantize`` writes.
 
+Layer 6 (``evaluation``): above ``methods`` and ``simulate`` (layer 5) and ``models``; it calls
+``qkit.api.quantize_model``, the one path that writes checkpoints, which imports nothing of evaluation.
+The checks that need no model are in ``checks``, the notes under the table in ``notes``.
+
 The reference model is loaded once. Its corpus log-probabilities, battery answers and greedy
 continuations are computed once. Each row is a ``RowSpec`` (``qkit.evaluation.specs``): storage scheme,
 method, run-time simulation. For each, ``build_row_model`` replaces the model's quantized matrices in
@@ -23,7 +27,6 @@ says so in a status line.
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import re
@@ -31,32 +34,35 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from qkit import __version__
-from qkit.api import quantize_model
+from qkit.api import QuantizeOptions, quantize_model
 from qkit.checkpoint import checkpoint_bytes, iter_quantized, read_manifest, tensor_shapes
-from qkit.errors import CheckpointError, InputError
+from qkit.errors import InputError
 from qkit.evaluation.agreement import agreement, reference_continuation
 from qkit.evaluation.battery import build_prompts, generate_answers, is_correct, load_battery, model_repetition_penalty
-from qkit.evaluation.corpora import load_corpus
-from qkit.evaluation.perplexity import MIN_SCORED, CorpusReference, TokenScores, check_scored, scored_positions
-from qkit.evaluation.stats import mcnemar_exact, wilson_interval
-from qkit.models import ModelRef, check_complete, load, load_tokenizer, parse_device, resolve
-from qkit.outputs import _pid_alive  # the same liveness test as the staging siblings of every output
+from qkit.evaluation.checks import check_calibrations, check_checkpoint_matches, check_corpus_tokens, choose_window, read_config
+from qkit.evaluation.notes import interpret
+from qkit.evaluation.perplexity import CorpusReference, TokenScores, check_scored
+from qkit.evaluation.report import EvalReport, Row
 from qkit.evaluation.specs import RowSpec, resolve_rows
-from qkit.methods import RTN, get_method, make_options
-from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
+from qkit.evaluation.stats import mcnemar_exact, wilson_interval
+from qkit.methods import RTN
+from qkit.models import ModelRef, check_complete, check_device_map, load, load_tokenizer, parse_device, resolve
+from qkit.outputs import _pid_alive  # the same liveness test as the staging siblings of every output
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
-from qkit.simulate import RuntimeContext, apply_runtime, runtime_bits
-from qkit.transform import entry_to_spec, is_block_projection
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
+from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
+from qkit.simulate.options import check_keys
+from qkit.texts import load_corpus
+from qkit.transform import is_block_projection
 
 REFERENCE = "reference"
-COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the reference's has collapsed
 TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (tempfile's 8 characters)
 _TMP_DIR = re.compile(rf"^{TMP_PREFIX}(?P<pid>[0-9]+)-[a-z0-9_]{{8}}$")
 
@@ -86,9 +92,6 @@ class EvalOptions:
         """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
         ``evaluate`` calls it before anything is resolved or loaded. The window's upper bound (the model's
         context) and the default window's token minimum are checked from the model's config, before loading."""
-        from qkit.models import check_device_map
-        from qkit.schemes.registry import parse_scale_dtype
-
         for flag, value, least in (("--agree-tokens", self.agree_tokens, 1),
                                    ("--window", self.window, 2), ("battery_tokens", self.battery_tokens, 1)):
             if value is not None and value < least:
@@ -99,68 +102,10 @@ class EvalOptions:
         if self.device_map is not None:
             check_device_map(self.device_map)
         specs = resolve_rows(self.schemes, self.methods, dict(self.method_options))  # unknown names, methods
-        from qkit.simulate import get_runtime
-        from qkit.simulate.options import check_keys
-
         check_keys(dict(self.runtime_options))  # a misspelt runtime option, even with no runtime row
         for spec in specs:  # unknown runtimes, bad runtime option values (--threshold 0, --kv-residual -1)
             for name in spec.runtime:
                 get_runtime(name, dict(spec.runtime_options or self.runtime_options))
-
-
-@dataclass
-class Row:
-    scheme: str  # the row's name (RowSpec.name)
-    bits_per_weight: float
-    size_bytes: int
-    perplexity: float
-    perplexity_se: float
-    perplexity_change_pct: float
-    perplexity_change_se_pct: float
-    kld: float
-    kld_se: float
-    top1_match: float
-    battery_correct: int
-    battery_total: int
-    battery_ci95: tuple[float, float]
-    battery_answers: list[bool]
-    battery_outputs: list[str]
-    mcnemar_only_reference: int
-    mcnemar_only_row: int
-    mcnemar_p: float
-    agreement: int
-    agreement_total: int
-    agreement_ci95: tuple[float, float]
-    seconds: float
-    matrices: int
-    spec: dict = field(default_factory=dict)  # RowSpec.to_dict(): storage scheme, method, runtime
-    act_bits: int | None = None  # activation bits simulated at run time (None: unquantized)
-    kv_bits: int | None = None  # KV-cache bits simulated at run time (None: the model's dtype)
-    runtime_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
-    weights_changed: int | None = None  # quantized tensors whose values differ from the reference's
-    method_record: dict = field(default_factory=dict)  # what the method did (calibration, per-layer errors)
-
-
-@dataclass
-class EvalReport:
-    rows: list[Row]
-    provenance: dict
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        """JSON-able; a number that could not be computed (NaN, inf) is ``None`` (``null``: JSON has no NaN, and
-        a reader must not take it for a value)."""
-        return _finite({"rows": [asdict(r) for r in self.rows], "provenance": self.provenance, "notes": self.notes})
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
 
 
 class _Swapper:
@@ -230,8 +175,8 @@ def evaluate(
         ref = target
         specs = resolve_rows(options.schemes, options.methods, dict(options.method_options))  # validate names first
     corpus = load_corpus(options.corpus)
-    config = _config(ref)  # None: transformers cannot read it; ``load`` below says why in one line
-    window = _window(options, config) if config is not None else None
+    config = read_config(ref)  # None: transformers cannot read it; ``load`` below says why in one line
+    window = choose_window(options.window, options.tokens, config) if config is not None else None
     check_complete(ref)  # the reference too, before the status line below (load() reuses the build)
     if checkpoint is not None:  # headers only (and a meta-device build of the config): before anything heavy
         check_complete(checkpoint)  # every tensor its config implies (load() checks the reference's)
@@ -242,15 +187,15 @@ def evaluate(
         raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
     ids = torch.tensor(tok(corpus.text, add_special_tokens=False)["input_ids"][: options.tokens], dtype=torch.long)
     if window is not None:
-        _check_corpus_tokens(corpus, int(ids.numel()), window)
+        check_corpus_tokens(corpus, int(ids.numel()), window)
     calibrations = check_calibrations(specs, tok, corpus)
 
     say("loading the reference model")
     loaded = load(ref=ref, device=options.device, device_map=options.device_map)
     lm = loaded.model
     if window is None:  # only when the config could not be read above but transformers loaded it anyway
-        window = _window(options, lm.config)
-        _check_corpus_tokens(corpus, int(ids.numel()), window)
+        window = choose_window(options.window, options.tokens, lm.config)
+        check_corpus_tokens(corpus, int(ids.numel()), window)
     if ids.numel() < options.tokens:
         say(f"note: the corpus has only {ids.numel()} tokens; using all of them")
 
@@ -374,112 +319,6 @@ def evaluate(
     return EvalReport(rows, provenance, interpret(rows, corpus_ref.scored_tokens))
 
 
-# --------------------------------------------------------------------------- checks before the model is loaded
-
-
-def _config(ref: ModelRef):
-    """The reference's transformers config (no weights read), or None when transformers cannot build it
-    (``load`` then refuses with its own one-line message). Never runs repository code."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(str(ref.directory), trust_remote_code=ref.trust_remote_code)
-    except Exception:  # noqa: BLE001 - any failure here is reported by ``load``, which reads the same file
-        return None
-
-
-def _window(options: EvalOptions, config) -> int:
-    """The window (``--window`` or min(2048, the model's context)), checked against the context and the tokens."""
-    max_ctx = int(getattr(config, "max_position_embeddings", 2048) or 2048)
-    window = options.window or min(2048, max_ctx)
-    if window > max_ctx:
-        raise InputError(f"--window {window} exceeds the model's maximum context {max_ctx}; pass --window {max_ctx} or less")
-    check_scored(options.tokens, window)
-    return window
-
-
-def _check_corpus_tokens(corpus, n: int, window: int) -> None:
-    """A corpus shorter than ``--tokens`` must still score ``MIN_SCORED`` positions."""
-    scored = scored_positions(n, window)
-    if scored < MIN_SCORED:
-        raise InputError(
-            f"the corpus {corpus.name} has only {n} token(s), which score {scored} position(s) in windows of {window} "
-            f"(the first token of each window has no context); a standard error needs {MIN_SCORED}: pass a longer --corpus"
-        )
-
-
-def check_calibrations(specs: list[RowSpec], tokenizer, corpus) -> list[dict]:
-    """Every calibrated row's calibration text, read, checked disjoint from the eval ``corpus`` and sampled
-    (``qkit.methods.calibration.calibration_ids``) before the model is loaded, so an unreadable, overlapping
-    or too short text is refused in one line before the reference row. Returns each distinct text's
-    provenance (the method reads and samples it again when its row is built: milliseconds next to a row)."""
-    from qkit.methods.calibration import calibration_ids
-
-    seen: dict[Any, dict] = {}
-    for spec in specs:
-        method = get_method(spec.method)
-        if method is None or not method.calibrated:
-            continue
-        chosen = make_options(method, dict(spec.method_options)).calibration_options()
-        if chosen not in seen:
-            seen[chosen] = calibration_ids(tokenizer, chosen, evaluation=corpus)[1]
-    return list(seen.values())
-
-
-def _stored_weights(directory: Path) -> dict[str, tuple[int, ...]]:
-    """A checkpoint's weights by name and shape from its headers and manifest: a quantized weight's stored
-    parts (``W.qweight``, ``W.scales``, ...) stand for ``W`` with its original shape."""
-    entries = (read_manifest(directory) or {}).get("tensors") or {}
-    if not isinstance(entries, dict):
-        raise CheckpointError(f"checkpoint {directory}: the manifest's 'tensors' is not a JSON object; re-create it")
-    out: dict[str, tuple[int, ...]] = {}
-    parts: dict[str, set[str]] = {}
-    for key, shape in tensor_shapes(directory):
-        base, dot, part = key.rpartition(".")
-        if dot and base in entries:
-            parts.setdefault(base, set()).add(part)
-        else:
-            out[key] = tuple(shape)
-    lacking = []
-    for name, entry in entries.items():
-        try:
-            scheme, shape, _dtype = entry_to_spec(entry)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"checkpoint {directory}: malformed manifest entry for {name} ({exc!r}); re-create it") from exc
-        if set(scheme.parts) - parts.get(name, set()):  # iter_quantized would find this only after the model loads
-            lacking.append(f"{name}.{'/'.join(sorted(set(scheme.parts) - parts.get(name, set())))}")
-        out[name] = shape
-    if lacking:
-        raise CheckpointError(f"checkpoint {directory} lacks stored parts {', '.join(sorted(lacking)[:3])}"
-                              + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "") + "; re-create it")
-    return out
-
-
-def check_checkpoint_matches(checkpoint: ModelRef, ref: ModelRef, config=None) -> None:
-    """Refuse, from both headers and before anything is loaded, a checkpoint whose weights are not the
-    reference's: every tensor the reference stores must be in the checkpoint (quantized or as stored) with the
-    same shape, and nothing else (a tied ``lm_head.weight`` may be stored on one side only)."""
-    have = _stored_weights(checkpoint.directory)
-    want = dict(tensor_shapes(ref.directory))
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    optional = {n for n in {*have, *want} if tied and n.endswith("lm_head.weight")}
-    missing = sorted(n for n in want.keys() - have.keys() if n not in optional)
-    extra = sorted(n for n in have.keys() - want.keys() if n not in optional)
-    wrong = sorted(n for n in want.keys() & have.keys() if tuple(want[n]) != tuple(have[n]))
-    if not (missing or extra or wrong):
-        return
-
-    def some(names: list[str], fmt=lambda n: n) -> str:
-        return ", ".join(fmt(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-    parts = ([f"missing {some(missing)}"] if missing else []) + ([f"extra {some(extra)}"] if extra else []) + (
-        [f"shape of {some(wrong, lambda n: f'{n} {list(have[n])} (reference {list(want[n])})')}"] if wrong else [])
-    raise InputError(
-        f"checkpoint {checkpoint.spec} does not match the reference {ref.spec} ({'; '.join(parts)}); "
-        "pass the --reference it was made from, or re-create the checkpoint"
-    )
-
-
 # --------------------------------------------------------------------------- rows' temporary checkpoints
 
 
@@ -512,81 +351,9 @@ def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: Ev
     with tempfile.TemporaryDirectory(prefix=f"{TMP_PREFIX}{os.getpid()}-") as tmp:
         say(f"{spec.name}: quantizing" + (f" ({spec.method})" if spec.method != RTN else ""))
         result = quantize_model(
-            ref=ref, output=Path(tmp) / "row", scheme=spec.scheme, scale_dtype=options.scale_dtype, collect=True,
-            device="cpu", method=spec.method, method_options=dict(spec.method_options) or None,
+            model=ref, output=Path(tmp) / "row", scheme=spec.scheme, method=spec.method, collect=True,
+            method_options=dict(spec.method_options) or None,
+            options=QuantizeOptions(scale_dtype=options.scale_dtype, device="cpu"),
         )
     swapper.apply([*result.replaced.items(), *result.quantized.items()])
     return result
-
-
-def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
-    """What the numbers do and do not support, in words. A statistic that could not be computed (NaN or
-    infinite: no standard error, a model that produced NaN log-probabilities) is said to be missing, never
-    called a difference or a match."""
-    ref = rows[0]
-    notes: list[str] = []
-    others = rows[1:]
-    if not others:
-        return notes
-    finite = math.isfinite
-    # A non-finite perplexity (NaN or inf log-probabilities) has collapsed as surely as a 10x one.
-    collapsed = [r for r in others if not finite(r.perplexity) or r.perplexity >= COLLAPSE_FACTOR * ref.perplexity]
-    for r in others:
-        if r.weights_changed == 0 and r.matrices:
-            notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: its grid is the one the reference was "
-                         "published in (the default model is Q4_1: asymmetric blocks of 32), so this row measures nothing "
-                         "about the scheme or method; do not compare it with the others.")
-    for r in collapsed:
-        if not finite(r.perplexity):
-            notes.append(f"{r.scheme} collapsed: its perplexity is {r.perplexity} (the model's log-probabilities are not "
-                         "finite); none of its corpus statistics can be compared.")
-        else:
-            notes.append(f"{r.scheme} collapsed: perplexity {r.perplexity:,.0f} is {r.perplexity / ref.perplexity:,.0f}x the reference's {ref.perplexity:.2f}.")
-    on = f" on {scored_tokens:,} scored tokens" if scored_tokens is not None else ""
-    for r in others:
-        if r in collapsed:
-            continue
-        if not (finite(r.perplexity_change_pct) and finite(r.perplexity_change_se_pct)):
-            notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% has no standard error{on}; "
-                         "it is neither a difference nor a match: score more tokens (--tokens).")
-            continue
-        lo = r.perplexity_change_pct - 2 * r.perplexity_change_se_pct
-        hi = r.perplexity_change_pct + 2 * r.perplexity_change_se_pct
-        if lo <= 0 <= hi:
-            notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) is indistinguishable from the reference on these tokens.")
-        else:
-            notes.append(f"{r.scheme}: perplexity {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) against the reference, a real difference on these tokens.")
-    survivors = sorted((r for r in others if r not in collapsed and r.bits_per_weight < 6), key=lambda r: r.perplexity)
-    if len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
-        notes.append("4-bit rows from best to worst perplexity: " + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
-    elif len(survivors) > 1:  # a mixed recipe (q4_k_m on 576-wide rows: mostly Q5_0) is not a 4-bit row: say its bits
-        notes.append("rows below 6 bits per weight from best to worst perplexity (bits/w): " + " < ".join(
-            f"{r.scheme} ({r.perplexity:.2f}, {r.bits_per_weight:.2f})" for r in survivors) + ".")
-    if ref.battery_total:  # McNemar needs paired answers; no questions, no test
-        distinct = [r for r in others if finite(r.mcnemar_p) and r.mcnemar_p < 0.05]
-        if distinct:
-            notes.append("battery differences distinguishable from the reference (exact McNemar p < 0.05): "
-                         + ", ".join(f"{r.scheme} ({r.battery_correct}/{r.battery_total}, {_p(r.mcnemar_p)})" for r in distinct) + ".")
-        same = [r.scheme for r in others if finite(r.mcnemar_p) and r.mcnemar_p >= 0.05]
-        if same:
-            notes.append(f"battery differences of {', '.join(same)} against the reference are not distinguishable "
-                         f"(exact McNemar p >= 0.05): with {ref.battery_total} questions, a difference needs at least "
-                         f"{_min_discordant(0.05)} answers changing in one direction to count.")
-    measured = [r for r in others if r.agreement_total]
-    if measured:
-        best = max(measured, key=lambda r: r.agreement / r.agreement_total)
-        notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
-                     f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
-    return notes
-
-
-def _p(p: float) -> str:
-    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
-
-
-def _min_discordant(alpha: float) -> int:
-    """Smallest n such that n discordant pairs all in one direction reach exact McNemar p < alpha."""
-    n = 1
-    while 2 * 0.5**n >= alpha:
-        n += 1
-    return n

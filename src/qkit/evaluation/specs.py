@@ -1,5 +1,9 @@
 """What one row of the quality table is: a value, not a branch in the runner.
 
+Layer 6 (``evaluation``), above ``methods`` and ``schemes`` (whose names it resolves) and ``simulate``
+(whose runtimes a row names). The named rows and presets live in ``qkit.evaluation.rows``, which
+registers them into ``ROWS`` and ``PRESETS`` here (``qkit.evaluation`` imports it).
+
 A row names its storage ``scheme`` (or ``None``: the reference's full-precision weights), the
 ``method`` that chose the integers (``rtn``, ``gptq``, ``awq``, ``smoothquant``; see ``qkit.methods``)
 and the run-time simulations applied while the model runs (``runtime``: activation quantization,
@@ -9,8 +13,8 @@ the simulation hooks; the runner only loops over specs and measures.
 
 Names on the command line (``qkit eval --schemes ...``) are resolved here:
 
-* a named row (``register_row``), e.g. ``w8a8-token`` = int8-row weights + int8 per-token activations;
-* a preset (``register_preset``), e.g. ``shipped``: several names at once;
+* a named row (``register_row``, ``ROWS``), e.g. ``w8a8-token`` = int8-row weights + int8 per-token activations;
+* a preset (``register_preset``, ``PRESETS``), e.g. ``shipped``: several names at once;
 * ``SCHEME+METHOD`` (``int4-g64+gptq``): that scheme with that method;
 * otherwise a scheme name (``nf4``, ``int4-g64``, ``q4_k_m``, ...), one row per ``--methods`` entry.
 """
@@ -19,11 +23,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from qkit.errors import InputError
 from qkit.methods import RTN, get_method
+from qkit.registry import Registry
 from qkit.schemes import get_scheme, scheme_names
 
 
@@ -63,51 +68,50 @@ class RowSpec:
         }
 
 
-_ROWS: dict[str, RowSpec] = {}
-_PRESETS: dict[str, tuple[str, ...]] = {}
+def _key(name: str) -> str:
+    # Row and preset names are matched stripped and lower-cased, exactly (a "_" is not a "-" here: a word
+    # that is not a row falls through to the scheme names, which read "q4_k_m" their own way).
+    return name.strip().lower()
+
+
+# The named rows and presets (registered by ``qkit.evaluation.rows``). A value's description is what
+# ``describe`` returns; a name is a row or a preset, never both.
+ROWS: Registry[RowSpec] = Registry("row", error=InputError, normalize=_key)
+PRESETS: Registry[tuple[str, ...]] = Registry("preset", error=InputError, normalize=_key)
 _DESCRIPTIONS: dict[str, str] = {}
+
+
+def _check_free(kind: str, name: str) -> None:
+    if name in ROWS or name in PRESETS:
+        raise InputError(f"{kind} name {name!r} is already registered")
 
 
 def register_row(name: str, spec: RowSpec, description: str = "") -> RowSpec:
     """A named row for ``--schemes`` (its label is ``name``)."""
-    if name in _ROWS or name in _PRESETS:
-        raise InputError(f"row name {name!r} is already registered")
+    _check_free("row", name)
     spec = RowSpec(spec.scheme, spec.method, spec.runtime, name, spec.method_options, spec.runtime_options)
-    _ROWS[name] = spec
+    ROWS.register(name, spec)
     _DESCRIPTIONS[name] = description
     return spec
 
 
 def register_preset(name: str, names: Iterable[str], description: str = "") -> None:
     """A word for ``--schemes`` that stands for several row or scheme names (validated when used)."""
-    if name in _ROWS or name in _PRESETS:
-        raise InputError(f"preset name {name!r} is already registered")
-    _PRESETS[name] = tuple(names)
+    _check_free("preset", name)
+    PRESETS.register(name, tuple(names))
     _DESCRIPTIONS[name] = description
 
 
 def row_names() -> list[str]:
-    return list(_ROWS)
+    return ROWS.names()
 
 
 def preset_names() -> list[str]:
-    return list(_PRESETS)
+    return PRESETS.names()
 
 
 def describe(name: str) -> str:
     return _DESCRIPTIONS.get(name, "")
-
-
-def _load_registrations() -> None:
-    # Modules that register rows and presets on import (simulation rows live with their simulations).
-    import importlib
-
-    for module in ("qkit.simulate", "qkit.evaluation.presets"):
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:  # a module not written yet registers nothing
-            if exc.name != module:
-                raise
 
 
 def resolve_rows(
@@ -121,20 +125,19 @@ def resolve_rows(
     their own). Unknown names, unknown methods and a method that cannot serve a scheme are refused here,
     before any model is loaded.
     """
-    _load_registrations()
     methods = [m.strip().lower() for m in methods if m.strip()] or [RTN]
     chosen = {m: get_method(m) for m in methods}  # validates the method names
     opts = tuple(sorted((method_options or {}).items()))
     specs: list[RowSpec] = []
 
     def add(name: str, depth: int = 0) -> None:
-        key = name.strip().lower()
-        if key in _PRESETS and depth < 4:
-            for n in _PRESETS[key]:
+        key = _key(name)
+        if key in PRESETS and depth < 4:
+            for n in PRESETS.get(key):
                 add(n, depth + 1)
             return
-        if key in _ROWS:
-            specs.append(_ROWS[key])
+        if key in ROWS:
+            specs.append(ROWS.get(key))
             return
         if "+" in key:  # SCHEME+METHOD: one row with that method, whatever --methods says
             scheme_word, _, method_word = key.partition("+")
@@ -147,11 +150,12 @@ def resolve_rows(
         try:
             scheme = get_scheme(key)
         except InputError:
-            close = difflib.get_close_matches(key, [*scheme_names(), *_ROWS, *_PRESETS], n=1)
+            # One refusal over three registries (schemes, rows, presets): no single registry's message says it.
+            close = difflib.get_close_matches(key, [*scheme_names(), *ROWS, *PRESETS], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise InputError(
                 f"unknown scheme {name!r}{hint}; valid: {', '.join(scheme_names())}, int4-gN / int8-gN, "
-                f"rows {', '.join(_ROWS) or '-'}, presets {', '.join(_PRESETS) or '-'}"
+                f"rows {', '.join(ROWS) or '-'}, presets {', '.join(PRESETS) or '-'}"
             ) from None
         for m, method in chosen.items():
             if method is not None:
@@ -167,4 +171,4 @@ def resolve_rows(
     return list(unique.values())
 
 
-__all__ = ["RowSpec", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+__all__ = ["PRESETS", "ROWS", "RowSpec", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

@@ -22,13 +22,15 @@ unquantized. Only nf4 is written; other schemes are refused with the format that
 from __future__ import annotations
 
 import json
+from collections import defaultdict
+from collections.abc import Mapping
 
 import torch
 
 from qkit.errors import ExportError
-from qkit.export.common import ExportPlan, check_linear_targets, dtype_name
+from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, dtype_name
 from qkit.granularity import PerGroup, PerRow
-from qkit.schemes import NF4Scheme, QuantizedTensor, Scheme
+from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
 from qkit.schemes.nf4 import NF4_LEVELS
 
 NAME = "bitsandbytes"
@@ -43,8 +45,51 @@ def quant_state_bytes(blocksize: int, dtype: torch.dtype, shape: tuple[int, ...]
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
 
 
-class BitsAndBytesFormat:
+class BitsAndBytesFormat(SafetensorsFormat):
+    """The ``Format`` of ``--format bitsandbytes`` (``bnb``); see the module docstring."""
+
     name = NAME
+    library = "bitsandbytes"
+    compares_before_forward = True  # a forward on CPU may repack the weight (library_setup)
+
+    def reader(self, quantization_config: dict) -> SafetensorsFormat | None:
+        qc = quantization_config
+        ours = qc.get("quant_method") == NAME and qc.get("load_in_4bit") and qc.get("bnb_4bit_quant_type") == "nf4"
+        return self if ours else None
+
+    def stored_parts(self, keys: list[str]) -> dict[str, str]:
+        """Stored key -> module: the four ``STORED`` tensors of every module that has a quant state."""
+        modules = {k.removesuffix(f".weight.{QUANT_STATE}") for k in keys if k.endswith(f".weight.{QUANT_STATE}")}
+        out = {}
+        for k in keys:
+            for part in STORED:
+                module = k.removesuffix("." + part)
+                if module != k and module in modules:
+                    out[k] = module
+        return out
+
+    def parts_per_module(self, parts_of: dict[str, str]) -> Mapping[str, int]:
+        return defaultdict(lambda: len(STORED))  # every module stores all four; fewer is refused as incomplete
+
+    def stored_dtype(self, tensors: dict[str, torch.Tensor]) -> torch.dtype:
+        return getattr(torch, self.quant_state(tensors)["dtype"])
+
+    def library_setup(self, model: torch.nn.Module, fast_cpu_kernel: bool) -> torch.dtype | None:
+        """Unless ``fast_cpu_kernel``, read through bitsandbytes' generic CPU path (``dequantize_4bit`` +
+        matmul, the same on every machine): on a CPU with AVX512-BF16 ``Linear4bit.forward`` repacks the
+        weight into a bf16 kernel layout. With it, the logits are held to the bf16 tolerance."""
+        if fast_cpu_kernel:
+            return torch.bfloat16
+        for m in model.modules():
+            if hasattr(m, "support_avx512bf16_for_cpu"):  # bitsandbytes' Linear4bit (0.50.2) attribute
+                m.support_avx512bf16_for_cpu = False
+        return None
+
+    def library_weight(self, model: torch.nn.Module, module: str) -> torch.Tensor:
+        import bitsandbytes.functional as bnbf  # an optional dependency (qkit[test]), needed only to verify
+
+        m = model.get_submodule(module)
+        return bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state)
 
     def check(self, plan: ExportPlan) -> None:
         check_linear_targets(plan, NAME)
@@ -56,8 +101,8 @@ class BitsAndBytesFormat:
                         f"{s.block_size}; quantize with nf4 (block 64)"
                     )
                 continue
-            granularity = getattr(s, "granularity", None)  # block formats (ggml, fp4) have none
-            if getattr(s, "kind", None) == "ggml":
+            granularity = s.granularity if isinstance(s, AbsmaxScheme) else None  # block formats have none
+            if s.kind == "ggml":
                 fix = f"use nf4 here, or --format gguf for {s.name}"
             elif granularity is None or isinstance(granularity, (PerGroup, PerRow)):
                 fix = f"use nf4 here, or --format compressed-tensors for {s.name}"

@@ -1,9 +1,13 @@
-"""What every export format shares: the model's linear layers, the checks, the streaming writer.
+"""What every export format shares: the ``Format`` protocol, the model's linear layers, the checks, the
+export record and the streaming writer.
 
-An export format (``compressed_tensors.py``, ``bitsandbytes.py``) is a ``Format``: it refuses what it
-cannot express before any work (``check``), turns one qkit ``QuantizedTensor`` into the tensors its
-target library stores (``encode``), reads them back into the very same ``QuantizedTensor`` (``decode``,
-what ``qkit verify`` uses) and writes the ``quantization_config`` its library reads.
+An export format (``compressed_tensors.py``, ``bitsandbytes.py``, ``gguf/``) is a ``Format``: it refuses
+what it cannot express before any work (``check``, ``prepare``), owns its container (``check_output``,
+``atomic_output``, ``output_bytes``, ``recognises``: a safetensors directory, or GGUF's one file), turns
+one qkit ``QuantizedTensor`` into the tensors its target library stores (``encode``), reads them back into
+the very same ``QuantizedTensor`` (``decode``, what ``qkit verify`` uses) and writes the
+``quantization_config`` its library reads. ``SafetensorsFormat`` gives a directory format its container
+and what ``qkit verify`` asks of it (stored parts, the library's weight and dtype, an activation rule).
 
 Besides the weights and ``config.json``, an export directory holds ``qkit-export.json``: the format,
 the scheme of every quantized tensor (as in qkit's own manifest) and the rules, so ``qkit verify`` can
@@ -12,8 +16,11 @@ rebuild qkit's side of the comparison from the exported bytes alone. The target 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -21,18 +28,24 @@ from typing import Protocol
 import torch
 
 from qkit import __version__
-from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, ShardWriter, open_safetensors, weight_files, write_json
+from qkit.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardWriter,
+    atomic_directory,
+    checkpoint_bytes,
+    tensor_dtypes,
+    write_json,
+)
+from qkit.checkpoint import check_output as check_directory_output
 from qkit.errors import ExportError, QkitError
+from qkit.models import ModelRef, read_config
 from qkit.models import linear_modules as _model_linears
+from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
 from qkit.transform import entry_to_spec, manifest_entry
 
 EXPORT_MANIFEST = "qkit-export.json"
 EXPORT_VERSION = 1
-
-# safetensors header dtype names -> torch dtypes (only the floating ones can be quantization sources).
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class ExportPlan:
@@ -60,32 +73,51 @@ class ExportPlan:
 
 
 class Format(Protocol):
-    name: str
+    """An export format: its checks, its container and the tensors it stores (see the module docstring).
 
+    ``container``: ``"safetensors"`` (a directory of shards, ``config.json`` and ``qkit-export.json``:
+    :class:`SafetensorsFormat` gives it) or ``"gguf"`` (one file, ``qkit.export.gguf``); ``qkit verify``
+    has one reader per container. ``library``: the package a user loads the export with.
+    """
+
+    name: str
+    container: str
+    library: str
+
+    # ---- before any work
     def check(self, plan: ExportPlan) -> None:
         """Raise ``ExportError`` (one line, naming what would work) for anything the format cannot express."""
 
+    def prepare(self, directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]],
+                manifest: dict, *, ref: ModelRef | None = None) -> PreparedExport:
+        """Everything checked before the first tensor is read (``check``, and what else the format needs)."""
+
+    def for_activations(self, activations: str) -> Format | None:
+        """The variant of this format that declares quantized ``activations`` (``int8-token``), or None."""
+
+    # ---- the container
+    def check_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+        """Refuse an output qkit must not or cannot write (``qkit.outputs.check_output``), before any work."""
+
+    def atomic_output(self, out: Path, force: bool = False,
+                      inputs: Iterable[Input] = ()) -> contextlib.AbstractContextManager[Path]:
+        """The staging directory an export is written into, published atomically as ``out`` on success."""
+
+    def output_bytes(self, out: Path) -> int:
+        """Bytes of the weights written to ``out``."""
+
+    def recognises(self, path: Path) -> bool:
+        """Whether ``path`` is a checkpoint of this format (never raises for a path that is something else)."""
+
+    # ---- the tensors
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The tensors stored for quantized weight ``name`` (``....weight``)."""
 
     def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
         """Inverse of ``encode``: one module's stored tensors (keys without the module prefix)."""
 
-    def infer_scheme(self, quantization_config: dict, module: str, tensors: dict[str, torch.Tensor]) -> Scheme:
-        """The scheme of a module of a checkpoint without ``qkit-export.json`` (not written by qkit)."""
-
     def quantization_config(self, plan: ExportPlan) -> dict:
         """The ``config.json`` ``quantization_config`` the target library reads."""
-
-
-def safetensors_dtypes(directory: Path) -> dict[str, torch.dtype | None]:
-    """The dtype of every stored tensor, read from the shard headers only (no data)."""
-    out: dict[str, torch.dtype | None] = {}
-    for path in weight_files(directory):
-        with open_safetensors(path) as f:
-            for key in f.keys():
-                out[key] = _ST_DTYPES.get(f.get_slice(key).get_dtype())
-    return out
 
 
 def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[str]:
@@ -101,7 +133,7 @@ def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[
 
 def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], *,
               trust_remote_code: bool = False) -> ExportPlan:
-    dtypes = safetensors_dtypes(directory)
+    dtypes = tensor_dtypes(directory, floating_only=True)  # only the floating ones can be sources
     config = json.loads((Path(directory) / "config.json").read_text())
     name = config.get("dtype") or config.get("torch_dtype")
     model_dtype = getattr(torch, str(name), None) if name else None
@@ -254,3 +286,101 @@ class PreparedExport:
 
     def quantization_config(self) -> dict:
         return self.format.quantization_config(self.plan)
+
+
+class SafetensorsFormat:
+    """The members every safetensors-directory format shares: the container (``checkpoint.atomic_directory``),
+    ``prepare`` as ``make_plan`` + ``check``, and what ``qkit verify`` asks of a directory format.
+
+    A format class lists this as its base and gives ``name``, ``library``, ``check``, ``encode``,
+    ``decode``, ``quantization_config``, ``reader`` and ``stored_parts``; it overrides what differs.
+    """
+
+    container = "safetensors"
+    name: str
+    library: str  # the pip package transformers loads the directory with ("compressed-tensors")
+    # Compare the library's weights before its first forward (bitsandbytes: a forward may repack them).
+    compares_before_forward = False
+
+    # ---- before any work
+    def check(self, plan: ExportPlan) -> None:
+        raise NotImplementedError
+
+    def prepare(self, directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]],
+                manifest: dict, *, ref: ModelRef | None = None) -> PreparedExport:
+        plan = make_plan(directory, targets, shapes, trust_remote_code=ref is not None and ref.trust_remote_code)
+        self.check(plan)
+        return PreparedExport(self, plan, manifest)
+
+    def for_activations(self, activations: str) -> Format | None:
+        return None
+
+    # ---- the container: a directory
+    def check_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+        check_directory_output(Path(out), force, inputs)
+
+    @contextlib.contextmanager
+    def atomic_output(self, out: Path, force: bool = False, inputs: Iterable[Input] = ()) -> Iterator[Path]:
+        with atomic_directory(Path(out), force, inputs=inputs) as tmp:
+            yield tmp
+
+    def output_bytes(self, out: Path) -> int:
+        return checkpoint_bytes(Path(out))
+
+    def recognises(self, path: Path) -> bool:
+        """A directory whose ``config.json`` declares a ``quantization_config`` this format reads (``reader``)."""
+        try:
+            if not Path(path).is_dir():
+                return False
+            qc = read_config(Path(path)).get("quantization_config") or {}
+        except (QkitError, OSError, ValueError):  # no, or an unreadable, config.json: not a checkpoint of ours
+            return False
+        return isinstance(qc, dict) and self.reader(qc) is not None
+
+    # ---- reading a checkpoint back (``qkit verify``)
+    def reader(self, quantization_config: dict) -> SafetensorsFormat | None:
+        """The format that reads a checkpoint with this ``quantization_config``: this one, a variant of it
+        (compressed-tensors' W8A8), or None."""
+        raise NotImplementedError
+
+    def stored_parts(self, keys: list[str]) -> dict[str, str]:
+        """Stored key -> its module, for the keys of a checkpoint that belong to quantized modules."""
+        raise NotImplementedError
+
+    def parts_per_module(self, parts_of: dict[str, str]) -> Mapping[str, int]:
+        """How many stored tensors each quantized module has (``stored_parts``' result): a module is decoded
+        once all have been read. By default, as many as the checkpoint holds (they differ by scheme)."""
+        return Counter(parts_of.values())
+
+    def infer_scheme(self, quantization_config: dict, module: str, tensors: dict[str, torch.Tensor]) -> Scheme:
+        """The scheme of a module of a checkpoint without ``qkit-export.json`` (not written by qkit)."""
+        raise NotImplementedError
+
+    def stored_dtype(self, tensors: dict[str, torch.Tensor]) -> torch.dtype:
+        """The weight dtype one module's stored tensors imply, without ``qkit-export.json``: by default the
+        dtype of ``weight_scale`` (compressed-tensors stores it in the weights' dtype)."""
+        return tensors["weight_scale"].dtype
+
+    def runtime_dtype(self, quantization_config: dict, dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
+        """The dtype ``qkit verify`` loads this checkpoint in, and a one-line reason when it is not ``dtype``."""
+        return dtype, None
+
+    def library_setup(self, model: torch.nn.Module, fast_cpu_kernel: bool) -> torch.dtype | None:
+        """Prepare the library's loaded ``model`` for the comparison; the dtype whose logits tolerance then
+        applies when the library computes in another dtype than the model's, else None."""
+        return None
+
+    def library_weight(self, model: torch.nn.Module, module: str) -> torch.Tensor:
+        """The dense weight the target library computes for ``module`` (after its first forward)."""
+        w = getattr(model.get_submodule(module), "weight", None)
+        if w is None or not w.is_floating_point():
+            raise ExportError(f"{self.name} left {module} compressed after a forward pass; cannot compare it")
+        return w.detach()
+
+    def activations_of(self, quantization_config: dict) -> str | None:
+        """The activation quantization the checkpoint declares (``int8-token``), or None (weight-only)."""
+        return None
+
+    def library_rule(self, model: torch.nn.Module, modules: list[str]) -> contextlib.AbstractContextManager[None]:
+        """``model`` with the library's own activation rule on ``modules`` for the block (weight-only: none)."""
+        return contextlib.nullcontext()

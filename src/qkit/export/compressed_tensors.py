@@ -35,9 +35,10 @@ import torch
 
 from qkit.errors import ExportError
 from qkit.export import compressed_tensors_fp4 as fp4
-from qkit.export.common import ExportPlan, check_linear_targets, check_scale_in_weight_dtype
+from qkit.export import compressed_tensors_w8a8 as w8a8
+from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, check_scale_in_weight_dtype
 from qkit.granularity import PerGroup, PerRow
-from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
+from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, get_scheme
 from qkit.schemes.packing import pack_nibbles, unpack_nibbles
 
 NAME = "compressed-tensors"
@@ -82,8 +83,30 @@ def _largest_dividing_group(widths: set[int], below: int) -> int | None:
     return None
 
 
-class CompressedTensorsFormat:
+class CompressedTensorsFormat(SafetensorsFormat):
+    """The ``Format`` of ``--format compressed-tensors`` (``ct``); see the module docstring."""
+
     name = NAME
+    library = "compressed-tensors"
+
+    def for_activations(self, activations: str) -> w8a8.W8A8Format:
+        """W8A8 (``int-quantized``): int8 per-channel weights with ``activations`` quantized at run time."""
+        return w8a8.W8A8Format(activations)
+
+    def reader(self, quantization_config: dict) -> SafetensorsFormat | None:
+        if w8a8.is_w8a8(quantization_config):  # int-quantized W8A8 (qkit.export.compressed_tensors_w8a8)
+            return w8a8.FORMAT
+        qc = quantization_config
+        return self if qc.get("quant_method") == NAME and qc.get("format") in CT_FORMATS else None
+
+    def stored_parts(self, keys: list[str]) -> dict[str, str]:
+        """Stored key -> module, for every key whose last part is one this format stores (``STORED``)."""
+        out = {}
+        for k in keys:
+            module, _, part = k.rpartition(".")
+            if part in STORED:
+                out[k] = module
+        return out
 
     def check(self, plan: ExportPlan) -> None:
         check_linear_targets(plan, NAME)
@@ -189,8 +212,6 @@ class CompressedTensorsFormat:
             raise ExportError(
                 f"qkit reads symmetric int4/int8 group or channel schemes, not {w}; verify another checkpoint"
             )
-        from qkit.schemes import get_scheme
-
         name = f"int{bits}-g{w.get('group_size')}" if strategy == "group" else f"int{bits}-row"
         return get_scheme(name, tensors["weight_scale"].dtype)
 
@@ -233,9 +254,7 @@ class CompressedTensorsFormat:
             "global_compression_ratio": None,
         }
 
-
     def runtime_dtype(self, quantization_config: dict, dtype: torch.dtype) -> tuple[torch.dtype, str | None]:
-        """The dtype ``qkit verify`` loads this checkpoint in, and a one-line reason when it is not ``dtype``."""
         return fp4.runtime_dtype(quantization_config, dtype)
 
 

@@ -35,7 +35,7 @@ import torch
 
 from qkit.errors import ExportError
 from qkit.export.common import ExportPlan
-from qkit.schemes import QuantizedTensor, Scheme
+from qkit.schemes import QuantizedTensor, Scheme, get_scheme
 
 FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 # The tensors each module stores (compressed-tensors' ``compression_param_names`` for a W4A16 scheme).
@@ -46,7 +46,7 @@ RUNTIME_DTYPE = torch.bfloat16  # what compressed-tensors 0.20.1 decompresses FP
 
 
 def is_fp4(scheme: Scheme) -> bool:
-    return getattr(scheme, "kind", None) == "fp4"
+    return scheme.kind == "fp4"
 
 
 def check(plan: ExportPlan) -> None:
@@ -105,8 +105,6 @@ def weights_args(scheme: Scheme) -> dict:
 
 def infer_scheme(weights: dict) -> Scheme:
     """The qkit scheme of an FP4 config group's ``weights`` (a checkpoint qkit did not write)."""
-    from qkit.schemes import get_scheme
-
     group, strategy = weights.get("group_size"), weights.get("strategy")
     if weights.get("num_bits") == 4 and group == 16 and strategy == "tensor_group":
         return get_scheme("nvfp4")

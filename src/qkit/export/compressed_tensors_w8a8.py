@@ -36,17 +36,15 @@ from collections.abc import Iterator
 import torch
 
 from qkit.errors import ExportError, InputError
-from qkit.export.common import ExportPlan, check_linear_targets, check_scale_in_weight_dtype
+from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, check_scale_in_weight_dtype
 from qkit.granularity import PerRow
-from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme
+from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, get_scheme
 
 NAME = "compressed-tensors"
 FORMAT_NAME = "int-quantized"
 STORED = ("weight", "weight_scale")
 INT8_TOKEN = "int8-token"
 ACTIVATIONS = (INT8_TOKEN,)
-# The runtime of qkit.simulate that models what a serving engine does with this checkpoint.
-SIMULATION = {INT8_TOKEN: "act-int8-token"}
 
 _WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
             "dynamic": False}
@@ -77,10 +75,12 @@ def activations_of(quantization_config: dict) -> str | None:
     return None
 
 
-class W8A8Format:
-    """A ``qkit.export.common.Format`` for ``int-quantized`` W8A8 (see the module docstring)."""
+class W8A8Format(SafetensorsFormat):
+    """A ``qkit.export.common.Format`` for ``int-quantized`` W8A8 (see the module docstring): not registered
+    under a name of its own, it is what ``--format compressed-tensors`` becomes with ``--activations``."""
 
     name = NAME
+    library = "compressed-tensors"
 
     def __init__(self, activations: str = INT8_TOKEN) -> None:
         self.activations = check_activations(activations)
@@ -115,8 +115,6 @@ class W8A8Format:
         return QuantizedTensor(scheme, w.contiguous(), scales.reshape(w.shape[0], 1), tuple(w.shape), dtype)
 
     def infer_scheme(self, quantization_config: dict, module: str, tensors: dict[str, torch.Tensor]) -> Scheme:
-        from qkit.schemes import get_scheme
-
         groups = quantization_config.get("config_groups") or {}
         w = (next(iter(groups.values())).get("weights") or {}) if len(groups) == 1 else {}
         if (w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("symmetric", True)) != ("int", 8, "channel", True):
@@ -136,16 +134,25 @@ class W8A8Format:
             "global_compression_ratio": None,
         }
 
+    # ---- reading a checkpoint back (``qkit verify``)
+    def reader(self, quantization_config: dict) -> SafetensorsFormat | None:
+        return FORMAT if is_w8a8(quantization_config) else None
 
-def stored_parts(keys: list[str]) -> dict[str, str]:
-    """Stored key -> module, for the keys of quantized modules (those with a ``weight_scale``)."""
-    modules = {k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale")}
-    out = {}
-    for k in keys:
-        module, _, part = k.rpartition(".")
-        if part in STORED and module in modules:
-            out[k] = module
-    return out
+    def stored_parts(self, keys: list[str]) -> dict[str, str]:
+        """Stored key -> module, for the keys of quantized modules (those with a ``weight_scale``)."""
+        modules = {k.removesuffix(".weight_scale") for k in keys if k.endswith(".weight_scale")}
+        out = {}
+        for k in keys:
+            module, _, part = k.rpartition(".")
+            if part in STORED and module in modules:
+                out[k] = module
+        return out
+
+    def activations_of(self, quantization_config: dict) -> str | None:
+        return activations_of(quantization_config)
+
+    def library_rule(self, model: torch.nn.Module, modules: list[str]) -> contextlib.AbstractContextManager[None]:
+        return library_rule(model, modules)
 
 
 # --------------------------------------------------------------------------- what the library computes
@@ -183,35 +190,7 @@ def library_rule(model: torch.nn.Module, modules: list[str]) -> Iterator[None]:
         handle.remove()
 
 
-# A stated tolerance: qkit's simulation and the library's rule put activations on grids of steps
-# absmax/127 and absmax/127.5, so their rounding errors are about as large as each other and mostly
-# independent: the logits they give differ by about sqrt(2) times the effect of the activation
-# quantization itself (max |simulated W8A8 - W8A16 logits|). Twice that effect is the bound checked.
-SIMULATION_FACTOR = 2.0
-
-
-@torch.no_grad()
-def simulation_report(model: torch.nn.Module, ids: torch.Tensor, lib_logits: torch.Tensor, activations: str) -> dict:
-    """Compare the library's logits with qkit's own run-time simulation of ``activations`` (``qkit.simulate``,
-    e.g. ``act-int8-token``) on ``model`` (qkit's dequantized weights), and with no activation quantization.
-
-    Returns ``{"simulation", "max_abs_diff", "activation_effect", "tolerance", "ok"}``: ``max_abs_diff`` =
-    ``max |library - simulation|``; ``activation_effect`` = ``max |simulation - weights only|``; ``ok`` when
-    ``max_abs_diff <= SIMULATION_FACTOR * activation_effect`` (see the constant's comment)."""
-    from qkit.simulate import apply_runtime
-
-    runtime = SIMULATION[activations]
-    weights_only = model(ids).logits.float()
-    with apply_runtime(model, [runtime]):
-        simulated = model(ids).logits.float()
-    diff = float((lib_logits - simulated).abs().max())
-    effect = float((simulated - weights_only).abs().max())
-    return {"simulation": runtime, "max_abs_diff": diff, "activation_effect": effect,
-            "tolerance": SIMULATION_FACTOR * effect, "ok": diff <= SIMULATION_FACTOR * effect}
-
-
 FORMAT = W8A8Format()
 
-__all__ = ["ACTIVATIONS", "FORMAT", "FORMAT_NAME", "INT8_TOKEN", "SIMULATION", "LibraryActivations", "W8A8Format",
-           "activations_of", "check_activations", "is_w8a8", "library_fake_quant", "library_rule", "simulation_report",
-           "stored_parts"]
+__all__ = ["ACTIVATIONS", "FORMAT", "FORMAT_NAME", "INT8_TOKEN", "LibraryActivations", "W8A8Format", "activations_of",
+           "check_activations", "is_w8a8", "library_fake_quant", "library_rule"]

@@ -4,7 +4,8 @@ which matrices' errors move the output (sensitivity), and the next-token distrib
 Every analysis is a plain function; ``qkit.cli`` renders its report.
 """
 
-from qkit.inspect.errors import ErrorsReport, MatrixReport, MatrixStats, inspect_matrix, top_matrices, weight_errors
+from qkit.inspect.errors import ErrorsReport, MatrixReport, inspect_matrix, top_matrices, weight_errors
+from qkit.inspect.matrix_stats import MatrixStats
 from qkit.inspect.nexttoken import NextTokenReport, next_token
 from qkit.inspect.outliers import OutliersReport, analyse_hidden, residual_outliers
 from qkit.inspect.sensitivity import SensitivityReport, rank_sensitivity

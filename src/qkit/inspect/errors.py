@@ -17,6 +17,9 @@ Statistics of one matrix (population moments, float64)::
 
 Everything streams from memory-mapped safetensors: one matrix (and its dequantized copy) in memory at a
 time, never a second copy of the model.
+
+Layer 7 (``inspect``). The statistics of one matrix are in ``matrix_stats``; the output-side error of a
+calibrated method (``--method gptq``) in ``method_errors``.
 """
 
 from __future__ import annotations
@@ -34,121 +37,13 @@ import torch
 from qkit.checkpoint import open_safetensors, tensor_shapes, weight_files
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow, PerTensor
+from qkit.inspect.matrix_stats import MatrixStats, int4_tensor_levels, matrix_stats, reconstruct, relative_error, sumsq64
 from qkit.models import ModelRef, check_complete, resolve
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme, quantize_tensor
-from qkit.schemes.absmax import quantize_absmax
+from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme
 from qkit.transform import is_block_projection
 
-SIGMA_OUTLIER = 6.0  # "beyond 6 sigma": |w - mean| > 6 std
-SIGMA_TYPICAL = 3.0  # "typical weights": |w - mean| <= 3 std (99.7% of a normal distribution)
 TOP_MATRICES = 10
-
-
-# --------------------------------------------------------------------------- one matrix
-
-
-@dataclass(frozen=True)
-class MatrixStats:
-    name: str
-    shape: tuple[int, ...]
-    mean_abs: float
-    std: float
-    max_abs: float
-    beyond_6sigma: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def max_over_std(self) -> float:
-        return self.max_abs / self.std if self.std > 0 else math.inf if self.max_abs > 0 else 0.0
-
-    @property
-    def share_beyond_6sigma(self) -> float:
-        return self.beyond_6sigma / self.numel
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "mean_abs": self.mean_abs,
-            "std": self.std,
-            "max_abs": self.max_abs,
-            "max_over_std": self.max_over_std,
-            "beyond_6sigma": self.beyond_6sigma,
-            "share_beyond_6sigma": self.share_beyond_6sigma,
-        }
-
-
-_BLOCK = 1024
-
-
-def sum64(x: torch.Tensor) -> float:
-    """Sum of a float tensor: fp32 partial sums over blocks of 1024 terms, block totals in float64."""
-    flat = x.reshape(-1)
-    if flat.dtype != torch.float32:
-        flat = flat.float()
-    k = flat.numel() - flat.numel() % _BLOCK
-    total = flat[:k].view(-1, _BLOCK).sum(dim=1).double().sum() if k else torch.zeros((), dtype=torch.float64)
-    return float(total + flat[k:].double().sum())
-
-
-def sumsq64(x: torch.Tensor) -> float:
-    """``sum x^2`` (one fp32 temporary), accumulated as in :func:`sum64`."""
-    return sum64(x.float().square())
-
-
-def matrix_stats(w: torch.Tensor, name: str = "<tensor>") -> MatrixStats:
-    """Statistics of one weight tensor (any shape, any float dtype), in float64 (formulas: module doc)."""
-    n = w.numel()
-    a = w.detach().float().abs()
-    centred = w.detach().reshape(-1).double()  # float64 throughout: the mean is subtracted exactly
-    centred -= centred.mean()
-    std = math.sqrt(float(torch.dot(centred, centred)) / n)
-    beyond = int((centred.abs_() > SIGMA_OUTLIER * std).sum()) if std > 0 else 0
-    return MatrixStats(name, tuple(w.shape), sum64(a) / n, std, float(a.max()), beyond)
-
-
-def relative_error(w: torch.Tensor, w_hat: torch.Tensor, norm_w: float | None = None) -> float:
-    """``||w - w_hat||_F / ||w||_F``, sums of squares accumulated in float64 (0 for an all-zero ``w``).
-
-    ``norm_w``: ``||w||_F`` when the caller already has it (one matrix, several schemes).
-    """
-    w = w.detach().float()
-    denom = math.sqrt(sumsq64(w)) if norm_w is None else norm_w
-    num = math.sqrt(sumsq64(w - w_hat.detach().float()))
-    return num / denom if denom > 0 else (0.0 if num == 0 else math.inf)
-
-
-def reconstruct(w: torch.Tensor, scheme: Scheme, name: str = "<tensor>") -> tuple[torch.Tensor, int]:
-    """``(W_hat fp32, stored bytes)``: exactly what ``qkit quantize`` writes for ``w``, dequantized."""
-    qt = quantize_tensor(w, scheme, name=name)
-    return qt.dequantize(torch.float32), qt.nbytes
-
-
-def int4_tensor_levels(w: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> dict[str, Any]:
-    """How many of the 16 per-tensor int4 levels the weights use: all of them, and the typical ones.
-
-    ``q = clamp(round(w / s), -8, 7)`` with ``s = max|w| / 7`` (stored in ``scale_dtype``), the same call
-    ``int4-tensor`` makes. Typical weights: ``|w - mean| <= 3 std``. ``zero_share``: share of all
-    weights that round to level 0 (they are lost entirely).
-    """
-    wf = w.detach().float().reshape(1, -1)
-    q, scale = quantize_absmax(wf, 4, PerTensor(), scale_dtype)
-    wd = wf.double()
-    mean = wd.mean()
-    std = (wd - mean).square().mean().sqrt()
-    typical = (wd - mean).abs() <= SIGMA_TYPICAL * std
-    return {
-        "scale": float(scale.float().reshape(())),
-        "levels_total": 16,
-        "levels_used": int(torch.unique(q).numel()),
-        "typical_levels_used": int(torch.unique(q[typical]).numel()) if bool(typical.any()) else 0,
-        "typical_share": float(typical.double().mean()),
-        "zero_share": float((q == 0).double().mean()),
-    }
 
 
 # --------------------------------------------------------------------------- reading matrices
@@ -342,7 +237,7 @@ def _fp4_sentence(means: dict[str, float]) -> str:
     nf4 = [s for s in schemes.values() if isinstance(s, NF4Scheme)]
     words = []
     for name, s in schemes.items():
-        if getattr(s, "kind", None) != "fp4":
+        if s.kind != "fp4":
             continue
         same = [t for t in int4 if isinstance(t.granularity, PerGroup) and t.granularity.size == s.block_size]
         peers = sorted((means[p.name], p.name) for p in (same or sorted(int4, key=_fineness)[-1:]) + nf4)
@@ -466,55 +361,3 @@ def top_matrices(
     ref = _ref_for(model, ref)
     stats = [matrix_stats(w, n) for n, w in iter_projections(ref.directory)]
     return sorted(stats, key=lambda s: (-s.max_over_std, s.name))[:top]
-
-
-# --------------------------------------------------------------------------- output-side error of a calibrated method
-
-OUTPUT_ERROR_NOTE = (
-    "output error ||W X - Ŵ X||² / ||W X||² on the calibration inputs each matrix sees (earlier blocks already "
-    "quantized); weight-space error ||W - Ŵ|| / ||W|| (the table above) is not what GPTQ minimises: it spends "
-    "weight error where the inputs make it cheap, so its weight error can be larger than RTN's while its outputs are closer."
-)
-
-
-@dataclass
-class MethodErrors:
-    """Per matrix, RTN's and the method's output-side error (from the method's record, see ``qkit.methods.gptq``)."""
-
-    model: str
-    scheme: str
-    method: str
-    layers: dict[str, dict[str, float]]  # name -> {"rtn": ..., method: ...}
-    calibration: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "scheme": self.scheme, "method": self.method, "layers": self.layers,
-                "calibration": self.calibration, "note": OUTPUT_ERROR_NOTE}
-
-
-def method_output_errors(
-    model: str | Path | None = None,
-    *,
-    scheme: str,
-    method: str,
-    method_options: dict[str, Any] | None = None,
-    scale_dtype: str = DEFAULT_SCALE_DTYPE,
-    ref: ModelRef | None = None,
-    on_block: Callable[[int, int], None] | None = None,
-) -> MethodErrors:
-    """Quantize MODEL with ``method`` (into a temporary directory, through ``quantize_model``) and return the
-    output-side error per matrix it recorded, next to RTN's on the same calibration inputs."""
-    import tempfile
-
-    from qkit.api import quantize_model
-
-    ref = _ref_for(model, ref)
-    with tempfile.TemporaryDirectory(prefix="qkit-inspect-") as tmp:
-        r = quantize_model(ref=ref, output=Path(tmp) / "m", scheme=scheme, scale_dtype=scale_dtype, method=method,
-                           method_options=method_options, on_block=on_block)
-    key = f"{r.method}_error"
-    layers = {n: {"rtn": v["rtn_error"], r.method: v[key]} for n, v in sorted((r.method_record.get("layers") or {}).items())
-              if "rtn_error" in v and key in v}
-    if not layers:
-        raise InputError(f"method {method} records no per-matrix output error; use --method gptq")
-    return MethodErrors(ref.spec, scheme, r.method, layers, r.method_record.get("calibration") or {})

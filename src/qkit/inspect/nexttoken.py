@@ -19,6 +19,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.inspect.outliers import check_context, encode, model_context
+from qkit.models import load, parse_device
 
 TOP = 5
 TEMPERATURES = (1.0, 2.0)
@@ -56,8 +57,6 @@ class NextTokenReport:
 
 def check_options(*, top: int = TOP, temperatures: Sequence[float] | str = TEMPERATURES, device: str | None = None) -> list[float]:
     """Every check of ``next_token``'s options (none needs the model); returns the temperatures."""
-    from qkit.models import parse_device
-
     temps = parse_temperatures(temperatures)
     if top < 3:
         raise InputError(f"--top must be at least 3 (the ratio compares the first and the third), got {top}")
@@ -75,8 +74,6 @@ def next_token(
     loaded: Any = None,
 ) -> NextTokenReport:
     """Top-``top`` next-token probabilities after ``text`` at each temperature, and the first/third ratio."""
-    from qkit.models import load
-
     temps = check_options(top=top, temperatures=temperatures, device=device if loaded is None else None)
     loaded = loaded or load(model, device=device)
     lm = loaded.model

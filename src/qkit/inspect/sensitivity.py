@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.inspect.errors import matrix_stats
+from qkit.inspect.matrix_stats import matrix_stats
 from qkit.inspect.outliers import (
     check_context,
     model_context,
@@ -44,8 +44,9 @@ from qkit.inspect.outliers import (
     encode,
     outlier_mask,
 )
-from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
+from qkit.models import load, parse_device
 from qkit.schemes import Scheme, get_scheme, quantize_tensor
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.transform import _KEEP_ALIASES, is_block_projection
 
 BY = ("layer", "matrix")
@@ -255,8 +256,6 @@ def check_options(
 
     The upper bound of ``suggest`` (the number of units) is checked once the model is loaded.
     """
-    from qkit.models import parse_device
-
     s = get_scheme(scheme, scale_dtype)
     k = get_scheme(_KEEP_ALIASES.get(keep.strip().lower(), keep), scale_dtype)
     if by not in BY:
@@ -294,8 +293,6 @@ def rank_sensitivity(
     ``input_ids`` ``[1, T]`` overrides ``text`` and the default corpus; ``loaded`` is an already loaded
     ``qkit.models.LoadedModel``; ``suggest`` fixes the number of units the suggestion keeps at ``keep``.
     """
-    from qkit.models import load
-
     s, k = check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
                          scale_dtype=scale_dtype, device=device if loaded is None else None)
     if loaded is None:

@@ -6,7 +6,8 @@ tensor at a time. Calibrated methods (``gptq``, ``awq``) and scale-folding trans
 need calibration activations and see the whole model; each returns the same ``QuantizedTensor`` objects
 RTN returns, so every writer and exporter takes their output unchanged.
 
-A method is registered under one name (``register_method``) as an object with::
+A method is registered in ``METHODS`` (``qkit.registry.Registry``) under one name, as a factory of an
+object with::
 
     name: str
     calibrated: bool                       # needs calibration text (recorded in the manifest)
@@ -22,14 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from qkit.errors import InputError
+from qkit.registry import Registry
 from qkit.schemes import QuantizedTensor, Scheme
+
+if TYPE_CHECKING:  # annotation only: qkit.models pulls in transformers, which ``import qkit.methods`` need not
+    from qkit.models import ModelRef
 
 RTN = "rtn"
 
@@ -58,7 +64,7 @@ class Method(Protocol):
 
     def run(
         self,
-        ref: Any,
+        ref: ModelRef,
         targets: dict[str, Scheme],
         options: Any,
         *,
@@ -67,30 +73,33 @@ class Method(Protocol):
     ) -> MethodResult: ...
 
 
-_METHODS: dict[str, Callable[[], Method]] = {}
+def _lazy(module: str) -> Callable[[], Method]:
+    """A factory that imports ``module`` on first use (torch-heavy code: ``import qkit`` stays light)."""
+    return lambda: importlib.import_module(module).METHOD
 
 
-def register_method(name: str, factory: Callable[[], Method]) -> None:
-    """Register a method factory under ``name`` (imported lazily: torch-heavy code loads on first use)."""
-    if name in _METHODS:
-        raise InputError(f"method {name!r} is already registered")
-    _METHODS[name] = factory
+# name -> factory; ``rtn``'s factory gives None (the streaming path needs no method object).
+METHODS: Registry[Callable[[], Method | None]] = Registry("method", error=InputError)
+METHODS.register(RTN, lambda: None)
+METHODS.register("gptq", _lazy("qkit.methods.gptq"))
+METHODS.register("awq", _lazy("qkit.methods.awq"))
+METHODS.register("smoothquant", _lazy("qkit.methods.smoothquant"))
 
 
 def method_names() -> list[str]:
-    return [RTN, *_METHODS]
+    """Every method name, ``rtn`` first, in registration order (what help texts list)."""
+    return METHODS.names()
 
 
 def get_method(name: str) -> Method | None:
     """The method called ``name``; ``None`` for ``rtn`` (the streaming path needs no method object)."""
-    key = name.strip().lower()
-    if key == RTN:
-        return None
-    if key not in _METHODS:
-        close = difflib.get_close_matches(key, method_names(), n=1)
+    factory = METHODS.find(name)
+    if factory is None:
+        # The wording is pinned by tests/test_eval_specs.py ("(did you mean 'rtn'?)"), so not METHODS.unknown's.
+        close = difflib.get_close_matches(name.strip().lower(), method_names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise InputError(f"unknown method {name!r}{hint}; use one of {', '.join(method_names())}")
-    return _METHODS[key]()
+    return factory()
 
 
 def make_options(method: Method, given: Mapping[str, Any] | None) -> Any:
@@ -105,17 +114,4 @@ def make_options(method: Method, given: Mapping[str, Any] | None) -> Any:
     return method.options_type(**given)
 
 
-def _register_builtin() -> None:
-    # Each factory imports its module on first use, so ``import qkit`` stays light.
-    import importlib
-    import importlib.util
-
-    for name, module in (("gptq", "qkit.methods.gptq"), ("awq", "qkit.methods.awq"), ("smoothquant", "qkit.methods.smoothquant")):
-        spec = importlib.util.find_spec(module)
-        if spec is not None:
-            register_method(name, lambda module=module: importlib.import_module(module).METHOD)
-
-
-_register_builtin()
-
-__all__ = ["RTN", "Method", "MethodResult", "get_method", "make_options", "method_names", "register_method"]
+__all__ = ["METHODS", "RTN", "Method", "MethodResult", "get_method", "make_options", "method_names"]

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from qkit.checkpoint import tensor_shapes
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow
 from qkit.methods import MethodResult
@@ -63,7 +64,8 @@ from qkit.methods.folding import (
     options_record,
     source_dtypes,
 )
-from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, capture_first_inputs, find_blocks
+from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
+from qkit.models import ModelRef, load, read_config
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
 from qkit.schemes.absmax import absmax_scales
 
@@ -159,7 +161,7 @@ def scaled_fake_quant(w: torch.Tensor, cols: torch.Tensor, scheme: Scheme) -> to
 
 def clip_width(scheme: Scheme, cols: int) -> int | None:
     """Columns per clipping group: the scheme's scale unit when it is a group of one row (None: no clipping)."""
-    g = getattr(scheme, "granularity", None)
+    g = scheme.granularity if isinstance(scheme, AbsmaxScheme) else None  # block formats have none
     if isinstance(g, PerGroup):
         return g.size
     if isinstance(g, PerRow):
@@ -341,21 +343,18 @@ class AWQMethod:
     def check(self, scheme: Scheme) -> None:
         # AWQ only rescales the weights and calls the scheme's own quantize/dequantize, so any scheme that
         # quantizes a 2-D matrix works; one that does not says so itself when quantize_tensor runs.
-        if not hasattr(scheme, "encode") or not hasattr(scheme, "decode"):
+        if not isinstance(scheme, Scheme):
             raise InputError(f"awq needs a scheme that quantizes and dequantizes a matrix; {scheme.name} does not")
 
     def run(
         self,
-        ref: Any,
+        ref: ModelRef,
         targets: dict[str, Scheme],
         options: AWQOptions,
         *,
         device: torch.device,
         on_block: Callable[[int, int], None] | None = None,
     ) -> MethodResult:
-        from qkit.checkpoint import tensor_shapes
-        from qkit.models import load, read_config
-
         t0 = time.perf_counter()
         fold_groups(read_config(ref.directory), (n for n, _ in tensor_shapes(ref.directory)))  # refuse before loading
         loaded = load(ref=ref, device="cpu")
@@ -455,7 +454,8 @@ def awq_model(
         # AutoAWQ; quantized: None, so the block is run again with the quantized weights left in it.
         return rec.outputs if options.next_inputs == "fp" else None
 
-    _walk(model, ids, process, device, options.batch_size, on_block)
+    # ``process`` returns the block's fp outputs (AWQ records them in its pass anyway), sparing the walker a pass.
+    walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block)
     state = model.state_dict()
     for name, scheme in targets.items():  # targets outside the fold groups (e.g. --include lm_head): RTN
         if name not in quantized:
@@ -467,28 +467,6 @@ def awq_model(
                 g[key] = float(f"{g[key]:.6g}")
     return MethodResult(quantized, replaced, {"groups": per_group, "block_seconds": per_block,
                                               "next_inputs": options.next_inputs})
-
-
-@torch.no_grad()
-def _walk(model, ids, process, device, batch_size, on_block) -> None:
-    """``qkit.methods.sequential.walk_blocks``, except that ``process`` may return the next block's inputs
-    (AWQ's fp outputs, recorded in the pass it makes anyway), saving the walker's second pass over the block."""
-
-    if ids.ndim != 2 or ids.numel() == 0:
-        raise InputError(f"calibration ids must be a non-empty [samples, seqlen] tensor, got shape {list(ids.shape)}")
-    was_training = model.training
-    model.eval()
-    blocks_name, blocks = find_blocks(model)
-    hidden, kwargs = capture_first_inputs(model, ids, device, batch_size)
-    for i, block in enumerate(blocks):
-        block.to(device)
-        inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs)
-        nxt = process(i, block, inputs)
-        hidden = nxt if nxt is not None else inputs.forward()
-        block.to("cpu")
-        if on_block is not None:
-            on_block(i + 1, len(blocks))
-    model.train(was_training)
 
 
 def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:

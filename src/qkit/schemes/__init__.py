@@ -1,23 +1,25 @@
-"""The numerical core: tensors in, tensors out. No I/O, no printing, no device defaults."""
+"""The numerical core: tensors in, tensors out. No I/O, no printing, no device defaults.
 
+Layer 2. ``base`` says what a scheme is (the ``Scheme`` protocol and its optional capabilities);
+``registry`` holds the registered ones; one module per family defines and registers its schemes. They
+are imported here in the order ``scheme_names()`` lists them (the quality table's first).
+"""
+
+from qkit.schemes.base import GGMLCodable, Recipe, Scheme
 from qkit.schemes.quantized import QuantizedTensor, dequantize, quantize_tensor
-from qkit.schemes.registry import (
-    DEFAULT_SCHEMES,
-    AbsmaxScheme,
-    NF4Scheme,
-    Scheme,
-    get_scheme,
-    register,
-    scheme_names,
-)
-from qkit.schemes import fp4 as _fp4  # noqa: E402,F401  registers mxfp4, nvfp4
-from qkit.schemes import ggml as _ggml, kquants as _kquants  # noqa: E402,F401  registers q8_0 ... q6_k, q4_k_m
+from qkit.schemes.registry import DEFAULT_SCHEMES, get_scheme, register, scheme_names
+from qkit.schemes.absmax import AbsmaxScheme  # registers int8-tensor ... int4-g128, int{4,8}-gN
+from qkit.schemes.nf4 import NF4Scheme  # registers nf4
+from qkit.schemes import fp4 as _fp4  # noqa: F401  registers mxfp4, nvfp4
+from qkit.schemes import ggml as _ggml, kquants as _kquants, recipes as _recipes  # noqa: F401  q8_0 ... q6_k, q4_k_m
 
 __all__ = [
     "DEFAULT_SCHEMES",
     "AbsmaxScheme",
+    "GGMLCodable",
     "NF4Scheme",
     "QuantizedTensor",
+    "Recipe",
     "Scheme",
     "dequantize",
     "get_scheme",

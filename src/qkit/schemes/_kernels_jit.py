@@ -432,7 +432,7 @@ _ROUND = np.int32((1 << 21) - 1 - 0x3F000000 - (1 << 22))  # e2m1_pack_arith's m
 @_compiled
 def _run_e2m1(x, scale, divide, ties_to_even, minus_zero, lo, hi, block, out):  # noqa: ANN001
     """Rows ``lo..hi``: ``y = x / scale[r, b]`` (``divide``) or ``x * scale[r, b]`` per block, rounded to E2M1
-    by :func:`qkit.schemes.fp4.e2m1_pack_arith`'s integer formula on the fp32 bits (branch-free, so every
+    by :func:`qkit.schemes.e2m1.e2m1_pack_arith`'s integer formula on the fp32 bits (branch-free, so every
     step vectorises), an exact ``-0.0`` coded ``minus_zero``, packed two per byte (column ``2j`` low)."""
     rows, cols = x.shape
     nb = cols // block

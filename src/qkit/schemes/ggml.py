@@ -46,7 +46,7 @@ q8_0) is refused with ``SchemeError``, where llama.cpp would write inf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gguf
@@ -55,7 +55,9 @@ import torch
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import kernels
-from qkit.schemes.registry import as_2d, register
+from qkit.schemes.base import Layout, SchemeDefaults, as_2d
+from qkit.schemes.quantized import QuantizedTensor
+from qkit.schemes.registry import register
 
 T = gguf.GGMLQuantizationType
 QK = 32  # elements per block of the 32-block types (QK4_0 ... QK8_0 in ggml-common.h)
@@ -63,16 +65,18 @@ FLT_MIN = 2.0**-126  # smallest normal fp32: a ``d`` below it may make ``1/d`` o
 
 
 @dataclass(frozen=True)
-class GGMLScheme:
+class GGMLScheme(SchemeDefaults):
     """One llama.cpp block type: ``encode`` writes its block bytes, ``decode`` dequantizes them.
 
     ``bits`` is the width of one code; ``bits_per_weight`` counts every scale and minimum too
-    (``8 * type_size / block_size``).
+    (``8 * type_size / block_size``). ``qweight`` is the block bytes GGUF stores, so ``to_ggml_blocks`` and
+    ``from_ggml_blocks`` (the ``GGMLCodable`` protocol) are the identity on them.
     """
 
     name: str
     ggml_type: Any  # gguf.GGMLQuantizationType
     bits: int
+    description: str = field(default="", compare=False)  # one line, for --help and the docs' table
     kind = "ggml"
     scale_dtype = torch.float16  # fp16 d (and m / dmin) inside every block: part of the format
     fixed_scale_dtype = True  # get_scheme ignores --scale-dtype for these schemes
@@ -129,13 +133,21 @@ class GGMLScheme:
         blocks = parts["qweight"].reshape(-1, self.type_size)
         return _DECODERS[self.ggml_type](blocks).reshape(shape).to(dtype)
 
-    def part_layout(self, shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def part_layout(self, shape: tuple[int, ...]) -> Layout:
         """``{part: (shape, dtype)}`` that ``encode`` stores for a weight of ``shape`` (checked on reading)."""
         rows, cols = as_2d(tuple(shape))
         width = shape[-1] if shape else 1
         if width % self.block_size:
             raise SchemeError(f"{self.name} stores whole blocks of {self.block_size} per row; a width of {width} is not")
         return {"qweight": ((rows, cols // self.block_size * self.type_size), torch.uint8), "scales": ((0,), torch.float16)}
+
+    def to_ggml_blocks(self, qt: QuantizedTensor) -> torch.Tensor:
+        """The block bytes GGUF stores: the ``qweight`` itself, uint8 ``[rows, bytes_per_row]``."""
+        return qt.qweight
+
+    def from_ggml_blocks(self, blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> QuantizedTensor:
+        """GGUF block bytes uint8 ``[rows, bytes_per_row]`` -> the ``QuantizedTensor`` (``scales`` empty, as ``encode``'s)."""
+        return QuantizedTensor(self, blocks.contiguous(), torch.empty(0, dtype=self.scale_dtype), tuple(shape), dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -458,8 +470,8 @@ def register_codec(ggml_type: Any, encode: Any, decode: Any) -> None:
     _DECODERS[ggml_type] = decode
 
 
-Q8_0 = register(GGMLScheme("q8_0", T.Q8_0, 8))
-Q4_0 = register(GGMLScheme("q4_0", T.Q4_0, 4))
-Q4_1 = register(GGMLScheme("q4_1", T.Q4_1, 4))
-Q5_0 = register(GGMLScheme("q5_0", T.Q5_0, 5))
-Q5_1 = register(GGMLScheme("q5_1", T.Q5_1, 5))
+Q8_0 = register(GGMLScheme("q8_0", T.Q8_0, 8, "llama.cpp Q8_0: blocks of 32, 8-bit codes, an fp16 scale"))
+Q4_0 = register(GGMLScheme("q4_0", T.Q4_0, 4, "llama.cpp Q4_0: blocks of 32, 4-bit codes, an fp16 scale"))
+Q4_1 = register(GGMLScheme("q4_1", T.Q4_1, 4, "llama.cpp Q4_1: blocks of 32, 4-bit codes, an fp16 scale and minimum"))
+Q5_0 = register(GGMLScheme("q5_0", T.Q5_0, 5, "llama.cpp Q5_0: blocks of 32, 5-bit codes, an fp16 scale"))
+Q5_1 = register(GGMLScheme("q5_1", T.Q5_1, 5, "llama.cpp Q5_1: blocks of 32, 5-bit codes, an fp16 scale and minimum"))

@@ -20,7 +20,7 @@ gives for inf and NaN. The final codes and their packing are compiled too.
 **32-element blocks** (q8_0, q4_0, q4_1, q5_0, q5_1): one pass per block; extremes as integer reductions
 over the fp32 bits, the C statements per block; blocks the C casts treat specially are handed back
 (:func:`blocks32`). **FP4**: block absmax from the bits, then scale, E2M1 rounding (the integer formula of
-:func:`qkit.schemes.fp4.e2m1_pack_arith`) and packing in one pass (:func:`e2m1_blocks`).
+:func:`qkit.schemes.e2m1.e2m1_pack_arith`) and packing in one pass (:func:`e2m1_blocks`).
 
 Threads: the work is split into one contiguous range per torch thread (``torch.get_num_threads()``, which
 ``--threads`` sets; see :func:`owning_the_cores`); the kernels release the GIL. Compiled on first use
@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from qkit.threads import one_torch_thread
+
 _STATE: dict[str, Any] = {"on": os.environ.get("QKIT_KERNELS", "numba") != "torch", "jit": None, "threads": None}
 
 
@@ -46,7 +48,7 @@ def _jit() -> ModuleType | None:
     """The compiled module, imported once; ``None`` (torch code) where numba cannot be imported."""
     if _STATE["jit"] is None:
         try:
-            from qkit.schemes import _kernels_jit
+            from qkit.schemes import _kernels_jit  # local: imports numba (heavy), only when a tensor needs a kernel
         except ImportError:  # numba is a dependency; this keeps a broken install usable, on the torch path
             _STATE["on"] = False
             return None
@@ -76,8 +78,6 @@ def owning_the_cores() -> Iterator[None]:
     split over the threads torch had. Measured: with torch's pool at 2 threads, its OpenMP workers keep
     spinning after each small torch operation and take the core the kernel's second thread needs (a q4_k
     matrix 40 ms on one thread, 45 ms on two); this way, 2 threads give ~1.8x."""
-    from qkit.threads import one_torch_thread
-
     if _STATE["threads"] is not None:  # nested: already set up
         yield
         return
@@ -181,7 +181,7 @@ def block_absmax_bits(x: torch.Tensor, block: int) -> torch.Tensor:
 def e2m1_blocks(x: torch.Tensor, scale: torch.Tensor, *, divide: bool, ties_to_even: bool, minus_zero: int, out: torch.Tensor) -> None:
     """E2M1 codes of ``x / scale`` (``divide``) or ``x * scale`` per block (``scale`` fp32 ``[rows, blocks]``),
     packed into uint8 ``out`` ``[rows, cols / 2]``, an exact ``-0.0`` coded ``minus_zero``: one pass, the
-    bytes of :func:`qkit.schemes.fp4.e2m1_pack` on the same values."""
+    bytes of :func:`qkit.schemes.e2m1.e2m1_pack` on the same values."""
     jit, rows = _jit(), x.shape[0]
     block = x.shape[1] // scale.shape[1]
     args = (x.detach().contiguous().numpy(), scale.detach().contiguous().numpy(), divide, ties_to_even, minus_zero)

@@ -14,13 +14,24 @@ which equals ``bucketize`` exactly and is several times faster on CPU.) Codes ar
 the fp32 absmax; the absmax is then stored in ``scale_dtype``
 (fp16 by default: 4 + 16/64 = 4.25 bits per weight) and dequantization is ``NF4[code] * stored_absmax``
 in fp32, which with ``scale_dtype=float32`` equals bitsandbytes' ``dequantize_4bit`` exactly.
+
+Storage (:class:`NF4Scheme`, registered as ``nf4``): ``qweight`` uint8 ``[ceil(n/2)]``, the codes of the
+flattened tensor packed two per byte as ``qkit.schemes.packing`` does (bitsandbytes' bytes); ``scales``
+the per-block absmax ``[ceil(n/block_size)]`` in ``scale_dtype``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+from qkit.errors import SchemeError
+from qkit.schemes.base import DTYPE_NAMES, Layout, SchemeDefaults
 from qkit.schemes.packing import pack_nibbles, unpack_nibbles
+from qkit.schemes.registry import register
 
 # The NF4 levels, as float32, from Dettmers et al., "QLoRA" (2023), Appendix E, and bitsandbytes'
 # ``get_4bit_type("nf4")``; they are the quantiles of N(0, 1) normalised to [-1, 1] with an exact 0.
@@ -156,3 +167,55 @@ def dequantize_nf4(
     if full < n:
         values[full:].mul_(absmax[-1])
     return values.reshape(shape).to(dtype)
+
+
+@dataclass(frozen=True)
+class NF4Scheme(SchemeDefaults):
+    """NF4 codebook with a flattened absmax per block (module docstring)."""
+
+    name: str = "nf4"
+    block_size: int = 64
+    scale_dtype: torch.dtype = torch.float16
+    kind = "nf4"
+    bits = 4
+    packed = True
+
+    parts = ("qweight", "scales")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise SchemeError(f"NF4 block size must be positive, got {self.block_size}")
+
+    @property
+    def description(self) -> str:
+        return (f"NF4 codebook (normal quantiles), absmax per block of {self.block_size} of the flattened "
+                "matrix, as bitsandbytes")
+
+    def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        qweight, scales = quantize_nf4(w, self.block_size, self.scale_dtype)
+        return {"qweight": qweight, "scales": scales}
+
+    def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_nf4(parts["qweight"], parts["scales"], shape, self.block_size, dtype)
+
+    def part_layout(self, shape: tuple[int, ...]) -> Layout:
+        """``{part: (shape, dtype)}`` that ``encode`` stores: codes of the flattened tensor, one absmax per block."""
+        n = math.prod(shape)
+        return {"qweight": ((-(-n // 2),), torch.uint8), "scales": ((-(-n // self.block_size),), self.scale_dtype)}
+
+    def nbytes_for(self, shape: tuple[int, ...]) -> int:
+        """``ceil(n/2)`` packed codes plus ``ceil(n/block_size)`` absmax values in ``scale_dtype``."""
+        return super().nbytes_for(shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "bits": 4,
+            "granularity": "block",
+            "block_size": self.block_size,
+            "scale_dtype": DTYPE_NAMES[self.scale_dtype],
+        }
+
+
+NF4 = register(NF4Scheme())

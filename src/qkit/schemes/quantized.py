@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from qkit.errors import NonFiniteWeightError, SchemeError
-from qkit.schemes.registry import Scheme, as_2d
+from qkit.schemes.base import Scheme, as_2d
 
 __all__ = ["QuantizedTensor", "as_2d", "check_parts", "dequantize", "quantize_tensor"]
 
@@ -102,9 +102,9 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
     """Quantize one floating-point tensor with ``scheme``; runs on ``w``'s device.
 
     Raises ``NonFiniteWeightError`` (naming ``name``) for NaN/inf weights, and ``SchemeError`` when a
-    scale overflows the scale dtype. A scheme with a ``resolve(shape, name)`` method (a mixture recipe
-    such as ``q4_k_m``, or a block format that falls back to another type for a width it cannot take)
-    first picks the scheme actually used; the result's ``scheme`` is that one.
+    scale overflows the scale dtype. ``scheme.resolve(shape, name)`` first picks the scheme actually used
+    (a mixture recipe such as ``q4_k_m`` by name, a block format that falls back to another type for a
+    width it cannot take; every other scheme is itself); the result's ``scheme`` is that one.
     """
     if not w.is_floating_point():
         raise SchemeError(f"tensor {name} has dtype {w.dtype}; only floating-point weights can be quantized")
@@ -112,8 +112,7 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
     if w.numel() == 0:
         raise SchemeError(f"tensor {name} is empty (shape {list(shape)}); exclude it from quantization")
     w = w.detach()  # a parameter that requires grad (quantization is not differentiated through)
-    if hasattr(scheme, "resolve"):  # a recipe or a format with a fallback picks the scheme per tensor
-        scheme = scheme.resolve(shape, name)
+    scheme = scheme.resolve(shape, name)  # a recipe or a format with a fallback picks the scheme per tensor
     try:
         parts = scheme.encode(w)
     except NonFiniteWeightError:  # block formats find non-finite weights themselves (their scales are inside)

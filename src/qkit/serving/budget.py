@@ -34,11 +34,10 @@ from typing import Any
 
 import torch
 
+from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError
-from qkit.schemes import get_scheme
-from qkit.schemes.kquants import bind_model
-from qkit.schemes.quantized import as_2d
-from qkit.schemes.registry import AbsmaxScheme, NF4Scheme, Scheme
+from qkit.models import read_config, resolve
+from qkit.schemes import Scheme, get_scheme
 from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, check_kv_dtype, read_config_file
 from qkit.transform import is_block_projection
 
@@ -90,22 +89,10 @@ PRESET_SOURCES = {"7b": "Mistral-7B layout", "13b": "Llama-2-13B layout", "70b":
 
 
 def stored_bytes(scheme: Scheme, shape: tuple[int, ...]) -> int:
-    """Bytes ``quantize_tensor(w, scheme).nbytes`` would report for a weight of ``shape``, without a tensor.
-
-    absmax 8-bit: ``n`` int8 codes; 4-bit: ``ceil(n/2)`` packed bytes; plus ``prod(scale_shape)`` scales.
-    nf4: ``ceil(n/2)`` packed bytes plus ``ceil(n/block_size)`` absmax values. Scales in ``scale_dtype``.
-    """
-    if hasattr(scheme, "nbytes_for"):  # block formats (qkit.schemes.ggml, fp4) state their own layout
-        return int(scheme.nbytes_for(tuple(shape)))
-    rows, cols = as_2d(tuple(shape))
-    n = rows * cols
-    scale = scheme.scale_dtype.itemsize
-    if isinstance(scheme, NF4Scheme):
-        return math.ceil(n / 2) + math.ceil(n / scheme.block_size) * scale
-    if isinstance(scheme, AbsmaxScheme):
-        codes = math.ceil(n / 2) if scheme.packed else n
-        return codes + math.prod(scheme.granularity.scale_shape((rows, cols))) * scale
-    raise InputError(f"unsupported scheme {scheme!r}")  # pragma: no cover - the registry makes only these
+    """Bytes ``quantize_tensor(w, scheme).nbytes`` would report for a weight of ``shape``, without a tensor:
+    the scheme's own exact ``nbytes_for(shape)`` (codes, scales and every other stored part; for example
+    absmax 4-bit ``ceil(n/2) + prod(scale_shape) * scale_bytes``, nf4 ``ceil(n/2) + ceil(n/64) * scale_bytes``)."""
+    return int(scheme.nbytes_for(tuple(shape)))
 
 
 @dataclass(frozen=True)
@@ -146,21 +133,20 @@ def layer_count(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
 def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> WeightBytes:
     """Sum the stored bytes of every tensor: block projections in ``fmt``'s scheme, the rest in fp16.
 
-    A scheme that picks a type per tensor (``resolve``: q4_k_m's recipe, k-quant width fallbacks) is
-    priced per tensor, with the recipe bound to the layer count found in the names, as ``qkit quantize``
-    binds it to the model's config."""
+    Every tensor is priced in the scheme ``resolve`` gives it (q4_k_m's recipe picks a type per tensor,
+    k-quants fall back for some widths), with the scheme bound (``bind``) to the layer count found in the
+    names, as ``qkit quantize`` binds it to the model's config."""
     shapes = list(shapes)
     scheme_name = FORMATS[check_format(fmt)]
     scheme = get_scheme(scheme_name) if scheme_name else None
     if scheme is not None:
-        scheme = bind_model(scheme, {"num_hidden_layers": layer_count(shapes)})
+        scheme = scheme.bind({"num_hidden_layers": layer_count(shapes)})
     total = params = qparams = qbytes = 0
     for name, shape in shapes:
         n = math.prod(shape)
         params += n
         if scheme is not None and is_block_projection(name, tuple(shape)):
-            resolved = scheme.resolve(tuple(shape), name) if hasattr(scheme, "resolve") else scheme
-            b = stored_bytes(resolved, tuple(shape))
+            b = stored_bytes(scheme.resolve(tuple(shape), name), tuple(shape))
             qparams += n
             qbytes += b
             total += b
@@ -221,8 +207,6 @@ def directory_shapes(directory: Path) -> list[tuple[str, tuple[int, ...]]]:
 
     A qkit checkpoint's quantized weights are reported with their original shapes from the manifest.
     """
-    from qkit.checkpoint import read_manifest, tensor_shapes
-
     manifest = read_manifest(directory)
     entries = (manifest or {}).get("tensors", {})
     out = []
@@ -337,8 +321,6 @@ def model_specs(
     for m in models:
         if str(m).endswith(".json"):
             continue
-        from qkit.models import read_config, resolve
-
         ref = resolve(None if m == DEFAULT_MODEL_WORD else m)
         arch = architecture_from_config(read_config(ref.directory), ref.spec)
         label = "default" if ref.kind == "default" else Path(ref.spec).name or ref.spec

@@ -40,7 +40,8 @@ import torch
 
 from qkit.errors import InputError
 from qkit.granularity import PerRow, PerTensor
-from qkit.simulate import RuntimeContext, register_runtime
+from qkit.methods.calibration import CalibrationOptions, calibration_ids
+from qkit.simulate.base import RuntimeContext, register_runtime
 from qkit.simulate.options import build, register_options
 from qkit.transform import is_block_projection
 
@@ -103,8 +104,6 @@ class StaticOptions:
 
     def calibration_options(self):
         """The ``qkit.methods.calibration.CalibrationOptions`` these stand for (checked: one line if malformed)."""
-        from qkit.methods.calibration import CalibrationOptions
-
         given = {k: v for k, v in (("source", self.calibration), ("samples", self.calibration_samples),
                                    ("seqlen", self.calibration_seqlen)) if v is not None}
         options = CalibrationOptions(**given)
@@ -189,8 +188,6 @@ def calibrate_static(
     ids = context.calibration_ids
     provenance: dict[str, Any] = {}
     if ids is None:
-        from qkit.methods.calibration import calibration_ids
-
         tok = context.extra.get("tokenizer")
         if tok is None:
             raise InputError("static activation scales need the model's tokenizer to encode the calibration text; use act-int8-token")

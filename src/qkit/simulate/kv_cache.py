@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.simulate import RuntimeContext, register_runtime
+from qkit.simulate.base import RuntimeContext, register_runtime
 from qkit.simulate.activations import fake_quantize, qmax_for
 from qkit.simulate.options import build, register_options
 

@@ -1,4 +1,10 @@
-"""Named eval rows for the run-time simulations, and the ``activations`` preset.
+"""The named eval rows and presets: every name ``qkit eval --schemes`` knows besides a scheme's.
+
+Layer 6 (``evaluation``): rows are values (``RowSpec``), registered here into ``specs.ROWS`` and
+``specs.PRESETS``; adding a row adds an entry, never an ``if`` in the runner. The runtimes they name
+are registered in ``qkit.simulate`` (layer 5, below), the methods in ``qkit.methods``.
+
+Rows for the run-time simulations, and the ``activations`` preset:
 
 =====================  ==============  ===========  =================================================
 row                    weights         method       run time
@@ -22,6 +28,13 @@ other form is one suffix away.
 
 A row's method is validated when the row runs (``smoothquant`` comes from ``qkit.methods.smoothquant``),
 so registering it never fails when a method is missing.
+
+Presets: ``activations`` (above) and ``shipped``: the format each ecosystem actually ships at about 4
+bits, plus 8-bit, on the same tokens: llama.cpp's Q4_K_M and Q8_0, bitsandbytes' NF4, GPTQ int4 groups
+of 64 as vLLM serves them through compressed-tensors (groups of 128 do not divide the default model's
+576-wide matrices, which vLLM's kernels and llm-compressor refuse), the two FP4 formats (MXFP4, NVFP4),
+and int8 per-row weights. A preset's names are resolved when it is used, so a member that names nothing
+registered is refused then, in one line.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ from qkit.evaluation.specs import RowSpec, register_preset, register_row
 
 INT8_ROW = "int8-row"
 
-ROWS: dict[str, tuple[RowSpec, str]] = {
+SIMULATION_ROWS: dict[str, tuple[RowSpec, str]] = {
     "w8a8-tensor": (RowSpec(INT8_ROW, runtime=("act-int8-tensor",)), "int8-row weights, int8 activations with one dynamic scale per forward"),
     "w8a8-token": (RowSpec(INT8_ROW, runtime=("act-int8-token",)), "int8-row weights, int8 activations with one dynamic scale per token"),
     "w8a8-static": (RowSpec(INT8_ROW, runtime=("act-int8-static",)), "int8-row weights, int8 activations with one calibrated scale per linear"),
@@ -48,9 +61,16 @@ ACTIVATIONS_PRESET = (
     INT8_ROW, "w8a8-tensor", "w8a8-token", "llm-int8", "smoothquant-w8a8", "kv-int8", "kv-int8-channel", "kv-int4", "kv-int4-token",
 )
 
-for _name, (_spec, _description) in ROWS.items():
+SHIPPED = ("int8-row", "q8_0", "q4_k_m", "nf4", "int4-g64+gptq", "mxfp4", "nvfp4")
+
+for _name, (_spec, _description) in SIMULATION_ROWS.items():
     register_row(_name, _spec, _description)
 register_preset("activations", ACTIVATIONS_PRESET,
                 "weight-only int8-row, W8A8 per tensor and per token, LLM.int8, SmoothQuant W8A8, KV int8 and int4 in both layouts")
+register_preset(
+    "shipped",
+    SHIPPED,
+    "what each ecosystem ships: llama.cpp Q8_0 / Q4_K_M, bitsandbytes NF4, GPTQ int4-g64 (vLLM), MXFP4, NVFP4, int8-row",
+)
 
-__all__ = ["ACTIVATIONS_PRESET", "ROWS"]
+__all__ = ["ACTIVATIONS_PRESET", "SHIPPED", "SIMULATION_ROWS"]

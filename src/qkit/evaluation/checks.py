@@ -1,0 +1,124 @@
+"""``qkit eval``'s checks that need no model loaded: window, corpus tokens, calibration texts, a checkpoint
+against its reference (from headers only).
+
+Layer 6 (``evaluation``). ``runner.evaluate`` calls each of these before the reference model is loaded,
+so every refusal costs milliseconds, not a model load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qkit.checkpoint import read_manifest, tensor_shapes
+from qkit.errors import CheckpointError, InputError
+from qkit.evaluation.perplexity import MIN_SCORED, check_scored, scored_positions
+from qkit.methods import get_method, make_options
+from qkit.methods.calibration import calibration_ids
+from qkit.evaluation.specs import RowSpec
+from qkit.models import ModelRef
+from qkit.transform import entry_to_spec
+
+
+def read_config(ref: ModelRef):
+    """The reference's transformers config (no weights read), or None when transformers cannot build it
+    (``load`` then refuses with its own one-line message). Never runs repository code."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(ref.directory), trust_remote_code=ref.trust_remote_code)
+    except Exception:  # noqa: BLE001 - any failure here is reported by ``load``, which reads the same file
+        return None
+
+
+def choose_window(window: int | None, tokens: int, config) -> int:
+    """The window (``--window`` or min(2048, the model's context)), checked against the context and the tokens."""
+    max_ctx = int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    window = window or min(2048, max_ctx)
+    if window > max_ctx:
+        raise InputError(f"--window {window} exceeds the model's maximum context {max_ctx}; pass --window {max_ctx} or less")
+    check_scored(tokens, window)
+    return window
+
+
+def check_corpus_tokens(corpus, n: int, window: int) -> None:
+    """A corpus shorter than ``--tokens`` must still score ``MIN_SCORED`` positions."""
+    scored = scored_positions(n, window)
+    if scored < MIN_SCORED:
+        raise InputError(
+            f"the corpus {corpus.name} has only {n} token(s), which score {scored} position(s) in windows of {window} "
+            f"(the first token of each window has no context); a standard error needs {MIN_SCORED}: pass a longer --corpus"
+        )
+
+
+def check_calibrations(specs: list[RowSpec], tokenizer, corpus) -> list[dict]:
+    """Every calibrated row's calibration text, read, checked disjoint from the eval ``corpus`` and sampled
+    (``qkit.methods.calibration.calibration_ids``) before the model is loaded, so an unreadable, overlapping
+    or too short text is refused in one line before the reference row. Returns each distinct text's
+    provenance (the method reads and samples it again when its row is built: milliseconds next to a row)."""
+    seen: dict[Any, dict] = {}
+    for spec in specs:
+        method = get_method(spec.method)
+        if method is None or not method.calibrated:
+            continue
+        chosen = make_options(method, dict(spec.method_options)).calibration_options()
+        if chosen not in seen:
+            seen[chosen] = calibration_ids(tokenizer, chosen, evaluation=corpus)[1]
+    return list(seen.values())
+
+
+def stored_weights(directory: Path) -> dict[str, tuple[int, ...]]:
+    """A checkpoint's weights by name and shape from its headers and manifest: a quantized weight's stored
+    parts (``W.qweight``, ``W.scales``, ...) stand for ``W`` with its original shape."""
+    entries = (read_manifest(directory) or {}).get("tensors") or {}
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"checkpoint {directory}: the manifest's 'tensors' is not a JSON object; re-create it")
+    out: dict[str, tuple[int, ...]] = {}
+    parts: dict[str, set[str]] = {}
+    for key, shape in tensor_shapes(directory):
+        base, dot, part = key.rpartition(".")
+        if dot and base in entries:
+            parts.setdefault(base, set()).add(part)
+        else:
+            out[key] = tuple(shape)
+    lacking = []
+    for name, entry in entries.items():
+        try:
+            scheme, shape, _dtype = entry_to_spec(entry)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CheckpointError(f"checkpoint {directory}: malformed manifest entry for {name} ({exc!r}); re-create it") from exc
+        if set(scheme.parts) - parts.get(name, set()):  # iter_quantized would find this only after the model loads
+            lacking.append(f"{name}.{'/'.join(sorted(set(scheme.parts) - parts.get(name, set())))}")
+        out[name] = shape
+    if lacking:
+        raise CheckpointError(f"checkpoint {directory} lacks stored parts {', '.join(sorted(lacking)[:3])}"
+                              + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "") + "; re-create it")
+    return out
+
+
+def check_checkpoint_matches(checkpoint: ModelRef, ref: ModelRef, config=None) -> None:
+    """Refuse, from both headers and before anything is loaded, a checkpoint whose weights are not the
+    reference's: every tensor the reference stores must be in the checkpoint (quantized or as stored) with the
+    same shape, and nothing else (a tied ``lm_head.weight`` may be stored on one side only)."""
+    have = stored_weights(checkpoint.directory)
+    want = dict(tensor_shapes(ref.directory))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    optional = {n for n in {*have, *want} if tied and n.endswith("lm_head.weight")}
+    missing = sorted(n for n in want.keys() - have.keys() if n not in optional)
+    extra = sorted(n for n in have.keys() - want.keys() if n not in optional)
+    wrong = sorted(n for n in want.keys() & have.keys() if tuple(want[n]) != tuple(have[n]))
+    if not (missing or extra or wrong):
+        return
+
+    def some(names: list[str], fmt=lambda n: n) -> str:
+        return ", ".join(fmt(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    parts = ([f"missing {some(missing)}"] if missing else []) + ([f"extra {some(extra)}"] if extra else []) + (
+        [f"shape of {some(wrong, lambda n: f'{n} {list(have[n])} (reference {list(want[n])})')}"] if wrong else [])
+    raise InputError(
+        f"checkpoint {checkpoint.spec} does not match the reference {ref.spec} ({'; '.join(parts)}); "
+        "pass the --reference it was made from, or re-create the checkpoint"
+    )
+
+
+__all__ = ["check_calibrations", "check_checkpoint_matches", "check_corpus_tokens", "choose_window", "read_config", "stored_weights"]

@@ -1,0 +1,88 @@
+"""What an eval's numbers do and do not support, in words: the notes under the table.
+
+Layer 6 (``evaluation``): reads the rows of an ``EvalReport`` (``report``); the runner calls it last.
+"""
+
+from __future__ import annotations
+
+import math
+
+from qkit.evaluation.report import Row
+
+COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the reference's has collapsed
+
+
+def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
+    """What the numbers do and do not support, in words. A statistic that could not be computed (NaN or
+    infinite: no standard error, a model that produced NaN log-probabilities) is said to be missing, never
+    called a difference or a match."""
+    ref = rows[0]
+    notes: list[str] = []
+    others = rows[1:]
+    if not others:
+        return notes
+    finite = math.isfinite
+    # A non-finite perplexity (NaN or inf log-probabilities) has collapsed as surely as a 10x one.
+    collapsed = [r for r in others if not finite(r.perplexity) or r.perplexity >= COLLAPSE_FACTOR * ref.perplexity]
+    for r in others:
+        if r.weights_changed == 0 and r.matrices:
+            notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: its grid is the one the reference was "
+                         "published in (the default model is Q4_1: asymmetric blocks of 32), so this row measures nothing "
+                         "about the scheme or method; do not compare it with the others.")
+    for r in collapsed:
+        if not finite(r.perplexity):
+            notes.append(f"{r.scheme} collapsed: its perplexity is {r.perplexity} (the model's log-probabilities are not "
+                         "finite); none of its corpus statistics can be compared.")
+        else:
+            notes.append(f"{r.scheme} collapsed: perplexity {r.perplexity:,.0f} is {r.perplexity / ref.perplexity:,.0f}x the reference's {ref.perplexity:.2f}.")
+    on = f" on {scored_tokens:,} scored tokens" if scored_tokens is not None else ""
+    for r in others:
+        if r in collapsed:
+            continue
+        if not (finite(r.perplexity_change_pct) and finite(r.perplexity_change_se_pct)):
+            notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% has no standard error{on}; "
+                         "it is neither a difference nor a match: score more tokens (--tokens).")
+            continue
+        lo = r.perplexity_change_pct - 2 * r.perplexity_change_se_pct
+        hi = r.perplexity_change_pct + 2 * r.perplexity_change_se_pct
+        if lo <= 0 <= hi:
+            notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) is indistinguishable from the reference on these tokens.")
+        else:
+            notes.append(f"{r.scheme}: perplexity {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) against the reference, a real difference on these tokens.")
+    survivors = sorted((r for r in others if r not in collapsed and r.bits_per_weight < 6), key=lambda r: r.perplexity)
+    if len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
+        notes.append("4-bit rows from best to worst perplexity: " + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
+    elif len(survivors) > 1:  # a mixed recipe (q4_k_m on 576-wide rows: mostly Q5_0) is not a 4-bit row: say its bits
+        notes.append("rows below 6 bits per weight from best to worst perplexity (bits/w): " + " < ".join(
+            f"{r.scheme} ({r.perplexity:.2f}, {r.bits_per_weight:.2f})" for r in survivors) + ".")
+    if ref.battery_total:  # McNemar needs paired answers; no questions, no test
+        distinct = [r for r in others if finite(r.mcnemar_p) and r.mcnemar_p < 0.05]
+        if distinct:
+            notes.append("battery differences distinguishable from the reference (exact McNemar p < 0.05): "
+                         + ", ".join(f"{r.scheme} ({r.battery_correct}/{r.battery_total}, {_p(r.mcnemar_p)})" for r in distinct) + ".")
+        same = [r.scheme for r in others if finite(r.mcnemar_p) and r.mcnemar_p >= 0.05]
+        if same:
+            notes.append(f"battery differences of {', '.join(same)} against the reference are not distinguishable "
+                         f"(exact McNemar p >= 0.05): with {ref.battery_total} questions, a difference needs at least "
+                         f"{_min_discordant(0.05)} answers changing in one direction to count.")
+    measured = [r for r in others if r.agreement_total]
+    if measured:
+        best = max(measured, key=lambda r: r.agreement / r.agreement_total)
+        notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
+                     f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
+    return notes
+
+
+def _p(p: float) -> str:
+    return "p < 0.001" if p < 0.001 else f"p = {p:.3f}"
+
+
+def _min_discordant(alpha: float) -> int:
+    """Smallest n such that n discordant pairs all in one direction reach exact McNemar p < alpha."""
+    n = 1
+    while 2 * 0.5**n >= alpha:
+        n += 1
+    return n
+
+
+__all__ = ["interpret"]

