@@ -3,9 +3,14 @@
 Library first: every CLI command is a plain function here, called with keyword arguments.
 """
 
-__version__ = "0.1.0"
-
-from qkit.schemes import QuantizedTensor, dequantize, get_scheme, quantize_tensor, scheme_names  # noqa: E402
+from qkit.schemes import (
+    QuantizedTensor,
+    dequantize,
+    get_scheme,
+    quantize_tensor,
+    scheme_names,
+)
+from qkit.version import __version__
 
 
 def __getattr__(name: str):

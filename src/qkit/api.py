@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from qkit import __version__
 from qkit.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
@@ -29,12 +28,20 @@ from qkit.errors import InputError, OutputError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
 from qkit.export.compressed_tensors_w8a8 import check_activations
 from qkit.methods import RTN, get_method, make_options
-from qkit.models import ModelRef, check_complete, copy_aux_files, parse_device, read_config, resolve
+from qkit.models import (
+    ModelRef,
+    check_complete,
+    copy_aux_files,
+    parse_device,
+    read_config,
+    resolve,
+)
 from qkit.models import load as _load
 from qkit.outputs import Input, directory_inputs, file_inputs, model_inputs
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, new_manifest, plan
+from qkit.version import __version__
 
 load = _load
 

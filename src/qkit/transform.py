@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qkit import __version__
 from qkit.errors import CheckpointError, InputError, SchemeError
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import scheme_from_dict
+from qkit.version import __version__
 
 MANIFEST_FORMAT = "qkit"
 MANIFEST_VERSION = 1

@@ -10,34 +10,39 @@ from typing import Annotated, Optional
 import typer
 
 from qkit import console
+from qkit.api import QuantizeOptions, QuantizeProgress, quantize_model
+from qkit.checkpoint import remove_stale_siblings
 from qkit.cli.common import (
+    AlphaOpt,
     CalibrationOpt,
     CalibrationSamplesOpt,
     CalibrationSeqlenOpt,
-    AlphaOpt,
-    NoClipOpt,
     DeviceOpt,
     ForceOpt,
     JsonOpt,
     ModelArg,
+    NoClipOpt,
     PickleOpt,
     ScaleDtypeOpt,
     ThreadsOpt,
     TrustOpt,
-    handles_errors,
+    calibration_options,
     file_inputs,
+    handles_errors,
     human_bytes,
     json_target,
     model_inputs,
     parse_size,
     use_threads,
-    calibration_options,
 )
 from qkit.errors import InputError
+from qkit.export import QKIT, check_output, get_format
+from qkit.export.verify import verify_checkpoint
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
+from qkit.threads import check_threads
 
 SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help=scheme_help())]  # every registered scheme
 # A str, not a Path: typer turns an empty -o '' into Path('.'), the current directory.
@@ -83,10 +88,6 @@ def quantize(
     threads: ThreadsOpt = None,
 ) -> None:
     """Write a quantized safetensors checkpoint of MODEL (qkit's format, or one vLLM/transformers load)."""
-    from qkit.api import QuantizeOptions, QuantizeProgress, quantize_model
-    from qkit.checkpoint import remove_stale_siblings
-    from qkit.export import QKIT, check_output, get_format
-    from qkit.threads import check_threads
 
     # Every check that needs no model comes first: both outputs against what the arguments name (an output
     # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
@@ -203,7 +204,6 @@ def verify(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Load an exported CHECKPOINT with its target library and compare it with qkit, weight by weight and on logits."""
-    from qkit.export.verify import verify_checkpoint
 
     json_target(json_path, force, model_inputs(checkpoint, "the checkpoint"))
     use_threads(threads)

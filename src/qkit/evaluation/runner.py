@@ -40,27 +40,54 @@ from typing import Any
 
 import torch
 
-from qkit import __version__
 from qkit.api import QuantizeOptions, quantize_model
-from qkit.checkpoint import checkpoint_bytes, iter_quantized, read_manifest, tensor_shapes
+from qkit.checkpoint import (
+    checkpoint_bytes,
+    iter_quantized,
+    read_manifest,
+    tensor_shapes,
+)
 from qkit.errors import InputError
 from qkit.evaluation.agreement import agreement, reference_continuation
-from qkit.evaluation.battery import build_prompts, generate_answers, is_correct, load_battery, model_repetition_penalty
-from qkit.evaluation.checks import check_calibrations, check_checkpoint_matches, check_corpus_tokens, choose_window, read_config
+from qkit.evaluation.battery import (
+    build_prompts,
+    generate_answers,
+    is_correct,
+    load_battery,
+    model_repetition_penalty,
+)
+from qkit.evaluation.checks import (
+    check_calibrations,
+    check_checkpoint_matches,
+    check_corpus_tokens,
+    choose_window,
+    read_config,
+)
 from qkit.evaluation.notes import interpret
 from qkit.evaluation.perplexity import CorpusReference, TokenScores, check_scored
 from qkit.evaluation.report import EvalReport, Row
 from qkit.evaluation.specs import RowSpec, resolve_rows
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.methods import RTN
-from qkit.models import ModelRef, check_complete, check_device_map, load, load_tokenizer, parse_device, resolve
-from qkit.outputs import _pid_alive  # the same liveness test as the staging siblings of every output
+from qkit.models import (
+    ModelRef,
+    check_complete,
+    check_device_map,
+    load,
+    load_tokenizer,
+    parse_device,
+    resolve,
+)
+from qkit.outputs import (
+    _pid_alive,  # the same liveness test as the staging siblings of every output
+)
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
 from qkit.simulate.options import check_keys
 from qkit.texts import load_corpus
 from qkit.transform import is_block_projection
+from qkit.version import __version__
 
 REFERENCE = "reference"
 TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (tempfile's 8 characters)

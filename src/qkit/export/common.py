@@ -27,7 +27,6 @@ from typing import Protocol
 
 import torch
 
-from qkit import __version__
 from qkit.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardWriter,
@@ -43,6 +42,7 @@ from qkit.models import linear_modules as _model_linears
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
 from qkit.transform import entry_to_spec, manifest_entry
+from qkit.version import __version__
 
 EXPORT_MANIFEST = "qkit-export.json"
 EXPORT_VERSION = 1

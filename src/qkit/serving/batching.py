@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from qkit.errors import InputError
+from qkit.threads import available_memory
 
 DEFAULT_REQUESTS = 64
 DEFAULT_SLOTS = 8
@@ -119,7 +120,6 @@ def _read_text(path: str | Path, what: str, fix: str, max_bytes: int | None = No
 def check_requests(requests: int, what: str = "--requests") -> None:
     """Refuse a request count the simulation cannot take: below 1, above ``MAX_REQUESTS``, or more than the
     memory free holds at ``BYTES_PER_REQUEST`` each (``qkit.threads.available_memory``)."""
-    from qkit.threads import available_memory
 
     if requests < 1:
         raise InputError(f"{what} must be at least 1 (got {requests})")

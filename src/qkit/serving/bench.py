@@ -28,15 +28,18 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
+from qkit.models import checked, load, parse_device
 from qkit.serving.kv import (
     architecture_from_config,
     cache_kwarg,
     hf_config,
     human_bytes,
+    model_from_config,
     output_cache,
     parameter_estimate,
     read_config_file,
 )
+from qkit.threads import available_memory, check_threads
 from qkit.transform import is_block_projection
 
 BENCH_SEED = 0
@@ -218,7 +221,6 @@ def bench(
     ``threads`` sets torch's CPU threads for the run and restores the previous number afterwards (on a
     machine shared with other jobs, one thread per free core avoids oversubscribed thread barriers).
     """
-    from qkit.threads import check_threads
 
     check_threads(threads)
     previous = torch.get_num_threads()
@@ -231,8 +233,6 @@ def bench(
 
 
 def _bench(model, config, device, quick, repeats, settings, on_stage) -> BenchReport:
-    from qkit.models import checked, load, parse_device
-    from qkit.serving.kv import model_from_config
 
     cfg = settings or (BenchConfig.quick() if quick else BenchConfig())
     if repeats is not None:
@@ -274,7 +274,6 @@ def _bench(model, config, device, quick, repeats, settings, on_stage) -> BenchRe
 def check_random_model_fits(arch: Any, device: torch.device) -> None:
     """Refuse a ``--config`` whose random fp32 model (``parameter_estimate`` x 4 bytes) does not fit in the
     memory free on ``device`` (``qkit.threads.available_memory``), before it is built."""
-    from qkit.threads import available_memory
 
     need, free = parameter_estimate(arch) * 4, available_memory(str(device))
     if free is not None and need > free:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from fractions import Fraction
 from dataclasses import asdict, dataclass, field
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,13 @@ from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError
 from qkit.models import read_config, resolve
 from qkit.schemes import Scheme, get_scheme
-from qkit.serving.kv import DEFAULT_KV_DTYPE, Architecture, architecture_from_config, check_kv_dtype, read_config_file
+from qkit.serving.kv import (
+    DEFAULT_KV_DTYPE,
+    Architecture,
+    architecture_from_config,
+    check_kv_dtype,
+    read_config_file,
+)
 from qkit.transform import is_block_projection
 
 GIB = 2**30

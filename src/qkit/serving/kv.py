@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError, ModelLoadError
+from qkit.models import load, parse_device, read_config, resolve
+from qkit.threads import available_memory
 
 # Dtype names accepted for the cache; bytes per element come from torch itself, not from a table.
 KV_DTYPES: dict[str, torch.dtype] = {
@@ -220,7 +222,6 @@ def check_forward_fits(arch: Architecture, config: dict[str, Any], tokens: int, 
     (``qkit.threads.available_memory``) for the cache (``2 x layers x kv_heads x head_dim`` elements per token),
     the activations (about ``4 x hidden + 2 x intermediate`` elements per token) and, for a model built from a
     config, its random weights (``parameter_estimate``)."""
-    from qkit.threads import available_memory
 
     context = context_length(config)
     if context is not None and tokens > context:
@@ -250,7 +251,6 @@ def check_forward_fits(arch: Architecture, config: dict[str, Any], tokens: int, 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """A config.json given with ``--config`` (a file, or a directory holding one)."""
-    from qkit.models import read_config
 
     p = Path(path).expanduser()
     if not p.exists():
@@ -265,7 +265,6 @@ def resolve_architecture(model: str | None = None, config: str | Path | None = N
     if config is not None:
         raw = read_config_file(config)
         return architecture_from_config(raw, str(config)), raw
-    from qkit.models import read_config, resolve
 
     ref = resolve(model)
     raw = read_config(ref.directory)
@@ -419,7 +418,6 @@ def model_from_config(config_dict: dict[str, Any], dtype: torch.dtype, device: t
 
 def check_measure(dtype: str, device: str | None) -> torch.device:
     """Refuse a cache dtype the model cannot run in, or a bad device, before anything is loaded."""
-    from qkit.models import parse_device
 
     if kv_dtype(dtype).itemsize < 2:
         raise InputError(f"--measure runs the model in the cache dtype, and {dtype} models do not run here; use fp16, bf16 or fp32")
@@ -439,7 +437,6 @@ def measure_kv(
     Returns ``{"bytes", "tensors", "layers", "tokens", "dtype", "shape"}``; ``bytes`` is the sum of the
     distinct storages of the cache's key and value tensors (shape ``[1, kv_heads, tokens, head_dim]``).
     """
-    from qkit.models import load
 
     torch_dtype = kv_dtype(dtype)
     dev = check_measure(dtype, device)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from qkit.errors import InputError
+from qkit.serving.batching import _read_text
 
 DEFAULT_GAMMAS: tuple[int, ...] = (1, 2, 4, 8)
 DEFAULT_COST = 0.1  # draft forward / target forward, when neither --cost nor --from gives one
@@ -90,7 +91,6 @@ def drafts_from_eval(path: str | Path) -> list[dict[str, Any]]:
     Rows have scheme, bits_per_weight, agreement (a count of agreeing tokens, or a fraction when a float),
     agreement_total and optionally agreement_ci95; the ``reference`` row gives the target's bits per weight.
     """
-    from qkit.serving.batching import _read_text
 
     text = _read_text(path, "eval file", "write one with qkit eval --json PATH")
     try:

@@ -25,10 +25,16 @@ import gguf
 import numpy as np
 import torch
 
-from qkit import __version__, outputs
+from qkit import outputs
 from qkit.checkpoint import atomic_directory, tensor_dtypes, write_json
 from qkit.errors import ExportError
-from qkit.export.common import EXPORT_MANIFEST, EXPORT_VERSION, ExportPlan, PreparedExport, fingerprint
+from qkit.export.common import (
+    EXPORT_MANIFEST,
+    EXPORT_VERSION,
+    ExportPlan,
+    PreparedExport,
+    fingerprint,
+)
 from qkit.export.gguf.metadata import (
     FILE,
     GENERAL_KEPT,
@@ -42,7 +48,13 @@ from qkit.export.gguf.metadata import (
     rope_parameters,
     source_gguf,
 )
-from qkit.export.gguf.names import ARCHITECTURES, arch_name, permutation_heads, row_permutation, tensor_names
+from qkit.export.gguf.names import (
+    ARCHITECTURES,
+    arch_name,
+    permutation_heads,
+    row_permutation,
+    tensor_names,
+)
 from qkit.export.gguf.tokenizer import add_tokenizer, hf_tokenizer
 from qkit.export.gguf.types import (
     block_bytes,
@@ -59,6 +71,7 @@ from qkit.models import ModelRef, read_config
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
 from qkit.transform import manifest_entry
+from qkit.version import __version__
 
 
 @dataclass(frozen=True)
