@@ -457,11 +457,13 @@ def assert_one_line_error(result, text: str, *needles: str) -> None:
         assert n in lines[0], (n, lines[0])
 
 
-def test_cli_calibration_shorter_than_one_sample(tiny64, cal_file, tmp_path):
+def test_cli_calibration_shorter_than_one_sample(tiny64, tmp_path):
     out = tmp_path / "o"
+    short = tmp_path / "short.txt"  # a seqlen within the model's context (256), longer than the text
+    short.write_text("The quick brown fox jumps over the lazy dog.")
     result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", "int4-g32", "--method", "gptq",
-                       "--calibration", cal_file, "--calibration-seqlen", "100000")
-    assert_one_line_error(result, text, "shorter than one sample of 100000", "--calibration-seqlen")
+                       "--calibration", str(short), "--calibration-seqlen", "200")
+    assert_one_line_error(result, text, "shorter than one sample of 200", "--calibration-seqlen")
     assert not out.exists()
 
 

@@ -579,8 +579,8 @@ def test_non_finite_weight_names_the_tensor(name, bad):
 
 @pytest.mark.parametrize(("name", "cols", "needle"), [
     ("mxfp4", 48, "48 = 1.5 x 32): mxfp4 stores blocks of 32 along each row, so the width must be a multiple of 32; "
-                  "nvfp4 (blocks of 16) can, or leave it out with --exclude 'layer.w'"),
-    ("mxfp4", 50, "multiple of 32; or leave it out with --exclude 'layer.w', or give it another scheme with --keep"),
+                  "nvfp4 (blocks of 16) can, or leave it out (qkit quantize --exclude 'layer.w')"),
+    ("mxfp4", 50, "multiple of 32; or leave it out (qkit quantize --exclude 'layer.w') or give it another scheme (qkit quantize --keep"),
     ("nvfp4", 40, "40 = 2.5 x 16): nvfp4 stores blocks of 16"),
 ])
 def test_width_not_whole_blocks_is_refused_naming_what_works(name, cols, needle):

@@ -28,6 +28,7 @@ from qkit.errors import InputError, OutputError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
 from qkit.export.compressed_tensors_w8a8 import check_activations
 from qkit.methods import RTN, get_method, make_options
+from qkit.methods.calibration import check_fits
 from qkit.models import (
     ModelRef,
     check_complete,
@@ -229,6 +230,8 @@ def quantize_model(
     if chooser is not None:
         for s in {s.name: s for s in targets.values()}.values():
             chooser.check(s)
+        if chooser.calibrated:  # windows beyond the model's context, activations beyond memory: refused now
+            check_fits(options.calibration_options(), config)
     manifest = new_manifest(default, rules)
     export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest, ref=ref,
                                                          activations=activations)
@@ -277,7 +280,8 @@ def quantize_model(
             **({"method": manifest["method"]} if "method" in manifest else {}),
         }
         write_json(tmp / "config.json", config)
-        copy_aux_files(ref.directory, tmp)
+        # a trusted model's own code files too: its config names them, the copy cannot load without them
+        copy_aux_files(ref.directory, tmp, trust_remote_code=opts.trust_remote_code or ref.trust_remote_code)
     result.bits_per_weight = 8 * qbytes / max(result.parameters, 1)
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0

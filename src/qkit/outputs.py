@@ -22,6 +22,13 @@ file for ``--json``): on success the caller renames it into place; on any failur
 parent directories it created are removed, and an ``OSError`` of writing (ENOSPC, EROFS, ...) becomes
 one ``OutputError`` line naming the path and the cause. A run killed with SIGKILL leaves only such a
 sibling, and the next write into the same parent removes it (``remove_stale_siblings``).
+
+What this process published (every ``staged`` block that completed: the output was moved into place) is
+recorded (``published()``), so an interrupt can say truthfully whether something was written.
+
+Scratch directories under ``$TMPDIR`` (an eval row's checkpoint, ``inspect errors --method``'s) come from
+``temporary_directory(prefix)``: ``PREFIXPID-RANDOM``, removed on exit; a SIGKILLed run's is removed by
+the next ``remove_stale_temporary(prefix)`` (its PID is gone).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -437,6 +445,8 @@ def staged(
         if directory:
             tmp.mkdir()
         yield tmp
+        if os.path.lexists(out):  # the caller moved it into place: from here on, something was written
+            _PUBLISHED.append(out)
     except BaseException as exc:
         failure = write_failure(exc, out, what, tmp)  # first: removing the partial output frees the space
         if tmp is not None:
@@ -485,6 +495,70 @@ def write_text(path: PathLike, text: str, *, what: str = "--json",
         os.replace(tmp, path)
 
 
+# --------------------------------------------------------------------------- what this process wrote
+
+_PUBLISHED: list[Path] = []  # every output this process put in place, in order (``staged`` records them)
+
+
+def published() -> list[Path]:
+    """The outputs this process has put in place so far (a checkpoint, an export, a ``--json`` report)."""
+    return list(_PUBLISHED)
+
+
+def interrupted_message() -> str:
+    """What an interrupt left, in words: ``interrupted after writing PATH`` once something was published,
+    else ``interrupted; nothing was written`` (staged writes in progress are removed as the stack unwinds)."""
+    done = list(dict.fromkeys(_PUBLISHED))
+    if not done:
+        return "interrupted; nothing was written"
+    return f"interrupted after writing {', '.join(map(str, done))}"
+
+
+# --------------------------------------------------------------------------- scratch directories in $TMPDIR
+
+_RANDOM = 8  # tempfile's random part: 8 characters of [a-z0-9_]
+
+
+def _temporary_pattern(prefix: str) -> re.Pattern[str]:
+    return re.compile(rf"^{re.escape(prefix)}(?P<pid>[0-9]+)-[a-z0-9_]{{{_RANDOM}}}$")
+
+
+def remove_stale_temporary(prefix: str, parent: PathLike | None = None) -> list[Path]:
+    """Remove ``PREFIXPID-RANDOM`` directories under ``parent`` (default ``tempfile.gettempdir()``, i.e.
+    ``$TMPDIR``) whose writer process is gone (killed by SIGKILL or a power cut); return them. A live
+    process's directory (its PID exists) is never touched."""
+    root = Path(parent or tempfile.gettempdir())
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    pattern = _temporary_pattern(prefix)
+    removed = []
+    for p in sorted(entries):
+        m = pattern.match(p.name)
+        if m and p.is_dir() and not p.is_symlink() and not _pid_alive(int(m.group("pid"))):
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append(p)
+    return removed
+
+
+@contextlib.contextmanager
+def temporary_directory(prefix: str, on_stale: Callable[[list[Path]], None] | None = None) -> Iterator[Path]:
+    """A scratch directory ``$TMPDIR/PREFIXPID-RANDOM``, removed when the block ends (also on an exception
+    or Ctrl-C). The writer's PID in the name lets the next run remove it when this one was SIGKILLed:
+    stale ones of the same prefix are removed first (reported to ``on_stale``)."""
+    removed = remove_stale_temporary(prefix)
+    if removed and on_stale:
+        on_stale(removed)
+    with tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-") as tmp:
+        try:
+            yield Path(tmp)
+        finally:  # what was written in here is gone with it: an interrupt must not claim it was written
+            inside = Path(tmp)
+            _PUBLISHED[:] = [p for p in _PUBLISHED if inside not in p.parents]
+
+
 __all__ = ["EXPORT_MANIFEST", "OLD_MARK", "SOURCE_FILE", "TMP_MARK", "Input", "check_output", "directory_inputs",
-           "file_inputs", "is_json_file", "is_qkit_directory", "model_inputs", "overlap", "publish_directory",
-           "remove_stale_siblings", "sibling_name", "stale_siblings", "staged", "write_failure", "write_text"]
+           "file_inputs", "interrupted_message", "is_json_file", "is_qkit_directory", "model_inputs", "overlap",
+           "publish_directory", "published", "remove_stale_siblings", "remove_stale_temporary", "sibling_name", "stale_siblings", "staged", "temporary_directory", "write_failure", "write_text"]

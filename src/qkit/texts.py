@@ -196,8 +196,8 @@ def check_disjoint(calibration: Corpus, evaluation: Corpus) -> None:
         raise InputError(
             f"calibration text {calibration.name} overlaps the evaluation text {evaluation.name} "
             f"({len(common)} of its {len(eval_hashes)} runs of {SHINGLE_WORDS} words occur in it); calibrating on the "
-            "eval text would flatter the result: pass a text without it to --calibration (the default, KJV "
-            "Genesis+Exodus, is disjoint)"
+            "eval text would flatter the result: pass a calibration text (--calibration) and an eval text (--corpus) "
+            "that share no such run (the pinned defaults, KJV Genesis+Exodus and KJV Ruth, share none)"
         )
 
 

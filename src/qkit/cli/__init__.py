@@ -16,7 +16,7 @@ import threading
 
 import typer
 
-from qkit import console
+from qkit import console, outputs
 from qkit.errors import QkitError
 
 app = typer.Typer(
@@ -51,7 +51,7 @@ app.command("verify")(_quantize.verify)
 app.add_typer(_inspect.inspect_app, name="inspect")
 
 
-INTERRUPTED = "interrupted; nothing was written"
+INTERRUPTED = "interrupted; nothing was written"  # before any output was put in place (see _exit_interrupted)
 _interrupted = threading.Event()
 
 
@@ -67,13 +67,16 @@ def _on_sigint(signum, frame) -> None:
 
 
 def _exit_interrupted() -> None:
-    console.error(INTERRUPTED)
+    # True either way: "nothing was written" only while no output was put in place (a staged write in
+    # progress is removed as the stack unwinds); after one was, "interrupted after writing PATH".
+    console.error(outputs.interrupted_message())
     sys.exit(130)
 
 
 def main() -> None:
-    """Entry point: usage errors and ``QkitError`` become one line on stderr and exit code 2; Ctrl-C
-    becomes the one line ``error: interrupted; nothing was written`` and exit code 130."""
+    """Entry point (called by ``qkit.__main__``, which handles Ctrl-C while this module imports): usage
+    errors and ``QkitError`` become one line on stderr and exit code 2; Ctrl-C becomes the one line
+    ``error: interrupted; nothing was written`` (or ``interrupted after writing PATH``) and exit code 130."""
     import importlib
 
     # typer vendors click in some versions: take the exception classes from wherever typer's come from.

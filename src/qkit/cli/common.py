@@ -3,14 +3,18 @@
 A new option that more than one command takes belongs here as an ``Annotated`` alias; its default comes
 from the library (the config dataclass or the function's keyword default), never from a second literal.
 Library errors (``QkitError``) become one line on stderr and the error's exit code, never a traceback.
+Every command's preamble is ``start`` (the ``--json`` target checked against what the command reads),
+then the command's own checks, then ``Run.use_threads()``, the work, and ``Run.write_json``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import re
-from collections.abc import Iterable
-from typing import Annotated, Optional
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -128,9 +132,42 @@ model_inputs = outputs.model_inputs  # what a MODEL argument reads, for the outp
 file_inputs = outputs.file_inputs  # a file option (a corpus, --calibration, --config; hf:... is none)
 
 
+def reads(model: str | os.PathLike | None, *files: tuple[str, str | None]) -> list[outputs.Input]:
+    """What a command with a MODEL argument and file options reads: ``model_inputs(model)`` and, for each
+    ``(label, value)``, ``file_inputs(label, value)``."""
+    return [*model_inputs(model), *(i for label, value in files for i in file_inputs(label, value))]
+
+
 def use_threads(threads: int | None) -> int:
     """Set torch's CPU threads once, before any work (``--threads``, else the cores this process may use)."""
     return set_threads(threads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What a command's preamble (``start``) hands on: the ``--json`` target, ``--threads`` and the inputs
+    the outputs were checked against."""
+
+    json_path: str | None
+    threads: int | None
+    inputs: tuple[outputs.Input, ...]
+
+    def use_threads(self) -> int:
+        """Set torch's CPU threads (``use_threads``); called after the command's own checks, before any work."""
+        return use_threads(self.threads)
+
+    def write_json(self, data: Callable[[], Any]) -> None:
+        """With ``--json``, write what ``data()`` returns there (computed only then)."""
+        if self.json_path:
+            console.write_json(self.json_path, data())
+
+
+def start(json_path: str | None, force: bool, threads: int | None = None, inputs: Iterable[outputs.Input] = ()) -> Run:
+    """Every command's first line: check the ``--json`` target against ``inputs`` (``json_target``) before
+    any work, and return what the rest of the command needs."""
+    inputs = tuple(inputs)
+    json_target(json_path, force, inputs)
+    return Run(json_path, threads, inputs)
 
 
 # --------------------------------------------------------------------------- parsing and formatting

@@ -20,14 +20,13 @@ from qkit.cli.common import (
     ModelArg,
     ThreadsOpt,
     TrustOpt,
+    calibration_options,
     comma_list,
     handles_errors,
-    human_bytes,
     file_inputs,
-    json_target,
+    human_bytes,
     model_inputs,
-    use_threads,
-    calibration_options,
+    start,
 )
 from qkit.evaluation import EvalOptions
 from qkit.methods import method_names
@@ -76,8 +75,8 @@ def eval_(
     trust_remote_code: TrustOpt = False,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
-    json_target(json_path, force, [*model_inputs(model), *model_inputs(reference, "the reference"),
-                                   *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration)])
+    run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
+                                            *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration)])
     given = {
         "schemes": tuple(comma_list(schemes)) if schemes else None,
         "methods": tuple(comma_list(methods)) if methods else None,
@@ -93,19 +92,22 @@ def eval_(
     }
     options = dataclasses.replace(EvalOptions(), **{k: v for k, v in given.items() if v is not None})
     runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
-    if runtime:
-        options = dataclasses.replace(options, runtime_options=tuple(sorted({**dict(options.runtime_options), **runtime}.items())))
-    method_options = calibration_options(calibration, calibration_samples, calibration_seqlen)
-    if method_options:
-        options = dataclasses.replace(options, method_options=tuple(sorted({**dict(options.method_options), **method_options}.items())))
+    options = _with_pairs(options, "runtime_options", runtime)
+    options = _with_pairs(options, "method_options", calibration_options(calibration, calibration_samples, calibration_seqlen))
     if no_repetition_penalty:
         options = dataclasses.replace(options, repetition_penalty=False)
     options.validate()  # every check that needs no model, before the model is touched
-    use_threads(threads)
+    run.use_threads()
     report = evaluation.evaluate(model, options=options, on_status=console.status)
     render_eval(report)
-    if json_path:
-        console.write_json(json_path, report.to_dict())
+    run.write_json(report.to_dict)
+
+
+def _with_pairs(options: EvalOptions, field: str, given: dict) -> EvalOptions:
+    """``options`` with the ``given`` pairs merged into its sorted ``(name, value)`` tuple ``field``."""
+    if not given:
+        return options
+    return dataclasses.replace(options, **{field: tuple(sorted({**dict(getattr(options, field)), **given}.items()))})
 
 
 def _fmt_change(pct: float, se: float) -> str:

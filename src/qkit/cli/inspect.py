@@ -21,10 +21,8 @@ from qkit.cli.common import (
     ThreadsOpt,
     calibration_options,
     handles_errors,
-    file_inputs,
-    json_target,
-    model_inputs,
-    use_threads,
+    reads,
+    start,
 )
 from qkit.inspect import errors as _ierrors  # defaults come from the library, defined once
 from qkit.inspect import method_errors as _imethod
@@ -66,7 +64,7 @@ def inspect_errors_(
     threads: ThreadsOpt = None,
 ) -> None:
     """Relative error ||W - W_hat||_F / ||W||_F of every projection matrix under each scheme."""
-    json_target(json_path, force, [*model_inputs(model), *file_inputs("the calibration text", calibration)])
+    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)))
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
     chooser = get_method(method) if method else None
@@ -74,7 +72,10 @@ def inspect_errors_(
         raise InputError("--method rtn has no calibration inputs to measure an output error on; use --method gptq")
     for s in _ierrors.check_schemes(schemes, scale_dtype) if chooser else ():
         chooser.check(s)
-    use_threads(threads)
+    method_options = calibration_options(calibration, calibration_samples, calibration_seqlen) or None
+    if chooser is not None:  # calibration windows the model cannot take: refused before the RTN table
+        _imethod.check_method_options(model, method=method, method_options=method_options)
+    run.use_threads()
     with console.progress() as bar:
         r = _ierrors.weight_errors(
             model, schemes=schemes, scale_dtype=scale_dtype,
@@ -86,13 +87,12 @@ def inspect_errors_(
         with console.progress() as bar:
             m = _imethod.method_output_errors(
                 model, scheme=s, method=method, scale_dtype=scale_dtype,
-                method_options=calibration_options(calibration, calibration_samples, calibration_seqlen) or None,
+                method_options=method_options,
                 on_block=lambda done, total: (bar.start(f"{method} ({s}), block by block", total) if done == 1 else None, bar.advance()),
             )
         render.method_errors(m)
         by_method.append(m.to_dict())
-    if json_path:
-        console.write_json(json_path, {**r.to_dict(), **({"output_errors": by_method} if by_method else {})})
+    run.write_json(lambda: {**r.to_dict(), **({"output_errors": by_method} if by_method else {})})
 
 
 @inspect_app.command("matrix")
@@ -108,22 +108,20 @@ def inspect_matrix_(
 ) -> None:
     """One matrix: statistics, outliers beyond 6 sigma, error per scheme, int4 levels used. Without NAME: the top 10 by max/std."""
     model, name = _ierrors.split_model_and_name(args or [])
-    json_target(json_path, force, model_inputs(model))
+    run = start(json_path, force, threads, reads(model))
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
     if name is None:
         _ierrors.check_top(top)
-    use_threads(threads)
+    run.use_threads()
     if name is None:
         stats = _ierrors.top_matrices(model, top=top)
         render.top_matrices(stats)
-        if json_path:
-            console.write_json(json_path, {"matrices": [s.to_dict() for s in stats]})
+        run.write_json(lambda: {"matrices": [s.to_dict() for s in stats]})
         return
     r = _ierrors.inspect_matrix(model, name=name, schemes=schemes, scale_dtype=scale_dtype)
     render.matrix(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 @inspect_app.command("outliers")
@@ -143,10 +141,10 @@ def inspect_outliers_(
     threads: ThreadsOpt = None,
 ) -> None:
     """Residual-stream outliers: largest dimensions per layer, their persistence, a histogram, and tensor-wide INT8."""
-    json_target(json_path, force, model_inputs(model))
+    run = start(json_path, force, threads, reads(model))
     _iout.check_options(prompt=prompt, corpus_tokens=corpus_tokens, exclude_top=exclude_top, threshold=threshold,
                         top=top, device=device, device_map=device_map)
-    use_threads(threads)
+    run.use_threads()
     ref = checked(model)  # a bad MODEL is refused in one line, before the status line
     if corpus_tokens is not None:  # so is more than the model's context
         _iout.check_context(corpus_tokens, _iout.resolve_with_context(ref)[1], "--corpus-tokens", ref.spec)
@@ -154,8 +152,7 @@ def inspect_outliers_(
     r = _iout.residual_outliers(ref, prompt=prompt, corpus_tokens=corpus_tokens, layer=layer, exclude_top=exclude_top,
                                 threshold=threshold, top=top, device=device, device_map=device_map)
     render.outliers(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 @inspect_app.command("sensitivity")
@@ -177,12 +174,12 @@ def inspect_sensitivity_(
     threads: ThreadsOpt = None,
 ) -> None:
     """Which layers' (or matrices') quantization moves the output: KL divergence from the reference, ranked."""
-    json_target(json_path, force, model_inputs(model))
+    run = start(json_path, force, threads, reads(model))
     if scheme is None:
         raise InputError("missing --scheme: the scheme whose damage to measure, e.g. --scheme int4-tensor")
     _isens.check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
                          scale_dtype=scale_dtype, device=device)
-    use_threads(threads)
+    run.use_threads()
     ref = checked(model)  # a bad MODEL is refused in one line, before the status line
     _iout.check_context(tokens, _iout.resolve_with_context(ref)[1], "--tokens", ref.spec)  # so is more than its context
     console.status("loading the model")
@@ -193,8 +190,7 @@ def inspect_sensitivity_(
             on_start=lambda n: bar.start(f"quantizing one {by} at a time ({scheme})", n), on_unit=bar.callback(),
         )
     render.sensitivity(r, by, rows, threshold, model)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 @inspect_app.command("next-token")
@@ -212,10 +208,9 @@ def inspect_next_token_(
     if len(args) > 2:
         raise InputError(f"expected [MODEL] TEXT, got {len(args)} arguments; quote the text")
     model, text = (None, args[0]) if len(args) == 1 else (args[0], args[1])
-    json_target(json_path, force, model_inputs(model))
+    run = start(json_path, force, threads, reads(model))
     _inext.check_options(top=top, temperatures=temperature, device=device)
-    use_threads(threads)
+    run.use_threads()
     r = _inext.next_token(model, text=text, top=top, temperatures=temperature, device=device)
     render.next_token(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)

@@ -27,13 +27,12 @@ from qkit.cli.common import (
     ThreadsOpt,
     TrustOpt,
     calibration_options,
-    file_inputs,
     handles_errors,
     human_bytes,
-    json_target,
     model_inputs,
     parse_size,
-    use_threads,
+    reads,
+    start,
 )
 from qkit.errors import InputError
 from qkit.export import QKIT, check_output, get_format
@@ -92,13 +91,12 @@ def quantize(
     # Every check that needs no model comes first: both outputs against what the arguments name (an output
     # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
     # resolved model, and the scheme, rules and device, before it reads the model.
-    inputs = [*model_inputs(model), *file_inputs("the calibration text", calibration)]
-    json_target(json_path, force, inputs)
+    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)))
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
     if fmt != QKIT:
         get_format(fmt)
-    check_output(fmt, output, force, inputs)
+    check_output(fmt, output, force, run.inputs)
     _check_json_beside_output(json_path, output)
     shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
     check_threads(threads)
@@ -109,7 +107,7 @@ def quantize(
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
                                          act_order=act_order, dampening=dampening, scale_rule=scale_rule,
                                          alpha=alpha, clip=False if no_clip else None)
-    use_threads(threads)
+    run.use_threads()
     with console.progress() as bar:
 
         def progress(step: QuantizeProgress) -> None:
@@ -126,8 +124,7 @@ def quantize(
                                   trust_remote_code=trust_remote_code, force=force, **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
-    if json_path:
-        console.write_json(json_path, result.to_dict())
+    run.write_json(result.to_dict)
 
 
 def _check_json_beside_output(json_path: str | None, output: str) -> None:
@@ -205,12 +202,11 @@ def verify(
 ) -> None:
     """Load an exported CHECKPOINT with its target library and compare it with qkit, weight by weight and on logits."""
 
-    json_target(json_path, force, model_inputs(checkpoint, "the checkpoint"))
-    use_threads(threads)
+    run = start(json_path, force, threads, model_inputs(checkpoint, "the checkpoint"))
+    run.use_threads()
     r = verify_checkpoint(checkpoint, device=device, trust_remote_code=trust_remote_code)
     render_verify(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
     if not r.passed:
         raise typer.Exit(1)
 

@@ -18,9 +18,9 @@ from qkit.cli.common import (
     file_inputs,
     handles_errors,
     int_list,
-    json_target,
     model_inputs,
-    use_threads,
+    reads,
+    start,
 )
 from qkit.errors import InputError
 from qkit.models import checked
@@ -32,6 +32,8 @@ from qkit.serving.bench import BenchConfig as _BenchConfig
 from qkit.serving.bench import bench
 
 simulate_app = typer.Typer(help="Simulations of serving policies.", no_args_is_help=True)
+
+_KV_DTYPE_HELP = "Cache dtype: fp32, fp16, bf16, fp8, int8, int4 (int: codes plus an fp16 scale per token and kv head)."  # kv --dtype, budget --kv-dtype
 
 
 def _ms(seconds: float) -> str:
@@ -51,7 +53,7 @@ def kv_(
     config: ConfigOpt = None,
     tokens: Annotated[int, typer.Option("--tokens", help="Resident tokens per user.")] = _kv.DEFAULT_TOKENS,
     users: Annotated[int, typer.Option("--users", help="Concurrent users (sequences).")] = _kv.DEFAULT_USERS,
-    dtype: Annotated[str, typer.Option("--dtype", help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4 (int: codes plus an fp16 scale per token and kv head).")] = _kv.DEFAULT_KV_DTYPE,
+    dtype: Annotated[str, typer.Option("--dtype", help=_KV_DTYPE_HELP)] = _kv.DEFAULT_KV_DTYPE,
     measure: Annotated[bool, typer.Option("--measure", help="Run the model on a TOKENS-token prompt and sum the cache it allocated.")] = False,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
@@ -59,9 +61,9 @@ def kv_(
     threads: ThreadsOpt = None,
 ) -> None:
     """KV cache bytes per token and in total, against full multi-head and multi-query attention."""
-    json_target(json_path, force, [*model_inputs(model), *file_inputs("the config", config)])
+    run = start(json_path, force, threads, reads(model, ("the config", config)))
     _kv.check_options(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
-    use_threads(threads)
+    run.use_threads()
     if measure:
         if config is None:
             model = checked(model)  # a bad MODEL is refused in one line, before the status line
@@ -69,8 +71,7 @@ def kv_(
         console.status(f"measuring: one forward pass over {tokens:,} tokens in {dtype}")
     r = _kv.kv_report(model=model, config=config, tokens=tokens, users=users, dtype=dtype, measure=measure, device=device)
     render_kv(r, tokens, users, dtype)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 def render_kv(r, tokens: int, users: int, dtype: str) -> None:
@@ -120,7 +121,7 @@ def budget_(
     gpu: Annotated[str, typer.Option("--gpu", help="Card sizes in GiB, comma-separated.")] = ",".join(f"{g:g}" for g in _budget.DEFAULT_GPUS_GIB),
     reserve: Annotated[float, typer.Option("--reserve", help="GiB kept free for the CUDA context, activations and allocator slack.")] = _budget.DEFAULT_RESERVE_GIB,
     formats: Annotated[str, typer.Option("--formats", help=f"Weight formats: {', '.join(_budget.FORMATS)}.")] = ",".join(_budget.DEFAULT_FORMATS),
-    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help="Cache dtype: fp32, fp16, bf16, fp8, int8, int4 (int: codes plus an fp16 scale per token and kv head).")] = _kv.DEFAULT_KV_DTYPE,
+    kv_dtype: Annotated[str, typer.Option("--kv-dtype", help=_KV_DTYPE_HELP)] = _kv.DEFAULT_KV_DTYPE,
     conversation: Annotated[int, typer.Option("--conversation", help="Tokens of one conversation (rows holding fewer are flagged).")] = _budget.DEFAULT_CONVERSATION,
     chapter: Annotated[bool, typer.Option("--chapter", help=f"The chapter's assumptions, stated in the output: nominal 7e9/13e9/70e9 parameters, every weight at the format's bits (int8 = 8, int4 = 4.125), a {_budget.CHAPTER_RESERVE_GIB:g} GiB reserve unless --reserve is given.")] = False,
     json_path: JsonOpt = None,
@@ -128,8 +129,8 @@ def budget_(
     ctx: typer.Context = None,
 ) -> None:
     """Per card size: weight memory per format, KV bytes per token, and the resident tokens that fit."""
-    json_target(json_path, force, [*(i for m in models or [] for i in model_inputs(None if m == "default" else m)),
-                                   *(i for c in config or [] for i in file_inputs("the config", c))])
+    run = start(json_path, force, inputs=[*(i for m in models or [] for i in model_inputs(None if m == "default" else m)),
+                                          *(i for c in config or [] for i in file_inputs("the config", c))])
     presets = comma_list(preset)
     # --chapter has its own reserve unless --reserve is given on the command line.
     reserve_given = ctx is None or ctx.get_parameter_source("reserve").name != "DEFAULT"
@@ -139,8 +140,7 @@ def budget_(
         conversation=conversation, chapter=chapter,
     )
     render_budget(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 def render_budget(r) -> None:
@@ -184,11 +184,10 @@ def speculate_(
     force: ForceOpt = False,
 ) -> None:
     """Expected tokens per verification pass and speedup of speculative decoding with a (quantized) draft."""
-    json_target(json_path, force, file_inputs("the eval JSON", from_eval))
+    run = start(json_path, force, inputs=file_inputs("the eval JSON", from_eval))
     r = _spec.speculate(alphas=alpha or [], from_eval=from_eval, gammas=int_list(gamma, "--gamma"), cost=cost)
     render_speculate(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 def render_speculate(r) -> None:
@@ -236,13 +235,12 @@ def bench_(
     force: ForceOpt = False,
 ) -> None:
     """Measure generation with and without the KV cache, prefill, decode and batching on this machine."""
-    json_target(json_path, force, [*model_inputs(model), *file_inputs("the config", config)])
-    use_threads(threads)
+    run = start(json_path, force, threads, reads(model, ("the config", config)))
+    run.use_threads()
     r = bench(model=model, config=config, device=device, quick=quick, repeats=repeats, threads=threads,
               on_stage=console.status)
     render_bench(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 def render_bench(r) -> None:
@@ -297,15 +295,14 @@ def simulate_batching_(
     force: ForceOpt = False,
 ) -> None:
     """Static batching (a batch runs until its longest member ends) against continuous batching."""
-    json_target(json_path, force, [*file_inputs("the lengths file", lengths), *file_inputs("the bench JSON", bench_json)])
+    run = start(json_path, force, inputs=[*file_inputs("the lengths file", lengths), *file_inputs("the bench JSON", bench_json)])
     if step_ms is not None and bench_json is not None:
         raise InputError("give either --step-ms or --bench, not both")
     cost = (_batching.constant_cost(step_ms / 1e3) if step_ms is not None
             else _batching.cost_from_bench(bench_json) if bench_json is not None else None)
     r = _batching.simulate_batching(requests=requests, slots=slots, seed=seed, lengths_file=lengths, cost=cost)
     render_batching(r)
-    if json_path:
-        console.write_json(json_path, r.to_dict())
+    run.write_json(r.to_dict)
 
 
 def render_batching(r) -> None:

@@ -7,6 +7,7 @@ so every refusal costs milliseconds, not a model load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,10 @@ from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import CheckpointError, InputError
 from qkit.evaluation.perplexity import MIN_SCORED, check_scored, scored_positions
 from qkit.methods import get_method, make_options
-from qkit.methods.calibration import calibration_ids
+from qkit.methods.calibration import calibration_ids, check_fits
 from qkit.evaluation.specs import RowSpec
 from qkit.models import ModelRef
+from qkit.simulate import get_runtime
 from qkit.transform import entry_to_spec
 
 
@@ -51,19 +53,30 @@ def check_corpus_tokens(corpus, n: int, window: int) -> None:
         )
 
 
-def check_calibrations(specs: list[RowSpec], tokenizer, corpus) -> list[dict]:
-    """Every calibrated row's calibration text, read, checked disjoint from the eval ``corpus`` and sampled
+def check_calibrations(specs: list[RowSpec], tokenizer, corpus, config=None,
+                       runtime_options: Callable[[RowSpec], dict] | None = None) -> list[dict]:
+    """Every calibrated row's calibration text (a calibrated method's, and a runtime's such as
+    ``act-int8-static``'s scales), read, checked disjoint from the eval ``corpus`` and sampled
     (``qkit.methods.calibration.calibration_ids``) before the model is loaded, so an unreadable, overlapping
-    or too short text is refused in one line before the reference row. Returns each distinct text's
-    provenance (the method reads and samples it again when its row is built: milliseconds next to a row)."""
+    or too short text, or windows beyond the model's context (``config``), is refused in one line before
+    the reference row. ``runtime_options(spec)``: the options each row's runtimes are built with. Returns
+    each distinct text's provenance (the row reads and samples it again when it is built: milliseconds
+    next to a row)."""
     seen: dict[Any, dict] = {}
     for spec in specs:
+        chosen = []
         method = get_method(spec.method)
-        if method is None or not method.calibrated:
-            continue
-        chosen = make_options(method, dict(spec.method_options)).calibration_options()
-        if chosen not in seen:
-            seen[chosen] = calibration_ids(tokenizer, chosen, evaluation=corpus)[1]
+        if method is not None and method.calibrated:
+            chosen.append(make_options(method, dict(spec.method_options)).calibration_options())
+        for name in spec.runtime:  # a runtime that calibrates (static activation scales) says with what
+            runtime = get_runtime(name, runtime_options(spec) if runtime_options else dict(spec.runtime_options))
+            wants = getattr(runtime, "calibration_options", None)
+            if callable(wants) and wants() is not None:
+                chosen.append(wants())
+        for options in chosen:
+            if options not in seen:
+                check_fits(options, config)
+                seen[options] = calibration_ids(tokenizer, options, evaluation=corpus)[1]
     return list(seen.values())
 
 

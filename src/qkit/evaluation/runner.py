@@ -27,11 +27,7 @@ says so in a status line.
 
 from __future__ import annotations
 
-import os
 import platform
-import re
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -79,7 +75,8 @@ from qkit.models import (
     resolve,
 )
 from qkit.outputs import (
-    _pid_alive,  # the same liveness test as the staging siblings of every output
+    remove_stale_temporary,  # the same liveness test as the staging siblings of every output
+    temporary_directory,
 )
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
@@ -90,8 +87,8 @@ from qkit.transform import is_block_projection
 from qkit.version import __version__
 
 REFERENCE = "reference"
-TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (tempfile's 8 characters)
-_TMP_DIR = re.compile(rf"^{TMP_PREFIX}(?P<pid>[0-9]+)-[a-z0-9_]{{8}}$")
+_RUNTIME_CALIBRATION = ("calibration", "calibration_samples", "calibration_seqlen")  # simulate.activations.StaticOptions
+TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (qkit.outputs.temporary_directory)
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,14 @@ class EvalOptions:
         check_keys(dict(self.runtime_options))  # a misspelt runtime option, even with no runtime row
         for spec in specs:  # unknown runtimes, bad runtime option values (--threshold 0, --kv-residual -1)
             for name in spec.runtime:
-                get_runtime(name, dict(spec.runtime_options or self.runtime_options))
+                get_runtime(name, self.runtime_options_for(spec))
+
+    def runtime_options_for(self, spec: RowSpec) -> dict[str, Any]:
+        """The options ``spec``'s runtimes are built with: the row's own, else eval's; ``--calibration``,
+        ``--calibration-samples`` and ``--calibration-seqlen`` choose a static activation row's calibration
+        too (the same text a calibrated method's row uses)."""
+        calibration = {k: v for k, v in self.method_options if k in _RUNTIME_CALIBRATION}
+        return {**calibration, **dict(spec.runtime_options or self.runtime_options)}
 
 
 class _Swapper:
@@ -215,7 +219,7 @@ def evaluate(
     ids = torch.tensor(tok(corpus.text, add_special_tokens=False)["input_ids"][: options.tokens], dtype=torch.long)
     if window is not None:
         check_corpus_tokens(corpus, int(ids.numel()), window)
-    calibrations = check_calibrations(specs, tok, corpus)
+    calibrations = check_calibrations(specs, tok, corpus, config, options.runtime_options_for)
 
     say("loading the reference model")
     loaded = load(ref=ref, device=options.device, device_map=options.device_map)
@@ -301,15 +305,15 @@ def evaluate(
             manifest = read_manifest(checkpoint.directory) or {}
             rows.append(measure(label, bits, checkpoint_bytes(checkpoint.directory), len(quantized), t1, rows[0],
                                 method_record=manifest.get("method") or {}))
-        context = RuntimeContext(device=next(lm.parameters()).device, extra={"tokenizer": tok, "model_ref": ref})
+        context = RuntimeContext(device=next(lm.parameters()).device, extra={"tokenizer": tok, "model_ref": ref, "corpus": corpus})
         for spec in specs:
             t1 = time.perf_counter()
             built = build_row_model(spec, ref, swapper, options, say)
             bits = built.bits_per_weight if built is not None else rows[0].bits_per_weight
             size = built.bytes_after if built is not None else rows[0].size_bytes
             matrices = built.matrices if built is not None else 0
-            act_bits, kv_bits = runtime_bits(spec.runtime, dict(spec.runtime_options or options.runtime_options))
-            with apply_runtime(lm, spec.runtime, context, dict(spec.runtime_options or options.runtime_options)) as stats:
+            act_bits, kv_bits = runtime_bits(spec.runtime, options.runtime_options_for(spec))
+            with apply_runtime(lm, spec.runtime, context, options.runtime_options_for(spec)) as stats:
                 row = measure(spec.name, bits, size, matrices, t1, rows[0], spec=spec.to_dict(), act_bits=act_bits,
                               kv_bits=kv_bits, method_record=built.method_record if built is not None else {},
                               weights_changed=swapper.changed if built is not None else None)
@@ -352,20 +356,8 @@ def evaluate(
 def remove_stale_row_dirs(parent: str | Path | None = None) -> list[Path]:
     """Remove ``qkit-eval-PID-*`` directories under ``parent`` (default: ``tempfile.gettempdir()``, i.e.
     ``$TMPDIR``) whose writer process is gone (an eval killed by SIGKILL or a power cut); return them.
-    A live eval's directory (its PID exists) is never touched."""
-    root = Path(parent or tempfile.gettempdir())
-    try:
-        entries = list(root.iterdir())
-    except OSError:
-        return []
-    removed = []
-    for p in sorted(entries):
-        m = _TMP_DIR.match(p.name)
-        if m and p.is_dir() and not p.is_symlink() and not _pid_alive(int(m.group("pid"))):
-            shutil.rmtree(p, ignore_errors=True)
-            if not p.exists():
-                removed.append(p)
-    return removed
+    A live eval's directory (its PID exists) is never touched (``qkit.outputs.remove_stale_temporary``)."""
+    return remove_stale_temporary(TMP_PREFIX, parent)
 
 
 def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: EvalOptions, say: Callable[[str], None]):
@@ -375,7 +367,7 @@ def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: Ev
     if spec.scheme is None:
         return None
     # The writer's PID in the name: a killed eval's directory is found and removed by the next one.
-    with tempfile.TemporaryDirectory(prefix=f"{TMP_PREFIX}{os.getpid()}-") as tmp:
+    with temporary_directory(TMP_PREFIX) as tmp:
         say(f"{spec.name}: quantizing" + (f" ({spec.method})" if spec.method != RTN else ""))
         result = quantize_model(
             model=ref, output=Path(tmp) / "row", scheme=spec.scheme, method=spec.method, collect=True,

@@ -6,7 +6,6 @@ into a temporary directory) and reads the per-matrix errors the method recorded.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +14,14 @@ from typing import Any
 from qkit.api import QuantizeOptions, block_progress, quantize_model
 from qkit.errors import InputError
 from qkit.inspect.errors import _ref_for
-from qkit.models import ModelRef
+from qkit.methods import get_method, make_options
+from qkit.methods.calibration import check_fits
+from qkit.models import ModelRef, read_config
+from qkit.outputs import temporary_directory
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 
+
+TMP_PREFIX = "qkit-inspect-"  # the method's checkpoint: $TMPDIR/qkit-inspect-PID-RANDOM
 
 OUTPUT_ERROR_NOTE = (
     "output error ||W X - Ŵ X||² / ||W X||² on the calibration inputs each matrix sees (earlier blocks already "
@@ -41,6 +45,24 @@ class MethodErrors:
                 "calibration": self.calibration, "note": OUTPUT_ERROR_NOTE}
 
 
+def check_method_options(
+    model: str | Path | None = None,
+    *,
+    method: str,
+    method_options: dict[str, Any] | None = None,
+    ref: ModelRef | None = None,
+) -> None:
+    """Refuse, before any matrix is measured, calibration options the method or the model cannot take
+    (malformed numbers, windows beyond the model's context, activations beyond memory): the CLI calls this
+    before the RTN table, so a bad ``--calibration-seqlen`` costs milliseconds. Reads the config only."""
+    chooser = get_method(method)
+    if chooser is None or not chooser.calibrated:
+        return
+    calibration = make_options(chooser, method_options).calibration_options()
+    calibration.check()
+    check_fits(calibration, read_config(_ref_for(model, ref).directory))
+
+
 def method_output_errors(
     model: str | Path | None = None,
     *,
@@ -54,8 +76,9 @@ def method_output_errors(
     """Quantize MODEL with ``method`` (into a temporary directory, through ``quantize_model``) and return the
     output-side error per matrix it recorded, next to RTN's on the same calibration inputs."""
     ref = _ref_for(model, ref)
-    with tempfile.TemporaryDirectory(prefix="qkit-inspect-") as tmp:
-        r = quantize_model(ref, output=Path(tmp) / "m", scheme=scheme, method=method, method_options=method_options,
+    # $TMPDIR/qkit-inspect-PID-RANDOM: removed on exit; a SIGKILLed run's is removed by the next one
+    with temporary_directory(TMP_PREFIX) as tmp:
+        r = quantize_model(ref, output=tmp / "m", scheme=scheme, method=method, method_options=method_options,
                            options=QuantizeOptions(scale_dtype=scale_dtype),
                            progress=None if on_block is None else block_progress(on_block))
     key = f"{r.method}_error"
@@ -66,4 +89,4 @@ def method_output_errors(
     return MethodErrors(ref.spec, scheme, r.method, layers, r.method_record.get("calibration") or {})
 
 
-__all__ = ["OUTPUT_ERROR_NOTE", "MethodErrors", "method_output_errors"]
+__all__ = ["OUTPUT_ERROR_NOTE", "MethodErrors", "check_method_options", "method_output_errors"]

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
+from qkit.evaluation.perplexity import MIN_SCORED
 from qkit.inspect.matrix_stats import matrix_stats
 from qkit.inspect.outliers import (
     check_context,
@@ -52,6 +53,10 @@ from qkit.transform import _KEEP_ALIASES, is_block_projection
 BY = ("layer", "matrix")
 DEFAULT_TOKENS = 256
 KEEP_SCHEME = "int8"  # the alias of --keep: int8 per-row
+# What the ranking does not say: each KL is one measurement on these tokens (no standard error, no
+# confidence interval), so a close ranking may change with the text.
+NO_UNCERTAINTY = ("each KL is one measurement on {tokens} tokens, with no standard error: check a close ranking "
+                  "on another --text or more --tokens")
 SUGGEST_SHARE = 0.5  # auto N: the fewest top units whose individual KLs sum to half the total ...
 SUGGEST_MAX_SHARE = 0.1  # ... but at most a tenth of the units
 _LAYER = re.compile(r"^(.*?(?:^|\.)(?:layers|h|blocks)\.\d+)\.")
@@ -122,7 +127,7 @@ class SensitivityReport:
         return (
             f"keeping {what} at {self.keep_scheme} recovers "
             f"{100 * self.recovered:.0f}% of the KL divergence (whole model at {self.scheme}: {self.kl_all:.4g} -> "
-            f"{self.kl_mixed:.4g} nats/token) for {100 * self.extra_bytes:.1f}% more bytes"
+            f"{self.kl_mixed:.4g} nats/token) for {100 * self.extra_bytes:.1f}% more bytes; {NO_UNCERTAINTY.format(tokens=self.tokens)}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,6 +139,8 @@ class SensitivityReport:
             "tokens": self.tokens,
             "source": self.source,
             "units": [u.to_dict() for u in self.units],
+            "standard_error": None,  # one measurement per unit: see NO_UNCERTAINTY
+            "note": NO_UNCERTAINTY.format(tokens=self.tokens),
             "residual_outlier_dims": self.residual_outlier_dims,
             "suggestion": {
                 "kept": self.kept,
@@ -226,10 +233,17 @@ class _Runner:
             return self.head(self.norm(h))[0].float()
 
 
+def check_tokens(tokens: int) -> None:
+    """The same minimum as ``qkit eval``: ``MIN_SCORED`` per-token values (eval's ``--tokens 3`` is 2 scored
+    positions, its first token predicting nothing; here every position's distribution is compared)."""
+    if tokens < MIN_SCORED:
+        raise InputError(f"--tokens must be at least {MIN_SCORED}, got {tokens}: a mean KL over fewer per-token "
+                         "values cannot vary at all, so a ranking on it says nothing")
+
+
 def sensitivity_ids(tokenizer: Any, *, tokens: int, text: str | None) -> tuple[torch.Tensor, str]:
     """Token ids ``[1, <= tokens]``: ``text``, else the pinned corpus, else the default paragraph."""
-    if tokens < 2:
-        raise InputError(f"--tokens must be at least 2, got {tokens}")
+    check_tokens(tokens)
     if text is not None:
         return encode(tokenizer, text, tokens, what="--text"), "--text"
     try:
@@ -260,8 +274,7 @@ def check_options(
     k = get_scheme(_KEEP_ALIASES.get(keep.strip().lower(), keep), scale_dtype)
     if by not in BY:
         raise InputError(f"--by must be one of {', '.join(BY)}, got {by!r}")
-    if tokens < 2:
-        raise InputError(f"--tokens must be at least 2, got {tokens}")
+    check_tokens(tokens)
     if suggest is not None and suggest < 0:
         raise InputError(f"--suggest must be at least 0, got {suggest}")
     if not threshold > 1:  # NaN too

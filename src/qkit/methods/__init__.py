@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from qkit.errors import InputError
+from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions
 from qkit.registry import Registry
 from qkit.schemes import QuantizedTensor, Scheme
 
@@ -53,6 +54,20 @@ class MethodResult:
     quantized: dict[str, QuantizedTensor]
     replaced: dict[str, torch.Tensor] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CalibratedOptions:
+    """The calibration fields of every calibrated method's options dataclass (gptq, awq, smoothquant
+    extend it): which calibration tokens, as ``CalibrationOptions``' source, samples, seqlen and seed."""
+
+    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
+    calibration_samples: int = DEFAULT_SAMPLES
+    calibration_seqlen: int = DEFAULT_SEQLEN
+    calibration_seed: int = DEFAULT_SEED
+
+    def calibration_options(self) -> CalibrationOptions:
+        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
 
 
 class Method(Protocol):

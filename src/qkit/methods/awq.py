@@ -54,8 +54,8 @@ import torch
 from qkit.checkpoint import tensor_shapes
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow
-from qkit.methods import MethodResult
-from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions, calibration_ids
+from qkit.methods import CalibratedOptions, MethodResult
+from qkit.methods.calibration import calibration_ids
 from qkit.methods.folding import (
     FoldGroup,
     ChannelStats,
@@ -82,17 +82,13 @@ DEFAULT_SEARCH_SAMPLES = 4  # windows of the grid-search loss (see the README's 
 
 
 @dataclass(frozen=True)
-class AWQOptions:
+class AWQOptions(CalibratedOptions):
     """``calibration*``: which calibration tokens (as GPTQ's: source, samples, seqlen, seed); ``n_grid``: ratios searched;
     ``clip``: run the clipping search (``clip_grid``, ``max_shrink``, ``clip_tokens`` as in AutoAWQ);
     ``search_samples``: calibration windows the scale search's loss is computed on (None: all);
     ``next_inputs``: ``fp`` or ``quantized`` (what the next block is fed); ``linear_groups``: also scale
     o (after v) and down (after up); ``batch_size``: windows per forward call."""
 
-    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
-    calibration_samples: int = DEFAULT_SAMPLES
-    calibration_seqlen: int = DEFAULT_SEQLEN
-    calibration_seed: int = DEFAULT_SEED
     n_grid: int = N_GRID
     clip: bool = True
     clip_grid: int = CLIP_GRID
@@ -119,9 +115,6 @@ class AWQOptions:
     def check(self) -> None:
         """Validated on construction; kept so every method's options answer ``check()`` alike."""
         self.__post_init__()
-
-    def calibration_options(self) -> CalibrationOptions:
-        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
 
 
 # --------------------------------------------------------------------------- maths core

@@ -16,6 +16,7 @@ A text with fewer than ``samples`` windows is refused with the number that fits.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,57 @@ class CalibrationOptions:
             raise InputError(f"--calibration-samples must be a positive integer, got {self.samples!r}")
         if not isinstance(self.seqlen, int) or self.seqlen < 2:
             raise InputError(f"--calibration-seqlen must be an integer of at least 2 tokens, got {self.seqlen!r}")
+
+
+def _field(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+
+def model_context(config: Any) -> int | None:
+    """The model's maximum context in tokens from its config (a dict or a transformers config), or None."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        v = _field(config, key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    text = _field(config, "text_config")  # multimodal configs nest the language model's
+    return model_context(text) if text is not None else None
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(options: CalibrationOptions, config: Any) -> None:
+    """Refuse (one line, before any work) calibration numbers the model or the machine cannot take: windows
+    longer than the model's context (positions it was never trained on; rotary tables end there), and
+    more calibration activations than this machine has memory for. A layer-by-layer method keeps every
+    window's hidden states in float32, a block's inputs and outputs at once: ``2 x samples x seqlen x
+    hidden x 4`` bytes."""
+    if config is None:
+        return
+    context = model_context(config)
+    # The default (512) is not refused on a model with a shorter context (tiny test models): the user did not
+    # choose it, and a named eval row cannot be given another. TODO: a default of min(512, context) needs
+    # the methods' options to say "not given" (seqlen None).
+    if context is not None and options.seqlen > context and options.seqlen != DEFAULT_SEQLEN:
+        raise InputError(f"--calibration-seqlen {options.seqlen} exceeds the model's maximum context {context}; "
+                         f"pass --calibration-seqlen {context} or less")
+    hidden = _field(config, "hidden_size")
+    if hidden is None and _field(config, "text_config") is not None:
+        hidden = _field(_field(config, "text_config"), "hidden_size")
+    memory = _memory_bytes()
+    if isinstance(hidden, int) and hidden > 0 and memory:
+        need = 2 * options.samples * options.seqlen * hidden * 4
+        if need > memory:
+            fits = max(1, memory // (2 * options.seqlen * hidden * 4))
+            raise InputError(
+                f"--calibration-samples {options.samples} x --calibration-seqlen {options.seqlen} needs about "
+                f"{need / 2**30:,.1f} GiB of calibration activations (hidden size {hidden}), more than this machine's "
+                f"{memory / 2**30:,.1f} GiB of memory; pass --calibration-samples {fits} or less, or a smaller --calibration-seqlen"
+            )
 
 
 def sample_windows(ids: torch.Tensor, samples: int, seqlen: int, seed: int, name: str = "calibration text") -> torch.Tensor:
@@ -107,5 +159,7 @@ __all__ = [
     "DEFAULT_SEQLEN",
     "CalibrationOptions",
     "calibration_ids",
+    "check_fits",
+    "model_context",
     "sample_windows",
 ]

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from qkit.errors import SchemeError
-from qkit.methods import MethodResult
-from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions, calibration_ids
+from qkit.methods import CalibratedOptions, MethodResult
+from qkit.methods.calibration import calibration_ids
 from qkit.methods.folding import (
     check_alpha,
     collect_channel_stats,
@@ -53,17 +53,13 @@ DEFAULT_ALPHA = 0.5  # the paper's default for most models (section 4.2)
 
 
 @dataclass(frozen=True)
-class SmoothQuantOptions:
+class SmoothQuantOptions(CalibratedOptions):
     """``alpha``: migration strength in [0, 1] (0: no migration, 1: all of it into the weights);
     ``calibration*``: which calibration tokens (as GPTQ's: source, samples, seqlen, seed); ``linear_groups``: also
     smooth o_proj (after v_proj) and down_proj (after up_proj), beyond the reference's norm groups;
     ``batch_size``: calibration windows per forward pass."""
 
     alpha: float = DEFAULT_ALPHA
-    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
-    calibration_samples: int = DEFAULT_SAMPLES
-    calibration_seqlen: int = DEFAULT_SEQLEN
-    calibration_seed: int = DEFAULT_SEED
     linear_groups: bool = False
     batch_size: int = DEFAULT_BATCH_SIZE
 
@@ -74,9 +70,6 @@ class SmoothQuantOptions:
     def check(self) -> None:
         """Validated on construction; kept so every method's options answer ``check()`` alike."""
         self.__post_init__()
-
-    def calibration_options(self) -> CalibrationOptions:
-        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
 
 
 class SmoothQuantMethod:

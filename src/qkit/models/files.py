@@ -11,6 +11,7 @@ Every transformers call passes ``trust_remote_code`` explicitly: left unset, tra
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -223,8 +224,47 @@ def _cause(exc: BaseException, limit: int = 200) -> str:
     inner = exc.__cause__ if type(exc).__name__ == "StrictDataclassClassValidationError" and exc.__cause__ else exc
     return (" ".join(str(inner).split()) or type(inner).__name__)[:limit]
 
-def copy_aux_files(src: Path, dst: Path) -> None:
-    """Copy tokenizer and generation-config files (never weights) from one model directory to another."""
-    for name in AUX_FILES:
+def _auto_map_refs(auto_map: Any) -> list[str]:
+    """Every class reference in an ``auto_map`` (``"module.Class"``, ``"repo--module.Class"``; a value may
+    be a list such as ``[slow, fast]``, ``None`` for an absent one)."""
+    values = auto_map.values() if isinstance(auto_map, Mapping) else ([auto_map] if auto_map else [])
+    out: list[str] = []
+    for v in values:
+        out.extend(x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, str))
+    return out
+
+
+def code_files(directory: Path) -> list[str]:
+    """The Python files of ``directory`` that its config's and tokenizer config's ``auto_map`` name
+    (``module.Class`` -> ``module.py``; transformers splits a reference at its one dot): only plain file
+    names that exist as regular files inside ``directory`` (a reference into another repository,
+    ``repo--module.Class``, is not this directory's)."""
+    directory = Path(directory)
+    refs: list[str] = []
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            data = json.loads((directory / name).read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(data, dict):
+            refs += _auto_map_refs(data.get("auto_map"))
+    found = []
+    for ref in refs:
+        if "--" in ref or ref.count(".") != 1:
+            continue
+        module = ref.split(".")[0] + ".py"
+        path = directory / module
+        if os.sep in module or module.startswith(".") or not path.is_file() or path.is_symlink():
+            continue
+        found.append(module)
+    return sorted(set(found))
+
+
+def copy_aux_files(src: Path, dst: Path, *, trust_remote_code: bool = False) -> None:
+    """Copy tokenizer and generation-config files (never weights) from one model directory to another;
+    with ``trust_remote_code``, also the model's own Python files its ``auto_map`` names (``code_files``),
+    without which the copy's config could not be loaded (``qkit verify --trust-remote-code``)."""
+    names = [*AUX_FILES, *(code_files(src) if trust_remote_code else [])]
+    for name in names:
         if (Path(src) / name).is_file():
             shutil.copy2(Path(src) / name, Path(dst) / name)

@@ -112,8 +112,8 @@ def _from_hub(repo_id: str, allow_pickle: bool, trust_remote_code: bool = False)
                 f"cannot fetch {repo_id}: HF_HUB_OFFLINE is set and the local hub cache does not hold it; "
                 "pass a local model directory or .gguf file, or unset HF_HUB_OFFLINE to download it"
             ) from exc
-        text = " ".join(str(exc).split())
-        first = (text.split(". ")[0] if text else type(exc).__name__)[:160]
+        # the first line says what failed ("... ConnectError: Name or service not known"); the rest is advice
+        first = next((" ".join(line.split()) for line in str(exc).splitlines() if line.strip()), type(exc).__name__)[:160]
         raise ModelLoadError(
             f"cannot fetch {repo_id} from the Hugging Face hub ({first}); "
             "pass a local model directory or .gguf file instead"

@@ -110,8 +110,8 @@ def _check_width(name: str, block: int, shape: tuple[int, ...], tensor: str) -> 
     others = "nvfp4 (blocks of 16) can, " if block == MXFP4_BLOCK and cols % NVFP4_BLOCK == 0 else ""
     raise SchemeError(
         f"tensor {tensor} is {cols} wide ({cols} = {cols / block:g} x {block}): {name} stores blocks of {block} "
-        f"along each row, so the width must be a multiple of {block}; {others}or leave it out with "
-        f"--exclude '{tensor}', or give it another scheme with --keep int8-row:'{tensor}'"
+        f"along each row, so the width must be a multiple of {block}; {others}or leave it out "
+        f"(qkit quantize --exclude '{tensor}') or give it another scheme (qkit quantize --keep int8-row:'{tensor}')"
     )
 
 

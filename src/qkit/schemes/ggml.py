@@ -101,7 +101,7 @@ class GGMLScheme(SchemeDefaults):
         if cols % QK:
             raise SchemeError(
                 f"tensor {name}: width {cols} is not a multiple of {QK}, which every llama.cpp block type "
-                f"needs ({self.name} included; llama.cpp would keep it as F16); exclude it with --exclude"
+                f"needs ({self.name} included; llama.cpp would keep it as F16); exclude it from quantization (qkit quantize --exclude)"
             )
         return self
 
@@ -174,7 +174,7 @@ def check_finite(*stats: torch.Tensor) -> None:
     if not bool(finite.all()):
         raise NonFiniteWeightError(
             "a weight tensor contains NaN or infinite values (llama.cpp block formats keep their scales "
-            "inside the blocks); fix the source weights or exclude the tensor with --exclude"
+            "inside the blocks); fix the source weights or exclude the tensor from quantization (qkit quantize --exclude)"
         )
 
 
@@ -188,7 +188,7 @@ def fp16_scale(d: torch.Tensor, what: str, peak: torch.Tensor) -> torch.Tensor:
         check_finite(peak)
         raise SchemeError(
             f"a block {what} overflows fp16 (max |w| = {peak.abs().max().item():.4g}); llama.cpp block formats "
-            "store fp16 scales: scale the weights down or exclude the tensor with --exclude"
+            "store fp16 scales: scale the weights down or exclude the tensor from quantization (qkit quantize --exclude)"
         )
     return h
 

@@ -225,7 +225,7 @@ class KQuantScheme(GGMLScheme):
             raise SchemeError(
                 f"tensor {name}: width {cols} is not a multiple of 32, which every llama.cpp block type needs "
                 f"({self.name} falls back to {self.fallback.name} for widths that are multiples of 32 but not "
-                f"{QK_K}; llama.cpp would keep this one as F16); exclude it with --exclude"
+                f"{QK_K}; llama.cpp would keep this one as F16); exclude it from quantization (qkit quantize --exclude)"
             )
         return self.fallback
 

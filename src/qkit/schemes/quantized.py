@@ -117,14 +117,14 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
         parts = scheme.encode(w)
     except NonFiniteWeightError:  # block formats find non-finite weights themselves (their scales are inside)
         raise NonFiniteWeightError(
-            f"tensor {name} contains NaN or infinite values; fix the source weights or exclude it with --exclude"
+            f"tensor {name} contains NaN or infinite values; fix the source weights or exclude it from quantization (qkit quantize --exclude)"
         ) from None
     scales = parts["scales"]
     if scales.is_floating_point() and not torch.isfinite(scales).all():
         # An absmax propagates NaN and inf, so checking the (small) scales finds any non-finite weight.
         if not torch.isfinite(w).all():
             raise NonFiniteWeightError(
-                f"tensor {name} contains NaN or infinite values; fix the source weights or exclude it with --exclude"
+                f"tensor {name} contains NaN or infinite values; fix the source weights or exclude it from quantization (qkit quantize --exclude)"
             )
         raise SchemeError(
             f"tensor {name}: a scale overflows {scheme.scale_dtype} (max |w| = {w.abs().max().item():.4g}); "

@@ -36,7 +36,7 @@ import torch
 
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError
-from qkit.models import read_config, resolve
+from qkit.models import check_complete, read_config, resolve
 from qkit.schemes import Scheme, get_scheme
 from qkit.serving.kv import (
     DEFAULT_KV_DTYPE,
@@ -328,6 +328,7 @@ def model_specs(
         if str(m).endswith(".json"):
             continue
         ref = resolve(None if m == DEFAULT_MODEL_WORD else m)
+        check_complete(ref)  # a missing tensor would be a silently smaller weight size (headers only)
         arch = architecture_from_config(read_config(ref.directory), ref.spec)
         label = "default" if ref.kind == "default" else Path(ref.spec).name or ref.spec
         specs.append(ModelSpec(label, "safetensors headers", arch, directory_shapes(ref.directory)))

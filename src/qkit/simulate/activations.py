@@ -146,6 +146,11 @@ class ActivationRuntime:
 
     kv_bits = None
 
+    def calibration_options(self) -> CalibrationOptions | None:
+        """What static scales calibrate on (None: dynamic scales calibrate on nothing); ``qkit eval``
+        checks it against its corpus before the model loads."""
+        return self.options.calibration_options() if self.static else None
+
     def install(self, model: torch.nn.Module, context: RuntimeContext) -> _Handle:
         linears = target_linears(model)
         facts: dict[str, Any] = {"linears": len(linears), "granularity": "token" if isinstance(self.granularity, PerRow) else "tensor",
@@ -191,7 +196,8 @@ def calibrate_static(
         tok = context.extra.get("tokenizer")
         if tok is None:
             raise InputError("static activation scales need the model's tokenizer to encode the calibration text; use act-int8-token")
-        ids, provenance = calibration_ids(tok, options.calibration_options())
+        # disjoint from the text the model is evaluated on (``qkit eval --corpus``; default: the pinned Ruth)
+        ids, provenance = calibration_ids(tok, options.calibration_options(), evaluation=context.extra.get("corpus"))
     qmax = qmax_for(bits)
     device = next(model.parameters()).device
     maxima: dict[str, torch.Tensor] = {n: torch.zeros((), dtype=torch.float32, device=device) for n in linears}

@@ -28,14 +28,8 @@ import torch
 
 from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_shapes
 from qkit.errors import InputError
-from qkit.methods import MethodResult
-from qkit.methods.calibration import (
-    DEFAULT_SAMPLES,
-    DEFAULT_SEED,
-    DEFAULT_SEQLEN,
-    CalibrationOptions,
-    calibration_ids,
-)
+from qkit.methods import CalibratedOptions, MethodResult
+from qkit.methods.calibration import calibration_ids
 from qkit.methods.gptq.solver import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DAMPENING,
@@ -59,13 +53,9 @@ SCALE_RULES = tuple(_RULES.names())  # the values ``--scale-rule`` takes (see ``
 
 
 @dataclass(frozen=True)
-class GPTQOptions:
+class GPTQOptions(CalibratedOptions):
     """Options of ``--method gptq``; every default defined here once."""
 
-    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
-    calibration_samples: int = DEFAULT_SAMPLES
-    calibration_seqlen: int = DEFAULT_SEQLEN
-    calibration_seed: int = DEFAULT_SEED
     dampening: float = DEFAULT_DAMPENING
     # columns by descending diag(H), static group scales: measured on the default model (docs), int4-g64
     # perplexity 19.26 with it against 21.25 without; act_order=False gives the reference's default order
@@ -88,9 +78,6 @@ class GPTQOptions:
         if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise InputError(f"calibration batch size must be a positive integer, got {self.batch_size!r}")
         self.calibration_options().check()
-
-    def calibration_options(self) -> CalibrationOptions:
-        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
 
 
 # --------------------------------------------------------------------------- errors for the record
