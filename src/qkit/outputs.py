@@ -301,17 +301,7 @@ def sibling_name(name: str, mark: str = TMP_MARK) -> str:
     return f".{name}{mark}{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (``kill(pid, 0)`` sends nothing; it only checks)."""
-    if pid <= 0:
-        return True  # not a writer's pid: never treat it as gone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # exists (another user's process) or cannot tell: keep it
-    return True
+_pid_alive = assets.pid_alive  # a writer's PID in a temporary name: gone means the name is garbage
 
 
 def stale_siblings(out: PathLike) -> list[Path]:

@@ -43,7 +43,6 @@ the search and after clipping (the final weights), per block seconds.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass

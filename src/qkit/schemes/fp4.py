@@ -71,14 +71,10 @@ import torch
 from qkit.errors import SchemeError
 from qkit.schemes import kernels
 from qkit.schemes.base import Layout, SchemeDefaults, as_2d
-from qkit.schemes.e2m1 import (  # e2m1_codes, e2m1_table: re-exported for qkit.schemes.observers
-    E2M1_VALUES,
+from qkit.schemes.e2m1 import (
     INF_BITS,
-    Work,
     block_absmax,
-    e2m1_codes,
     e2m1_pack,
-    e2m1_table,
     e2m1_values,
     e8m0_reciprocals,
     e8m0_values,

@@ -45,16 +45,8 @@ from qkit.errors import SchemeError
 from qkit.granularity import PerGroup, PerTensor
 from qkit.registry import Registry
 from qkit.schemes.absmax import absmax_scales
-from qkit.schemes.fp4 import (
-    e2m1_codes,
-    e2m1_table,
-    e8m0_reciprocals,
-    e8m0_values,
-    mxfp4_exponents,
-    nvfp4_block_scales,
-    nvfp4_global_scale,
-    pack_fp4,
-)
+from qkit.schemes.e2m1 import e2m1_codes, e2m1_table, e8m0_reciprocals, e8m0_values, mxfp4_exponents, pack_fp4
+from qkit.schemes.fp4 import nvfp4_block_scales, nvfp4_global_scale
 from qkit.schemes.nf4 import nf4_codes, nf4_tables
 from qkit.schemes.packing import pack_nibbles
 

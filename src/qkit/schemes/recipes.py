@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from qkit.errors import SchemeError
-from qkit.schemes.base import Layout, Scheme, as_2d
+from qkit.schemes.base import Layout, as_2d
 from qkit.schemes.ggml import Q5_0, Q8_0, GGMLScheme, T
 from qkit.schemes.kquants import LLAMA_CPP_COMMIT, Q4_K, Q6_K, QK_K
 from qkit.schemes.registry import register
