@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -97,22 +98,27 @@ def spawn_and_signal(
         [sys.executable, "-m", "qkit", *[str(a) for a in args]],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
     )
+    # stdout drained by a thread from the start (a full pipe would block the child); stderr read here, line
+    # by line until ``when``, then to its end through the same file object (its buffer holds what was read ahead)
+    out: list[str] = []
+    drain = threading.Thread(target=lambda: out.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
+    drain.start()
+    assert proc.stderr is not None
     err: list[str] = []
     deadline = time.monotonic() + timeout
     if when is not None:
-        assert proc.stderr is not None
         for line in proc.stderr:
             err.append(line)
-            if when in line:
-                break
-            if time.monotonic() > deadline:
+            if when in line or time.monotonic() > deadline:
                 break
     elif after is not None:
         time.sleep(after)
     if proc.poll() is None:
         proc.send_signal(sig)
-    out, rest = proc.communicate(timeout=timeout)
-    return Outcome(proc.returncode, out, "".join(err) + rest)
+    err.append(proc.stderr.read())
+    proc.wait(timeout=timeout)
+    drain.join(timeout=timeout)
+    return Outcome(proc.returncode, "".join(out), "".join(err))
 
 
 def assert_refused(outcome: Outcome, *needles: str, code: int = REFUSED) -> str:
@@ -188,3 +194,13 @@ class Unchanged:
         removed = sorted(self.listed - listing(*self.dirs))
         assert not added, f"left behind: {added[:5]}"
         assert not removed, f"removed: {removed[:5]}"
+
+
+def tripwire(monkeypatch, target: str, what: str) -> None:
+    """Replace the function at ``target`` ("module.attr") by one that fails the test: a refusal that must come
+    before ``what`` (loading the model, resolving it) proves it did when the test passes."""
+
+    def refuse(*_a, **_k):
+        raise AssertionError(f"{what} before the refusal")
+
+    monkeypatch.setattr(target, refuse)

@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from adversarial import Unchanged, assert_refused, invoke, spawn_and_signal
+from adversarial import Unchanged, assert_refused, invoke, spawn_and_signal, tripwire
 from conftest import TINY_TEXT, make_tiny_llama
 
 FAST = ["--tokens", "64", "--agree-tokens", "1"]
@@ -42,11 +42,7 @@ def calibration(tmp_path_factory) -> Path:
 @pytest.fixture
 def no_load(monkeypatch):
     """Fail the test if the reference model is loaded (every refusal here must come before it)."""
-
-    def refuse(*_a, **_k):
-        raise AssertionError("the reference model was loaded before the refusal")
-
-    monkeypatch.setattr("qkit.evaluation.runner.load", refuse)
+    tripwire(monkeypatch, "qkit.evaluation.runner.load", "the reference model was loaded")
 
 
 @pytest.fixture(scope="module")

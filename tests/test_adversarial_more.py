@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from adversarial import Unchanged, assert_refused, invoke, spawn, spawn_and_signal
+from adversarial import Unchanged, assert_refused, invoke, spawn, spawn_and_signal, tripwire
 from conftest import make_tiny_llama
 
 FAST = ["--tokens", "64", "--agree-tokens", "1"]
@@ -46,10 +46,7 @@ def calibration(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def no_load(monkeypatch):
-    def refuse(*_a, **_k):
-        raise AssertionError("the model was loaded before the refusal")
-
-    monkeypatch.setattr("qkit.evaluation.runner.load", refuse)
+    tripwire(monkeypatch, "qkit.evaluation.runner.load", "the model was loaded")
 
 
 def _edit(model: Path, dst: Path, edit) -> Path:

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adversarial import Unchanged, assert_refused, invoke, spawn
+from adversarial import Unchanged, assert_refused, invoke, spawn, tripwire
 from conftest import make_tiny_llama
 
 from qkit import outputs
@@ -59,11 +59,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail the test if the model is resolved: every output refusal comes before any work."""
-
-    def refuse(*_a, **_k):
-        raise AssertionError("the model was resolved before the output was refused")
-
-    monkeypatch.setattr("qkit.api.resolve", refuse)
+    tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
 
 
 # --------------------------------------------------------------------------- the source is never destroyed
