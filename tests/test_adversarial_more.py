@@ -20,10 +20,16 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file, save_file
-
-from adversarial import Unchanged, assert_refused, invoke, spawn, spawn_and_signal, tripwire
+from adversarial import (
+    Unchanged,
+    assert_refused,
+    invoke,
+    spawn,
+    spawn_and_signal,
+    tripwire,
+)
 from conftest import make_tiny_llama
+from safetensors.torch import load_file, save_file
 
 FAST = ["--tokens", "64", "--agree-tokens", "1"]
 
@@ -88,7 +94,7 @@ def test_a_sigkilled_inspect_errors_method_leaves_a_dir_the_next_run_removes(tin
 
 def test_eval_and_inspect_share_one_scratch_helper(tmp_path):
     from qkit.evaluation.runner import TMP_PREFIX, remove_stale_row_dirs
-    from qkit.outputs import remove_stale_temporary, temporary_directory
+    from qkit.staging import remove_stale_temporary, temporary_directory
 
     dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                                   capture_output=True, text=True).stdout)
@@ -211,16 +217,16 @@ def test_ctrl_c_while_starting_up_is_one_line():
 @pytest.mark.parametrize("publish", [False, True])
 def test_the_interrupt_message_says_what_was_written(tmp_path, monkeypatch, capsys, publish):
     import qkit.cli
-    from qkit import outputs
+    from qkit import staging
 
-    monkeypatch.setattr(outputs, "_PUBLISHED", [])  # this process's earlier tests wrote outputs too
+    monkeypatch.setattr(staging, "_PUBLISHED", [])  # this process's earlier tests wrote outputs too
     report = tmp_path / "r.json"
 
     def app(**_k):
         if publish:
-            outputs.write_text(report, "{}")  # published (renamed into place) ...
-        with outputs.temporary_directory("qkit-test-") as scratch:  # ... a scratch output is not
-            outputs.write_text(scratch / "row.json", "{}")
+            staging.write_text(report, "{}")  # published (renamed into place) ...
+        with staging.temporary_directory("qkit-test-") as scratch:  # ... a scratch output is not
+            staging.write_text(scratch / "row.json", "{}")
         raise KeyboardInterrupt  # ... then Ctrl-C while printing
 
     monkeypatch.setattr(qkit.cli, "app", app)

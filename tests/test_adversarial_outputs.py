@@ -16,13 +16,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from adversarial import Unchanged, assert_refused, invoke, spawn, tripwire
+from conftest import make_tiny_llama
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adversarial import Unchanged, assert_refused, invoke, spawn, tripwire
-from conftest import make_tiny_llama
-
-from qkit import outputs
+from qkit import outputs, staging
 from qkit.errors import OutputError, OutputExistsError
 
 NEVER = "never writes over what it reads"  # the refusal of an output that is, holds or lies in an input
@@ -41,7 +40,7 @@ def src(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def src_gguf(src, tmp_path_factory) -> Path:
     """A GGUF file of the tiny model (written by qkit, so it carries the qkit.export record)."""
-    from qkit.api import QuantizeOptions, quantize_model
+    from qkit.api import quantize_model
 
     out = tmp_path_factory.mktemp("gguf") / "src.gguf"
     quantize_model(src, output=out, scheme="q8_0", format="gguf")
@@ -344,9 +343,9 @@ def test_json_force_replaces_a_json_file_and_a_killed_writers_file_is_cleaned(tm
 
     target = tmp_path / "r.json"
     target.write_text('{"old": true}\n')
-    stale = tmp_path / f".r.json{outputs.TMP_MARK}{dead_pid()}-0123abcd"  # what a SIGKILLed write leaves
+    stale = tmp_path / f".r.json{staging.TMP_MARK}{dead_pid()}-0123abcd"  # what a SIGKILLed write leaves
     stale.write_text('{"half')
-    live = tmp_path / f".r.json{outputs.TMP_MARK}{os.getpid()}-89abcdef"  # a live writer's: kept
+    live = tmp_path / f".r.json{staging.TMP_MARK}{os.getpid()}-89abcdef"  # a live writer's: kept
     live.write_text("{")
     out = invoke("simulate", "batching", "--json", target, "--force")
     assert out.code == 0, out.text

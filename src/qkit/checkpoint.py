@@ -28,19 +28,24 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qkit import outputs
+from qkit import outputs, staging
 from qkit.errors import CheckpointError, SchemeError
-from qkit.outputs import (  # noqa: F401 (re-exported: callers import them from here)
+from qkit.outputs import Input
+from qkit.schemes import QuantizedTensor
+from qkit.schemes.quantized import check_parts
+from qkit.staging import (  # noqa: F401 (re-exported: callers import them from here)
     OLD_MARK,
     TMP_MARK,
-    Input,
     _pid_alive,
     remove_stale_siblings,
     stale_siblings,
 )
-from qkit.schemes import QuantizedTensor
-from qkit.schemes.quantized import check_parts
-from qkit.transform import MANIFEST_FORMAT, MANIFEST_VERSION, entry_to_spec, manifest_entry
+from qkit.transform import (
+    MANIFEST_FORMAT,
+    MANIFEST_VERSION,
+    entry_to_spec,
+    manifest_entry,
+)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -77,9 +82,9 @@ def atomic_directory(
     """
     out = Path(out)
     check_output(out, force, inputs)
-    with outputs.staged(out, on_stale=on_stale) as tmp:
+    with staging.staged(out, on_stale=on_stale) as tmp:
         yield tmp
-        outputs.publish_directory(tmp, out, recheck=lambda: check_output(out, force))
+        staging.publish_directory(tmp, out, recheck=lambda: check_output(out, force))
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -15,12 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
-from qkit import outputs
-
+from qkit import staging
 
 # Where the output is not a terminal (a pipe, a file, CI), nothing is wrapped at an assumed width:
 # tables print at their natural width, titles and notes on one line, captions wrapped at the wider of
@@ -175,7 +180,7 @@ def write_json(path: str | Path, data: Any) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    outputs.write_text(path, text, what="--json", on_stale=_report_stale)
+    staging.write_text(path, text, what="--json", on_stale=_report_stale)
 
 
 def _report_stale(removed: list[Path]) -> None:

@@ -16,7 +16,7 @@ import threading
 
 import typer
 
-from qkit import console, outputs
+from qkit import console, staging
 from qkit.errors import QkitError
 
 app = typer.Typer(
@@ -69,7 +69,7 @@ def _on_sigint(signum, frame) -> None:
 def _exit_interrupted() -> None:
     # True either way: "nothing was written" only while no output was put in place (a staged write in
     # progress is removed as the stack unwinds); after one was, "interrupted after writing PATH".
-    console.error(outputs.interrupted_message())
+    console.error(staging.interrupted_message())
     sys.exit(130)
 
 

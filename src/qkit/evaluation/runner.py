@@ -74,21 +74,21 @@ from qkit.models import (
     parse_device,
     resolve,
 )
-from qkit.outputs import (
-    remove_stale_temporary,  # the same liveness test as the staging siblings of every output
-    temporary_directory,
-)
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
 from qkit.simulate.options import check_keys
+from qkit.staging import (
+    remove_stale_temporary,  # the same liveness test as the staging siblings of every output
+    temporary_directory,
+)
 from qkit.texts import load_corpus
 from qkit.transform import is_block_projection
 from qkit.version import __version__
 
 REFERENCE = "reference"
 _RUNTIME_CALIBRATION = ("calibration", "calibration_samples", "calibration_seqlen")  # simulate.activations.StaticOptions
-TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (qkit.outputs.temporary_directory)
+TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (qkit.staging.temporary_directory)
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,7 @@ def evaluate(
 def remove_stale_row_dirs(parent: str | Path | None = None) -> list[Path]:
     """Remove ``qkit-eval-PID-*`` directories under ``parent`` (default: ``tempfile.gettempdir()``, i.e.
     ``$TMPDIR``) whose writer process is gone (an eval killed by SIGKILL or a power cut); return them.
-    A live eval's directory (its PID exists) is never touched (``qkit.outputs.remove_stale_temporary``)."""
+    A live eval's directory (its PID exists) is never touched (``qkit.staging.remove_stale_temporary``)."""
     return remove_stale_temporary(TMP_PREFIX, parent)
 
 

@@ -17,9 +17,8 @@ from qkit.inspect.errors import _ref_for
 from qkit.methods import get_method, make_options
 from qkit.methods.calibration import check_fits
 from qkit.models import ModelRef, read_config
-from qkit.outputs import temporary_directory
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-
+from qkit.staging import temporary_directory
 
 TMP_PREFIX = "qkit-inspect-"  # the method's checkpoint: $TMPDIR/qkit-inspect-PID-RANDOM
 

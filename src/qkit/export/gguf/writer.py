@@ -25,7 +25,7 @@ import gguf
 import numpy as np
 import torch
 
-from qkit import outputs
+from qkit import outputs, staging
 from qkit.checkpoint import atomic_directory, tensor_dtypes, write_json
 from qkit.errors import ExportError
 from qkit.export.common import (
@@ -205,7 +205,7 @@ def atomic_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) 
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
         return
     # the same hidden-sibling staging as checkpoint.atomic_directory, so a killed run's leftovers are found
-    with outputs.staged(out) as tmp:
+    with staging.staged(out) as tmp:
         yield tmp
         check_output(out, force)  # it may have appeared while we worked
         os.replace(tmp / FILE, out)
