@@ -569,3 +569,21 @@ def test_fuzzed_export_record_is_a_qkit_error(ct_export, tmp_path_factory, data)
     except QkitError:
         pass
     shutil.rmtree(export.parent)
+
+
+def test_every_transformers_load_passes_trust_remote_code_explicitly():
+    """transformers prompts on stdin when ``trust_remote_code`` is not passed (None) and a model needs its own
+    code: every ``from_pretrained`` / ``from_config`` call in src/qkit passes the argument, so it never asks."""
+    import ast
+
+    src = Path(__file__).resolve().parents[1] / "src" / "qkit"
+    calls, missing = 0, []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("from_pretrained", "from_config")):
+                calls += 1
+                if not any(k.arg == "trust_remote_code" for k in node.keywords):
+                    missing.append(f"{path.relative_to(src)}:{node.lineno} {ast.unparse(node.func)}")
+    assert calls >= 10, calls  # the walk found the loads (models, export, verify, serving)
+    assert not missing, missing
