@@ -97,12 +97,21 @@ def test_the_window_is_checked_against_the_context_before_loading(tiny_model_dir
              ["--window 100000 exceeds the model's maximum context 256", "--window 256"], [tiny_model_dir, corpus])
 
 
-def test_an_unreadable_corpus_names_the_cause(tiny_model_dir, tmp_path, no_load):
-    if os.geteuid() == 0:
-        pytest.skip("root reads any file")
+def test_an_unreadable_corpus_names_the_cause(tiny_model_dir, tmp_path, no_load, monkeypatch):
     f = tmp_path / "secret.txt"
     f.write_text(TINY_TEXT)
     f.chmod(0)
+    if os.geteuid() == 0:  # root reads a mode-0 file: give the read the error the kernel gives everyone else
+        import errno
+
+        real = Path.read_text
+
+        def read_text(self, *a, **k):
+            if self == f:
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(Path, "read_text", read_text)
     try:
         _refused([tiny_model_dir, "--corpus", f], ["cannot read corpus file", "permission denied"], [tiny_model_dir], [tmp_path])
     finally:

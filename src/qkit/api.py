@@ -1,7 +1,8 @@
 """Library entry points the CLI wraps: ``quantize_model`` and ``load``.
 
-Layer 7 (beside ``cli``). Each is a plain function a script calls; ``quantize_model``'s settings are one
-``QuantizeOptions`` value (every default defined there, once), its progress one callback.
+Layer 6, below ``evaluation`` and ``inspect``, which build their rows through ``quantize_model``. Each is
+a plain function a script calls; ``quantize_model``'s settings are one ``QuantizeOptions`` value (every
+default defined there, once), its progress one callback.
 """
 
 from __future__ import annotations
