@@ -99,7 +99,7 @@ def build(targets: tuple[str, ...] = ("ggml-base",)) -> Path:
     return lib_path()
 
 
-TOOLS = ("llama-quantize", "llama-perplexity", "llama-tokenize")  # tokenize: the token ids the benchmark scores
+TOOLS = ("llama-quantize", "llama-perplexity", "llama-tokenize", "llama-imatrix")  # tokenize: the token ids the benchmark scores
 
 
 def tools_dir() -> Path:
@@ -151,19 +151,27 @@ def tools_record() -> dict | None:
 
 @dataclass
 class Reference:
-    """llama.cpp's ``ggml_quantize_chunk`` (no importance matrix) through ctypes."""
+    """llama.cpp's ``ggml_quantize_chunk`` through ctypes, with or without an importance matrix."""
 
     lib: ctypes.CDLL
 
-    def quantize(self, x: np.ndarray, ggml_type) -> np.ndarray:
-        """fp32 ``[rows, cols]`` -> uint8 ``[rows, bytes_per_row]``: llama.cpp's blocks of each row."""
+    def quantize(self, x: np.ndarray, ggml_type, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """fp32 ``[rows, cols]`` -> uint8 ``[rows, bytes_per_row]``: llama.cpp's blocks of each row.
+
+        ``imatrix``: fp32 ``[cols]``, the importance of each column (what ``llama-quantize --imatrix``
+        passes for the tensor: the collected mean of ``x**2``); ``None`` is the path without one."""
         import gguf
 
         x = np.ascontiguousarray(x, dtype=np.float32)
         rows, cols = x.shape
         block, size = gguf.GGML_QUANT_SIZES[ggml_type]
         out = np.zeros((rows, cols // block * size), dtype=np.uint8)
-        self.lib.ggml_quantize_chunk(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+        qw = None
+        if imatrix is not None:
+            imatrix = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+            assert imatrix.shape == (cols,), (imatrix.shape, cols)
+            qw = imatrix.ctypes.data
+        self.lib.ggml_quantize_chunk(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, cols, qw)
         return out
 
 
@@ -274,6 +282,72 @@ def record_golden(ref: Reference) -> None:
     print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes, {len(entries)} cases)")
 
 
+GOLDEN_IMATRIX = ROOT / "tests" / "golden" / "ggml_imatrix.json"
+LADDER_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+
+
+def imatrix_golden_cases() -> list[tuple[str, np.ndarray, np.ndarray | None]]:
+    """``(name, fp32 [rows, cols], importance fp32 [cols] or None)``: what ``--record-golden`` records into
+    ``tests/golden/ggml_imatrix.json`` for every type of :data:`LADDER_TYPES`, with and without an
+    importance matrix."""
+    rng = np.random.default_rng(20261201)
+    f = np.float32
+    cols = 256  # one super-block per row (eight 32-blocks)
+    mats = {
+        "normal": rng.standard_normal((2, cols)).astype(f),
+        "weight_like": (rng.standard_normal((1, cols)) * 0.02).astype(f),
+        "heavy_tailed": (rng.standard_normal((2, cols)) / (rng.random((2, cols)) + 0.01)).astype(f),
+        "small_integers_ties": rng.integers(-8, 9, (1, cols)).astype(f),
+        "halves_ties": (rng.integers(-40, 41, (1, cols)) / 2).astype(f),
+        "positive": rng.random((1, cols)).astype(f),
+        "negative": -rng.random((1, cols)).astype(f),
+        "constant": np.full((1, cols), 3.0, f),
+        "sparse": np.where(rng.random((1, cols)) < 0.8, 0, rng.standard_normal((1, cols))).astype(f),
+        "one_outlier": np.where(np.arange(cols) == 77, 40.0, rng.standard_normal((1, cols)) * 0.1).astype(f),
+        "all_zero": np.zeros((1, cols), f),
+        "tiny_1e-20": (rng.standard_normal((1, cols)) * 1e-20).astype(f),
+    }
+    imats = {
+        "none": None,
+        "random": (rng.random(cols) * 4 + 0.01).astype(f),
+        "heavy": np.exp(rng.standard_normal(cols) * 2).astype(f),
+        "with_zeros": np.where(rng.random(cols) < 0.3, 0, rng.random(cols)).astype(f),
+    }
+    cases = [(f"{m}/{i}", x, qw) for m, x in mats.items() for i, qw in imats.items()]
+    model = _default_model_rows()
+    if model is not None:
+        wide = model[:, :1536]
+        qw_real = np.abs(rng.standard_normal(1536) * 0.5 + 1).astype(f) ** 2
+        cases += [("default_model_down_proj_rows/none", wide, None), ("default_model_down_proj_rows/random", wide, qw_real)]
+    return cases
+
+
+def record_imatrix_golden(ref: Reference) -> None:
+    import gguf
+
+    entries = []
+    for name, x, qw in imatrix_golden_cases():
+        expected = {t: base64.b64encode(ref.quantize(x, gguf.GGMLQuantizationType[t], qw).tobytes()).decode() for t in LADDER_TYPES}
+        entries.append({"name": name, "shape": list(x.shape), "input_f32_le": base64.b64encode(x.astype("<f4").tobytes()).decode(),
+                        "imatrix_f32_le": None if qw is None else base64.b64encode(qw.astype("<f4").tobytes()).decode(),
+                        "expected": expected})
+    cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    doc = {
+        "description": "llama.cpp's ggml_quantize_chunk output for fixed inputs, for every type of the GGUF ladder, "
+                       "without an importance matrix (imatrix_f32_le null) and with one (the quantize_row_*_impl paths)",
+        "llama_cpp_commit": commit(),
+        "llama_cpp_python_sdist": LLAMA_CPP_PYTHON,
+        "ggml_quantize_c_flags": compile_flags(),
+        "compiler": cc[0] if cc else "unknown",
+        "machine": platform.machine(),
+        "command": "python benchmarks/build_llama_ref.py --record-golden",
+        "types": LADDER_TYPES,
+        "cases": entries,
+    }
+    GOLDEN_IMATRIX.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN_IMATRIX} ({GOLDEN_IMATRIX.stat().st_size} bytes, {len(entries)} cases)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--record-golden", action="store_true", help=f"rewrite {GOLDEN.relative_to(ROOT)}")
@@ -289,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reference: {lib_path()} (llama.cpp {commit()})")
     if args.record_golden:
         record_golden(ref)
+        record_imatrix_golden(ref)
     return 0
 
 

@@ -8,6 +8,7 @@ default defined there, once), its progress one callback.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,11 +26,23 @@ from qkit.checkpoint import (
     tensor_shapes,
     write_json,
 )
-from qkit.errors import InputError, OutputError
+from qkit.errors import InputError, OutputError, QkitError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
 from qkit.export.compressed_tensors_w8a8 import check_activations
 from qkit.methods import RTN, get_method, make_options
-from qkit.methods.calibration import check_fits
+from qkit.methods.calibration import check_fits, model_context
+from qkit.methods.imatrix import (
+    ImatrixOptions,
+    collect,
+    gguf_names,
+    imatrix_ids,
+    imatrix_record,
+    quant_weights_for,
+    refuse_unsupported,
+    write_gguf,
+)
+from qkit.methods.imatrix import read as read_imatrix
+from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.models import (
     ModelRef,
     check_complete,
@@ -40,9 +53,12 @@ from qkit.models import (
 )
 from qkit.models import load as _load
 from qkit.outputs import Input, directory_inputs, file_inputs, model_inputs
-from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.outputs import check_output as check_output_path
+from qkit.schemes import QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
+from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
-from qkit.transform import Rules, new_manifest, plan
+from qkit.staging import staged
+from qkit.transform import Rules, TensorTypes, new_manifest, plan
 from qkit.version import __version__
 
 load = _load
@@ -68,6 +84,9 @@ class QuantizeResult:
     # full-precision tensors a method changed (folded scales); with ``collect=True``, for the eval swap
     replaced: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     method_record: dict = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)  # tensor -> the stored type it got (recipes, fallbacks)
+    llama_types: dict[str, str] = field(default_factory=dict)  # llama.cpp name -> ggml type, for llama.cpp types
+    imatrix: dict | None = None  # the importance matrix used (file, sha256, chunks), when one was
 
     def to_dict(self) -> dict:
         return {
@@ -84,6 +103,8 @@ class QuantizeResult:
             "format": self.format,
             "method": self.method,
             "method_record": self.method_record,
+            "types": dict(sorted(self.types.items())),
+            "imatrix": self.imatrix,
         }
 
 
@@ -98,6 +119,9 @@ class QuantizeOptions:
     codes are chosen (``qkit.methods``) with ``method_options`` (its options dataclass's fields);
     ``max_shard_bytes`` the largest output shard; ``device`` where the weights are quantized;
     ``allow_pickle`` / ``trust_remote_code`` what the model may run; ``force`` replace an output qkit wrote.
+    ``imatrix``: an importance-matrix file (llama-imatrix's GGUF or legacy ``.dat``, or ``qkit imatrix``'s)
+    that llama.cpp's block types quantize through (``quantize_row_*_impl``); ``tensor_types``:
+    ``PATTERN=TYPE`` overrides in ``llama-quantize --tensor-type``'s terms (``qkit.transform.TensorTypes``).
     """
 
     scheme: str = DEFAULT_SCHEME
@@ -114,6 +138,8 @@ class QuantizeOptions:
     allow_pickle: bool = False
     trust_remote_code: bool = False
     force: bool = False
+    imatrix: str | None = None
+    tensor_types: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -200,7 +226,8 @@ def quantize_model(
     # the resolved model too. One that is, contains or lies inside an input is refused whatever ``force``.
     cal = (method_options or {}).get("calibration")
     given = [*(model_inputs(model) if ref is None else []),
-             *file_inputs("the calibration text", None if cal is None else str(cal))]
+             *file_inputs("the calibration text", None if cal is None else str(cal)),
+             *file_inputs("the importance matrix", opts.imatrix)]
     check_output(format, out, force, given)
     default = get_scheme(scheme, scale_dtype)
     rules = Rules.parse(opts.include, opts.exclude, opts.keep, scale_dtype)
@@ -212,6 +239,11 @@ def quantize_model(
                              "(W8A8); a qkit checkpoint stores weights only: simulate it with qkit eval --schemes smoothquant-w8a8")
     chooser = get_method(method)
     options = make_options(chooser, method_options) if chooser else None
+    overrides = TensorTypes.parse(opts.tensor_types)
+    matrix = read_imatrix(opts.imatrix) if opts.imatrix is not None else None  # a malformed file: refused now
+    if matrix is not None and chooser is not None:
+        raise InputError(f"--imatrix weights llama.cpp's own searches (--method rtn); {chooser.name} chooses the codes "
+                         "itself: drop one of them")
     if chooser is None and method_options:
         raise InputError(f"options {', '.join(sorted(method_options))} need a calibrated --method (gptq, awq, ...)")
     ref = ref or resolve(model, allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code)
@@ -224,16 +256,28 @@ def quantize_model(
     # A recipe (q4_k_m) needs facts of the model (layer count, tied embeddings): bound here, once.
     config = read_config(ref.directory)
     default = default.bind(config)
+    if matrix is not None and isinstance(default, Recipe):  # llama.cpp's choice reads has_imatrix (IQ4 recipes)
+        default = default.with_imatrix(True)
     rules = Rules(rules.include, rules.exclude, tuple((g, s and s.bind(config)) for g, s in rules.overrides))
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
+    llama_names = _llama_names(config, shapes) if overrides or format == "gguf" or matrix is not None else {}
+    if overrides:
+        if not llama_names:
+            raise InputError(f"--tensor-type matches llama.cpp tensor names; {ref.spec} is not a llama/qwen2 model qkit names")
+        targets = overrides.apply(targets, llama_names)
+    weights = quant_weights_for(matrix, config, shapes, targets) if matrix is not None else {}
     if chooser is not None:
         for s in {s.name: s for s in targets.values()}.values():
             chooser.check(s)
         if chooser.calibrated:  # windows beyond the model's context, activations beyond memory: refused now
             check_fits(options.calibration_options(), config)
     manifest = new_manifest(default, rules)
+    if overrides:
+        manifest["rules"]["tensor_types"] = list(overrides.words)
+    if matrix is not None:
+        manifest["imatrix"] = imatrix_record(matrix, len(weights))
     export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest, ref=ref,
                                                          activations=activations)
     precomputed = None
@@ -248,6 +292,7 @@ def quantize_model(
     result.format = QKIT if export is None else export.format.name
     result.method = RTN if chooser is None else chooser.name
     result.method_record = manifest.get("method", {})
+    result.imatrix = manifest.get("imatrix")
     qbytes = 0
     with atomic_output(export, out, force, inputs) as tmp:
         writer = export.writer(tmp, max_shard_bytes) if export else ShardWriter(tmp, manifest, max_shard_bytes)
@@ -260,12 +305,15 @@ def quantize_model(
                         result.replaced[name] = tensor
                 writer.add(name, tensor)
                 continue
-            qt = precomputed[name] if precomputed is not None else _quantize_on(tensor, s, name, dev)
+            qt = precomputed[name] if precomputed is not None else _quantize_on(tensor, s, name, dev, weights.get(name))
             writer.add(name, qt)
             result.matrices += 1
             result.parameters += qt.numel
             qbytes += qt.nbytes
             result.schemes_used[qt.scheme.name] = result.schemes_used.get(qt.scheme.name, 0) + 1
+            result.types[name] = qt.scheme.name
+            if name in llama_names and isinstance(qt.scheme, GGMLScheme):
+                result.llama_types[llama_names[name]] = qt.scheme.ggml_type.name
             if collect:
                 result.quantized[name] = qt
             if progress is not None:
@@ -289,6 +337,14 @@ def quantize_model(
     return result
 
 
+def _llama_names(config: dict, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """Hugging Face name -> llama.cpp's for every weight, or ``{}`` for a model llama.cpp does not name here."""
+    try:
+        return gguf_names(config, [n for n in shapes if n.endswith(".weight")])
+    except QkitError:
+        return {}
+
+
 def _report(progress: Progress, stage: str, done: int, total: int) -> None:
     progress(QuantizeProgress(stage, done, total))
 
@@ -303,5 +359,77 @@ def resolved_inputs(ref: ModelRef) -> list[Input]:
     return found
 
 
-def _quantize_on(tensor: torch.Tensor, scheme: Scheme, name: str, device: torch.device) -> QuantizedTensor:
-    return quantize_tensor(tensor.to(device) if tensor.device != device else tensor, scheme, name=name)
+def _quantize_on(tensor: torch.Tensor, scheme: Scheme, name: str, device: torch.device,
+                 quant_weights: torch.Tensor | None = None) -> QuantizedTensor:
+    return quantize_tensor(tensor.to(device) if tensor.device != device else tensor, scheme, name=name,
+                           quant_weights=quant_weights)
+
+
+# --------------------------------------------------------------------------- importance matrix
+
+
+@dataclass
+class ImatrixResult:
+    """What ``imatrix_model`` wrote: the file, its entries, the chunks and the seconds it took."""
+
+    output: Path
+    model: str
+    entries: int
+    chunks: int
+    chunk_size: int
+    tokens: int
+    calibration: dict
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self) | {"output": str(self.output)}
+
+
+def imatrix_model(
+    model: str | Path | ModelRef | None = None,
+    *,
+    output: str | Path,
+    options: ImatrixOptions | None = None,
+    device: str | None = "cpu",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    force: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> ImatrixResult:
+    """Collect MODEL's importance matrix from the calibration text (as ``llama-imatrix`` does: see
+    ``qkit.methods.imatrix``) and write it as llama.cpp's GGUF imatrix file to ``output``.
+
+    Refused before any work: an ``output`` that is or lies inside an input (the model, the calibration
+    file), an existing one unless ``force`` and qkit wrote it, a mixture-of-experts model or one without
+    llama.cpp names, a calibration text that overlaps the eval text or is shorter than two chunks.
+    ``progress(done, total)``: chunks evaluated."""
+    opts = options or ImatrixOptions()
+    opts.check()
+    t0 = time.perf_counter()
+    given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
+             *file_inputs("the calibration text", opts.source)]
+    check_output_path(output, kind="file", force=force, inputs=given, owned=is_qkit_imatrix,
+                 describe="an importance matrix qkit wrote")
+    dev = parse_device(device)
+    ref = model if isinstance(model, ModelRef) else resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    if ref.is_quantized:
+        raise InputError(f"{ref.spec} is a qkit checkpoint; collect the importance matrix of the original model")
+    config = read_config(ref.directory)
+    refuse_unsupported(config)
+    context = model_context(config)
+    if context is not None and opts.chunk_size > context:
+        raise InputError(f"--chunk-size {opts.chunk_size} exceeds the model's maximum context {context}; pass {context} or less")
+    inputs = [*given, *resolved_inputs(ref)]
+    check_output_path(output, kind="file", force=force, inputs=inputs, owned=is_qkit_imatrix,
+                 describe="an importance matrix qkit wrote")
+    loaded = _load(ref=ref, device=dev, trust_remote_code=trust_remote_code)
+    chunks, provenance = imatrix_ids(loaded.tokenizer, opts)
+    matrix = collect(loaded.model, config, chunks, opts, on_chunk=progress, provenance=provenance)
+    matrix.record = {"qkit_version": __version__, "model": ref.spec, "calibration": provenance,
+                     "process_output": opts.process_output}
+    out = Path(output)
+    with staged(out, directory=False, what="-o") as tmp:
+        write_gguf(matrix, tmp)
+        os.replace(tmp, out)
+    return ImatrixResult(out, ref.spec, len(matrix.entries), int(chunks.shape[0]), opts.chunk_size,
+                         int(chunks.numel()), provenance, time.perf_counter() - t0)

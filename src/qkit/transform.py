@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qkit.errors import CheckpointError, InputError, SchemeError
-from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.schemes import QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import scheme_from_dict
 from qkit.version import __version__
 
@@ -77,6 +77,75 @@ class Rules:
             scheme = None if word == KEEP_ORIGINAL else get_scheme(_KEEP_ALIASES.get(word, word), scale_dtype)
             overrides.append((glob, scheme))
         return cls(tuple(include), tuple(exclude), tuple(overrides))
+
+
+@dataclass(frozen=True)
+class TensorTypes:
+    """Per-tensor types in ``llama-quantize --tensor-type`` terms: ``PATTERN=TYPE`` words.
+
+    As ``llama_tensor_get_type`` applies them (``src/llama-quant.cpp`` at the pinned commit): ``PATTERN``
+    is lowercased and searched (``std::regex_search``: anywhere in the name, ECMAScript syntax, which
+    Python's ``re`` reads the same for these patterns) in each quantized tensor's **llama.cpp name**
+    (``blk.3.attn_v.weight``); the first pattern that matches sets the tensor's type, replacing the
+    recipe's choice for it; the type's width fallback still applies (``resolve``). ``TYPE`` is a ggml type
+    name, any case (``q6_K``, ``Q8_0``, ``iq4_xs``), that qkit writes. Where llama-quantize quietly ignores a
+    pattern that matches nothing, qkit refuses it (a typo would otherwise pass unnoticed).
+    """
+
+    words: tuple[str, ...] = ()
+    patterns: tuple[tuple[re.Pattern, Scheme], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.words)
+
+    @classmethod
+    def parse(cls, words: Iterable[str]) -> TensorTypes:
+        words = tuple(words)
+        patterns = []
+        for word in words:
+            pattern, sep, type_name = word.partition("=")
+            if not sep or not pattern or not type_name:
+                raise InputError(f"--tensor-type {word!r} must be PATTERN=TYPE, e.g. 'attn_v=q8_0' or 'blk\\.1[0-9]\\.ffn_down=q6_K'")
+            try:
+                rx = re.compile(pattern.lower())
+            except re.error as exc:
+                raise InputError(f"--tensor-type {word!r}: {pattern!r} is not a regular expression ({exc})") from None
+            patterns.append((rx, ggml_scheme(type_name, f"--tensor-type {word!r}")))
+        return cls(words, tuple(patterns))
+
+    def apply(self, targets: dict[str, Scheme], llama_names: dict[str, str]) -> dict[str, Scheme]:
+        """``targets`` with the overridden tensors' schemes replaced (``llama_names``: Hugging Face name ->
+        llama.cpp name of every tensor)."""
+        out = dict(targets)
+        used = [False] * len(self.patterns)
+        for name in targets:
+            g = llama_names.get(name)
+            if g is None:
+                continue
+            for i, (rx, scheme) in enumerate(self.patterns):
+                if rx.search(g):
+                    out[name], used[i] = scheme, True
+                    break
+        unused = [w for w, u in zip(self.words, used) if not u]
+        if unused:
+            raise InputError(f"--tensor-type {unused[0]!r} matches no tensor that is quantized (llama.cpp names, "
+                             "e.g. blk.0.attn_v.weight); check the pattern, or --include the tensor")
+        return out
+
+
+def ggml_scheme(type_name: str, what: str) -> Scheme:
+    """The qkit scheme of a ggml type name (``q6_K`` -> ``q6_k``), refusing one qkit does not write."""
+    word = type_name.strip().lower()
+    if word in ("f16", "f32", "bf16"):
+        raise InputError(f"{what}: qkit keeps a tensor unquantized with --keep none:GLOB (in the source dtype), not as {type_name}")
+    try:
+        scheme = get_scheme(word)
+    except SchemeError:
+        scheme = None
+    if scheme is None or scheme.kind != "ggml" or isinstance(scheme, Recipe):
+        raise InputError(f"{what}: {type_name!r} is not a ggml block type qkit writes (q8_0, q4_0, q4_1, q5_0, q5_1, "
+                         "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs)")
+    return scheme
 
 
 def plan(

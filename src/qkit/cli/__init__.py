@@ -1,6 +1,6 @@
 """The command line: the only package that imports typer; thin: parse, call the library, render, exit.
 
-One module per command family (``quantize``: quantize and verify; ``eval``; ``inspect``; ``serving``: kv,
+One module per command family (``quantize``: quantize and verify; ``imatrix``; ``eval``; ``inspect``; ``serving``: kv,
 budget, speculate, bench, simulate), the shared option aliases, error handling and parsing in ``common``.
 This module makes the ``app``, registers every command (in the order ``qkit --help`` lists them) and holds
 the entry point. Every option is defined once (an ``Annotated`` alias) and takes its default from the
@@ -36,11 +36,13 @@ def _root() -> None:
 
 
 from qkit.cli import eval as _eval  # noqa: E402  (the modules need nothing from here but the app)
+from qkit.cli import imatrix as _imatrix  # noqa: E402
 from qkit.cli import inspect as _inspect  # noqa: E402
 from qkit.cli import quantize as _quantize  # noqa: E402
 from qkit.cli import serving as _serving  # noqa: E402
 
 app.command("quantize")(_quantize.quantize)
+app.command("imatrix")(_imatrix.imatrix)
 app.command("eval")(_eval.eval_)
 app.command("kv")(_serving.kv_)
 app.command("budget")(_serving.budget_)

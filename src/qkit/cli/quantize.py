@@ -36,6 +36,8 @@ from qkit.cli.common import (
 )
 from qkit.errors import InputError
 from qkit.export import QKIT, check_output, get_format
+from qkit.export.gguf.tensor_types import is_tensor_type_file, read_tensor_type_file, types_by_kind, write_tensor_type_file
+from qkit.outputs import check_output as check_output_path
 from qkit.export.verify import verify_checkpoint
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
@@ -55,6 +57,10 @@ MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and 
 ActOrderOpt = Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help=f"gptq: quantize columns by descending Hessian diagonal, scales as static groups; the checkpoint keeps the original column order (default: {'on' if GPTQOptions.act_order else 'off'}; off: the reference's order, group scales from the error-updated weights).", show_default=False)]
 ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help=f"gptq: how absmax scales are chosen: {', '.join(SCALE_RULES)} (default absmax: qkit's rule, what rtn writes; full-range: absmax/(qmax+0.5) with codes in [-qmax-1, qmax], compressed-tensors' rule; mse: per-group shrink search). Every rule writes the same scheme.", show_default=False)]
 DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
+ImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix (qkit imatrix, or llama-imatrix's .gguf / legacy .dat): llama.cpp's block types quantize through their weighted searches, as llama-quantize --imatrix does.", metavar="FILE")]
+TensorTypeOpt = Annotated[list[str], typer.Option("--tensor-type", help="PATTERN=TYPE as llama-quantize --tensor-type: a regex searched in llama.cpp's tensor names (blk.3.attn_v.weight), a ggml type (repeatable; the first match wins).", metavar="PATTERN=TYPE")]
+TensorTypeFileOpt = Annotated[Optional[str], typer.Option("--tensor-type-file", help="A file of PATTERN=TYPE words separated by spaces or newlines (llama-quantize's --tensor-type-file).", metavar="FILE")]
+EmitTensorTypesOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types", help="Also write the --tensor-type-file with which llama-quantize gives every quantized tensor the type qkit gave it.", metavar="PATH")]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
 
@@ -80,6 +86,10 @@ def quantize(
     no_clip: NoClipOpt = False,
     activations: ActivationsOpt = None,
     max_shard_size: MaxShardOpt = None,
+    imatrix: ImatrixOpt = None,
+    tensor_type: TensorTypeOpt = [],
+    tensor_type_file: TensorTypeFileOpt = None,
+    emit_tensor_types: EmitTensorTypesOpt = None,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -91,13 +101,19 @@ def quantize(
     # Every check that needs no model comes first: both outputs against what the arguments name (an output
     # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
     # resolved model, and the scheme, rules and device, before it reads the model.
-    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)))
+    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration),
+                                                  ("the importance matrix", imatrix), ("the tensor-type file", tensor_type_file)))
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
     if fmt != QKIT:
         get_format(fmt)
     check_output(fmt, output, force, run.inputs)
     _check_json_beside_output(json_path, output)
+    if emit_tensor_types is not None:
+        check_output_path(emit_tensor_types, kind="file", force=force, inputs=run.inputs, what="--emit-tensor-types",
+                          owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
+        _check_json_beside_output(emit_tensor_types, output)
+    words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
     shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
     check_threads(threads)
     removed = remove_stale_siblings(output)
@@ -121,9 +137,14 @@ def quantize(
         options = QuantizeOptions(scheme=scheme, scale_dtype=scale_dtype, include=include, exclude=exclude, keep=keep,
                                   format=fmt, activations=activations, method=method,
                                   method_options=method_options or None, device=device, allow_pickle=allow_pickle,
-                                  trust_remote_code=trust_remote_code, force=force, **shard)
+                                  trust_remote_code=trust_remote_code, force=force, imatrix=imatrix,
+                                  tensor_types=tuple(words), **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
+    if emit_tensor_types is not None:
+        write_tensor_type_file(emit_tensor_types, result.llama_types)
+        console.note(f"wrote {emit_tensor_types}: llama-quantize --tensor-type-file {emit_tensor_types} gives every "
+                     "quantized tensor the type it has here")
     run.write_json(result.to_dict)
 
 
@@ -138,6 +159,7 @@ def _check_json_beside_output(json_path: str | None, output: str) -> None:
 
 def render_quantize(result) -> None:
     used = ", ".join(f"{k} x{v}" for k, v in sorted(result.schemes_used.items()))
+    imatrix = result.imatrix
     console.table(
         ["", ""],
         [
@@ -151,10 +173,17 @@ def render_quantize(result) -> None:
             ["size after", human_bytes(result.bytes_after)],
             ["seconds", f"{result.seconds:.1f}"],
             *_method_rows(result),
+            *([["importance matrix", f"{imatrix['file']} ({imatrix['entries']} entries, {imatrix['chunk_count']} chunks; "
+                                     f"{imatrix['weighted_tensors']} tensors weighted)"]] if imatrix else []),
         ],
         title=f"qkit quantize: {result.model}",
         show_header=False,
     )
+    if len(result.schemes_used) > 1:  # a recipe, a fallback or overrides: which tensors got which type
+        kinds = types_by_kind(result.types)
+        names = sorted({t for per in kinds.values() for t in per})
+        console.table(["tensor", *names], [[k, *(str(per.get(t, "")) for t in names)] for k, per in kinds.items()],
+                      title="types written, by tensor (count of layers)")
 
 
 def _method_rows(result) -> list[list[str]]:

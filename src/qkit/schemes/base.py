@@ -93,6 +93,11 @@ class Recipe(Scheme, Protocol):
 
     types: tuple[Scheme, ...]  # the stored types ``resolve`` can give
 
+    def with_imatrix(self, used: bool) -> Recipe:
+        """This recipe for a file quantized with (``used``) or without an importance matrix: llama.cpp's
+        choice of some tensors' types reads ``has_imatrix`` (the IQ4 recipes' ffn_down)."""
+        ...
+
 
 @runtime_checkable
 class GGMLCodable(Protocol):
@@ -107,6 +112,15 @@ class GGMLCodable(Protocol):
     def to_ggml_blocks(self, qt: QuantizedTensor) -> torch.Tensor: ...
 
     def from_ggml_blocks(self, blocks: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> QuantizedTensor: ...
+
+
+@runtime_checkable
+class ImportanceWeighted(Protocol):
+    """A scheme whose encoder takes an importance matrix's entry for the tensor (llama.cpp's block types):
+    ``encode(w, quant_weights=qw)``, ``qw`` fp32 ``[cols]`` the importance of each input column (mean
+    ``x**2`` over the calibration tokens). ``quant_weights=None`` is the unweighted path."""
+
+    def encode(self, w: torch.Tensor, quant_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
 
 
 class SchemeDefaults:
@@ -129,6 +143,7 @@ class SchemeDefaults:
 __all__ = [
     "DTYPE_NAMES",
     "GGMLCodable",
+    "ImportanceWeighted",
     "Layout",
     "Recipe",
     "SCALE_DTYPES",

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from qkit.errors import NonFiniteWeightError, SchemeError
-from qkit.schemes.base import Scheme, as_2d
+from qkit.schemes.base import ImportanceWeighted, Scheme, as_2d
 
 __all__ = ["QuantizedTensor", "as_2d", "check_parts", "dequantize", "quantize_tensor"]
 
@@ -98,8 +98,13 @@ def check_parts(scheme: Scheme, parts: dict[str, Any], shape: tuple[int, ...], n
             )
 
 
-def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") -> QuantizedTensor:
+def quantize_tensor(
+    w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>", quant_weights: torch.Tensor | None = None
+) -> QuantizedTensor:
     """Quantize one floating-point tensor with ``scheme``; runs on ``w``'s device.
+
+    ``quant_weights`` (fp32 ``[cols]``, an importance matrix's entry for this tensor) goes to a scheme that
+    takes one (``ImportanceWeighted``: llama.cpp's block types); any other scheme refuses it.
 
     Raises ``NonFiniteWeightError`` (naming ``name``) for NaN/inf weights, and ``SchemeError`` when a
     scale overflows the scale dtype. ``scheme.resolve(shape, name)`` first picks the scheme actually used
@@ -114,7 +119,14 @@ def quantize_tensor(w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>") 
     w = w.detach()  # a parameter that requires grad (quantization is not differentiated through)
     scheme = scheme.resolve(shape, name)  # a recipe or a format with a fallback picks the scheme per tensor
     try:
-        parts = scheme.encode(w)
+        if quant_weights is None:
+            parts = scheme.encode(w)
+        elif isinstance(scheme, ImportanceWeighted):
+            parts = scheme.encode(w, quant_weights=quant_weights)
+        else:
+            raise SchemeError(
+                f"tensor {name}: {scheme.name} does not take an importance matrix (--imatrix applies to llama.cpp's block types)"
+            )
     except NonFiniteWeightError:  # block formats find non-finite weights themselves (their scales are inside)
         raise NonFiniteWeightError(
             f"tensor {name} contains NaN or infinite values; fix the source weights or exclude it from quantization (qkit quantize --exclude)"

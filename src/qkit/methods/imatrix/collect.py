@@ -1,0 +1,162 @@
+"""Collect an importance matrix from calibration text, as ``llama-imatrix`` does.
+
+What is collected (``tools/imatrix/imatrix.cpp::collect_imatrix`` at the pinned commit), for every
+linear weight inside the transformer blocks (llama.cpp's ``blk.*`` matrix multiplications) and, with
+``process_output``, the untied ``output.weight``: the sum over every token of ``x[j]**2`` for each input
+column ``j``, and the number of tokens. Tied heads are ``token_embd.weight`` in llama.cpp, which it
+never collects. Batches under 16 tokens are skipped (llama.cpp's ``src1->ne[1] < 16``); with
+``chunk_size >= 16`` there are none.
+
+The tokens (``compute_imatrix``): the text tokenized once (with llama.cpp's ``add_special``: a BOS
+first when the tokenizer adds one), cut into consecutive chunks of ``chunk_size`` tokens from the start
+(not sampled: llama-imatrix takes the first ``--chunks``), the first token of every chunk replaced by
+BOS when the model adds one. A text shorter than two chunks is refused, as llama-imatrix refuses it.
+
+The statistics are accumulated in float64 and stored as float32 (llama.cpp adds fp32 squares one token
+at a time); the difference against llama-imatrix on the same tokens is measured in
+``benchmarks/bench_imatrix.py``. Inputs shared by several linears (q/k/v, gate/up) are squared once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError
+from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
+from qkit.methods.imatrix.names import gguf_names, refuse_unsupported
+from qkit.methods.sequential import find_blocks
+from qkit.texts import Corpus, check_disjoint, load_calibration_text, load_corpus
+
+MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens)?"
+
+
+@dataclass(frozen=True)
+class ImatrixOptions:
+    """``source``: the calibration text (None: the pinned default; a UTF-8 file; ``hf:...``); ``chunks``
+    of ``chunk_size`` tokens (llama-imatrix's ``--chunks`` and ``-c``); ``batch`` chunks per forward pass;
+    ``process_output``: also collect the untied ``output.weight`` (llama-imatrix's ``--process-output``)."""
+
+    source: str | None = None
+    chunks: int = DEFAULT_SAMPLES
+    chunk_size: int = DEFAULT_SEQLEN
+    batch: int = 4
+    process_output: bool = False
+
+    def check(self) -> None:
+        for name, v, low in (("--chunks", self.chunks, 1), ("--chunk-size", self.chunk_size, MIN_BATCH_TOKENS),
+                             ("--batch", self.batch, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise InputError(f"{name} must be an integer of at least {low}, got {v!r}")
+
+
+def imatrix_ids(tokenizer: Any, options: ImatrixOptions, evaluation: Corpus | None = None) -> tuple[torch.Tensor, dict]:
+    """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate, and their provenance."""
+    options.check()
+    text = load_calibration_text(options.source)
+    evaluation = evaluation or load_corpus(None)
+    check_disjoint(text, evaluation)  # a calibration text never contains the eval text
+    if tokenizer is None:
+        raise InputError("the model has no tokenizer files; qkit imatrix needs one (tokenizer.json or similar)")
+    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"]
+    bos = _bos(tokenizer)
+    if bos is not None:
+        ids = [bos, *ids]
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    n = options.chunk_size
+    if ids_t.numel() < 2 * n:
+        raise InputError(f"calibration text {text.name} has {ids_t.numel()} tokens, fewer than two chunks of {n} "
+                         "(llama-imatrix refuses it too); pass a smaller --chunk-size")
+    fits = ids_t.numel() // n
+    if options.chunks > fits:
+        raise InputError(f"calibration text {text.name} holds {fits} chunks of {n} tokens, not {options.chunks}; "
+                         f"pass --chunks {fits} or less")
+    chunks = ids_t[: options.chunks * n].view(options.chunks, n).clone()
+    if bos is not None:
+        chunks[:, 0] = bos
+    provenance = {
+        "name": text.name, "source": text.source, "sha256": text.sha256, "tokens": int(ids_t.numel()),
+        "chunks": options.chunks, "chunk_size": n, "bos": bos,
+        "ids_sha256": hashlib.sha256(chunks.numpy().astype("<i8").tobytes()).hexdigest(),
+        "disjoint_from": {"name": evaluation.name, "sha256": evaluation.sha256},
+    }
+    return chunks, provenance
+
+
+def _bos(tokenizer: Any) -> int | None:
+    """The BOS id when the tokenizer adds one (llama.cpp's ``add_bos``), else None."""
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(with_special) > len(plain) and with_special[0] == bos:
+        return int(bos)
+    return None
+
+
+def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options: ImatrixOptions, *,
+            on_chunk: Callable[[int, int], None] | None = None, provenance: dict | None = None) -> Imatrix:
+    """Run ``model`` (a transformers causal LM) on ``chunks`` ``[n, chunk_size]`` and return the matrix.
+
+    The head is not run (its input is the final norm's output, hooked when ``process_output``), so the
+    collection costs the blocks' forward pass and the squares of their inputs."""
+    refuse_unsupported(config)
+    prefix, blocks = find_blocks(model)
+    linears = {f"{prefix}.{i}.{n}.weight": m for i, b in enumerate(blocks)
+               for n, m in b.named_modules() if isinstance(m, torch.nn.Linear)}
+    head = getattr(model, "lm_head", None) if hasattr(model, "get_output_embeddings") else None
+    tied = bool(config.get("tie_word_embeddings", False))
+    if options.process_output and not tied and isinstance(head, torch.nn.Linear):
+        linears["lm_head.weight"] = head
+    names = gguf_names(config, list(linears))
+    sums = {n: torch.zeros(m.in_features, dtype=torch.float64) for n, m in linears.items()}
+    counts = dict.fromkeys(linears, 0)
+    # The last input and its squares: q/k/v (and gate/up) are called one after another on the same tensor
+    # object. Held by reference, so its memory cannot be reused by another tensor while it is compared.
+    last: list = [None, None]
+
+    def hook(name: str) -> Callable:
+        def pre(module: torch.nn.Module, args: tuple) -> None:
+            x = args[0]
+            tokens = x.numel() // x.shape[-1]
+            if tokens < MIN_BATCH_TOKENS:
+                return
+            if last[0] is x:
+                sq = last[1]
+            else:
+                x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+                sq = x2.mul_(x2).sum(dim=0).cpu()
+                last[0], last[1] = x, sq
+            sums[name] += sq
+            counts[name] += tokens
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items() if n != "lm_head.weight"]
+    base = getattr(model, "model", None) if hasattr(model, "model") else None
+    run_base = base is not None and "lm_head.weight" not in linears
+    if "lm_head.weight" in linears:
+        handles.append(linears["lm_head.weight"].register_forward_pre_hook(hook("lm_head.weight")))
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            for i in range(0, chunks.shape[0], options.batch):
+                batch = chunks[i : i + options.batch].to(device)
+                (base if run_base else model)(input_ids=batch, use_cache=False)
+                if on_chunk is not None:
+                    on_chunk(min(i + options.batch, chunks.shape[0]), chunks.shape[0])
+    finally:
+        for h in handles:
+            h.remove()
+        last[0] = last[1] = None
+    entries = {names[n]: ImatrixEntry(sums[n].to(torch.float32).numpy().reshape(1, -1),
+                                      torch.tensor([counts[n]], dtype=torch.float32).numpy())
+               for n in linears if counts[n] > 0}
+    datasets = [provenance["name"]] if provenance else []
+    return Imatrix(entries, chunk_count=chunks.shape[0], chunk_size=options.chunk_size, datasets=datasets)
+
+
+__all__ = ["ImatrixOptions", "collect", "imatrix_ids"]

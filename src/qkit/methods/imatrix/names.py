@@ -1,0 +1,95 @@
+"""An importance matrix against a model: llama.cpp's tensor names, and the checks before any work.
+
+An importance matrix names weights as llama.cpp does (``blk.3.ffn_down.weight``); qkit's tensors carry
+Hugging Face names (``model.layers.3.mlp.down_proj.weight``). The map is the GGUF writer's
+(``qkit.export.gguf.names``). The q/k row permutation of llama models reorders rows only; the matrix
+weights columns, so it applies unchanged.
+
+:func:`quant_weights_for` refuses, in one line and before any work:
+
+* an entry that names no tensor of the model, or whose width differs from the tensor's: a matrix from
+  another model (llama-quantize aborts on a width mismatch too);
+* a quantized tensor with no entry. llama-quantize instead logs "did not find weights for ..." and
+  quantizes that tensor without weights, so one file silently mixes weighted and unweighted tensors;
+  qkit refuses, and ``--exclude`` (or a matrix that covers the tensor) is the way through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from qkit.errors import InputError
+from qkit.export.gguf.names import ARCHITECTURES, tensor_names
+from qkit.methods.imatrix.file import Imatrix
+from qkit.schemes.ggml import GGMLScheme, uses_importance
+
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def refuse_unsupported(config: Mapping) -> None:
+    """One line for a model whose importance matrix qkit does not collect: mixture-of-experts (llama.cpp
+    keeps one row per expert; qkit does not route), and architectures without llama.cpp names here."""
+    experts = max(int(config.get(k) or 0) for k in _EXPERT_KEYS)
+    if experts > 1:
+        raise InputError(f"importance matrices of mixture-of-experts models ({experts} experts) are not supported; "
+                         "use llama-imatrix, whose file qkit reads")
+    arch = config.get("model_type")
+    if arch not in ARCHITECTURES:
+        raise InputError(f"importance matrices name tensors as llama.cpp does; model_type {arch!r} is not one qkit "
+                         f"maps ({', '.join(sorted(ARCHITECTURES))})")
+
+
+def gguf_names(config: Mapping, names: list[str]) -> dict[str, str]:
+    """Hugging Face weight name -> llama.cpp's, for ``names`` (every one must have a llama.cpp slot)."""
+    refuse_unsupported(config)
+    mapped = tensor_names(str(config["model_type"]), int(config["num_hidden_layers"]), list(names),
+                          bool(config.get("tie_word_embeddings", False)))
+    return {n: g for n, g in mapped.items() if g is not None}
+
+
+def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tuple[int, ...]],
+                      targets: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """``{hf name: fp32 [cols]}`` for every target whose scheme takes an importance matrix; refusals as in
+    the module docstring. ``shapes``: every tensor of the model; ``targets``: ``{name: scheme}``."""
+    src = imatrix.source or "the importance matrix"
+    to_gguf = gguf_names(config, [n for n in shapes if n.endswith(".weight")])
+    by_gguf = {g: n for n, g in to_gguf.items()}
+    unknown = sorted(e for e in imatrix.entries if e not in by_gguf)
+    if unknown:
+        raise InputError(f"--imatrix {src}: {len(unknown)} entries name no tensor of this model ({', '.join(unknown[:3])}); "
+                         "it was collected from another model")
+    for g, e in imatrix.entries.items():
+        shape = shapes.get(by_gguf[g])
+        cols = shape[-1] if shape else None
+        if shape is not None and e.width != cols:
+            raise InputError(f"--imatrix {src}: entry {g} has {e.width} columns, the model's {by_gguf[g]} has {cols}; "
+                             "it was collected from another model")
+        if e.sums.shape[0] != 1:
+            raise InputError(f"--imatrix {src}: entry {g} has {e.sums.shape[0]} expert rows; qkit quantizes dense models only")
+    out: dict[str, torch.Tensor] = {}
+    missing = []
+    for name, scheme in targets.items():
+        stored = scheme.resolve(tuple(shapes[name]), name)  # a recipe's type for this tensor, a width fallback
+        if not (isinstance(stored, GGMLScheme) and uses_importance(stored.ggml_type)):
+            continue  # q8_0 and the non-llama.cpp schemes read no importance matrix
+        g = to_gguf.get(name)
+        qw = None if g is None else imatrix.quant_weights(g)
+        if qw is None:
+            missing.append(g or name)
+            continue
+        if not np.isfinite(qw).all() or (qw < 0).any():
+            raise InputError(f"--imatrix {src}: entry {g} holds negative or non-finite values")
+        out[name] = torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32))
+    if missing:
+        raise InputError(
+            f"--imatrix {src}: no entry for {len(missing)} tensor(s) to quantize ({', '.join(missing[:3])}); llama-quantize would "
+            "quantize them without weights, qkit refuses; collect a matrix that covers them or --exclude them"
+        )
+    return out
+
+
+__all__ = ["gguf_names", "quant_weights_for", "refuse_unsupported"]
