@@ -326,8 +326,7 @@ def test_q4_k_m_to_dict_and_registry():
     ("config", "match"),
     [
         ({"num_hidden_layers": 32, "num_local_experts": 8}, "mixture-of-experts"),
-        ({"num_hidden_layers": 80, "model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 8}, "70B"),
-        ({"num_hidden_layers": 80, "model_type": "qwen2", "num_attention_heads": 64, "num_key_value_heads": 8}, "70B"),
+        ({"num_hidden_layers": 32, "model_type": "gpt2"}, "llama"),
         ({}, "num_hidden_layers"),
     ],
 )
@@ -337,9 +336,14 @@ def test_bind_model_refuses_what_the_recipe_does_not_cover(config, match):
 
 
 def test_bind_model_keeps_an_80_layer_llama_without_gqa():
-    """llama.cpp's 70B type is llama with 80 layers *and* grouped-query attention (65B has none)."""
+    """llama.cpp's 70B type is llama with 80 layers *and* grouped-query attention (65B has none): only the
+    70B type's attn_v gets Q5_K (tests/test_recipes_ladder.py checks the whole 70B table)."""
     cfg = {"num_hidden_layers": 80, "model_type": "llama", "num_attention_heads": 64, "num_key_value_heads": 64}
     assert get_scheme("q4_k_m").bind(cfg).n_layers == 80
+    v = "model.layers.40.self_attn.v_proj.weight"  # use_more_bits(40, 80) is false: Q4_K, or Q5_K for 70B
+    gqa = get_scheme("q4_k_m").bind({**cfg, "num_key_value_heads": 8})
+    assert get_scheme("q4_k_m").bind(cfg).resolve((8192, 8192), v).name == "q4_k"
+    assert gqa.resolve((1024, 8192), v).name == "q5_k"
 
 
 def test_deterministic_across_thread_counts():

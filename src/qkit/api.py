@@ -256,7 +256,8 @@ def quantize_model(
     # A recipe (q4_k_m) needs facts of the model (layer count, tied embeddings): bound here, once.
     config = read_config(ref.directory)
     default = default.bind(config)
-    if matrix is not None and isinstance(default, Recipe):  # llama.cpp's choice reads has_imatrix (IQ4 recipes)
+    weighted = matrix is not None or (chooser is not None and chooser.name == "imatrix")
+    if weighted and isinstance(default, Recipe):  # llama.cpp's choice reads has_imatrix (IQ4 recipes)
         default = default.with_imatrix(True)
     rules = Rules(rules.include, rules.exclude, tuple((g, s and s.bind(config)) for g, s in rules.overrides))
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
@@ -286,6 +287,10 @@ def quantize_model(
         done = chooser.run(ref, targets, options, device=dev, on_block=on_block)
         precomputed, replaced = done.quantized, done.replaced
         manifest["method"] = {"name": chooser.name, **done.record}
+        if "imatrix" in done.record:
+            manifest["imatrix"] = done.record["imatrix"]
+        if export is not None:  # a format that copied the manifest when it was prepared sees what the method did
+            export.manifest.update({k: manifest[k] for k in ("method", "imatrix") if k in manifest})
     if progress is not None:
         progress(QuantizeProgress("quantizing", 0, len(targets)))
     result = QuantizeResult(out, ref.spec, default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0)

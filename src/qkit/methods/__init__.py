@@ -3,7 +3,8 @@
 A scheme names the stored format (``int4-g64``, ``nf4``, ``q4_k``); a method decides which codes and
 scales go into it. ``rtn`` (round to nearest, today's path) needs nothing but the weight and streams one
 tensor at a time. Calibrated methods (``gptq``, ``awq``) and scale-folding transforms (``smoothquant``)
-need calibration activations and see the whole model; each returns the same ``QuantizedTensor`` objects
+need calibration activations and see the whole model (``imatrix`` collects llama.cpp's importance matrix
+and quantizes llama.cpp's block types through their weighted searches); each returns the same ``QuantizedTensor`` objects
 RTN returns, so every writer and exporter takes their output unchanged.
 
 A method is registered in ``METHODS`` (``qkit.registry.Registry``) under one name, as a factory of an
@@ -99,6 +100,7 @@ METHODS.register(RTN, lambda: None)
 METHODS.register("gptq", _lazy("qkit.methods.gptq"))
 METHODS.register("awq", _lazy("qkit.methods.awq"))
 METHODS.register("smoothquant", _lazy("qkit.methods.smoothquant"))
+METHODS.register("imatrix", _lazy("qkit.methods.imatrix.method"))
 
 
 def method_names() -> list[str]:

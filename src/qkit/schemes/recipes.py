@@ -1,23 +1,70 @@
-"""Recipes: llama.cpp's mixtures of block types, chosen per tensor (the ``Recipe`` protocol).
+"""Recipes: llama.cpp's file types (ftypes), which pick a block type per tensor (the ``Recipe`` protocol).
 
-**q4_k_m** is llama.cpp's ``LLAMA_FTYPE_MOSTLY_Q4_K_M`` (``llama_tensor_get_type_impl``, then the width
-fallback of ``qkit.schemes.kquants``), for a dense (not mixture-of-experts) llama/qwen2-family model; see :class:`Q4KMRecipe`.
+:class:`LlamaRecipe` is ``llama_tensor_get_type`` of ``src/llama-quant.cpp`` (commit in
+``LLAMA_CPP_COMMIT``) for a dense (not mixture-of-experts) llama or qwen2 model, with llama-quantize's
+default options (no ``--pure``, ``--tensor-type``, ``--output-tensor-type``, ``--token-embedding-type``,
+``--leave-output-tensor``). Per tensor, by its category (``tensor_get_category``; Hugging Face or GGUF
+names), layer ``i`` of ``n``, ``n_gqa = n_head // n_head_kv`` and the file type's default type ``D``:
+
+* ``output`` (``lm_head``), and ``token_embd`` when tied to it: Q8_0 if the width is not a multiple of
+  ``D``'s block, else Q6_K (Q8_0 stays Q8_0). An untied ``token_embd``: ``D``.
+* ``attn_v``: Q2_K: Q4_K if ``n_gqa >= 4`` else Q3_K; Q3_K_M: Q5_K for ``i < 2``, else Q4_K; Q3_K_L:
+  Q5_K; IQ4_NL / IQ4_XS: Q5_K if ``n_gqa >= 4``; Q4_K_M / Q5_K_M: Q6_K where ``use_more_bits(i, n)``;
+  Q4_K_S: Q5_K for ``i < 4``. Then llama.cpp's 70B type (llama with 80 layers and ``n_head !=
+  n_head_kv``; qwen2 with 80 layers) turns Q3_K / Q4_K into Q5_K.
+* ``ffn_down``: Q2_K: Q3_K; Q3_K_M: Q5_K for ``i < n/16``, else Q4_K; Q3_K_L: Q5_K; Q4_K_M / Q5_K_M:
+  Q6_K where ``use_more_bits(i, n)``; IQ4_NL / IQ4_XS without an importance matrix: Q5_K for ``i < n/8``;
+  Q4_K_S: Q5_K for ``i < n/8``.
+* ``attn_output``: Q2_K: Q3_K; Q3_K_M: Q4_K; Q3_K_L: Q5_K.
+* everything else (attn_q, attn_k, ffn_gate, ffn_up): ``D``.
+
+Then the width fallback (``tensor_type_fallback``) for a width (ggml ``ne[0]``, the last dimension) that
+is not whole blocks: Q2_K, Q3_K -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0; IQ4_XS -> IQ4_NL;
+F16 where even that does not fit (a width not a multiple of 32), which qkit refuses (``SchemeError``).
+``resolve(shape, name)`` returns the scheme of the type actually written. Divisions are C's integer ones.
+
+**Counters.** llama.cpp reads ``i`` and ``n`` from counters: ``n_attention_wv`` counts the file's attn_v
+tensors and ``n_ffn_down = n_layer``; ``i_attention_wv`` / ``i_ffn_down`` step once per such tensor in
+the order it assigns types, which is ``llama_model_loader``'s ``weights_map`` order (by the ``blk.N.``
+number, then by name; ``--keep-split`` would change it). A dense llama/qwen2 model has exactly one attn_v
+and one ffn_down in each layer, so ``i`` is the layer index in the name and ``n`` the layer count, which
+is what qkit uses; it also makes a tensor's type independent of which other tensors qkit quantizes.
+
+**Model facts** come from ``bind(config)`` (``num_hidden_layers``, ``tie_word_embeddings``,
+``model_type``, ``num_attention_heads``, ``num_key_value_heads``); models whose rules qkit does not
+implement are refused there (other architectures, mixture-of-experts). A fact a rule needs and the
+recipe was not given is refused when that tensor is resolved. Whether an importance matrix is used
+(``qs.has_imatrix``, read by the IQ4 rule): :meth:`LlamaRecipe.with_imatrix`; without it, none.
+
+**Names.** The ftypes whose name is no block type's are registered as such (``q3_k_s`` ... ``q5_k_m``);
+the others as ``q2_k-llama``, ``iq4_nl-llama``, ``iq4_xs-llama`` (``q2_k``, ``iq4_nl``, ``iq4_xs`` are the
+uniform types). Q6_K and Q8_0 are not registered: for every tensor of a dense llama/qwen2 model they
+give what the uniform ``q6_k`` / ``q8_0`` give (the output rule yields the default type or its fallback,
+and no other rule names them).
+
+The block types are looked up in the registry when a tensor is resolved (by ggml type: ``q3_k`` for
+Q3_K), so this module imports without them; a type not registered is refused then, and ``types``
+lists the registered ones only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import gguf
 import torch
 
 from qkit.errors import SchemeError
-from qkit.schemes.base import Layout, as_2d
-from qkit.schemes.ggml import Q5_0, Q8_0, GGMLScheme, T
-from qkit.schemes.kquants import LLAMA_CPP_COMMIT, Q4_K, Q6_K, QK_K
-from qkit.schemes.registry import register
+from qkit.schemes.base import Layout, Scheme, as_2d
+from qkit.schemes.kquants import LLAMA_CPP_COMMIT
+from qkit.schemes.registry import REGISTRY, register
+
+T = gguf.GGMLQuantizationType
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -26,76 +73,227 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-# Tensor categories of llama-quant.cpp's ``tensor_get_category``, for Hugging Face and GGUF names.
-_ATTN_V = re.compile(r"(^|\.)(self_attn\.(v_proj|qkv_proj|kv_b_proj)|attn_(v|qkv|kv_b))\.weight$")
-_FFN_DOWN = re.compile(r"(^|\.)(mlp\.down_proj|ffn_down)\.weight$")
-_OUTPUT = re.compile(r"^(lm_head|output)\.weight$")
-_TOKEN_EMBD = re.compile(r"^(model\.)?(embed_tokens|token_embd)\.weight$")
+# llama-quant.cpp's tensor_get_category, for Hugging Face (llama/qwen2) and GGUF names. llama.cpp's
+# category of a fused attn_qkv is attn_v-like (category_is_attn_v), and so is it here.
+_CATEGORIES = (
+    ("output", re.compile(r"^(lm_head|output)\.weight$")),
+    ("token_embd", re.compile(r"^(model\.)?(embed_tokens|token_embd)\.weight$")),
+    ("attn_v", re.compile(r"(^|\.)(self_attn\.(v_proj|qkv_proj)|attn_(v|qkv))\.weight$")),
+    ("attn_k", re.compile(r"(^|\.)(self_attn\.k_proj|attn_k)\.weight$")),
+    ("attn_q", re.compile(r"(^|\.)(self_attn\.q_proj|attn_q)\.weight$")),
+    ("attn_output", re.compile(r"(^|\.)(self_attn\.o_proj|attn_output)\.weight$")),
+    ("ffn_up", re.compile(r"(^|\.)(mlp\.up_proj|ffn_up)\.weight$")),
+    ("ffn_gate", re.compile(r"(^|\.)(mlp\.gate_proj|ffn_gate)\.weight$")),
+    ("ffn_down", re.compile(r"(^|\.)(mlp\.down_proj|ffn_down)\.weight$")),
+)
 _LAYER = re.compile(r"(^|\.)(layers|blk)\.(\d+)\.")
 
 
+def tensor_category(name: str) -> str:
+    """``output``, ``token_embd``, ``attn_q``/``_k``/``_v``/``_output``, ``ffn_gate``/``_up``/``_down``, or ``other``."""
+    return next((cat for cat, pattern in _CATEGORIES if pattern.search(name)), "other")
+
+
+# The ftypes implemented: llama_ftype_get_default_type.
+DEFAULT_TYPES: dict[str, T] = {
+    "Q2_K": T.Q2_K, "Q3_K_S": T.Q3_K, "Q3_K_M": T.Q3_K, "Q3_K_L": T.Q3_K, "IQ4_NL": T.IQ4_NL,
+    "IQ4_XS": T.IQ4_XS, "Q4_K_S": T.Q4_K, "Q4_K_M": T.Q4_K, "Q5_K_S": T.Q5_K, "Q5_K_M": T.Q5_K,
+    "Q6_K": T.Q6_K, "Q8_0": T.Q8_0,
+}
+# The types each ftype writes for some tensor (category, layer, n_gqa, 70B or not, imatrix or not, tied or
+# not, whole 256-blocks or only 32-blocks): the default first, then by ggml type number. The tests derive
+# them again by running the rules over all of these.
+WRITTEN = {
+    "Q2_K": "Q2_K Q4_0 Q5_0 Q5_1 Q8_0 Q3_K Q4_K Q5_K Q6_K",
+    "Q3_K_S": "Q3_K Q4_0 Q5_1 Q8_0 Q5_K Q6_K",
+    "Q3_K_M": "Q3_K Q4_0 Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K",
+    "Q3_K_L": "Q3_K Q4_0 Q5_1 Q8_0 Q5_K Q6_K",
+    "IQ4_NL": "IQ4_NL Q5_1 Q8_0 Q5_K Q6_K",
+    "IQ4_XS": "IQ4_XS Q5_1 Q8_0 Q5_K Q6_K IQ4_NL",
+    "Q4_K_S": "Q4_K Q5_0 Q5_1 Q8_0 Q5_K Q6_K",
+    "Q4_K_M": "Q4_K Q5_0 Q5_1 Q8_0 Q5_K Q6_K",  # Q5_K, Q5_1: a 70B model's attn_v
+    "Q5_K_S": "Q5_K Q5_1 Q8_0 Q6_K",
+    "Q5_K_M": "Q5_K Q5_1 Q8_0 Q6_K",
+    "Q6_K": "Q6_K Q8_0",
+    "Q8_0": "Q8_0",
+}
+_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8, T.IQ4_NL: 4, T.IQ4_XS: 4}
+# tensor_type_fallback's table, for the types a recipe can give
+_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
+ARCHITECTURES = ("llama", "qwen2")
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _block(t: T) -> int:
+    return gguf.GGML_QUANT_SIZES[t][0]
+
+
+def tensor_type_fallback(t: T, cols: int) -> T:
+    """llama-quant.cpp's ``tensor_type_fallback``: the type written for a row width ``cols`` (F16 where no
+    block type fits)."""
+    if cols % _block(t) == 0:
+        return t
+    if t in _FALLBACK:
+        out = _FALLBACK[t]
+    elif _block(t) <= 32:
+        out = t  # a 32-block type has no smaller block: F16 below
+    else:
+        raise SchemeError(f"llama.cpp defines no width fallback for {t.name}")
+    return out if cols % _block(out) == 0 else T.F16
+
+
+def scheme_for_type(t: T, name: str = "<tensor>") -> Scheme:
+    """The registered scheme of llama.cpp type ``t`` (the one named like it: ``q5_0`` for Q5_0)."""
+    s = REGISTRY.find(t.name.lower())
+    if s is None or getattr(s, "ggml_type", None) != t:
+        raise SchemeError(f"tensor {name}: llama.cpp writes it as {t.name}, which this qkit has no scheme for "
+                          f"({t.name.lower()} is not registered)")
+    return s
+
+
 @dataclass(frozen=True)
-class Q4KMRecipe:
-    """llama.cpp's Q4_K_M mixture (``LLAMA_FTYPE_MOSTLY_Q4_K_M``), per tensor, in ``resolve(shape, name)``.
+class LlamaRecipe:
+    """One llama.cpp file type: ``resolve(shape, name)`` is the scheme ``llama-quantize`` writes that
+    tensor in (module docstring: the rules). Fields beyond ``name``, ``ftype`` and ``description`` are
+    the model's facts, filled by ``bind(config)`` and ``with_imatrix(used)``."""
 
-    From ``llama_tensor_get_type_impl`` (llama-quant.cpp, commit in ``LLAMA_CPP_COMMIT``), for a dense
-    model (``n_expert <= 1``) that is not llama.cpp's 70B type, default type Q4_K:
-
-    * ``attn_v`` (``self_attn.v_proj``; also a fused ``qkv_proj``) and ``ffn_down`` (``mlp.down_proj``) of
-      layer ``i`` get **Q6_K** where ``use_more_bits(i, n_layers)``: ``i < n/8 or i >= 7n/8 or
-      (i - n/8) % 3 == 2`` (integer division; for 30 layers: 0-2, 5, 8, 11, 14, 17, 20, 23, 26-29);
-      llama.cpp counts these tensors in its load order, which is by layer, so ``i`` is the layer index;
-    * ``output`` (``lm_head``), and the token embedding when it is tied to the output, gets **Q6_K**, or
-      **Q8_0** when its width is not a multiple of 256;
-    * every other tensor (q, k, o, gate, up; an untied token embedding) gets **Q4_K**;
-    * then the width fallback: Q4_K -> Q5_0 and Q6_K -> Q8_0 where the width is not a multiple of 256.
-
-    qkit quantizes only the block projections by default (``qkit.transform``): llama.cpp's Q4_K_M file
-    also quantizes ``token_embd`` (Q4_K, or like ``output`` when tied) and ``output`` (Q6_K), which qkit's
-    row keeps in the original dtype unless the user includes them (``--include``).
-
-    ``n_layers`` (the model's ``num_hidden_layers``) is needed for attn_v / ffn_down; a recipe without it
-    refuses those tensors. ``bind(config)`` fills it (and ``tied_embeddings``) from a model's config.
-    ``to_dict`` records them when bound; ``scheme_from_dict`` gives back the unbound recipe (each tensor's
-    manifest entry holds the type it actually got, which is what decoding needs).
-    """
-
-    name: str = "q4_k_m"
+    name: str
+    ftype: str  # llama.cpp's name, a key of DEFAULT_TYPES: "Q4_K_M"
+    description: str = ""
     n_layers: int | None = None
     tied_embeddings: bool = False
+    architecture: str | None = None  # Hugging Face model_type, one of ARCHITECTURES (None: not given)
+    n_head: int | None = None
+    n_head_kv: int | None = None
+    imatrix: bool = False  # llama.cpp's qs.has_imatrix
     kind = "ggml"
-    ggml_type = T.Q4_K  # the file type's default tensor type
-    bits = 4
     scale_dtype = torch.float16
     fixed_scale_dtype = True
     parts = ("qweight", "scales")
-    description = ("llama.cpp's Q4_K_M recipe: Q6_K for attn_v and ffn_down in some layers, Q4_K elsewhere, "
-                   "with the width fallbacks")
-    types = (Q4_K, Q6_K, Q5_0, Q8_0)  # what ``resolve`` gives a tensor (``Recipe`` protocol)
 
-    def ggml_type_for(self, shape: tuple[int, ...], name: str) -> Any:
-        """The llama.cpp type this recipe gives ``name`` before the width fallback."""
+    @property
+    def ggml_type(self) -> T:
+        """The file type's default tensor type (``llama_ftype_get_default_type``)."""
+        return DEFAULT_TYPES[self.ftype]
+
+    @property
+    def bits(self) -> int:
+        return _BITS[self.ggml_type]
+
+    @property
+    def llama_ftype(self) -> gguf.LlamaFileType:
+        """``general.file_type`` of the file llama-quantize writes."""
+        return gguf.LlamaFileType[f"MOSTLY_{self.ftype}"]
+
+    @property
+    def ggml_types(self) -> tuple[T, ...]:
+        """Every type this file type writes for some tensor of some dense llama/qwen2 model (``WRITTEN``)."""
+        return tuple(T[n] for n in WRITTEN[self.ftype].split())
+
+    @property
+    def types(self) -> tuple[Scheme, ...]:
+        """The registered schemes of ``ggml_types`` (``Recipe`` protocol); one not registered yet is left out."""
+        return tuple(s for t in self.ggml_types if (s := REGISTRY.find(t.name.lower())) is not None)
+
+    # ----------------------------------------------------------------- the facts a rule reads
+
+    def _need(self, name: str, what: str, rule: str) -> SchemeError:
+        return SchemeError(f"tensor {name}: {self.name} needs the model's {what} to choose this tensor's type "
+                           f"(llama.cpp's {rule}); bind it to the model's config with scheme.bind(config)")
+
+    def _layer(self, name: str) -> int:
+        if self.n_layers is None:
+            raise self._need(name, "layer count", "use_more_bits and layer rules")
+        m = _LAYER.search(name)
+        if m is None or not 0 <= int(m.group(3)) < self.n_layers:
+            raise SchemeError(f"tensor {name}: no layer index below {self.n_layers} in its name; {self.name} cannot place it")
+        return int(m.group(3))
+
+    def _gqa(self, name: str) -> int:
+        if self.n_head is None:
+            raise self._need(name, "attention head counts (num_attention_heads, num_key_value_heads)", "n_gqa() >= 4 rule")
+        kv = self.n_head if self.n_head_kv is None else self.n_head_kv
+        return self.n_head // kv if kv else 0  # llama_hparams::n_gqa
+
+    def _is_70b(self, name: str) -> bool:
+        """llama.cpp's LLM_TYPE_70B (load_arch_hparams): llama with 80 layers and grouped-query attention, qwen2 with 80."""
+        if self.n_layers != 80:
+            return False
+        if self.architecture is None or (self.architecture == "llama" and self.n_head is None):
+            raise self._need(name, "model_type and head counts", "70B type of an 80-layer model")
+        return self.architecture == "qwen2" or self.n_head != (self.n_head if self.n_head_kv is None else self.n_head_kv)
+
+    # ----------------------------------------------------------------- the rules
+
+    def ggml_type_for(self, shape: tuple[int, ...], name: str) -> T:
+        """The type ``llama_tensor_get_type_impl`` gives ``name``, before the width fallback."""
         cols = shape[-1] if shape else 1
-        if _OUTPUT.search(name) or (self.tied_embeddings and _TOKEN_EMBD.search(name)):
-            return T.Q8_0 if cols % QK_K else T.Q6_K
-        if _ATTN_V.search(name) or _FFN_DOWN.search(name):
-            m = _LAYER.search(name)
-            if self.n_layers is None:
-                raise SchemeError(
-                    f"tensor {name}: {self.name} needs the model's layer count to choose this tensor's type "
-                    "(llama.cpp's use_more_bits); bind it to the model's config with scheme.bind(config)"
-                )
-            if m is None or not 0 <= int(m.group(3)) < self.n_layers:
-                raise SchemeError(f"tensor {name}: no layer index below {self.n_layers} in its name; {self.name} cannot place it")
-            return T.Q6_K if use_more_bits(int(m.group(3)), self.n_layers) else T.Q4_K
-        return T.Q4_K
+        f, d, cat = self.ftype, self.ggml_type, tensor_category(name)
+        if cat == "output" or (cat == "token_embd" and self.tied_embeddings):
+            if cols % _block(d):
+                return T.Q8_0
+            return d if d == T.Q8_0 else T.Q6_K
+        if cat == "attn_v":
+            i, t = self._layer(name), d
+            if f == "Q2_K":
+                t = T.Q4_K if self._gqa(name) >= 4 else T.Q3_K
+            elif f == "Q3_K_M":
+                t = T.Q5_K if i < 2 else T.Q4_K
+            elif f == "Q3_K_L":  # noqa: SIM114  the branches in llama.cpp's order, one per ftype
+                t = T.Q5_K
+            elif f in ("IQ4_NL", "IQ4_XS") and self._gqa(name) >= 4:
+                t = T.Q5_K
+            elif f in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, self.n_layers):
+                t = T.Q6_K
+            elif f == "Q4_K_S" and i < 4:
+                t = T.Q5_K
+            # 70B: attn_v is 8x smaller than attn_q there, so more bits cost little
+            return T.Q5_K if t in (T.Q3_K, T.Q4_K) and self._is_70b(name) else t
+        if cat == "ffn_down":
+            i, n = self._layer(name), self.n_layers
+            if f == "Q2_K":
+                return T.Q3_K
+            if f == "Q3_K_M":
+                return T.Q5_K if i < n // 16 else T.Q4_K
+            if f == "Q3_K_L":
+                return T.Q5_K
+            if f == "Q4_K_M":
+                return T.Q6_K if use_more_bits(i, n) else d
+            if i < n // 8 and f in ("IQ4_NL", "IQ4_XS") and not self.imatrix:
+                return T.Q5_K
+            if f == "Q5_K_M" and use_more_bits(i, n):
+                return T.Q6_K
+            if f == "Q4_K_S" and i < n // 8:
+                return T.Q5_K
+            return d
+        if cat == "attn_output":
+            return {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(f, d)
+        return d
 
-    def resolve(self, shape: tuple[int, ...], name: str = "<tensor>") -> GGMLScheme:
-        t = self.ggml_type_for(tuple(shape), name)
-        return {T.Q4_K: Q4_K, T.Q6_K: Q6_K, T.Q8_0: Q8_0}[t].resolve(tuple(shape), name)
+    def llama_type(self, shape: tuple[int, ...], name: str) -> T:
+        """The type llama.cpp writes ``name`` in: :meth:`ggml_type_for`, then the width fallback (F16
+        included). Refuses a 1-D tensor, which llama.cpp does not quantize."""
+        shape = tuple(shape)
+        if len(shape) < 2:
+            raise SchemeError(f"tensor {name}: llama.cpp quantizes only tensors of 2 or more dimensions and keeps "
+                              f"this {len(shape)}-D one as it is; exclude it from quantization")
+        return tensor_type_fallback(self.ggml_type_for(shape, name), shape[-1])
+
+    def resolve(self, shape: tuple[int, ...], name: str = "<tensor>") -> Scheme:
+        shape = tuple(shape)
+        t = self.llama_type(shape, name)
+        if t == T.F16:
+            raise SchemeError(
+                f"tensor {name}: width {shape[-1]} is not a multiple of 32, which every llama.cpp block type needs "
+                f"({self.name} gives it {self.ggml_type_for(shape, name).name}; llama.cpp would keep this one as F16); "
+                "exclude it from quantization (qkit quantize --exclude)"
+            )
+        return scheme_for_type(t, name).resolve(shape, name)
+
+    # ----------------------------------------------------------------- the Scheme protocol
 
     def nbytes_for(self, shape: tuple[int, ...], name: str | None = None) -> int:
-        """Bytes stored for ``name`` (its resolved type); without a name, those of a plain Q4_K tensor."""
+        """Bytes stored for ``name`` (its resolved type); without a name, those of a plain default-type tensor."""
         return self.resolve(tuple(shape), name or "<tensor>").nbytes_for(tuple(shape))
 
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -103,50 +301,183 @@ class Q4KMRecipe:
         return self.resolve(tuple(w.shape)).encode(w)
 
     def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Decode by the bytes per row, which tell the four types this recipe writes apart."""
+        """Decode by the bytes per row where exactly one of the recipe's types has that size; refused where
+        several do (q4_k and q4_0 both store 0.5625 bytes per weight): decode with the tensor's own scheme,
+        which its manifest entry names (``quantize_tensor``'s result holds it)."""
         rows, cols = as_2d(tuple(shape))
         per_row = parts["qweight"].reshape(rows, -1).shape[1]
-        for s in self.types:
-            if cols % s.block_size == 0 and per_row == cols // s.block_size * s.type_size:
-                return s.decode(parts, shape, dtype)
-        raise SchemeError(f"{self.name}: {per_row} bytes per row of width {cols} match none of its types")
+        fits = [t for t in self.ggml_types if cols % _block(t) == 0
+                and per_row == cols // _block(t) * gguf.GGML_QUANT_SIZES[t][1]]
+        if len(fits) != 1:
+            which = " or ".join(t.name for t in fits) or "none of its types"
+            raise SchemeError(f"{self.name}: {per_row} bytes per row of width {cols} fit {which}; decode the tensor with "
+                              "the scheme its entry names (each tensor's manifest entry names its type)")
+        return scheme_for_type(fits[0]).decode(parts, shape, dtype)
 
     def part_layout(self, shape: tuple[int, ...]) -> Layout:
         """A recipe stores no parts of its own: each tensor's manifest entry names the type it got."""
-        types = ", ".join(t.name for t in self.types)
+        types = ", ".join(t.name.lower() for t in self.ggml_types)
         raise SchemeError(f"{self.name} is a recipe, not a stored type; a tensor's entry names the type it got ({types})")
 
-    def bind(self, model_config: dict[str, Any]) -> Q4KMRecipe:
-        """This recipe with ``n_layers`` and ``tied_embeddings`` from the model's ``config.json``. Refuses
-        models it does not cover here: mixture-of-experts (llama.cpp's rules differ) and llama.cpp's 70B
-        type (llama with 80 layers and grouped-query attention, qwen2 with 80 layers), whose attn_v would
-        need Q5_K."""
+    def bind(self, model_config: dict[str, Any]) -> LlamaRecipe:
+        """This recipe with the model's facts from its ``config.json``. Refuses, in one line, a model whose
+        rules qkit does not implement: a ``model_type`` other than llama / qwen2, mixture-of-experts, and
+        an 80-layer model whose architecture or head counts are not given (llama.cpp's 70B type)."""
+        plain = self.ggml_type.name.lower()
         try:
             n_layers = int(model_config["num_hidden_layers"])
+            heads = model_config.get("num_attention_heads")
+            heads = None if heads is None else int(heads)
+            kv = model_config.get("num_key_value_heads")
+            kv = heads if kv is None else int(kv)
+            experts = max(int(model_config.get(k) or 0) for k in _EXPERT_KEYS)
         except (KeyError, TypeError, ValueError) as exc:
-            raise SchemeError(f"{self.name} needs num_hidden_layers in the model config ({exc})") from exc
-        experts = max(int(model_config.get(k) or 0) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+            raise SchemeError(f"{self.name} needs num_hidden_layers (and integer head counts) in the model config ({exc})") from exc
+        if n_layers < 1:
+            raise SchemeError(f"{self.name}: num_hidden_layers is {n_layers}; a model has at least one layer")
         if experts > 1:
-            raise SchemeError(f"{self.name}: mixture-of-experts models ({experts} experts) follow other llama.cpp rules; use q4_k")
-        arch = str(model_config.get("model_type", ""))
-        heads = model_config.get("num_attention_heads")
-        kv = model_config.get("num_key_value_heads", heads)
-        if n_layers == 80 and (arch == "qwen2" or (arch == "llama" and heads != kv)):
-            raise SchemeError(f"{self.name}: llama.cpp gives this 70B-type model's attn_v Q5_K, which qkit does not implement; use q4_k")
-        return dataclasses.replace(self, n_layers=n_layers, tied_embeddings=bool(model_config.get("tie_word_embeddings", False)))
+            raise SchemeError(f"{self.name}: mixture-of-experts models ({experts} experts) follow other llama.cpp rules; use {plain}")
+        arch = model_config.get("model_type")
+        if arch is not None and arch not in ARCHITECTURES:
+            raise SchemeError(f"{self.name}: qkit implements llama.cpp's {self.ftype} rules for llama and qwen2 models, "
+                              f"not model_type {arch!r}; use {plain}")
+        if n_layers == 80 and (arch is None or (arch == "llama" and heads is None)):
+            raise SchemeError(f"{self.name}: an 80-layer model may be llama.cpp's 70B type, whose attn_v gets more bits; "
+                              "its config needs model_type and num_attention_heads to tell")
+        return dataclasses.replace(self, n_layers=n_layers, tied_embeddings=bool(model_config.get("tie_word_embeddings", False)),
+                                   architecture=arch, n_head=heads, n_head_kv=kv)
+
+    def with_imatrix(self, used: bool) -> LlamaRecipe:
+        """This recipe for a quantization with (``used``) or without an importance matrix (``qs.has_imatrix``)."""
+        return dataclasses.replace(self, imatrix=bool(used))
 
     def to_dict(self) -> dict[str, Any]:
+        """The registered recipe's fields (what ``scheme_from_dict`` checks), then, when bound, the facts
+        its choices read (recorded, not checked: each tensor's entry holds the type it got, which is what
+        decoding needs): ``n_layers``, ``tied_embeddings``; ``n_gqa`` for Q2_K / IQ4_*; ``imatrix`` for
+        IQ4_*; ``llama_70b`` for an 80-layer model. (Only those, so a q4_k_m manifest of another model
+        reads as it did before the other ftypes came.)"""
         d: dict[str, Any] = {
             "name": self.name,
             "kind": self.kind,
             "ggml_type": self.ggml_type.name,
-            "recipe": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+            "recipe": f"LLAMA_FTYPE_MOSTLY_{self.ftype}",
             "llama_cpp_commit": LLAMA_CPP_COMMIT,
         }
         if self.n_layers is not None:
-            d["n_layers"] = self.n_layers
-            d["tied_embeddings"] = self.tied_embeddings
+            d.update(n_layers=self.n_layers, tied_embeddings=self.tied_embeddings)
+            if self.ftype in ("Q2_K", "IQ4_NL", "IQ4_XS") and self.n_head is not None:
+                d["n_gqa"] = self._gqa(self.name)
+            if self.ftype in ("IQ4_NL", "IQ4_XS"):
+                d["imatrix"] = self.imatrix
+            if self.n_layers == 80 and self.architecture is not None:
+                d["llama_70b"] = self._is_70b(self.name)
         return d
 
 
-Q4_K_M = register(Q4KMRecipe())
+def Q4KMRecipe(**facts: Any) -> LlamaRecipe:
+    """The former ``Q4KMRecipe`` class: the ``q4_k_m`` recipe with ``facts`` (``n_layers=...``) filled in."""
+    return dataclasses.replace(Q4_K_M, **facts)
+
+
+def assignment(recipe: Scheme, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, Scheme]:
+    """``{name: the scheme quantize_tensor writes it in}`` (``recipe.resolve``) for ``(name, shape)``
+    pairs, in their order; ``SchemeError`` for a tensor the recipe refuses. Bind the recipe first."""
+    return {name: recipe.resolve(tuple(shape), name) for name, shape in shapes}
+
+
+def type_counts(assigned: dict[str, Scheme]) -> dict[str, int]:
+    """How many tensors got each scheme name, most first (then by name)."""
+    counts = Counter(s.name for s in assigned.values())
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def llama_types(recipe: LlamaRecipe, shapes: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, T]:
+    """``{name: llama.cpp type}`` for the tensors of 2 or more dimensions (``llama_type``, F16 included);
+    1-D tensors, which llama.cpp copies unchanged, are left out."""
+    return {name: recipe.llama_type(tuple(shape), name) for name, shape in shapes if len(shape) >= 2}
+
+
+# llama_model_quantize_impl's line per tensor: "[  12/ 272]  blk.1.attn_v.weight  - [  576,   192,     1,     1],
+# type =    f32, " then "converting to q6_K .. size = ... MiB ->  ... MiB" (quantized), "size = ... MiB" (copied,
+# type unchanged), or with --dry-run "size = ... MiB -> ... MiB (q6_K)". Other messages may come in between.
+_LOG_ENTRY = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+-\s+\[[^\]]*\],\s+type\s*=\s*(\w+),")
+_CONVERTING = re.compile(r"converting to (\w+) \.\.")
+_DRY_RUN = re.compile(r"size =\s*[\d.]+ MiB ->\s*[\d.]+ MiB \((\w+)\)")
+
+
+def llama_quantize_types(log_text: str) -> dict[str, T]:
+    """``{gguf tensor name: type written}`` from llama-quantize's log (its per-tensor lines; a tensor
+    copied unchanged keeps its source type). Type names are ``ggml_type_name``'s (``q4_K``, ``iq4_nl``)."""
+    out: dict[str, T] = {}
+    entries = list(_LOG_ENTRY.finditer(log_text))
+    for k, m in enumerate(entries):
+        rest = log_text[m.end(): entries[k + 1].start() if k + 1 < len(entries) else len(log_text)]
+        found = _CONVERTING.search(rest) or _DRY_RUN.search(rest)
+        type_name = found.group(1) if found else m.group(2)
+        if type_name.upper() not in T.__members__:
+            raise SchemeError(f"llama-quantize log: tensor {m.group(1)} has type {type_name}, which gguf does not know")
+        out[m.group(1)] = T[type_name.upper()]
+    return out
+
+
+_RECIPES = (
+    ("q2_k-llama", "Q2_K", (
+        "llama.cpp's Q2_K file type: Q2_K, with Q3_K for attn_v (Q4_K at 4+ query heads per KV head), "
+        "ffn_down and attn_output, Q6_K for the output; with the width fallbacks"
+    )),
+    ("q3_k_s", "Q3_K_S", (
+        "llama.cpp's Q3_K_S recipe: Q3_K, Q6_K for the output; with the width fallbacks"
+    )),
+    ("q3_k_m", "Q3_K_M", (
+        "llama.cpp's Q3_K_M recipe: Q3_K, with Q5_K/Q4_K for attn_v and ffn_down by layer and Q4_K "
+        "for attn_output; with the width fallbacks"
+    )),
+    ("q3_k_l", "Q3_K_L", (
+        "llama.cpp's Q3_K_L recipe: Q3_K, with Q5_K for attn_v, ffn_down and attn_output; with the "
+        "width fallbacks"
+    )),
+    ("iq4_nl-llama", "IQ4_NL", (
+        "llama.cpp's IQ4_NL file type: IQ4_NL, with Q5_K for the first eighth of ffn_down "
+        "(without an imatrix) and attn_v at 4+ query heads per KV head, Q6_K for the output"
+    )),
+    ("iq4_xs-llama", "IQ4_XS", (
+        "llama.cpp's IQ4_XS file type: IQ4_XS, with Q5_K for the first eighth of ffn_down "
+        "(without an imatrix) and attn_v at 4+ query heads per KV head, Q6_K for the output; with the width fallbacks"
+    )),
+    ("q4_k_s", "Q4_K_S", (
+        "llama.cpp's Q4_K_S recipe: Q4_K, with Q5_K for the first four attn_v and the first eighth "
+        "of ffn_down; with the width fallbacks"
+    )),
+    ("q4_k_m", "Q4_K_M", (
+        "llama.cpp's Q4_K_M recipe: Q6_K for attn_v and ffn_down in some layers, Q4_K elsewhere, "
+        "with the width fallbacks"
+    )),
+    ("q5_k_s", "Q5_K_S", (
+        "llama.cpp's Q5_K_S recipe: Q5_K, Q6_K for the output; with the width fallbacks"
+    )),
+    ("q5_k_m", "Q5_K_M", (
+        "llama.cpp's Q5_K_M recipe: Q6_K for attn_v and ffn_down in some layers, Q5_K elsewhere, "
+        "with the width fallbacks"
+    )),
+)
+RECIPES: dict[str, LlamaRecipe] = {n: register(LlamaRecipe(n, f, d)) for n, f, d in _RECIPES}
+Q4_K_M = RECIPES["q4_k_m"]
+
+__all__ = [
+    "ARCHITECTURES",
+    "DEFAULT_TYPES",
+    "Q4_K_M",
+    "RECIPES",
+    "WRITTEN",
+    "LlamaRecipe",
+    "Q4KMRecipe",
+    "assignment",
+    "llama_quantize_types",
+    "llama_types",
+    "scheme_for_type",
+    "tensor_category",
+    "tensor_type_fallback",
+    "type_counts",
+    "use_more_bits",
+]

@@ -353,6 +353,14 @@ class GGUFFileWriter:
         if missing:
             raise ExportError(f"the export stream lacked {', '.join(missing[:3])}; re-run the export")
         self.spool.close()
+        imatrix = self.record.get("imatrix")
+        if imatrix:  # the keys llama-quantize --imatrix writes (tools/quantize/quantize.cpp, LLM_KV_QUANTIZE_IMATRIX_*)
+            self.gw.add_string("quantize.imatrix.file", str(imatrix.get("file", ""))[:127])
+            if imatrix.get("datasets"):
+                self.gw.add_string("quantize.imatrix.dataset", str(imatrix["datasets"][0])[:127])
+            self.gw.add_int32("quantize.imatrix.entries_count", int(imatrix.get("entries", 0)))
+            if int(imatrix.get("chunk_count") or 0) > 0:
+                self.gw.add_int32("quantize.imatrix.chunks_count", int(imatrix["chunk_count"]))
         self.gw.add_string(RECORD_KEY, json.dumps(self.record, sort_keys=True))
         path = self.directory / FILE
         self.gw.write_header_to_file(path)
