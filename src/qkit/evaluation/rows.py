@@ -63,6 +63,13 @@ ACTIVATIONS_PRESET = (
 
 SHIPPED = ("int8-row", "q8_0", "q4_k_m", "nf4", "int4-g64+gptq", "mxfp4", "nvfp4")
 
+# llama.cpp's ladder as llama-quantize writes it (its recipes, llama_tensor_get_type), from the smallest up,
+# each without and with the importance matrix (collected from the calibration text, never the eval text);
+# q8_0 only without: llama.cpp's q8_0 quantizer reads no importance matrix (quantize_q8_0 ignores it).
+GGUF_LADDER = ("q2_k-llama", "q3_k_s", "q3_k_m", "q3_k_l", "iq4_xs-llama", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
+               "q6_k", "q8_0")
+GGUF_PRESET = tuple(n for step in GGUF_LADDER for n in ((step,) if step == "q8_0" else (step, f"{step}+imatrix")))
+
 for _name, (_spec, _description) in SIMULATION_ROWS.items():
     register_row(_name, _spec, _description)
 register_preset("activations", ACTIVATIONS_PRESET,
@@ -73,4 +80,11 @@ register_preset(
     "what each ecosystem ships: llama.cpp Q8_0 / Q4_K_M, bitsandbytes NF4, GPTQ int4-g64 (vLLM), MXFP4, NVFP4, int8-row",
 )
 
-__all__ = ["ACTIVATIONS_PRESET", "SHIPPED", "SIMULATION_ROWS"]
+register_preset(
+    "gguf",
+    GGUF_PRESET,
+    "llama.cpp's ladder as llama-quantize writes it, q2_k to q8_0 and iq4_xs, each without and with the importance matrix "
+    "(q8_0 reads none)",
+)
+
+__all__ = ["ACTIVATIONS_PRESET", "GGUF_LADDER", "GGUF_PRESET", "SHIPPED", "SIMULATION_ROWS"]

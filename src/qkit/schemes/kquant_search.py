@@ -1,27 +1,34 @@
-"""The exact fp32 arithmetic of llama.cpp's k-quant scale searches: ``make_qkx2_quants`` (q4_k) and
-``make_qx_quants`` (q6_k), vectorised across sub-blocks, bit for bit with ``ggml-quants.c`` at
-``qkit.schemes.kquants.LLAMA_CPP_COMMIT``.
+"""The exact fp32 arithmetic of llama.cpp's scale searches, vectorised across sub-blocks, bit for bit with
+``ggml-quants.c`` at ``qkit.schemes.kquants.LLAMA_CPP_COMMIT``: ``make_qkx2_quants`` / ``make_qkx3_quants``
+(q4_k, q5_k, q2_k; q4_1 / q5_1 / the k-quants with an importance matrix), ``make_qx_quants`` (q6_k, q3_k;
+q4_0 / q5_0 with an importance matrix), ``make_q3_quants`` (q3_k) and ``make_qp_quants`` (q2_k / q3_k's
+scales with an importance matrix). Layout: element ``i`` of sub-block ``k`` at ``[i, k]`` (fp32 ``[n, S]``).
 
-``make_qkx2_quants`` fits ``x ~ scale * L + min`` (``min <= 0``, ``L`` in ``0..15``) by weighted least
-squares: it starts from ``iscale = 15 / (max - min)`` and tries the 21 inverse scales
-``(rmin + rdelta*is + 15) / (max - min)``, ``is = 0..20``, keeping the one with the lowest weighted
-squared error (strictly lower: the first wins a tie). When a step wins, the C code overwrites ``min``
-with the fitted minimum, and the later steps shift ``x`` by, and divide by ``max -``, that new ``min``.
+``make_qkx2_quants`` fits ``x ~ scale * L + min`` (``min <= 0``, ``L`` in ``0..nmax``) by weighted least
+squares: it starts from ``iscale = nmax / (max - min)`` and tries the inverse scales
+``(rmin + rdelta*is + nmax) / (max - min)``, ``is = 0..nstep``, keeping the one with the lowest weighted
+squared (``use_mad``: absolute) error (strictly lower: the first wins a tie). When a step wins, the C code
+overwrites ``min`` with the fitted minimum, and the later steps shift ``x`` by, and divide by ``max -``,
+that new ``min``. ``make_qkx3_quants`` is the same with ``x*x`` weights for ``NULL``.
+``make_qx_quants`` fits ``x ~ scale * l`` (``l`` in ``-nmax..nmax-1``) over ``-(nmax + 0.1*is) / max``,
+``is = -9..9``, maximising ``sumlx**2 / suml2``; ``make_q3_quants`` and ``make_qp_quants`` add up to five
+passes of coordinate descent on single codes (sequential over the elements, vectorised across columns).
 
 **Exactness.** Every operation is fp32, in the C code's order and association, so the bytes equal
-``ggml_quantize_chunk`` (no importance matrix) as built for x86-64 (ggml-base is compiled without
-``-march``, so no FMA contraction; a build that contracts ``a*b + c`` into FMA, as compilers may on
-ARM, can differ in the last bit of a sum and so, rarely, in a code). The sums are sequential, as the
-C loops are: ``seq_sum`` adds the 32 (or 16) terms one at a time, vectorised over all sub-blocks, since
-``torch.sum`` sums pairwise. Two torch operations are not the IEEE ones and are avoided: ``c / tensor``
-(multiplies by a reciprocal: :func:`fdiv` divides) and fp32 ``torch.sqrt`` (can be an ulp off:
-:func:`sqrtf` rounds the fp64 root). ``nearest_int`` (the ``+ 12582912.f`` trick) is round-half-to-even, i.e.
-``torch.round``, for the bounded values it sees here; an inverse scale that overflows to inf (a
-sub-block narrower than about 4e-38) gives code 0, as the trick does for inf and NaN. On CPU the two
-scale searches run in compiled kernels (:mod:`qkit.schemes.kernels`: the same fp32 operations in the same
-order per sub-block, vectorised across sub-blocks; 4-5x faster than llama.cpp's own C on one thread);
-the torch code here is their oracle in the tests and the path on other devices. Decoding equals
-``dequantize_row_q4_K`` / ``dequantize_row_q6_K`` and ``gguf.quants.dequantize`` bit for bit.
+``ggml_quantize_chunk`` as built for x86-64 (ggml-base is compiled without ``-march``, so no FMA
+contraction; a build that contracts ``a*b + c`` into FMA, as compilers may on ARM, can differ in the
+last bit of a sum and so, rarely, in a code). The sums are sequential, as the C loops are: ``seq_sum``
+adds the terms one at a time, vectorised over all sub-blocks, since ``torch.sum`` sums pairwise. Two
+torch operations are not the IEEE ones and are avoided: ``c / tensor`` (multiplies by a reciprocal:
+:func:`fdiv` divides) and fp32 ``torch.sqrt`` (can be an ulp off: :func:`sqrtf` rounds the fp64 root).
+``nearest_int`` (the ``+ 12582912.f`` trick) is round-half-to-even, i.e. ``torch.round``, for
+``|v| <= 4194303``; an inverse scale that overflows to inf (a sub-block narrower than about 4e-38) gives
+code 0, as the trick does for inf and NaN. Where an argument can leave that range (the coordinate
+descents' ``x * sl2 / slx``; a ``make_qkx`` step after a fitted min landed next to the max) the trick
+itself runs (:func:`nearest_int`). On CPU the searches run in compiled kernels
+(:mod:`qkit.schemes.kernels`, :mod:`qkit.schemes._kernels_search`: the same fp32 operations in the same
+order per sub-block, vectorised across sub-blocks; 3-10x faster than llama.cpp's own C on one thread);
+the torch code here is their oracle in the tests and the path on other devices.
 """
 
 from __future__ import annotations
@@ -125,29 +132,68 @@ def first_max_abs(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
     return amax, torch.where(amax > 0, mx, torch.zeros_like(mx))
 
 
-# --------------------------------------------------------------------------- make_qkx2_quants / make_qx_quants
+def nearest_int(v: torch.Tensor) -> torch.Tensor:
+    """C ``nearest_int`` for any fp32 ``v``: the bits of ``v + 12582912.f``, ``(bits & 0x7fffff) - 0x400000``
+    (int32). Round half to even for ``|v| <= 4194303``; beyond it the C ``assert`` is compiled out and the
+    trick wraps (``inf`` gives -4194304, the default NaN 0). For the unbounded arguments of the
+    coordinate descents (``x * sl2 / slx``); bounded ones use :func:`codes_into`."""
+    return ((v + 12582912.0).view(torch.int32) & 0x7FFFFF) - 0x400000
 
 
-# (rmin + rdelta*is + nmax) for Q4_K's make_qkx2_quants(32, 15, ..., -1.f, 0.1f, 20): each step rounded to fp32
-_QKX2_STEPS = [
-    float(np.float32(np.float32(-1.0) + np.float32(0.1) * np.float32(i)) + np.float32(15)) for i in range(21)
-]
-# -(nmax + 0.1f*is) for make_qx_quants(16, 32, ...), is = -9..9 without 0
-_QX_STEPS = [
-    float(-(np.float32(32) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0
-]
+def first_min(x: torch.Tensor) -> torch.Tensor:
+    """``min`` along dim 0 as the C loop ``min = x[0]; if (x[i] < min) min = x[i];`` finds it: ``amin``,
+    and where that is zero, the first zero with its sign (``the_min = -min`` keeps it: q4_1 / q5_1 store
+    ``fp16(-the_min)``, so ``-0`` and ``+0`` are different bytes)."""
+    mn = x.amin(dim=0)
+    zero = mn == 0
+    if bool(zero.any()):
+        cols = zero.nonzero().squeeze(1)
+        sub = x.index_select(1, cols)
+        first = (sub == 0).to(torch.uint8).argmax(dim=0, keepdim=True)
+        mn = mn.index_put((cols,), sub.gather(0, first).squeeze(0))
+    return mn
 
 
-def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int = 15) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, -1.f, 0.1f, 20, false)`` for every column.
+# --------------------------------------------------------------------------- make_qkx2_quants / make_qkx3_quants
+
+
+def qkx_steps(nmax: int, rmin: float, rdelta: float, nstep: int) -> list[float]:
+    """The numerators ``rmin + rdelta*is + nmax``, ``is = 0..nstep``, each operation rounded to fp32 as in C
+    (none for ``nstep < 1``: the C code returns before the loop)."""
+    r, d, m = np.float32(rmin), np.float32(rdelta), np.float32(nmax)
+    return [float(np.float32(r + d * np.float32(i)) + m) for i in range(nstep + 1)] if nstep >= 1 else []
+
+
+def make_qkx2_quants(
+    x: torch.Tensor, w: torch.Tensor, nmax: int = 15, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20, use_mad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, use_mad)`` for every
+    column (q4_k: the defaults; q2_k: ``(3, -0.5, 0.1, 15, True)``; q5_k: ``(31, -0.5, 0.1, 15, False)``).
 
     ``x``, ``w``: fp32 ``[n, S]`` (element ``i`` of sub-block ``k`` at ``[i, k]``). Returns ``(scale [S],
-    the_min [S], L [n, S])``: ``x ~ scale * L - the_min``, ``L`` fp32 codes in ``0..nmax``. The large
-    intermediates live in three preallocated buffers (fresh multi-megabyte tensors per step cost more
-    than the arithmetic).
+    the_min [S], L [n, S])``: ``x ~ scale * L - the_min`` with ``the_min`` the C ``*the_min = -min``
+    (``>= 0``, a signed zero as C leaves it), ``L`` fp32 codes in ``0..nmax``; a column with
+    ``max == min`` gets scale 0, codes 0 and ``the_min = -min``. ``use_mad``: absolute instead of
+    squared errors. The large intermediates live in preallocated buffers (fresh multi-megabyte tensors
+    per step cost more than the arithmetic).
     """
+    return _qkx(x, w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), use_mad)
+
+
+def make_qkx3_quants(
+    x: torch.Tensor, w: torch.Tensor | None = None, nmax: int = 15, rmin: float = -0.9, rdelta: float = 0.05, nstep: int = 36, use_mad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_qkx3_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, use_mad)``: as
+    :func:`make_qkx2_quants` (same returns), with weights ``x*x`` when ``w`` is ``None`` (C ``NULL``);
+    its early return tests ``max <= min``, which after ``if (min > 0) min = 0`` is ``max == min``.
+    q4_1 / q5_1 with an importance matrix: ``nmax`` 15 / 31 and the defaults."""
+    return _qkx(x, x * x if w is None else w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), use_mad)
+
+
+def _qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, steps: list[float], use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, S = x.shape
-    mn = x.amin(dim=0).clamp_(max=0)  # if (min > 0) min = 0;
+    mn = first_min(x)
+    mn = torch.where(mn > 0, torch.zeros_like(mn), mn)  # if (min > 0) min = 0;  (a zero min keeps its sign)
     mx = x.amax(dim=0)
     same = mx == mn
     sum_w = seq_sum(w, from_zero=False)
@@ -158,9 +204,10 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int = 15) -> tuple[
     sums = torch.empty(3, S, dtype=x.dtype, device=x.device)
 
     def weighted_error(scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """sum_i w_i * ((scale * L_i + shift) - x_i)^2, with ``L`` in ``La``."""
+        """sum_i w_i * d_i^2 (or w_i * |d_i|), d_i = (scale * L_i + shift) - x_i, with ``L`` in ``La``."""
         torch.mul(La, scale, out=err).add_(shift).sub_(x)
-        return seq_sum(err.mul_(err).mul_(w))
+        err.abs_() if use_mad else err.mul_(err)
+        return seq_sum(err.mul_(w))
 
     iscale0 = fdiv(float(nmax), mx - mn)
     codes_into(La, x, mn, iscale0, 0, nmax)
@@ -170,9 +217,10 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int = 15) -> tuple[
     # divide by the new (max - min): the search is sequential per sub-block, vectorised across them.
     cur_min = mn
     best_iscale, best_shift = iscale0, mn  # what the kept codes were computed from
-    for c in _QKX2_STEPS:
+    lo = x.amin(dim=0)  # the true extremes bound |iscale * (x - min)| (see _qkx_codes)
+    for c in steps:
         iscale = fdiv(c, mx - cur_min)
-        codes_into(La, x, cur_min, iscale, 0, nmax)
+        _qkx_codes(La, x, cur_min, iscale, nmax, lo, mx)
         wl = prods[:, 0]
         torch.mul(w, La, out=wl)
         torch.mul(wl, La, out=prods[:, 1])
@@ -192,7 +240,7 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int = 15) -> tuple[
         best_shift = torch.where(better, cur_min, best_shift)
         cur_min = torch.where(better, this_min, cur_min)
     # The kept codes, recomputed from what they were computed from (the same fp32 operations give the same L).
-    L = codes_into(La, x, best_shift, best_iscale, 0, nmax)
+    L = _qkx_codes(La, x, best_shift, best_iscale, nmax, lo, mx)
     best_min = cur_min
     if bool(same.any()):  # max == min: L = 0, the_min = -min, scale 0
         L.mul_((~same).to(L.dtype))
@@ -201,8 +249,40 @@ def make_qkx2_quants(x: torch.Tensor, w: torch.Tensor, nmax: int = 15) -> tuple[
     return best_scale, best_min.neg(), L
 
 
-def make_qx_quants(x: torch.Tensor, nmax: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` for every column of ``x`` ``[n, S]`` (fp32).
+_ROUND_BOUND = 4.0e6  # under nearest_int's exact range (|v| <= 4194303), with room for the bound's own rounding
+
+
+def _qkx_codes(out: torch.Tensor, x: torch.Tensor, shift: torch.Tensor, iscale: torch.Tensor, nmax: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``out = MAX(0, MIN(nmax, nearest_int(iscale * (x - shift))))`` exactly. Once a step has replaced
+    ``min`` by a fitted one, ``(max - min)`` can be tiny next to ``x - min`` (weights on a few elements
+    near the maximum), and ``|iscale * (x - min)|`` can pass 4194303, where the C trick wraps instead of
+    rounding: then (checked per column from the extremes ``lo``, ``hi``, cheaply) the bit trick itself
+    runs; else rounding (:func:`codes_into`). An infinite ``iscale`` gives code 0 either way."""
+    finite = torch.nan_to_num(iscale, nan=0.0, posinf=0.0, neginf=0.0)
+    reach = torch.maximum((hi - shift).abs(), (lo - shift).abs()).mul_(finite.abs())
+    if not bool((reach > _ROUND_BOUND).any()):
+        return codes_into(out, x, shift, iscale, 0, nmax)
+    torch.sub(x, shift, out=out).mul_(finite)
+    return out.copy_(nearest_int(out).clamp_(0, nmax))
+
+
+# --------------------------------------------------------------------------- make_qx_quants / make_q3_quants
+
+
+def _qx_weights(x: torch.Tensor, rmse_type: int) -> torch.Tensor:
+    """``rmse_type == 1 ? x*x : rmse_type == 2 ? 1 : rmse_type == 3 ? fabsf(x) : sqrtf(fabsf(x))``."""
+    if rmse_type == 1:
+        return x * x
+    if rmse_type == 2:
+        return torch.ones_like(x)
+    return x.abs() if rmse_type == 3 else sqrtf(x.abs())
+
+
+def make_qx_quants(x: torch.Tensor, nmax: int = 32, rmse_type: int = 1, qw: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qx_quants(n, nmax, x, L, rmse_type, qw)`` for every column of ``x`` ``[n, S]`` (fp32); ``qw``
+    ``[n, S]`` the per-element weights (C: used instead of the ``rmse_type`` weights when not ``NULL``;
+    q4_0 / q5_0 with an importance matrix: ``nmax`` 8 / 16, ``rmse_type`` 1). ``rmse_type`` 0 keeps the
+    codes of ``-nmax / max``; a negative one returns after the first fit (``0.5 * (scale + 1/iscale)``).
 
     Returns ``(scale [S], L [n, S])`` with ``L`` the stored codes ``l + nmax`` in ``0..2*nmax-1`` (fp32);
     a column with ``max|x| < GROUP_MAX_EPS`` gets scale 0 and codes 0.
@@ -210,9 +290,14 @@ def make_qx_quants(x: torch.Tensor, nmax: int = 32) -> tuple[torch.Tensor, torch
     n, S = x.shape
     amax, mx = first_max_abs(x, 0)
     zero = amax < GROUP_MAX_EPS
-    w = x * x
-    wx = w * x
     L = torch.empty_like(x)
+    iscale0 = fdiv(float(-nmax), mx)
+    if rmse_type == 0:
+        scale = fdiv(1.0, iscale0)
+        codes_into(L, x, None, iscale0, -nmax, nmax - 1).add_(nmax)
+        return _zeroed(zero, scale, L)
+    w = qw if qw is not None else _qx_weights(x, abs(rmse_type))
+    wx = w * x
     prods = torch.empty(n, 2, S, dtype=x.dtype, device=x.device)  # w*x*l, w*l*l per element
     sums = torch.empty(2, S, dtype=x.dtype, device=x.device)
 
@@ -223,12 +308,16 @@ def make_qx_quants(x: torch.Tensor, nmax: int = 32) -> tuple[torch.Tensor, torch
         sumlx, suml2 = seq_sum(prods, out=sums)
         return sumlx.clone(), suml2.clone()
 
-    iscale0 = fdiv(float(-nmax), mx)
     sumlx, suml2 = fit(iscale0)
     scale = torch.where(suml2 != 0, sumlx / suml2, torch.zeros_like(sumlx))
+    if rmse_type < 0:  # return_early
+        inv = fdiv(1.0, iscale0)
+        scale = torch.where(suml2 > 0, (scale + inv) * 0.5, inv)
+        L.add_(nmax)
+        return _zeroed(zero, scale, L)
     best = scale * sumlx
     best_iscale = iscale0
-    for c in _QX_STEPS:
+    for c in (float(-(np.float32(nmax) + np.float32(0.1) * np.float32(i))) for i in range(-9, 10) if i != 0):
         iscale = fdiv(c, mx)
         sumlx, suml2 = fit(iscale)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
@@ -236,7 +325,99 @@ def make_qx_quants(x: torch.Tensor, nmax: int = 32) -> tuple[torch.Tensor, torch
         best = torch.where(better, scale * sumlx, best)
         best_iscale = torch.where(better, iscale, best_iscale)
     codes_into(L, x, None, best_iscale, -nmax, nmax - 1).add_(nmax)
+    return _zeroed(zero, scale, L)
+
+
+def _zeroed(zero: torch.Tensor, scale: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale 0 and codes 0 in the all-zero columns (``amax < GROUP_MAX_EPS``: the C early return)."""
     if bool(zero.any()):
         L.mul_((~zero).to(L.dtype))
         scale = torch.where(zero, torch.zeros_like(scale), scale)
     return scale, L
+
+
+def make_q3_quants(x: torch.Tensor, nmax: int, do_rmse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_q3_quants(n, nmax, x, L, do_rmse)`` for every column of ``x`` ``[n, S]`` (fp32; q3_k: ``nmax``
+    4). Returns ``(scale [S], L [n, S])``, ``L`` the stored codes ``l + nmax`` (fp32; 0 in an all-zero
+    column). With ``do_rmse``: the ``x*x``-weighted fit of the codes of ``-nmax / max``, then up to five
+    passes of coordinate descent (element ``i`` moves to ``nearest_int(x_i * sl2 / slx)`` when that
+    raises ``sumlx**2 / suml2``), sequential over the elements, vectorised across columns. A pass that
+    changes nothing leaves the state as it found it, so running all five where C breaks early is exact."""
+    amax, mx = first_max_abs(x, 0)
+    zero = amax < GROUP_MAX_EPS
+    iscale = fdiv(float(-nmax), mx)
+    L = codes_into(torch.empty_like(x), x, None, iscale, -nmax, nmax - 1)
+    if not do_rmse:
+        return _zeroed(zero, fdiv(1.0, iscale), L.add_(nmax))
+    w = x * x
+    wx = w * x
+    sumlx = seq_sum(wx * L)
+    suml2 = seq_sum(w * L * L)
+    for _ in range(5):
+        changed = torch.zeros_like(zero)
+        for i in range(x.shape[0]):
+            Li = L[i]
+            slx = sumlx - wx[i] * Li
+            sl2 = suml2 - w[i] * Li * Li
+            new_l = nearest_int(x[i] * sl2 / slx).clamp_(-nmax, nmax - 1).float()
+            slx_n = slx + wx[i] * new_l
+            sl2_n = sl2 + w[i] * new_l * new_l
+            take = (slx > 0) & (new_l != Li) & (sl2_n > 0) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
+            L[i] = torch.where(take, new_l, Li)
+            sumlx = torch.where(take, slx_n, sumlx)
+            suml2 = torch.where(take, sl2_n, suml2)
+            changed |= take
+        if not bool(changed.any()):
+            break
+    scale = torch.where(suml2 > 0, sumlx / suml2, torch.zeros_like(sumlx))
+    return _zeroed(zero, scale, L.add_(nmax))
+
+
+# --------------------------------------------------------------------------- make_qp_quants
+
+
+def make_qp_quants(x: torch.Tensor, qw: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_qp_quants(n, nmax, x, L, quant_weights)`` for every column of ``x`` ``[n, S]`` (fp32, meant
+    for non-negative values: q2_k / q3_k quantize their sub-block scales and mins with it), weights ``qw``
+    ``[n, S]``. Returns ``(scale [S], L [n, S])``: ``x ~ scale * L``, ``L`` fp32 codes ``<= nmax`` as the
+    C ``uint8_t`` array holds them (a negative code wraps); 0 where ``max(0, x) < GROUP_MAX_EPS``.
+    The codes of ``nmax / max`` and of 8 more inverse scales ``(0.1*is + nmax) / max`` are compared by
+    weighted squared error (strictly lower wins), then up to five passes of coordinate descent."""
+    mx = x.amax(dim=0).clamp_(min=0)  # max = MAX(max, x[i]) from 0
+    zero = mx < GROUP_MAX_EPS
+    iscale = fdiv(float(nmax), mx)
+
+    def mse(scale: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+        diff = x - scale * l
+        return seq_sum(qw * diff * diff)
+
+    best_mse = mse(fdiv(1.0, iscale), (nearest_int(iscale * x) & 0xFF).float())  # L[i] = nearest_int(..): a byte
+    for c in (float(np.float32(0.1) * np.float32(i) + np.float32(nmax)) for i in range(-4, 5) if i != 0):
+        iscale_is = fdiv(c, mx)
+        cur = mse(fdiv(1.0, iscale_is), nearest_int(iscale_is * x).clamp_(max=nmax).float())
+        better = cur < best_mse
+        best_mse = torch.where(better, cur, best_mse)
+        iscale = torch.where(better, iscale_is, iscale)
+    l = nearest_int(iscale * x).clamp_(max=nmax).float()
+    L = (l.to(torch.int32) & 0xFF).float()  # what the uint8_t array holds; the sums take the int
+    wx = qw * x
+    sumlx = seq_sum(wx * l)
+    suml2 = seq_sum(qw * l * l)
+    for _ in range(5):
+        changed = torch.zeros_like(zero)
+        for i in range(x.shape[0]):
+            Li = L[i]
+            slx = sumlx - wx[i] * Li
+            sl2 = suml2 - qw[i] * Li * Li
+            new_l = nearest_int(x[i] * sl2 / slx).clamp_(max=nmax).float()
+            slx_n = slx + wx[i] * new_l
+            sl2_n = sl2 + qw[i] * new_l * new_l
+            take = (slx > 0) & (sl2 > 0) & (new_l != Li) & (slx_n * slx_n * suml2 > sumlx * sumlx * sl2_n)
+            L[i] = torch.where(take, (new_l.to(torch.int32) & 0xFF).float(), Li)
+            sumlx = torch.where(take, slx_n, sumlx)
+            suml2 = torch.where(take, sl2_n, suml2)
+            changed |= take
+        if not bool(changed.any()):
+            break
+    scale = torch.where(suml2 > 0, sumlx / suml2, torch.zeros_like(sumlx))
+    return _zeroed(zero, scale, L)

@@ -64,11 +64,17 @@ class ImatrixMethod:
         t0 = time.perf_counter()
         config = read_config(ref.directory)
         refuse_unsupported(config)
-        loaded = load(ref=ref, device=device)
         collection = options.collection()
-        chunks, provenance = imatrix_ids(loaded.tokenizer, collection)
-        matrix = collect(loaded.model, config, chunks, collection, on_chunk=on_block, provenance=provenance)
-        del loaded
+        key = (str(ref.directory), collection, str(device))
+        if key in _LAST:  # the same model and calibration: an eval's rows share one matrix (no work done twice)
+            matrix, provenance = _LAST[key]
+        else:
+            loaded = load(ref=ref, device=device)
+            chunks, provenance = imatrix_ids(loaded.tokenizer, collection)
+            matrix = collect(loaded.model, config, chunks, collection, on_chunk=on_block, provenance=provenance)
+            del loaded
+            _LAST.clear()
+            _LAST[key] = (matrix, provenance)
         shapes = dict(tensor_shapes(ref.directory))
         weights = quant_weights_for(matrix, config, shapes, targets)
         quantized: dict[str, QuantizedTensor] = {}
@@ -80,5 +86,8 @@ class ImatrixMethod:
                   "seconds": round(time.perf_counter() - t0, 3)}
         return MethodResult(quantized, {}, record)
 
+
+# The last matrix collected in this process, by (model directory, collection options, device): one entry.
+_LAST: dict[tuple, tuple] = {}
 
 METHOD = ImatrixMethod()
