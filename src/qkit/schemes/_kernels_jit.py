@@ -8,15 +8,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from qkit.schemes._kernels_search import nearest_int
+
 LANES = 64  # sub-blocks per tile: 64 fp32 lanes = 4 AVX-512 / 8 AVX2 vectors per C statement
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: nearest_int's constant
 _EPS = np.float32(1e-15)  # GROUP_MAX_EPS
-# (rmin + rdelta*is + nmax) of make_qkx2_quants(32, 15, ..., -1.f, 0.1f, 20): each step rounded to fp32
-QKX2_STEPS = np.array(
-    [np.float32(np.float32(-1.0) + np.float32(0.1) * np.float32(i)) + np.float32(15) for i in range(21)], dtype=np.float32
-)
 # -(nmax + 0.1f*is) of make_qx_quants(16, 32, ...), is = -9..9 without 0
 QX_STEPS = np.array([-(np.float32(32) + np.float32(0.1) * np.float32(i)) for i in range(-9, 10) if i != 0], dtype=np.float32)
 
@@ -73,29 +71,31 @@ def _qkx2_error(X, W, iscale, shift, hi, a, m, E):  # noqa: ANN001
 
 
 @_compiled
-def _qkx2_tile(X, W, La, V, n, nmax):  # noqa: ANN001
-    """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, -1, 0.1, 20, false)`` on ``LANES``
-    sub-blocks at once, with q4_k's weights. In: ``X`` (element-major tile); ``W`` is filled here with the
-    weights ``quantize_row_q4_K_ref`` passes. Out: ``V[5]`` scale, ``V[0]`` min (negated by
-    the caller), ``La`` the codes. A sub-block with ``max == min`` gets scale ``1/inf = 0``, codes 0
+def _qkx2_tile(X, W, La, V, n, nmax, steps, fill_w):  # noqa: ANN001
+    """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, false)`` on ``LANES``
+    sub-blocks at once; ``steps`` holds ``rmin + rdelta*is + nmax`` for ``is = 0..nstep`` (fp32, in the C
+    association). In: ``X`` (element-major tile); with ``fill_w`` ``W`` is filled here with the weights
+    ``quantize_row_q4_K_ref`` / ``quantize_row_q5_K_ref`` pass (``av_x + |x|``), else the caller has
+    filled it (the ``_impl`` paths; ``make_qkx3_quants`` with weights is this same search). Out: ``V[5]``
+    scale, ``V[0]`` min (negated by the caller), ``La`` the codes. A sub-block with ``max == min`` gets scale ``1/inf = 0``, codes 0
     and no candidate (``D = 0``): the C code's early return, without a branch."""
     hi = np.float32(nmax)
     mn, mx, sum_w, sum_x, isc, scale = V[0], V[1], V[2], V[3], V[4], V[5]
     best_is, best_sh, best_err, ts, tm, ce, dd = V[6], V[7], V[8], V[9], V[10], V[11], V[12]
     S = V[13:16].ravel()
-    # q4_k's importance weights: av_x = sqrtf(sum x*x / 32), w = av_x + |x|
-    for k in range(LANES):
-        ce[k] = _F0
-    for i in range(n):
-        b = i * LANES
+    if fill_w:  # the _ref paths' importance weights: av_x = sqrtf(sum x*x / 32), w = av_x + |x|
         for k in range(LANES):
-            ce[k] += X[b + k] * X[b + k]
-    for k in range(LANES):
-        ce[k] = np.sqrt(ce[k] / np.float32(n))
-    for i in range(n):
-        b = i * LANES
+            ce[k] = _F0
+        for i in range(n):
+            b = i * LANES
+            for k in range(LANES):
+                ce[k] += X[b + k] * X[b + k]
         for k in range(LANES):
-            W[b + k] = ce[k] + abs(X[b + k])
+            ce[k] = np.sqrt(ce[k] / np.float32(n))
+        for i in range(n):
+            b = i * LANES
+            for k in range(LANES):
+                W[b + k] = ce[k] + abs(X[b + k])
     for k in range(LANES):
         x0, w0 = X[k], W[k]
         mn[k] = x0
@@ -121,7 +121,7 @@ def _qkx2_tile(X, W, La, V, n, nmax):  # noqa: ANN001
         best_is[k] = v
         best_sh[k] = mn[k]
     _qkx2_error(X, W, isc, mn, hi, scale, mn, best_err)
-    for c in QKX2_STEPS:
+    for c in steps:
         for k in range(LANES):
             v = c / (mx[k] - mn[k])
             isc[k] = v if np.isfinite(v) else _F0
@@ -149,9 +149,10 @@ def _qkx2_tile(X, W, La, V, n, nmax):  # noqa: ANN001
 
 
 @_compiled
-def _qx_tile(X, La, V, n, nmax):  # noqa: ANN001
-    """``make_qx_quants(n, nmax, x, L, rmse_type=1, NULL)`` on ``LANES`` sub-blocks: ``V[2]`` the scale,
-    ``La`` the stored codes ``l + nmax`` (0 for an all-zero sub-block)."""
+def _qx_tile(X, W, La, V, n, nmax):  # noqa: ANN001
+    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` on ``LANES`` sub-blocks, the weights in the tile
+    ``W`` (``x*x`` for ``qw == NULL``, the caller fills it): ``V[2]`` the scale, ``La`` the stored codes
+    ``l + nmax`` (0 for an all-zero sub-block)."""
     amax, mx, scale, best, isc, best_is, sumlx, suml2 = V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7]
     lo, hi = np.float32(-nmax), np.float32(nmax - 1)
     for k in range(LANES):
@@ -176,7 +177,7 @@ def _qx_tile(X, La, V, n, nmax):  # noqa: ANN001
             for k in range(LANES):
                 x = X[b + k]
                 v = _round_clamp(isc[k] * x, lo, hi)
-                w = x * x
+                w = W[b + k]
                 sumlx[k] += w * x * v
                 suml2[k] += w * v * v
         if si < 0:
@@ -217,8 +218,9 @@ def _store_codes(La, s0, t, n, L):  # noqa: ANN001
 
 
 @_compiled
-def _run_qkx2(x, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
-    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]`` (a sub-block a row): q4_k's ``make_qkx2_quants``."""
+def _run_qkx2(x, lo, hi, nmax, steps, scale, the_min, L):  # noqa: ANN001
+    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]`` (a sub-block a row): ``make_qkx2_quants`` with the _ref
+    paths' weights over the candidates ``steps``."""
     n = x.shape[1]
     X = np.zeros(n * LANES, np.float32)
     W = np.empty(n * LANES, np.float32)
@@ -227,7 +229,7 @@ def _run_qkx2(x, lo, hi, nmax, scale, the_min, L):  # noqa: ANN001
     for s0 in range(lo, hi, LANES):
         t = min(LANES, hi - s0)
         _load_tile(x, s0, t, n, X)
-        _qkx2_tile(X, W, La, V, n, nmax)
+        _qkx2_tile(X, W, La, V, n, nmax, steps, True)
         for k in range(t):
             scale[s0 + k] = V[5, k]
             the_min[s0 + k] = -V[0, k]
@@ -239,12 +241,15 @@ def _run_qx(x, lo, hi, nmax, scale, L):  # noqa: ANN001
     """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]``: ``make_qx_quants`` scales and stored codes."""
     n = x.shape[1]
     X = np.zeros(n * LANES, np.float32)
+    W = np.empty(n * LANES, np.float32)
     La = np.empty(n * LANES, np.float32)
     V = np.empty((8, LANES), np.float32)
     for s0 in range(lo, hi, LANES):
         t = min(LANES, hi - s0)
         _load_tile(x, s0, t, n, X)
-        _qx_tile(X, La, V, n, nmax)
+        for i in range(n * LANES):
+            W[i] = X[i] * X[i]
+        _qx_tile(X, W, La, V, n, nmax)
         for k in range(t):
             scale[s0 + k] = V[2, k]
         _store_codes(La, s0, t, n, L)
@@ -354,6 +359,12 @@ def _run_blocks32(x, xi, lo, hi, kind, out, d_out, m_out, flags):  # noqa: ANN00
 # --------------------------------------------------------------------------- k-quant codes from the final scales
 
 
+@_inline
+def _clamp_int(l, lo, hi):  # noqa: ANN001
+    """``MAX(lo, MIN(hi, l))`` on an int."""
+    return lo if l < lo else (hi if l > hi else l)
+
+
 @_compiled
 def _run_q4_k_codes(x, L, dd, dm, lo, hi, out):  # noqa: ANN001
     """``quantize_row_q4_K_ref``'s last loop for super-blocks ``lo..hi``: ``l = nearest_int((x + dm) / dd)``
@@ -368,11 +379,11 @@ def _run_q4_k_codes(x, L, dd, dm, lo, hi, out):  # noqa: ANN001
                 if d0 == _F0:
                     q0 = np.int32(L[b, e0])
                 else:
-                    q0 = np.int32(_round_clamp((x[b, e0] + m0) / d0, _F0, np.float32(15)))
+                    q0 = _clamp_int(nearest_int((x[b, e0] + m0) / d0), 0, 15)
                 if d1 == _F0:
                     q1 = np.int32(L[b, e1])
                 else:
-                    q1 = np.int32(_round_clamp((x[b, e1] + m1) / d1, _F0, np.float32(15)))
+                    q1 = _clamp_int(nearest_int((x[b, e1] + m1) / d1), 0, 15)
                 out[b, 16 + 32 * p + t] = np.uint8(q0 | (q1 << 4))
 
 
@@ -396,7 +407,7 @@ def _run_q6_k_codes(x, L, dd, zero, lo, hi, out):  # noqa: ANN001
                 if d == _F0:
                     q[e] = np.int32(L[b, e])
                 else:
-                    q[e] = np.int32(_round_clamp(x[b, e] / d, np.float32(-32), np.float32(31))) + 32
+                    q[e] = _clamp_int(nearest_int(x[b, e] / d), -32, 31) + 32
         for h in range(2):
             for t in range(32):
                 a0, a1, a2, a3 = q[128 * h + t], q[128 * h + 32 + t], q[128 * h + 64 + t], q[128 * h + 96 + t]

@@ -1,4 +1,5 @@
-"""llama.cpp's k-quants ``q4_k`` and ``q6_k`` (super-blocks of 256): their block layouts, encoders and decoders.
+"""llama.cpp's k-quants ``q4_k``, ``q5_k`` and ``q6_k`` (super-blocks of 256): their block layouts, encoders
+(without and with an importance matrix) and decoders.
 
 Reference: ``ggml/src/ggml-quants.c`` and ``src/llama-quant.cpp`` of llama.cpp at commit
 ``0c1e57098bba43ac29e6e3b677cdceebdd22334f`` (ggml 0.25.3, vendored by llama-cpp-python 0.3.36); the
@@ -8,16 +9,26 @@ functions named below are that file's. Storage follows the contract of ``qkit.sc
 **q4_k** (``block_q4_K``, 144 bytes per 256 weights, 4.5 bits per weight): ``d: fp16, dmin: fp16,
 scales: u8[12], qs: u8[128]``; eight sub-blocks of 32, each with a 6-bit scale ``sc`` and a 6-bit
 minimum ``m`` packed into ``scales`` (``get_scale_min_k4``), and 4-bit codes; ``w = d*sc * q - dmin*m``.
-``quantize_row_q4_K_ref`` per sub-block ``x[0..31]``::
+**q5_k** (``block_q5_K``, 176 bytes, 5.5 bits per weight): ``d, dmin, scales[12]`` as q4_k, then
+``qh: u8[32], qs: u8[128]``: 5-bit codes, the low nibbles in ``qs`` as q4_k's, bit 4 of element ``l`` of
+sub-block ``s`` in bit ``s`` of ``qh[l]``. ``quantize_row_q4_K_ref`` / ``quantize_row_q5_K_ref`` per
+sub-block ``x[0..31]`` (``nmax`` 15 / 31)::
 
     av_x    = sqrtf(sum(x*x) / 32);  w_i = av_x + |x_i|                 (importance weights)
-    scale_j, min_j = make_qkx2_quants(x, w, nmax=15, rmin=-1, rdelta=0.1, nstep=20)
+    scale_j, min_j = make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep)   (q4_k: -1, 0.1, 20; q5_k: -0.5, 0.1, 15)
     d  = fp16(max_j scale_j / 63);  sc_j = min(63, nearest_int(63/max_scale * scale_j))
     dmin = fp16(max_j min_j / 63);  m_j  = min(63, nearest_int(63/max_min * min_j))
-    q_i = clamp(nearest_int((x_i + dmin*m_j) / (d*sc_j)), 0, 15)   (kept from make_qkx2_quants if d*sc_j == 0)
+    q_i = clamp(nearest_int((x_i + dmin*m_j) / (d*sc_j)), 0, nmax)   (kept from the search if d*sc_j == 0)
 
-The scale searches (``make_qkx2_quants``, ``make_qx_quants``) and the exact fp32 arithmetic they need
-are in ``qkit.schemes.kquant_search``.
+With an importance matrix (``quantize_row_q{4,5}_K_impl``, ``qw`` the importance of the row's columns)::
+
+    sigma2 = 2 * sum(x*x over the super-block) / 256;  w_i = qw_i * sqrtf(sigma2 + x_i*x_i)
+    scale_j, min_j = make_qkx3_quants(x, w, nmax, -0.9, 0.05, 36);  sw_j = sum_i w_i
+    d = fp16(make_qp_quants(8, 63, scales, Ls, sw));  dmin = fp16(make_qp_quants(8, 63, mins, Lm, sw))
+
+(``make_qp_quants``: the 6-bit codes of the eight scales, fitted by ``sw``-weighted least squares with a
+coordinate descent; q5_k then clips them to 63, q4_k stores the bytes as they are), and the codes as
+above from the stored bytes.
 
 **q6_k** (``block_q6_K``, 210 bytes per 256 weights, 6.5625 bits per weight): ``ql: u8[128], qh: u8[64],
 scales: i8[16], d: fp16``; sixteen sub-blocks of 16 with an 8-bit signed scale and 6-bit codes;
@@ -26,13 +37,22 @@ scales: i8[16], d: fp16``; sixteen sub-blocks of 16 with an 8-bit signed scale a
 ``d = fp16(1 / (-128/max_scale))`` (``max_scale`` the first scale of largest magnitude), ``sc_j =
 min(127, nearest_int(-128/max_scale * scale_j))``, ``q_i = clamp(nearest_int(x_i / (d*sc_j)), -32, 31) + 32``;
 a super-block whose scales are all below ``GROUP_MAX_EPS = 1e-15`` is all zero bytes.
+``quantize_row_q6_K_impl`` is the same with the fit weighted by the importance: ``make_qx_quants(16, 32,
+x, L, 1, qw)`` (no ``sigma2``: llama.cpp has it commented out).
+
+The scale searches and the exact fp32 arithmetic they need are in ``qkit.schemes.kquant_search`` (torch)
+and, for the compiled CPU path, :mod:`qkit.schemes.kernels`. **Exactness**: both paths give llama.cpp's
+bytes (``ggml_quantize_chunk`` with and without an importance matrix) bit for bit; the final codes use
+the C ``nearest_int`` trick itself, so they match even where its argument is out of range. An importance
+vector with NaN, inf or a negative value is refused (``SchemeError``); with zeros it is used as llama.cpp
+uses it (a super-block whose importances are all 0 gets ``d = dmin = 0`` in q4_k / q5_k, zero bytes in q6_k).
 
 **Widths.** llama.cpp's ``tensor_type_fallback`` (``llama-quant.cpp``): a tensor whose row width
 ``ncols`` (ggml ``ne[0]``, the last dimension) is not a multiple of 256 is written as **q5_0** instead
-of q4_k and as **q8_0** instead of q6_k; if the width is not even a multiple of 32, llama.cpp writes
-F16, qkit refuses it (``SchemeError``). ``resolve(shape, name)`` applies this rule, so the
-``QuantizedTensor``'s scheme is the type actually written: the default model's 576-wide matrices get
-q5_0 under q4_k, its 1536-wide ``down_proj`` q4_k.
+of q4_k, as **q5_1** instead of q5_k and as **q8_0** instead of q6_k; if the width is not even a
+multiple of 32, llama.cpp writes F16, qkit refuses it (``SchemeError``). ``resolve(shape, name)``
+applies this rule, so the ``QuantizedTensor``'s scheme is the type actually written: the default
+model's 576-wide matrices get q5_0 under q4_k, its 1536-wide ``down_proj`` q4_k.
 
 The ``q4_k_m`` recipe, which picks q4_k or q6_k per tensor, is ``qkit.schemes.recipes``.
 """
@@ -49,6 +69,7 @@ from qkit.errors import SchemeError
 from qkit.schemes import kernels
 from qkit.schemes.ggml import (
     Q5_0,
+    Q5_1,
     Q8_0,
     GGMLScheme,
     T,
@@ -58,33 +79,90 @@ from qkit.schemes.ggml import (
     read_fp16,
     register_codec,
 )
-from qkit.schemes.kquant_search import GROUP_MAX_EPS, fdiv, first_max_abs, make_qkx2_quants, make_qx_quants, seq_sum, sqrtf
+from qkit.schemes.kquant_search import (
+    GROUP_MAX_EPS,
+    fdiv,
+    first_max_abs,
+    make_qkx2_quants,
+    make_qkx3_quants,
+    make_qp_quants,
+    make_qx_quants,
+    nearest_int,
+    seq_sum,
+    sqrtf,
+)
 from qkit.schemes.registry import register
+from qkit.threads import one_torch_thread
 
 QK_K = 256  # weights per super-block (ggml-common.h)
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # the llama.cpp these rules are read from
 
 
-# --------------------------------------------------------------------------- Q4_K
+# --------------------------------------------------------------------------- chunks, importance vectors
 
 
 CHUNK = 1024  # super-blocks per pass of the torch code: keeps the [32, sub-blocks] intermediates near the cache
 KERNEL_CHUNK = 16384  # with the compiled kernels (few intermediates; each pass costs ~40 small torch operations)
 
 
-def in_chunks(encode: Any, x: torch.Tensor, size: int) -> torch.Tensor:
+def in_chunks(encode: Any, x: torch.Tensor, size: int, qw: torch.Tensor | None = None) -> torch.Tensor:
     """``encode`` over ``CHUNK`` (with the kernels ``KERNEL_CHUNK``) super-blocks at a time (every block is
-    independent of the others). With the compiled kernels, torch runs at one thread inside and the
-    kernels take the cores (:func:`qkit.schemes.kernels.owning_the_cores`). (The torch path alone was
-    measured no faster with 2 threads, under a one-thread pool or with Python threads over the chunks:
-    its operations are too small to leave the GIL for long.)"""
-    with kernels.owning_the_cores() if kernels.available(x) else contextlib.nullcontext():
+    independent of the others): ``encode(chunk)``, or with an importance ``qw`` ``[P, 256]`` (one matrix
+    row's, ``P`` super-blocks per row) ``encode(chunk, qw, first)``, ``first`` the chunk's first super-block.
+    With the compiled kernels, torch runs at one thread inside and the kernels take the cores
+    (:func:`qkit.schemes.kernels.owning_the_cores`). The torch code on the CPU runs at one thread too: its
+    many small operations each pay the pool's barrier (measured on a busy 2-core machine: q4_k with an
+    importance matrix on 576x1536, 0.1 s on one thread, 2.5-10 s on two; it was never faster with 2
+    threads, under a one-thread pool or with Python threads over the chunks)."""
+    if kernels.available(x):
+        cores = kernels.owning_the_cores()
+    else:
+        cores = one_torch_thread() if x.device.type == "cpu" else contextlib.nullcontext()
+    with cores:
         check_finite(*torch.aminmax(x))
         out = torch.empty(x.shape[0], size, dtype=torch.uint8, device=x.device)
         chunk = KERNEL_CHUNK if kernels.available(x) else CHUNK
         for i in range(0, x.shape[0], chunk):
-            out[i : i + chunk] = encode(x[i : i + chunk])
+            out[i : i + chunk] = encode(x[i : i + chunk]) if qw is None else encode(x[i : i + chunk], qw, i)
     return out
+
+
+def check_importance(qw: torch.Tensor, name: str) -> None:
+    """``SchemeError`` for an importance vector holding NaN, inf or a negative value (llama.cpp would use
+    it and write garbage or NaN scales; an imatrix file's mean squares are never negative)."""
+    bad = ~torch.isfinite(qw) | (qw < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise SchemeError(
+            f"{name}: the importance vector holds {float(qw[i])!r} at column {i} ({int(bad.sum())} bad values); "
+            "importances are mean squares of activations, finite and >= 0: recompute the imatrix"
+        )
+
+
+def weighted(encode: Any, size: int, name: str) -> Any:
+    """The importance-weighted row encoder (``ggml.register_weighted``) of a k-quant whose super-block
+    encoder is ``encode(x [n, 256], qw [P, 256], first) -> uint8 [n, size]``: ``x`` fp32 ``[rows, cols]``,
+    ``qw`` fp32 ``[cols]`` -> uint8 ``[rows, cols / 256 * size]`` (``quantize_q*_K`` with ``quant_weights``:
+    the ``_impl`` function row by row; super-block ``i`` of a row takes ``qw[256*i : 256*i + 256]``)."""
+
+    def run(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+        check_importance(qw, name)
+        rows, cols = x.shape
+        blocks = in_chunks(encode, x.reshape(-1, QK_K), size, qw.reshape(cols // QK_K, QK_K).contiguous())
+        return blocks.view(rows, -1)
+
+    run.__name__ = run.__qualname__ = f"encode_{name}_weighted"
+    run.__doc__ = f"fp32 ``[rows, cols]`` and fp32 importances ``[cols]`` -> ``block_{name[:2].upper()}_K`` bytes ``[rows, cols / 256 * {size}]``."
+    return run
+
+
+def _rows_of(qw: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """The importance row of each of ``n`` super-blocks from super-block ``first`` on: ``[n, 256]``."""
+    idx = torch.arange(first, first + n, device=qw.device).remainder_(qw.shape[0])
+    return qw.index_select(0, idx)
+
+
+# --------------------------------------------------------------------------- Q4_K and Q5_K
 
 
 def encode_q4_k(x: torch.Tensor) -> torch.Tensor:
@@ -92,16 +170,31 @@ def encode_q4_k(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_encode_q4_k, x, 144)
 
 
+def encode_q5_k(x: torch.Tensor) -> torch.Tensor:
+    """fp32 super-blocks ``[nb, 256]`` -> ``block_q5_K`` bytes ``[nb, 176]`` (``quantize_row_q5_K_ref``)."""
+    return in_chunks(_encode_q5_k, x, 176)
+
+
 def _encode_q4_k(x: torch.Tensor) -> torch.Tensor:
+    return _encode_k45(x, 15, (-1.0, 0.1, 20))
+
+
+def _encode_q5_k(x: torch.Tensor) -> torch.Tensor:
+    return _encode_k45(x, 31, (-0.5, 0.1, 15))
+
+
+def _encode_k45(x: torch.Tensor, nmax: int, search: tuple[float, float, int]) -> torch.Tensor:
+    """``quantize_row_q4_K_ref`` (``nmax`` 15) / ``quantize_row_q5_K_ref`` (31): ``make_qkx2_quants(32, nmax,
+    ..., *search, false)`` per sub-block, the scales and minimums over 63 levels of their maximum."""
     nb = x.shape[0]
     if kernels.available(x):
-        scales, mins, L = kernels.qkx2(x.reshape(nb * 8, 32), 15)
+        scales, mins, L = kernels.qkx2(x.reshape(nb * 8, 32), nmax, *search)
         L = L.view(nb, 8, 32)
     else:
         xs = x.view(nb * 8, 32).t().contiguous()  # [32, sub-blocks]
         av_x = sqrtf(seq_sum(xs * xs).div_(32))
         w = xs.abs().add_(av_x)
-        scales, mins, L = make_qkx2_quants(xs, w, 15)
+        scales, mins, L = make_qkx2_quants(xs, w, nmax, *search)
         L = L.t().reshape(nb, 8, 32)
     scales, mins = scales.view(nb, 8), mins.view(nb, 8)
     max_scale, max_min = scales.amax(dim=1), mins.amax(dim=1)
@@ -116,36 +209,114 @@ def _encode_q4_k(x: torch.Tensor) -> torch.Tensor:
     dmin = fp16_scale(max_min / 63, "minimum", x)
     dd = d.float().unsqueeze(1) * ls.float()  # [nb, 8]
     dm = dmin.float().unsqueeze(1) * lm.float()
-    out = torch.empty(nb, 144, dtype=torch.uint8, device=x.device)
+    out = torch.empty(nb, 144 if nmax == 15 else 176, dtype=torch.uint8, device=x.device)
     if kernels.available(x):
-        kernels.q4_k_codes(x, L.view(nb, QK_K), dd, dm, out)
+        (kernels.q4_k_codes if nmax == 15 else kernels.q5_k_codes)(x, L.view(nb, QK_K), dd, dm, out)
     else:
-        xb = x.view(nb, 8, 32)
-        keep = dd == 0  # if (!d) continue;  the codes of make_qkx2_quants stay
-        safe = torch.where(keep, torch.ones_like(dd), dd)
-        q = (xb + dm.unsqueeze(2)).div_(safe.unsqueeze(2)).round_().clamp_(0, 15)
-        q = torch.where(keep.unsqueeze(2), L, q).to(torch.uint8)
-        out[:, 16:].view(nb, 4, 32).copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+        _pack_codes(_final_codes(x, L, dd, dm, nmax), nmax, out)
     out[:, 0:2] = fp16_bytes(d)
     out[:, 2:4] = fp16_bytes(dmin)
-    ls8, lm8 = ls.to(torch.uint8), lm.to(torch.uint8)
-    out[:, 4:8] = ls8[:, :4] | ((ls8[:, 4:] >> 4) << 6)
-    out[:, 8:12] = lm8[:, :4] | ((lm8[:, 4:] >> 4) << 6)
-    out[:, 12:16] = (ls8[:, 4:] & 0x0F) | ((lm8[:, 4:] & 0x0F) << 4)
+    _pack_scales(ls.to(torch.uint8), lm.to(torch.uint8), out)
     return out
+
+
+def _impl_k45(x: torch.Tensor, qw: torch.Tensor, first: int, nmax: int) -> torch.Tensor:
+    """``quantize_row_q4_K_impl`` (``nmax`` 15) / ``quantize_row_q5_K_impl`` (31) with ``quant_weights`` on
+    super-blocks ``[nb, 256]`` from number ``first`` of the matrix on (``qw`` ``[P, 256]``, see ``in_chunks``)."""
+    nb = x.shape[0]
+    if kernels.available(x):
+        out, dmf = kernels.k45_impl(x, qw, first, nmax)
+        if not bool(torch.isfinite(dmf.to(torch.float16)).all()):  # the torch code's message (it raises)
+            fp16_scale(dmf[:, 0], "scale", x), fp16_scale(dmf[:, 1], "minimum", x)
+        return out
+    qwe = _rows_of(qw, first, nb)
+    xt = x.t().contiguous()
+    sigma2 = seq_sum(xt * xt).mul_(2).div_(QK_K)  # 2*sum_x2/QK_K over the super-block
+    w = qwe * sqrtf(x * x + sigma2.unsqueeze(1))  # qw[l] * sqrtf(sigma2 + x*x)
+    xs = x.reshape(nb * 8, 32).t().contiguous()  # [32, sub-blocks]
+    ws = w.reshape(nb * 8, 32).t().contiguous()
+    sw = seq_sum(ws).view(nb, 8).t()  # [8, nb]
+    scales, mins, L = make_qkx3_quants(xs, ws, nmax, -0.9, 0.05, 36)
+    d_block, Ls = make_qp_quants(scales.view(nb, 8).t(), sw, 63)
+    m_block, Lm = make_qp_quants(mins.view(nb, 8).t(), sw, 63)
+    ls, lm = Ls.t().to(torch.uint8), Lm.t().to(torch.uint8)
+    if nmax == 31:  # q5_k: ls = MIN(63, ls)
+        ls, lm = ls.clamp(max=63), lm.clamp(max=63)
+    d = fp16_scale(d_block, "scale", x)
+    dmin = fp16_scale(m_block, "minimum", x)
+    out = torch.empty(nb, 144 if nmax == 15 else 176, dtype=torch.uint8, device=x.device)
+    out[:, 0:2] = fp16_bytes(d)
+    out[:, 2:4] = fp16_bytes(dmin)
+    _pack_scales(ls, lm, out)
+    sc, m = _scale_min_k4(out[:, 4:16])  # the codes are recomputed from the stored bytes
+    dd = d.float().unsqueeze(1) * sc.float()
+    dm = dmin.float().unsqueeze(1) * m.float()
+    _pack_codes(_final_codes(x, L.t().reshape(nb, 8, 32), dd, dm, nmax), nmax, out)
+    return out
+
+
+def _final_codes(x: torch.Tensor, L: torch.Tensor, dd: torch.Tensor, dm: torch.Tensor, nmax: int) -> torch.Tensor:
+    """``l = clamp(nearest_int((x + dm) / dd), 0, nmax)`` per sub-block (``dd`` = ``d*sc``, ``dm`` =
+    ``dmin*m``, fp32 ``[nb, 8]``), the search's codes ``L`` ``[nb, 8, 32]`` where ``dd == 0``: uint8 ``[nb, 8, 32]``."""
+    nb = x.shape[0]
+    keep = dd == 0  # if (!d) continue;  the codes of the search stay
+    safe = torch.where(keep, torch.ones_like(dd), dd)
+    q = nearest_int((x.view(nb, 8, 32) + dm.unsqueeze(2)).div_(safe.unsqueeze(2))).clamp_(0, nmax)
+    return torch.where(keep.unsqueeze(2), L.to(torch.int32), q).to(torch.uint8)
+
+
+def _pack_codes(q: torch.Tensor, nmax: int, out: torch.Tensor) -> None:
+    """uint8 codes ``[nb, 8, 32]`` into ``qs`` (q4_k: ``out[:, 16:144]``) or ``qh`` and ``qs`` (q5_k:
+    ``out[:, 16:48]``, ``out[:, 48:176]``): sub-blocks ``2p`` and ``2p + 1`` share 32 bytes (low, high
+    nibble); bit 4 of element ``l`` of sub-block ``s`` is bit ``s`` of ``qh[l]``."""
+    nb = q.shape[0]
+    if nmax == 15:
+        out[:, 16:].view(nb, 4, 32).copy_(q[:, 0::2] | (q[:, 1::2] << 4))
+        return
+    lo = q & 0x0F
+    out[:, 48:].view(nb, 4, 32).copy_(lo[:, 0::2] | (lo[:, 1::2] << 4))
+    shifts = torch.arange(8, dtype=torch.uint8, device=q.device).view(1, 8, 1)
+    out[:, 16:48] = ((q >> 4) << shifts).sum(dim=1, dtype=torch.uint8)  # disjoint bits: the sum is the OR
+
+
+def _pack_scales(ls: torch.Tensor, lm: torch.Tensor, out: torch.Tensor) -> None:
+    """The 12 bytes of ``scales`` (``out[:, 4:16]``) from the 6-bit codes uint8 ``[nb, 8]``, as the C
+    packs them: ``uint8_t`` arithmetic (a shifted value keeps its low 8 bits)."""
+    out[:, 4:8] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    out[:, 8:12] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    out[:, 12:16] = (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)
+
+
+def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``get_scale_min_k4(j, scales, &sc, &m)`` for ``j = 0..7`` from the 12 bytes ``s`` ``[nb, 12]``."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=1)
+    m = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=1)
+    return sc, m
 
 
 def decode_q4_k(b: torch.Tensor) -> torch.Tensor:
     """``block_q4_K`` bytes ``[nb, 144]`` -> fp32 ``[nb, 256]``: ``d*sc * q - dmin*m`` per sub-block."""
     nb = b.shape[0]
-    d, dmin = read_fp16(b, 0), read_fp16(b, 2)
-    s = b[:, 4:16]
-    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=1)  # get_scale_min_k4
-    m = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=1)
     qs = b[:, 16:].reshape(nb, 4, 1, 32)
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32).float()
-    return ((d * sc.float()).unsqueeze(2) * q - (dmin * m.float()).unsqueeze(2)).reshape(nb, QK_K)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32)
+    return _decode_k45(b, q)
+
+
+def decode_q5_k(b: torch.Tensor) -> torch.Tensor:
+    """``block_q5_K`` bytes ``[nb, 176]`` -> fp32 ``[nb, 256]``: ``d*sc * q - dmin*m`` per sub-block."""
+    nb = b.shape[0]
+    qs = b[:, 48:].reshape(nb, 4, 1, 32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(nb, 8, 32)
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)
+    high = (b[:, 16:48].unsqueeze(1) >> shifts) & 1  # bit s of qh[l]: bit 4 of element l of sub-block s
+    return _decode_k45(b, q | (high << 4))
+
+
+def _decode_k45(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    d, dmin = read_fp16(b, 0), read_fp16(b, 2)
+    sc, m = _scale_min_k4(b[:, 4:16])
+    return ((d * sc.float()).unsqueeze(2) * q.float() - (dmin * m.float()).unsqueeze(2)).reshape(b.shape[0], QK_K)
 
 
 # --------------------------------------------------------------------------- Q6_K
@@ -156,13 +327,19 @@ def encode_q6_k(x: torch.Tensor) -> torch.Tensor:
     return in_chunks(_encode_q6_k, x, 210)
 
 
-def _encode_q6_k(x: torch.Tensor) -> torch.Tensor:
+def _encode_q6_k(x: torch.Tensor, qw: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
+    """``quantize_row_q6_K_ref``, or with ``qw`` (``[P, 256]``, see ``in_chunks``) ``quantize_row_q6_K_impl``:
+    the same but for the search, ``make_qx_quants(16, 32, x, L, 1, qw)``."""
     nb = x.shape[0]
     if kernels.available(x):
-        scales, L = kernels.qx(x.reshape(nb * 16, 16), 32)
+        if qw is None:
+            scales, L = kernels.qx(x.reshape(nb * 16, 16), 32)
+        else:
+            scales, L = kernels.qx_weighted(x.reshape(nb * 16, 16), qw.reshape(-1, 16), 16 * first, 32)
         L = L.view(nb, 16, 16)
     else:
-        scales, L = make_qx_quants(x.view(nb * 16, 16).t().contiguous(), 32)  # [16, sub-blocks]
+        qws = None if qw is None else _rows_of(qw, first, nb).reshape(nb * 16, 16).t().contiguous()
+        scales, L = make_qx_quants(x.view(nb * 16, 16).t().contiguous(), 32, 1, qws)  # [16, sub-blocks]
         L = L.t().reshape(nb, 16, 16)
     scales = scales.view(nb, 16)
     max_abs, max_scale = first_max_abs(scales, 1)
@@ -178,8 +355,8 @@ def _encode_q6_k(x: torch.Tensor) -> torch.Tensor:
     else:
         keep = dd == 0
         safe = torch.where(keep, torch.ones_like(dd), dd)
-        q = x.view(nb, 16, 16).div(safe.unsqueeze(2)).round_().clamp_(-32, 31).add_(32)
-        q = torch.where(keep.unsqueeze(2), L, q).to(torch.uint8)
+        q = nearest_int(x.view(nb, 16, 16).div(safe.unsqueeze(2))).clamp_(-32, 31).add_(32)
+        q = torch.where(keep.unsqueeze(2), L.to(torch.int32), q).to(torch.uint8)
         q = torch.where(zero.view(nb, 1, 1), torch.zeros_like(q), q).reshape(nb, 2, 4, 32)  # [half, quarter, l]
         ql = out[:, :128].view(nb, 2, 2, 32)
         ql.copy_((q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4))
@@ -204,8 +381,9 @@ def decode_q6_k(b: torch.Tensor) -> torch.Tensor:
     return ((d * sc).unsqueeze(2) * q).reshape(nb, QK_K)
 
 
-register_codec(T.Q4_K, encode_q4_k, decode_q4_k)
-register_codec(T.Q6_K, encode_q6_k, decode_q6_k)
+register_codec(T.Q4_K, encode_q4_k, decode_q4_k, weighted(lambda x, qw, first: _impl_k45(x, qw, first, 15), 144, "q4_k"))
+register_codec(T.Q5_K, encode_q5_k, decode_q5_k, weighted(lambda x, qw, first: _impl_k45(x, qw, first, 31), 176, "q5_k"))
+register_codec(T.Q6_K, encode_q6_k, decode_q6_k, weighted(_encode_q6_k, 210, "q6_k"))
 
 
 # --------------------------------------------------------------------------- schemes
@@ -233,6 +411,10 @@ class KQuantScheme(GGMLScheme):
 Q4_K = register(KQuantScheme(
     "q4_k", T.Q4_K, 4, fallback=Q5_0,
     description="llama.cpp Q4_K: eight sub-blocks of 32 with 6-bit scales and minimums, chosen by llama.cpp's search",
+))
+Q5_K = register(KQuantScheme(
+    "q5_k", T.Q5_K, 5, fallback=Q5_1,
+    description="llama.cpp Q5_K: eight sub-blocks of 32 with 6-bit scales and minimums, 5-bit codes",
 ))
 Q6_K = register(KQuantScheme(
     "q6_k", T.Q6_K, 6, fallback=Q8_0, description="llama.cpp Q6_K: sixteen sub-blocks of 16 with 8-bit scales",
