@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from qkit.checkpoint import read_manifest, tensor_shapes
-from qkit.errors import InputError
+from qkit.errors import InputError, SchemeError
 from qkit.models import check_complete, read_config, resolve
 from qkit.schemes import Scheme, get_scheme
 from qkit.serving.kv import (
@@ -125,9 +125,30 @@ class WeightBytes:
 
 
 def check_format(fmt: str) -> str:
+    """``fmt`` if it is a budget format (``FORMATS``) or any registered scheme (every llama.cpp type and
+    recipe, ``q3_k_m``, ``iq4_xs-llama``, ...), priced by its own layout."""
     if fmt not in FORMATS:
-        raise InputError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
+        try:
+            get_scheme(fmt)
+        except (InputError, SchemeError):
+            raise InputError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)} or any scheme "
+                             "(qkit quantize --help lists them)") from None
     return fmt
+
+
+def format_scheme(fmt: str) -> str | None:
+    """The scheme a budget format is priced in (None: fp16)."""
+    return FORMATS[fmt] if fmt in FORMATS else get_scheme(check_format(fmt)).name
+
+
+def recipe_config(shapes: list[tuple[str, tuple[int, ...]]], config: dict | None) -> dict:
+    """What a recipe binds to: the model's config (its head counts and tied embeddings matter to llama.cpp's
+    rules), with the layer count found in the names; a Mistral layout is llama.cpp's llama architecture."""
+    cfg = dict(config or {})
+    cfg["num_hidden_layers"] = layer_count(shapes)
+    if cfg.get("model_type") == "mistral":
+        cfg["model_type"] = "llama"
+    return cfg
 
 
 def layer_count(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
@@ -136,17 +157,17 @@ def layer_count(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
     return max(found) + 1 if found else 0
 
 
-def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str) -> WeightBytes:
+def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str, config: dict | None = None) -> WeightBytes:
     """Sum the stored bytes of every tensor: block projections in ``fmt``'s scheme, the rest in fp16.
 
     Every tensor is priced in the scheme ``resolve`` gives it (q4_k_m's recipe picks a type per tensor,
     k-quants fall back for some widths), with the scheme bound (``bind``) to the layer count found in the
     names, as ``qkit quantize`` binds it to the model's config."""
     shapes = list(shapes)
-    scheme_name = FORMATS[check_format(fmt)]
+    scheme_name = format_scheme(fmt)
     scheme = get_scheme(scheme_name) if scheme_name else None
     if scheme is not None:
-        scheme = scheme.bind({"num_hidden_layers": layer_count(shapes)})
+        scheme = scheme.bind(recipe_config(shapes, config))
     total = params = qparams = qbytes = 0
     for name, shape in shapes:
         n = math.prod(shape)
@@ -252,6 +273,7 @@ class ModelSpec:
     source: str  # "preset (...)", "config.json", "safetensors headers"
     architecture: Architecture
     shapes: list[tuple[str, tuple[int, ...]]] = field(repr=False)
+    config: dict = field(default_factory=dict, repr=False)  # what a llama.cpp recipe binds to
 
 
 @dataclass(frozen=True)
@@ -319,19 +341,21 @@ def model_specs(
         if key not in PRESETS:
             raise InputError(f"unknown preset {p!r}; use one of {', '.join(PRESETS)}")
         arch = architecture_from_config(PRESETS[key], key)
-        specs.append(ModelSpec(key, f"preset ({PRESET_SOURCES[key]})", arch, llama_shapes(arch)))
+        specs.append(ModelSpec(key, f"preset ({PRESET_SOURCES[key]})", arch, llama_shapes(arch), PRESETS[key]))
     config_paths = list(configs) + [m for m in models if str(m).endswith(".json")]
     for c in config_paths:
-        arch = architecture_from_config(read_config_file(c), str(c))
-        specs.append(ModelSpec(Path(c).parent.name or str(c), "config.json (llama layout)", arch, llama_shapes(arch)))
+        cfg = read_config_file(c)
+        arch = architecture_from_config(cfg, str(c))
+        specs.append(ModelSpec(Path(c).parent.name or str(c), "config.json (llama layout)", arch, llama_shapes(arch), cfg))
     for m in models:
         if str(m).endswith(".json"):
             continue
         ref = resolve(None if m == DEFAULT_MODEL_WORD else m)
         check_complete(ref)  # a missing tensor would be a silently smaller weight size (headers only)
-        arch = architecture_from_config(read_config(ref.directory), ref.spec)
+        cfg = read_config(ref.directory)
+        arch = architecture_from_config(cfg, ref.spec)
         label = "default" if ref.kind == "default" else Path(ref.spec).name or ref.spec
-        specs.append(ModelSpec(label, "safetensors headers", arch, directory_shapes(ref.directory)))
+        specs.append(ModelSpec(label, "safetensors headers", arch, directory_shapes(ref.directory), cfg))
     return specs
 
 
@@ -382,7 +406,7 @@ def budget(
     if chapter:
         weights = {(i, f): chapter_weight_bytes(CHAPTER_PARAMETERS[s.label], f) for i, s in enumerate(specs) for f in formats}
     else:
-        weights = {(i, f): weight_bytes(s.shapes, f) for i, s in enumerate(specs) for f in formats}
+        weights = {(i, f): weight_bytes(s.shapes, f, s.config) for i, s in enumerate(specs) for f in formats}
     reserve = round(reserve_gib * GIB)
     tables = []
     for g in gpus_gib:
@@ -410,7 +434,7 @@ def budget(
          "architecture": s.architecture.to_dict(), "parameters": weights[(i, formats[0])].parameters}
         for i, s in enumerate(specs)
     ]
-    return BudgetReport(tables, models_info, reserve_gib, kv_dtype, conversation, {f: FORMATS[f] for f in formats},
+    return BudgetReport(tables, models_info, reserve_gib, kv_dtype, conversation, {f: format_scheme(f) for f in formats},
                         chapter_assumptions(reserve_gib, formats) if chapter else None)
 
 
