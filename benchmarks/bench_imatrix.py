@@ -16,7 +16,7 @@ In one run, with the llama.cpp that ``build_llama_ref.py`` pins:
    without the importance matrix: ``llama-quantize [--imatrix ref.gguf] --token-embedding-type f32 F32.gguf
    OUT FTYPE T`` against ``quantize_model(scheme, format="gguf", imatrix=...)``; the 210 block projections
    compared by type and bytes (``bench_llama_cpp.compare_files``).
-3. **Speed.** The same quantizations timed: llama-quantize (whole process: load, quantize, write) against
+3. **Speed.** The same quantizations timed (the recipes in ``TIMED``): llama-quantize (whole process: load, quantize, write) against
    ``quantize_model`` (also load, quantize, write), at each ``--threads``, median of ``--repeats``; and each
    type's encoder alone over the 210 matrices against a plain int8 copy of the same matrices
    (``torch.round(w * s).to(torch.int8)`` with a per-row scale: the floor of any per-row quantizer).
@@ -57,6 +57,8 @@ RECIPES = [("q2_k-llama", "Q2_K"), ("q3_k_s", "Q3_K_S"), ("q3_k_m", "Q3_K_M"), (
 PURE = [("q2_k", "Q2_K"), ("q3_k", "Q3_K_M"), ("q4_k", "Q4_K_M"), ("q5_k", "Q5_K_M"), ("iq4_nl", "IQ4_NL"),
         ("iq4_xs", "IQ4_XS"), ("q4_0", "Q4_0"), ("q4_1", "Q4_1"), ("q5_0", "Q5_0"), ("q5_1", "Q5_1")]
 CHUNKS, CTX = 32, 512
+# timed at every --threads, --repeats times (the others are compared once, for their bytes)
+TIMED = {"q2_k-llama", "q3_k_m", "iq4_xs-llama", "q4_k_m", "q5_k_m", "q6_k"}
 
 
 def collection(work: Path, f32: Path, threads: list[int], repeats: int) -> tuple[dict, Path]:
@@ -121,10 +123,11 @@ def bytes_and_speed(work: Path, f32: Path, im: Path, threads: list[int], repeats
                        *(["--pure"] if kind == "pure" else []), "--token-embedding-type", "f32", f32, lq, ftype]
                 opts = QuantizeOptions(scheme=scheme, format="gguf", imatrix=str(im) if weighted else None, force=True)
                 row: dict = {"llama_quantize": " ".join(["llama-quantize", *map(str, cmd[1:-3]), "F32.gguf", "OUT.gguf", ftype])}
+                timed = speed and scheme in TIMED
                 times_l: dict[int, list[float]] = {t: [] for t in threads}
                 times_q: dict[int, list[float]] = {t: [] for t in threads}
-                for t in threads if speed else threads[:1]:
-                    for _ in range(repeats if speed else 1):
+                for t in threads if timed else threads[:1]:
+                    for _ in range(repeats if timed else 1):
                         lq.unlink(missing_ok=True)
                         sec, p = b.sh([*cmd, t])
                         b.check(p, f"llama-quantize {key}")
@@ -137,7 +140,7 @@ def bytes_and_speed(work: Path, f32: Path, im: Path, threads: list[int], repeats
                 row.update({"identical": cmp["identical"], "blocks_compared": cmp["blocks_compared"],
                             "blocks_differing": cmp["blocks_differing"], "type_mismatch": len(cmp["type_mismatch"]),
                             "types": cmp["types_llama_qkit"]})
-                if speed:
+                if timed:
                     for t in threads:
                         ls, qs = statistics.median(times_l[t]), statistics.median(times_q[t])
                         row[f"t{t}"] = {"llama_s": round(ls, 3), "qkit_s": round(qs, 3), "qkit_over_llama": round(qs / ls, 3)}
