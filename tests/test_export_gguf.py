@@ -210,7 +210,10 @@ def test_transformers_loads_gguf_with_qkits_weights_and_logits(tiny_model_dir, e
     assert float((a - b).abs().max()) <= 1e-6 * max(1.0, float(a.abs().max()))
 
 
-@pytest.mark.parametrize("scheme,expected", [("q4_k", {256: T.Q4_K, 544: T.Q5_0}), ("q6_k", {256: T.Q6_K, 544: T.Q8_0})])
+@pytest.mark.parametrize("scheme,expected", [
+    ("q4_k", {256: T.Q4_K, 544: T.Q5_0}), ("q6_k", {256: T.Q6_K, 544: T.Q8_0}), ("q2_k", {256: T.Q2_K, 544: T.Q4_0}),
+    ("q3_k", {256: T.Q3_K, 544: T.Q4_0}), ("q5_k", {256: T.Q5_K, 544: T.Q5_1}), ("iq4_xs", {256: T.IQ4_XS, 544: T.IQ4_NL}),
+])
 def test_k_quant_blocks_round_trip(tmp_path, scheme, expected):
     """A llama 256 wide, so the k-quants write their own super-blocks (the tiny llama's widths all fall back):
     gguf and transformers read qkit's bytes back bit-identically; ffn_down (544 wide) takes llama.cpp's fallback."""
@@ -223,13 +226,39 @@ def test_k_quant_blocks_round_trip(tmp_path, scheme, expected):
     for name in ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight"):
         assert t[name].tensor_type == expected[int(t[name].shape[0])], name
     F = gguf.LlamaFileType
-    assert _fields(out)["general.file_type"] == {"q4_k": F.MOSTLY_Q4_K_S, "q6_k": F.MOSTLY_Q6_K}[scheme]
+    assert _fields(out)["general.file_type"] == {"q4_k": F.MOSTLY_Q4_K_S, "q6_k": F.MOSTLY_Q6_K, "q2_k": F.MOSTLY_Q2_K,
+                                                 "q3_k": F.MOSTLY_Q3_K_M, "q5_k": F.MOSTLY_Q5_K_S,
+                                                 "iq4_xs": F.MOSTLY_IQ4_XS}[scheme]
     r = verify_checkpoint(out, device="cpu")
     assert r.passed and r.logits_max_abs_diff == 0.0 and all(c.identical and c.matches_export for c in r.tensors)
     w = src["model.layers.0.self_attn.k_proj.weight"]
     qt = quantize_tensor(w, get_scheme(scheme), name="model.layers.0.self_attn.k_proj.weight")
     back = gguf.quants.dequantize(t["blk.0.attn_k.weight"].data, t["blk.0.attn_k.weight"].tensor_type)
     assert torch.equal(torch.from_numpy(back)[gg.inverse_permutation(128, 2)], qt.dequantize(torch.float32))
+
+
+def test_imatrix_gguf_verifies_and_records_llama_quantizes_keys(tmp_path):
+    """A 256-wide llama quantized through the importance matrix (q3_k_m: q3_k, q4_k, q5_k and fallbacks):
+    verify passes bit-identically, and the file carries the keys llama-quantize --imatrix writes."""
+    from conftest import make_tiny_llama
+
+    d = tmp_path / "w256"
+    make_tiny_llama(d, hidden=256, layers=2)
+    im = tmp_path / "im.gguf"
+    from qkit.api import imatrix_model
+    from qkit.methods.imatrix import ImatrixOptions
+
+    imatrix_model(d, output=im, options=ImatrixOptions(chunks=2, chunk_size=64))
+    opts = QuantizeOptions(scheme="q3_k_m", format="gguf", imatrix=str(im))
+    out = quantize_model(d, output=tmp_path / "q.gguf", options=opts).output
+    f = _fields(out)
+    assert f["quantize.imatrix.entries_count"] == 14 and f["quantize.imatrix.chunks_count"] == 2
+    assert f["quantize.imatrix.file"] == str(im) and f["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q3_K_M
+    r = verify_checkpoint(out, device="cpu")
+    assert r.passed and r.logits_max_abs_diff == 0.0 and all(c.identical and c.matches_export for c in r.tensors)
+    plain = quantize_model(d, output=tmp_path / "p.gguf", scheme="q3_k_m", format="gguf").output
+    a, b = _tensors(out), _tensors(plain)
+    assert any(not np.array_equal(np.asarray(a[n].data), np.asarray(b[n].data)) for n in a if n.startswith("blk."))
 
 
 def test_metadata_is_llama_cpps(tiny_model_dir, exports):
