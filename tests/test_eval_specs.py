@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 
@@ -93,3 +94,33 @@ def test_ranking_names_the_bits_when_a_row_is_not_4_bit():
     assert not any(n.startswith("4-bit rows") for n in notes)
     assert ("rows below 6 bits per weight from best to worst perplexity (bits/w): q4_k_m (18.08, 5.53) < "
             "nf4 (21.50, 4.50) < int4-g128 (27.70, 4.50).") in notes
+
+
+def test_a_calibrated_row_is_compared_with_its_rtn_row_per_token():
+    """``compare_methods``: the paired KL and perplexity differences of SCHEME+METHOD against SCHEME on the same
+    positions (hand-computed), and the note says whether the gain is beyond two paired SE."""
+    import torch
+
+    from qkit.evaluation.perplexity import TokenScores
+    from qkit.evaluation.runner import compare_methods
+    from qkit.evaluation.specs import RowSpec
+
+    kl_rtn = torch.tensor([0.10, 0.20, 0.30, 0.40], dtype=torch.float64)
+    kl_im = kl_rtn - torch.tensor([0.05, 0.06, 0.05, 0.04], dtype=torch.float64)
+    nll = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    top = torch.ones(4, dtype=torch.bool)
+    scores = {"q4_k_m": TokenScores(nll, kl_rtn, top), "q4_k_m+imatrix": TokenScores(nll - 0.01, kl_im, top)}
+    specs = [RowSpec("q4_k_m"), RowSpec("q4_k_m", "imatrix")]
+    rows = [_row("reference", 17.0, 0.0, 0.0, None, matrices=0), _row("q4_k_m", 18.0, 5.0, 1.0, 14),
+            _row("q4_k_m+imatrix", 17.9, 4.0, 1.0, 14)]
+    compare_methods(rows[1:], specs, scores)
+    v = rows[2].versus
+    d = torch.tensor([-0.05, -0.06, -0.05, -0.04], dtype=torch.float64)
+    assert v["against"] == "q4_k_m" and abs(v["kld_change"] + 0.05) < 1e-12
+    assert abs(v["kld_change_se"] - float(d.std() / 2)) < 1e-12  # sd / sqrt(4)
+    assert abs(v["perplexity_change_pct"] - 100 * (math.exp(-0.01) - 1)) < 1e-9
+    assert rows[1].versus == {}
+    note = [n for n in interpret(rows) if n.startswith("q4_k_m+imatrix against q4_k_m")]
+    assert len(note) == 1 and note[0].endswith("a real gain.")
+    rows[2].versus = {**v, "kld_change_se": 0.5}
+    assert any("not distinguishable" in n for n in interpret(rows))

@@ -329,3 +329,11 @@ def test_llama_quantize_reads_qkits_imatrix_and_writes_the_same_bytes(default_mo
     assert "loaded 210 importance matrix entries" in p.stdout + p.stderr
     cmp = b.compare_files(q, lq)
     assert cmp["block_tensors"] == 210 and cmp["blocks_differing"] == 0 and not cmp["type_mismatch"], cmp
+    if scheme == "q4_k_m" and blr.tool_path("llama-perplexity").exists():
+        # llama-perplexity scores both files alike: the same tensors give the same number
+        from qkit.texts import load_corpus
+
+        ruth = tmp_path / "ruth.txt"
+        ruth.write_text(load_corpus(None).text)
+        ours, theirs = (b.llama_perplexity(f, ruth, 256, 2) for f in (q, lq))
+        assert "ppl" in ours and ours["ppl"] == theirs["ppl"] and ours["se"] == theirs["se"], (ours, theirs)

@@ -65,6 +65,18 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
             notes.append(f"battery differences of {', '.join(same)} against the reference are not distinguishable "
                          f"(exact McNemar p >= 0.05): with {ref.battery_total} questions, a difference needs at least "
                          f"{_min_discordant(0.05)} answers changing in one direction to count.")
+    for r in others:  # a calibrated row against the same scheme with rtn (Row.versus): what the method bought
+        v = r.versus
+        if not v or r in collapsed:
+            continue
+        kl, se = v["kld_change"], v["kld_change_se"]
+        if not (finite(kl) and finite(se)):
+            notes.append(f"{r.scheme} against {v['against']}: KL change {kl:+.4f} has no standard error; neither a gain nor a loss.")
+            continue
+        verdict = ("a real gain" if kl + 2 * se < 0 else "a real loss" if kl - 2 * se > 0
+                   else "within two paired SE: not distinguishable")
+        notes.append(f"{r.scheme} against {v['against']}: KL {kl:+.4f} (±{2 * se:.4f}, 2 paired SE), perplexity "
+                     f"{v['perplexity_change_pct']:+.2f}% (±{2 * v['perplexity_change_se_pct']:.2f}%): {verdict}.")
     measured = [r for r in others if r.agreement_total]
     if measured:
         best = max(measured, key=lambda r: r.agreement / r.agreement_total)

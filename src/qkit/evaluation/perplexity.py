@@ -70,6 +70,13 @@ class TokenScores:
         return 100 * (ratio - 1), 100 * ratio * _se(d)
 
 
+    def kl_change_against(self, other: TokenScores) -> tuple[float, float]:
+        """Mean KL to the reference minus ``other``'s, with its paired standard error: both rows score the
+        same positions against the same reference, so ``d = kl - kl_other`` per position."""
+        d = self.kl - other.kl
+        return d.mean().item(), _se(d)
+
+
 def _exp(x: float) -> float:
     # math.exp raises OverflowError past ~709; a collapsed row's mean NLL can get there: its perplexity is inf
     return math.exp(x) if x < 709.0 else math.inf

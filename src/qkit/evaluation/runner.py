@@ -243,6 +243,7 @@ def evaluate(
         if ref_row is not None:
             say(f"{name}: perplexity and KL divergence")
         scores: TokenScores = corpus_ref.score(lm) if ref_row is not None else ref_scores
+        row_scores[name] = scores
         say(f"{name}: battery")
         outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp)
         answers = [is_correct(o, q.answers) for o, q in zip(outputs, battery)]
@@ -281,6 +282,7 @@ def evaluate(
             **facts,
         )
 
+    row_scores: dict[str, TokenScores] = {}
     ref_scores = corpus_ref.own_scores()
     shapes = tensor_shapes(ref.directory)
     ref_targets = [n for n, s in shapes if is_block_projection(n, s)]
@@ -322,6 +324,7 @@ def evaluate(
             swapper.restore()
     finally:
         swapper.restore()
+    compare_methods(rows, specs, row_scores)
 
     provenance = {
         "model": ref.spec,
@@ -348,6 +351,23 @@ def evaluate(
         "seconds_total": time.perf_counter() - t0,
     }
     return EvalReport(rows, provenance, interpret(rows, corpus_ref.scored_tokens))
+
+
+def compare_methods(rows: list[Row], specs: list[RowSpec], scores: dict[str, TokenScores]) -> None:
+    """Each row whose method is not rtn, against the row of the same scheme and runtime with rtn when the
+    table has one (``Row.versus``): the paired KL and perplexity differences on the same positions. What
+    the method (gptq, awq, the importance matrix) bought, with its uncertainty."""
+    for spec in specs:
+        if spec.method == RTN:
+            continue
+        base = RowSpec(spec.scheme, RTN, spec.runtime).name
+        if base not in scores or spec.name not in scores:
+            continue
+        row = next(r for r in rows if r.scheme == spec.name)
+        kl, kl_se = scores[spec.name].kl_change_against(scores[base])
+        pct, pct_se = scores[spec.name].change_against(scores[base])
+        row.versus = {"against": base, "kld_change": kl, "kld_change_se": kl_se,
+                      "perplexity_change_pct": pct, "perplexity_change_se_pct": pct_se}
 
 
 # --------------------------------------------------------------------------- rows' temporary checkpoints
