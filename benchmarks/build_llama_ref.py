@@ -2,7 +2,7 @@
 
     python benchmarks/build_llama_ref.py                   # fetch + build ggml-base (about 30 s of compiling)
     python benchmarks/build_llama_ref.py --record-golden   # ... and rewrite tests/golden/kquants.json
-    python benchmarks/build_llama_ref.py --tools           # ... and llama-quantize, -perplexity, -tokenize (minutes)
+    python benchmarks/build_llama_ref.py --tools           # ... and llama-quantize, -perplexity, -tokenize, -imatrix (minutes)
 
 Nothing of llama.cpp is committed to this repository: ``pip download`` fetches the source distribution of
 llama-cpp-python (pinned below; it vendors llama.cpp at a fixed commit) into
@@ -18,7 +18,7 @@ the ``gguf`` package and llama.cpp disagree (signed zeros, weights below fp32's 
 32-block types, and writes inputs and expected bytes (base64) with the llama.cpp version, compiler and
 this command to ``tests/golden/kquants.json``. The tests then need no compiler.
 
-``--tools`` builds llama.cpp's ``llama-quantize``, ``llama-perplexity`` and ``llama-tokenize`` binaries (Release, static
+``--tools`` builds llama.cpp's ``llama-quantize``, ``llama-perplexity``, ``llama-tokenize`` and ``llama-imatrix`` binaries (Release, static
 libraries, no server/tests/examples, no curl) in a separate directory, ``build-tools`` (so the ggml-base
 build above and the compiler flags recorded with the golden values stay untouched), and writes how long
 the build took to ``build-tools/qkit-build.json``; ``benchmarks/bench_llama_cpp.py`` uses them.
