@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import struct
 import subprocess
 from pathlib import Path
@@ -337,3 +338,29 @@ def test_llama_quantize_reads_qkits_imatrix_and_writes_the_same_bytes(default_mo
         ruth.write_text(load_corpus(None).text)
         ours, theirs = (b.llama_perplexity(f, ruth, 256, 2) for f in (q, lq))
         assert "ppl" in ours and ours["ppl"] == theirs["ppl"] and ours["se"] == theirs["se"], (ours, theirs)
+
+
+def test_imatrix_refusals_come_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    """A calibration text that overlaps the eval text, one too short for two chunks, and a MoE or unnamed
+    architecture are refused before any weight is read."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from adversarial import tripwire
+
+    from qkit.texts import load_corpus
+
+    tripwire(monkeypatch, "qkit.api._load", "the model was loaded")
+    (tmp_path / "ruth.txt").write_text(load_corpus(None).text * 2)
+    (tmp_path / "short.txt").write_text("In the beginning God created the heaven and the earth. " * 3)
+    for extra, message in ((["--calibration", str(tmp_path / "ruth.txt"), "--chunk-size", "64"], "Ruth|overlap|shares|eval"),
+                           (["--calibration", str(tmp_path / "short.txt"), "--chunk-size", "128"], "fewer than two chunks")):
+        r = runner.invoke(app, ["imatrix", str(tiny_model_dir), "-o", str(tmp_path / "im.gguf"), *extra])
+        assert r.exit_code != 0 and __import__("re").search(message, r.output), r.output
+        assert not (tmp_path / "im.gguf").exists()
+    moe = tmp_path / "moe"
+    shutil.copytree(tiny_model_dir, moe)
+    cfg = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 4}))
+    r = runner.invoke(app, ["imatrix", str(moe), "-o", str(tmp_path / "im.gguf")])
+    assert r.exit_code != 0 and "mixture-of-experts" in r.output, r.output

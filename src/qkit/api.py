@@ -47,6 +47,7 @@ from qkit.models import (
     ModelRef,
     check_complete,
     copy_aux_files,
+    load_tokenizer,
     parse_device,
     read_config,
     resolve,
@@ -427,8 +428,9 @@ def imatrix_model(
     inputs = [*given, *resolved_inputs(ref)]
     check_output_path(output, kind="file", force=force, inputs=inputs, owned=is_qkit_imatrix,
                  describe="an importance matrix qkit wrote")
+    # the text (overlap with the eval text, too short, too few chunks) is refused before the model loads
+    chunks, provenance = imatrix_ids(load_tokenizer(ref.directory, trust_remote_code or ref.trust_remote_code), opts)
     loaded = _load(ref=ref, device=dev, trust_remote_code=trust_remote_code)
-    chunks, provenance = imatrix_ids(loaded.tokenizer, opts)
     matrix = collect(loaded.model, config, chunks, opts, on_chunk=progress, provenance=provenance)
     matrix.record = {"qkit_version": __version__, "model": ref.spec, "calibration": provenance,
                      "process_output": opts.process_output}
