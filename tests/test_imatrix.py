@@ -364,3 +364,81 @@ def test_imatrix_refusals_come_before_the_model_loads(tiny_model_dir, tmp_path, 
     (moe / "config.json").write_text(json.dumps({**cfg, "num_local_experts": 4}))
     r = runner.invoke(app, ["imatrix", str(moe), "-o", str(tmp_path / "im.gguf")])
     assert r.exit_code != 0 and "mixture-of-experts" in r.output, r.output
+
+
+def _random_qwen2(directory: Path, tokenizer_dir: Path) -> Path:
+    """A small random qwen2 (256 wide, so the k-quants keep their own super-blocks; biases on q/k/v) with the
+    default model's tokenizer, which llama.cpp's converter recognises."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(torch.exp(torch.randn_like(p) * 0.5))  # heavier tails than the init
+    model.save_pretrained(str(directory), safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    cfg_doc = json.loads((directory / "config.json").read_text())
+    cfg_doc["architectures"] = ["Qwen2ForCausalLM"]
+    (directory / "config.json").write_text(json.dumps(cfg_doc))
+    return directory
+
+
+def _f32_gguf(src: Path, tmp_path: Path) -> Path:
+    """An F32 GGUF of ``src`` for llama-quantize: qkit's GGUF metadata (architecture, tokenizer: llama.cpp's
+    converter does not recognise this tokenizer under qwen2) with every tensor in F32 (qwen2 has no q/k
+    permutation)."""
+    from qkit.checkpoint import iter_tensors
+    from qkit.export.gguf.metadata import copy_fields, read_kv_fields
+    from qkit.export.gguf.names import tensor_names
+
+    meta = tmp_path / "meta.gguf"
+    assert runner.invoke(app, ["quantize", str(src), "-s", "q8_0", "--format", "gguf", "-o", str(meta)]).exit_code == 0
+    fields = read_kv_fields(meta)
+    w = gguf.GGUFWriter(str(tmp_path / "f32.gguf"), "qwen2")
+    for prefix in ("general.", "qwen2.", "tokenizer."):
+        copy_fields(w, fields, prefix, skip=("architecture", "file_type") if prefix == "general." else ())
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tensors = dict(iter_tensors(src))
+    names = tensor_names("qwen2", 2, list(tensors), tied=True)
+    for t in gguf.GGUFReader(str(meta)).tensors:
+        hf = next(n for n, g in names.items() if g == t.name)
+        w.add_tensor(t.name, tensors[hf].float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tmp_path / "f32.gguf"
+
+
+@pytest.mark.slow
+@pytest.mark.llama_cpp
+def test_a_random_qwen2_gives_llama_quantizes_bytes_with_and_without_imatrix(default_model_dir, tmp_path):
+    """qwen2 through the whole ladder: llama-quantize (its own recipe choice, no tensor-type file) and qkit write
+    the same types and bytes in every block projection, without and with the same importance matrix."""
+    blr = _blr()
+    if not blr.tool_path("llama-quantize").exists():
+        pytest.skip("llama.cpp tools not built: python benchmarks/build_llama_ref.py --tools")
+    src = _random_qwen2(tmp_path / "qwen2", default_model_dir)
+    bench = importlib.util.spec_from_file_location("bench_llama_cpp", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llama_cpp.py")
+    b = importlib.util.module_from_spec(bench)
+    bench.loader.exec_module(b)
+    f32 = _f32_gguf(src, tmp_path)
+    im = tmp_path / "im.gguf"
+    assert runner.invoke(app, ["imatrix", str(src), "-o", str(im), "--chunks", "2", "--chunk-size", "256"]).exit_code == 0
+    ladder = [("q2_k-llama", "Q2_K"), ("q3_k_m", "Q3_K_M"), ("iq4_xs-llama", "IQ4_XS"), ("q4_k_m", "Q4_K_M"),
+              ("q5_k_s", "Q5_K_S"), ("q6_k", "Q6_K")]
+    for scheme, ftype in ladder:
+        for weighted in (False, True):
+            q, lq = tmp_path / f"q-{scheme}-{weighted}.gguf", tmp_path / f"l-{scheme}-{weighted}.gguf"
+            extra = ["--imatrix", str(im)] if weighted else []
+            r = runner.invoke(app, ["quantize", str(src), "-s", scheme, "--format", "gguf", "-o", str(q), *extra])
+            assert r.exit_code == 0, r.output
+            p = subprocess.run([blr.tool_path("llama-quantize"), *extra, "--token-embedding-type", "f32", f32, lq, ftype, "2"],
+                               capture_output=True, text=True)
+            assert p.returncode == 0, p.stderr[-2000:]
+            cmp = b.compare_files(q, lq)
+            assert cmp["block_tensors"] == 14 and cmp["identical"], (scheme, weighted, cmp)
