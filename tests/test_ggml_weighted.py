@@ -30,7 +30,8 @@ from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import _kernels_search as ks
 from qkit.schemes import get_scheme, kernels
 from qkit.schemes import kquant_search as kq
-from qkit.schemes.ggml import encode_weighted_torch, uses_importance
+from qkit.schemes.ggml import uses_importance
+from qkit.schemes.ggml_weighted import encode_weighted_torch
 
 T = gguf.GGMLQuantizationType
 TYPES = {"q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
@@ -424,7 +425,7 @@ def test_existing_defaults_unchanged():
 
 @pytest.mark.parametrize("n", [16, 32])
 def test_lane_kernels_equal_torch(n):
-    """The across-sub-block kernels (``qx_rows``, ``qkx_rows``: 64 lanes, a partial last tile) equal the
+    """The across-sub-block kernels (``qx_weighted``, ``qkx_rows``: 64 lanes, a partial last tile) equal the
     torch searches, for every caller's parameter set."""
     rng = np.random.default_rng(200 + n)
     S = 200
@@ -432,11 +433,11 @@ def test_lane_kernels_equal_torch(n):
     x, w = torch.from_numpy(X), torch.from_numpy(W)
     xt, wt = x.t().contiguous(), w.t().contiguous()
     for nmax in (4, 8, 16, 32):
-        scale, L = ks.qx_rows(x, w, nmax)
+        scale, L = kernels.qx_weighted(x, w, 0, nmax)
         s2, L2 = kq.make_qx_quants(xt, nmax, 1, wt)
         assert bits(scale) == bits(s2) and torch.equal(L.float(), L2.t()), nmax
     for nmax, rmin, rdelta, nstep, mad in QKX_PARAMS:
-        scale, the_min, L = ks.qkx_rows(x, w, nmax, rmin, rdelta, nstep, mad)
+        scale, the_min, L = kernels.qkx_rows(x, w, nmax, rmin, rdelta, nstep, mad)
         s2, m2, L2 = kq.make_qkx2_quants(xt, wt, nmax, rmin, rdelta, nstep, mad)
         assert bits(scale) == bits(s2) and bits(the_min) == bits(m2) and torch.equal(L.float(), L2.t()), (nmax, nstep)
 
@@ -529,7 +530,7 @@ def test_qkx_codes_beyond_nearest_int_range(nmax, monkeypatch):
     n = X.shape[1]
     xt, wt = torch.from_numpy(X.T.copy()), torch.from_numpy(W.T.copy())
     scale, the_min, L = kq.make_qkx3_quants(xt, wt, nmax)
-    sl, ml, Ll = ks.qkx_rows(torch.from_numpy(X), torch.from_numpy(W), nmax, -0.9, 0.05, 36, False)
+    sl, ml, Ll = kernels.qkx_rows(torch.from_numpy(X), torch.from_numpy(W), nmax, -0.9, 0.05, 36, False)
     A = np.empty(n, np.uint8)
     want_s, want_m, want_L = np.empty(len(X), np.float32), np.empty(len(X), np.float32), np.zeros(X.shape, np.uint8)
     for k in range(len(X)):

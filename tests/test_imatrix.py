@@ -393,7 +393,7 @@ def _f32_gguf(src: Path, tmp_path: Path) -> Path:
     permutation)."""
     from qkit.checkpoint import iter_tensors
     from qkit.export.gguf.metadata import copy_fields, read_kv_fields
-    from qkit.export.gguf.names import tensor_names
+    from qkit.llama_names import tensor_names
 
     meta = tmp_path / "meta.gguf"
     assert runner.invoke(app, ["quantize", str(src), "-s", "q8_0", "--format", "gguf", "-o", str(meta)]).exit_code == 0

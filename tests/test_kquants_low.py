@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from test_schemes_kernels import edge_matrix
 
 from qkit.errors import NonFiniteWeightError, SchemeError
-from qkit.schemes import get_scheme, kernels, kquants_low, quantize_tensor, scheme_names
+from qkit.schemes import get_scheme, kernels, quantize_tensor, scheme_names
 from qkit.schemes.ggml import uses_importance
 from qkit.schemes.registry import scheme_from_dict
 
@@ -186,7 +186,8 @@ def test_kernel_equals_torch_across_thread_splits_and_partial_tiles():
 def test_the_kernels_fp16_rounding_is_torchs():
     """``GGML_FP32_TO_FP16`` ported into the kernels (round to nearest even, subnormals, overflow to inf) and
     back, on every fp16 value, the midpoints between neighbours (ties), and random fp32 values."""
-    jit = kquants_low._jit()
+    from qkit.schemes import _kernels_fp16 as jit
+
     h = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
     mids = ((h[1:].astype(np.float64) + h[:-1]) / 2).astype(np.float32)
     rnd = np.random.default_rng(0).standard_normal(200000).astype(np.float32) * np.float32(2.0) ** np.random.default_rng(1).integers(-30, 18, 200000)

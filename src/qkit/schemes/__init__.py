@@ -12,6 +12,7 @@ from qkit.schemes.absmax import AbsmaxScheme  # registers int8-tensor ... int4-g
 from qkit.schemes.nf4 import NF4Scheme  # registers nf4
 from qkit.schemes import fp4 as _fp4  # noqa: F401  registers mxfp4, nvfp4
 from qkit.schemes import ggml as _ggml, kquants as _kquants  # noqa: F401  q8_0 ... q5_1, q4_k, q5_k, q6_k
+from qkit.schemes import ggml_weighted as _ggml_weighted  # noqa: F401  q4_0 ... q5_1 with an importance matrix
 from qkit.schemes import kquants_low as _kquants_low  # noqa: F401  q2_k, q3_k
 from qkit.schemes import iquants as _iquants  # noqa: F401  iq4_nl, iq4_xs
 from qkit.schemes import recipes as _recipes  # noqa: F401  q4_k_m and llama.cpp's other recipes

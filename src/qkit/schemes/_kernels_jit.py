@@ -1,4 +1,6 @@
-"""The numba code of :mod:`qkit.schemes.kernels` (imported on first use: numba costs ~0.2 s to import).
+"""The numba code of :mod:`qkit.schemes.kernels` (imported on first use: numba costs ~0.2 s to import):
+the 32-element blocks (with an importance matrix, their weights), the final codes of q4_k / q6_k, FP4.
+The sub-block scale searches are :mod:`qkit.schemes._kernels_lanes`.
 
 Read :mod:`qkit.schemes.kernels` first: what the kernels compute, and why they are exact.
 """
@@ -10,249 +12,11 @@ from numba import njit
 
 from qkit.schemes._kernels_search import nearest_int
 
-LANES = 64  # sub-blocks per tile: 64 fp32 lanes = 4 AVX-512 / 8 AVX2 vectors per C statement
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
-_MAGIC = np.float32(12582912.0)  # 1.5 * 2**23: nearest_int's constant
-_EPS = np.float32(1e-15)  # GROUP_MAX_EPS
-# -(nmax + 0.1f*is) of make_qx_quants(16, 32, ...), is = -9..9 without 0
-QX_STEPS = np.array([-(np.float32(32) + np.float32(0.1) * np.float32(i)) for i in range(-9, 10) if i != 0], dtype=np.float32)
 
 _compiled = njit(nogil=True, cache=True, error_model="numpy")
 _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
-
-
-@_inline
-def _round_clamp(v, lo, hi):  # noqa: ANN001
-    """``clamp(nearest_int(v), lo, hi)`` in fp32: ``(v + 12582912.f) - 12582912.f`` rounds half to even for
-    ``|v| < 2**22``."""
-    v = (v + _MAGIC) - _MAGIC
-    v = lo if v < lo else v
-    return hi if v > hi else v
-
-
-@_inline
-def _codes(X, iscale, shift, lo, hi, out):  # noqa: ANN001 - numba
-    """``out = clamp(nearest_int(iscale * (X - shift)), lo, hi)`` per lane."""
-    for i in range(X.shape[0] // LANES):
-        b = i * LANES
-        for k in range(LANES):
-            out[b + k] = _round_clamp(iscale[k] * (X[b + k] - shift[k]), lo, hi)
-
-
-@_inline
-def _qkx2_sums(X, W, iscale, shift, hi, S):  # noqa: ANN001
-    """Codes of one candidate and their sums ``sum w*l``, ``sum w*l*l``, ``sum w*l*x`` (C order)."""
-    for k in range(3 * LANES):
-        S[k] = _F0
-    for i in range(X.shape[0] // LANES):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            v = _round_clamp(iscale[k] * (x - shift[k]), _F0, hi)
-            wl = W[b + k] * v
-            S[k] += wl
-            S[LANES + k] += wl * v
-            S[2 * LANES + k] += wl * x
-
-
-@_inline
-def _qkx2_error(X, W, iscale, shift, hi, a, m, E):  # noqa: ANN001
-    """``sum w * (a*l + m - x)**2`` per lane, the codes recomputed from ``iscale``/``shift``."""
-    for k in range(LANES):
-        E[k] = _F0
-    for i in range(X.shape[0] // LANES):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            v = _round_clamp(iscale[k] * (x - shift[k]), _F0, hi)
-            d = a[k] * v + m[k] - x
-            E[k] += W[b + k] * (d * d)
-
-
-@_compiled
-def _qkx2_tile(X, W, La, V, n, nmax, steps, fill_w):  # noqa: ANN001
-    """``make_qkx2_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep, false)`` on ``LANES``
-    sub-blocks at once; ``steps`` holds ``rmin + rdelta*is + nmax`` for ``is = 0..nstep`` (fp32, in the C
-    association). In: ``X`` (element-major tile); with ``fill_w`` ``W`` is filled here with the weights
-    ``quantize_row_q4_K_ref`` / ``quantize_row_q5_K_ref`` pass (``av_x + |x|``), else the caller has
-    filled it (the ``_impl`` paths; ``make_qkx3_quants`` with weights is this same search). Out: ``V[5]``
-    scale, ``V[0]`` min (negated by the caller), ``La`` the codes. A sub-block with ``max == min`` gets scale ``1/inf = 0``, codes 0
-    and no candidate (``D = 0``): the C code's early return, without a branch."""
-    hi = np.float32(nmax)
-    mn, mx, sum_w, sum_x, isc, scale = V[0], V[1], V[2], V[3], V[4], V[5]
-    best_is, best_sh, best_err, ts, tm, ce, dd = V[6], V[7], V[8], V[9], V[10], V[11], V[12]
-    S = V[13:16].ravel()
-    if fill_w:  # the _ref paths' importance weights: av_x = sqrtf(sum x*x / 32), w = av_x + |x|
-        for k in range(LANES):
-            ce[k] = _F0
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                ce[k] += X[b + k] * X[b + k]
-        for k in range(LANES):
-            ce[k] = np.sqrt(ce[k] / np.float32(n))
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                W[b + k] = ce[k] + abs(X[b + k])
-    for k in range(LANES):
-        x0, w0 = X[k], W[k]
-        mn[k] = x0
-        mx[k] = x0
-        sum_w[k] = w0
-        sum_x[k] = w0 * x0
-    for i in range(1, n):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            mn[k] = x if x < mn[k] else mn[k]
-            mx[k] = x if x > mx[k] else mx[k]
-        for k in range(LANES):
-            sum_w[k] += W[b + k]
-            sum_x[k] += W[b + k] * X[b + k]
-    for k in range(LANES):
-        if mn[k] > _F0:
-            mn[k] = _F0
-        v = hi / (mx[k] - mn[k])
-        scale[k] = _F1 / v
-        v = v if np.isfinite(v) else _F0
-        isc[k] = v
-        best_is[k] = v
-        best_sh[k] = mn[k]
-    _qkx2_error(X, W, isc, mn, hi, scale, mn, best_err)
-    for c in steps:
-        for k in range(LANES):
-            v = c / (mx[k] - mn[k])
-            isc[k] = v if np.isfinite(v) else _F0
-        _qkx2_sums(X, W, isc, mn, hi, S)
-        for k in range(LANES):
-            sl, sl2, sxl = S[k], S[LANES + k], S[2 * LANES + k]
-            D = sum_w[k] * sl2 - sl * sl
-            a = (sum_w[k] * sxl - sum_x[k] * sl) / D
-            m = (sl2 * sum_x[k] - sl * sxl) / D
-            if m > _F0:
-                m = _F0
-                a = sxl / sl2
-            ts[k] = a
-            tm[k] = m
-            dd[k] = D
-        _qkx2_error(X, W, isc, mn, hi, ts, tm, ce)
-        for k in range(LANES):
-            if dd[k] > _F0 and ce[k] < best_err[k]:
-                best_err[k] = ce[k]
-                scale[k] = ts[k]
-                best_is[k] = isc[k]
-                best_sh[k] = mn[k]
-                mn[k] = tm[k]
-    _codes(X, best_is, best_sh, _F0, hi, La)
-
-
-@_compiled
-def _qx_tile(X, W, La, V, n, nmax):  # noqa: ANN001
-    """``make_qx_quants(n, nmax, x, L, rmse_type=1, qw)`` on ``LANES`` sub-blocks, the weights in the tile
-    ``W`` (``x*x`` for ``qw == NULL``, the caller fills it): ``V[2]`` the scale, ``La`` the stored codes
-    ``l + nmax`` (0 for an all-zero sub-block)."""
-    amax, mx, scale, best, isc, best_is, sumlx, suml2 = V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7]
-    lo, hi = np.float32(-nmax), np.float32(nmax - 1)
-    for k in range(LANES):
-        amax[k] = _F0
-        mx[k] = _F0
-    for i in range(n):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            ax = abs(x)
-            big = ax > amax[k]
-            amax[k] = ax if big else amax[k]
-            mx[k] = x if big else mx[k]
-    for si in range(-1, QX_STEPS.shape[0]):
-        for k in range(LANES):
-            v = (np.float32(-nmax) if si < 0 else QX_STEPS[si]) / mx[k]
-            isc[k] = v if np.isfinite(v) else _F0
-            sumlx[k] = _F0
-            suml2[k] = _F0
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                x = X[b + k]
-                v = _round_clamp(isc[k] * x, lo, hi)
-                w = W[b + k]
-                sumlx[k] += w * x * v
-                suml2[k] += w * v * v
-        if si < 0:
-            for k in range(LANES):
-                scale[k] = sumlx[k] / suml2[k] if suml2[k] != _F0 else _F0
-                best[k] = scale[k] * sumlx[k]
-                best_is[k] = isc[k]
-        else:
-            for k in range(LANES):
-                if suml2[k] > _F0 and sumlx[k] * sumlx[k] > best[k] * suml2[k]:
-                    scale[k] = sumlx[k] / suml2[k]
-                    best[k] = scale[k] * sumlx[k]
-                    best_is[k] = isc[k]
-    for i in range(n):
-        b = i * LANES
-        for k in range(LANES):
-            v = _round_clamp(best_is[k] * X[b + k], lo, hi)
-            La[b + k] = (v + np.float32(nmax)) if amax[k] >= _EPS else _F0
-    for k in range(LANES):
-        if amax[k] < _EPS:
-            scale[k] = _F0
-
-
-@_inline
-def _load_tile(src, s0, t, n, dst):  # noqa: ANN001
-    """Rows ``s0..s0+t`` of ``src`` ``[S, n]`` into the element-major tile ``dst`` (lanes past ``t`` zero)."""
-    for k in range(LANES):
-        for i in range(n):
-            dst[i * LANES + k] = src[s0 + k, i] if k < t else _F0
-
-
-@_inline
-def _store_codes(La, s0, t, n, L):  # noqa: ANN001
-    """The tile's codes back into rows ``s0..s0+t`` of ``L`` ``[S, n]`` (uint8)."""
-    for k in range(t):
-        for i in range(n):
-            L[s0 + k, i] = np.uint8(La[i * LANES + k])
-
-
-@_compiled
-def _run_qkx2(x, lo, hi, nmax, steps, scale, the_min, L):  # noqa: ANN001
-    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]`` (a sub-block a row): ``make_qkx2_quants`` with the _ref
-    paths' weights over the candidates ``steps``."""
-    n = x.shape[1]
-    X = np.zeros(n * LANES, np.float32)
-    W = np.empty(n * LANES, np.float32)
-    La = np.empty(n * LANES, np.float32)
-    V = np.empty((16, LANES), np.float32)
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load_tile(x, s0, t, n, X)
-        _qkx2_tile(X, W, La, V, n, nmax, steps, True)
-        for k in range(t):
-            scale[s0 + k] = V[5, k]
-            the_min[s0 + k] = -V[0, k]
-        _store_codes(La, s0, t, n, L)
-
-
-@_compiled
-def _run_qx(x, lo, hi, nmax, scale, L):  # noqa: ANN001
-    """Sub-blocks ``lo..hi`` of ``x`` ``[S, n]``: ``make_qx_quants`` scales and stored codes."""
-    n = x.shape[1]
-    X = np.zeros(n * LANES, np.float32)
-    W = np.empty(n * LANES, np.float32)
-    La = np.empty(n * LANES, np.float32)
-    V = np.empty((8, LANES), np.float32)
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load_tile(x, s0, t, n, X)
-        for i in range(n * LANES):
-            W[i] = X[i] * X[i]
-        _qx_tile(X, W, La, V, n, nmax)
-        for k in range(t):
-            scale[s0 + k] = V[2, k]
-        _store_codes(La, s0, t, n, L)
 
 
 # --------------------------------------------------------------------------- llama.cpp's 32-element blocks
@@ -354,6 +118,21 @@ def _run_blocks32(x, xi, lo, hi, kind, out, d_out, m_out, flags):  # noqa: ANN00
             if kind == Q5_0 or kind == Q5_1:  # qh: bit j is bit 4 of code j, little-endian, before qs
                 for t in range(4):
                     out[b, qs - 4 + t] = np.uint8((qh >> np.uint32(8 * t)) & np.uint32(0xFF))
+
+
+@_compiled
+def _run_row_weights(x, qw, lo, hi, W):  # noqa: ANN001
+    """Rows ``lo..hi``: ``W[r, j] = qw[j] * sqrtf(sigma2 + x[r, j]**2)``, ``sigma2`` the row's ``x*x``
+    summed in order over the whole row, divided by ``(float)cols`` (the 32-block ``quantize_row_*_impl``)."""
+    cols = x.shape[1]
+    n_f = np.float32(cols)
+    for r in range(lo, hi):
+        s = _F0
+        for j in range(cols):
+            s += x[r, j] * x[r, j]
+        sigma2 = s / n_f
+        for j in range(cols):
+            W[r, j] = qw[j] * np.sqrt(sigma2 + x[r, j] * x[r, j])
 
 
 # --------------------------------------------------------------------------- k-quant codes from the final scales

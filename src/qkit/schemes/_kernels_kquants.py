@@ -1,24 +1,28 @@
-"""The numba code of q5_k and of the importance-matrix paths of q4_k / q5_k / q6_k (imported on first use,
-as :mod:`qkit.schemes._kernels_jit`: numba is heavy).
+"""The numba code of q5_k and of the importance-matrix paths of q4_k / q5_k (imported on first use, as
+:mod:`qkit.schemes._kernels_jit`: numba is heavy).
 
 Read :mod:`qkit.schemes.kernels` first (what the kernels compute, why they are exact) and
-:mod:`qkit.schemes.kquants` (the formulas and layouts). The scale searches run in the 64-lane tiles of
-:mod:`qkit.schemes._kernels_jit` (``make_qkx3_quants`` with weights is ``make_qkx2_quants``' search, the
-weights filled here; ``make_qx_quants`` with ``qw`` takes the tile of weights); the per-super-block rest of
-``quantize_row_q{4,5}_K_impl`` (``make_qp_quants`` of :mod:`qkit.schemes._kernels_search` on the eight
-scales and the eight minimums, the packing, the fp16 ``d`` / ``dmin`` and the final codes) is scalar, as
-the C. Every constant is ``np.float32``, every sum sequential in the C order, no fast-math. ``d`` and
-``dmin`` are rounded to fp16 here (round to nearest even, the result of ``GGML_FP32_TO_FP16`` for every
-finite value) because the C code recomputes the codes from the rounded values; the fp32 values are
-handed back so that the caller can refuse a scale beyond fp16's range with the torch encoders' message.
-"""
+:mod:`qkit.schemes.kquants` (the formulas and layouts). The sub-block searches run in the 64-lane
+searches of :mod:`qkit.schemes._kernels_lanes` (``make_qkx3_quants`` with weights, the weights filled
+here, eight super-blocks a tile; q6_k's ``make_qx_quants`` with ``qw`` is that module's ``run_qx``); the
+per-super-block rest of ``quantize_row_q{4,5}_K_impl`` (``make_qp_quants`` of
+:mod:`qkit.schemes._kernels_search` on the eight scales and the eight minimums, the packing, the fp16
+``d`` / ``dmin`` and the final codes) is scalar, as the C. Every constant is ``np.float32``, every sum
+sequential in the C order, no fast-math. ``d`` and ``dmin`` are rounded to fp16 here
+(:mod:`qkit.schemes._kernels_fp16`) because the C code recomputes the codes from the rounded values; the
+fp32 values are handed back so that the caller can refuse a scale beyond fp16's range with the torch
+encoders' message.
 
+numba's on-disk cache keys a compiled function by its own source file only: after editing a module
+these kernels call, remove ``__pycache__/*.nbi`` / ``*.nbc``, or the old code stays.
+"""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from qkit.schemes._kernels_jit import LANES, _load_tile, _qkx2_tile, _qx_tile, _store_codes
+from qkit.schemes._kernels_fp16 import fp16_bits, fp16_value
+from qkit.schemes._kernels_lanes import LANES, qkx_lanes, scratch
 from qkit.schemes._kernels_search import make_qp_quants, nearest_int
 
 _compiled = njit(nogil=True, cache=True, error_model="numpy")
@@ -26,49 +30,6 @@ _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
 
 _F0 = np.float32(0.0)
 _SUPER = LANES // 8  # super-blocks per tile of q4_k / q5_k's 64 sub-blocks of 32
-
-
-# --------------------------------------------------------------------------- fp16, bit for bit
-
-
-@_inline
-def _fp16_bits(f, one):  # noqa: ANN001 - numba
-    """fp32 ``f`` -> fp16 bits (int32), round to nearest even; inf beyond fp16's range, 0x7e00 for NaN.
-    ``one``: a one-element int32 buffer whose fp32 view holds ``f``'s bits."""
-    one.view(np.float32)[0] = f
-    b = one[0]
-    sign = (b >> 16) & 0x8000
-    a = b & 0x7FFFFFFF
-    if a > 0x7F800000:
-        return sign | 0x7E00
-    if a >= 0x477FF000:  # >= 65520: rounds to inf (65504 is the largest fp16)
-        return sign | 0x7C00
-    if a >= 0x38800000:  # a normal fp16: rebias the exponent, round off 13 mantissa bits (a carry is right)
-        m = a - 0x38000000
-        return sign | ((m + 0xFFF + ((m >> 13) & 1)) >> 13)
-    # subnormal (or zero): |f| * 2**24 is exact and below 2**10; (v + 2**23) - 2**23 rounds it to even
-    v = abs(f) * np.float32(16777216.0)
-    return sign | np.int32((v + np.float32(8388608.0)) - np.float32(8388608.0))
-
-
-@_inline
-def _fp16_value(h, one):  # noqa: ANN001
-    """Finite fp16 bits ``h`` -> their fp32 value (``GGML_FP16_TO_FP32``), exactly."""
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = np.float32(m) * np.float32(2.0**-24)
-    else:
-        one[0] = np.int32(((e + 112) << 23) | (m << 13))
-        v = one.view(np.float32)[0]
-    return -v if h & 0x8000 else v
-
-
-@_compiled
-def fp16_bits(x, out):  # noqa: ANN001 - for the tests: _fp16_bits over an array
-    one = np.empty(1, np.int32)
-    for i in range(x.shape[0]):
-        out[i] = _fp16_bits(x[i], one)
 
 
 # --------------------------------------------------------------------------- q4_k / q5_k: the _impl paths
@@ -129,17 +90,16 @@ def _pack_k45(L, nmax, out, b):  # noqa: ANN001
 
 
 @_compiled
-def _run_k45_impl(x, qw, first, lo, hi, nmax, steps, out, dm_out):  # noqa: ANN001
+def _run_k45_impl(x, qw, first, lo, hi, nmax, out, dm_out):  # noqa: ANN001
     """``quantize_row_q4_K_impl`` (``nmax`` 15) / ``quantize_row_q5_K_impl`` (31) for super-blocks ``lo..hi``
     of ``x`` ``[nb, 256]``; super-block ``s`` is number ``(first + s) % P`` of its row and takes the
     importance ``qw[(first + s) % P]`` (``qw`` ``[P, 256]``, one row's worth). Writes ``out`` ``[nb, 144 or
-    176]`` and the fp32 ``d`` / ``dmin`` before rounding into ``dm_out`` ``[nb, 2]``. ``steps``: the 37
-    numerators of ``make_qkx3_quants(32, nmax, ..., -0.9f, 0.05f, 36, false)``."""
+    176]`` and the fp32 ``d`` / ``dmin`` before rounding into ``dm_out`` ``[nb, 2]``."""
     P = qw.shape[0]
     X = np.zeros(32 * LANES, np.float32)
     W = np.zeros(32 * LANES, np.float32)
-    La = np.empty(32 * LANES, np.float32)
-    V = np.empty((16, LANES), np.float32)
+    La = np.zeros(32 * LANES, np.int32)
+    V = scratch()
     SW = np.empty(LANES, np.float32)
     scales, mins, sw = np.empty(8, np.float32), np.empty(8, np.float32), np.empty(8, np.float32)
     Ls, Lm = np.empty(8, np.uint8), np.empty(8, np.uint8)
@@ -168,31 +128,31 @@ def _run_k45_impl(x, qw, first, lo, hi, nmax, steps, out, dm_out):  # noqa: ANN0
             for i in range(32):
                 X[i * LANES + k] = _F0
                 W[i * LANES + k] = _F0
-        _qkx2_tile(X, W, La, V, 32, nmax, steps, False)
+        qkx_lanes(X, W, 32, nmax, np.float32(-0.9), np.float32(0.05), 36, False, La, V)  # make_qkx3_quants
         for bb in range(t):
             s = b0 + bb
             for j in range(8):
-                scales[j] = V[5, 8 * bb + j]
-                mins[j] = -V[0, 8 * bb + j]
+                scales[j] = V[0][8 * bb + j]
+                mins[j] = V[1][8 * bb + j]
                 sw[j] = SW[8 * bb + j]
             d_block = make_qp_quants(8, 63, scales, Ls, sw)
             m_block = make_qp_quants(8, 63, mins, Lm, sw)
             dm_out[s, 0] = d_block
             dm_out[s, 1] = m_block
             _pack_scales(Ls, Lm, nmax == 31, out, s)
-            dh, mh = _fp16_bits(d_block, one), _fp16_bits(m_block, one)
+            dh, mh = fp16_bits(d_block, one), fp16_bits(m_block, one)
             out[s, 0], out[s, 1] = np.uint8(dh & 0xFF), np.uint8(dh >> 8)
             out[s, 2], out[s, 3] = np.uint8(mh & 0xFF), np.uint8(mh >> 8)
             if (dh & 0x7C00) == 0x7C00 or (mh & 0x7C00) == 0x7C00:
                 continue  # inf / NaN: the caller refuses the tensor
-            d16, m16 = _fp16_value(dh, one), _fp16_value(mh, one)
+            d16, m16 = fp16_value(dh, one), fp16_value(mh, one)
             for j in range(8):
                 sc, m = _scale_min_k4(j, out, s)
                 d = d16 * np.float32(sc)
                 k = 8 * bb + j
                 if d == _F0:  # if (!d) continue;  make_qkx3_quants' codes stay
                     for i in range(32):
-                        L[32 * j + i] = np.int32(La[i * LANES + k])
+                        L[32 * j + i] = La[i * LANES + k]
                     continue
                 dm = m16 * np.float32(m)
                 for i in range(32):
@@ -221,30 +181,3 @@ def _run_q5_k_codes(x, L, dd, dm, lo, hi, out):  # noqa: ANN001
                     l = nearest_int((x[b, e] + m) / d)
                     q[e] = 0 if l < 0 else (31 if l > 31 else l)
         _pack_k45(q, 31, out, b)
-
-
-# --------------------------------------------------------------------------- q6_k: make_qx_quants with qw
-
-
-@_compiled
-def _run_qx_weighted(x, qw, first, lo, hi, nmax, scale, L):  # noqa: ANN001
-    """``make_qx_quants(n, nmax, x, L, 1, qw)`` on sub-blocks ``lo..hi`` of ``x`` ``[S, n]``; sub-block ``s``
-    takes the weights ``qw[(first + s) % P]`` (``qw`` ``[P, n]``, one row's worth). ``scale`` and the stored
-    codes ``L`` as :func:`qkit.schemes._kernels_jit._run_qx`."""
-    n = x.shape[1]
-    P = qw.shape[0]
-    X = np.zeros(n * LANES, np.float32)
-    W = np.zeros(n * LANES, np.float32)
-    La = np.empty(n * LANES, np.float32)
-    V = np.empty((8, LANES), np.float32)
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load_tile(x, s0, t, n, X)
-        for k in range(t):
-            q = (first + s0 + k) % P
-            for i in range(n):
-                W[i * LANES + k] = qw[q, i]
-        _qx_tile(X, W, La, V, n, nmax)
-        for k in range(t):
-            scale[s0 + k] = V[2, k]
-        _store_codes(La, s0, t, n, L)

@@ -13,7 +13,7 @@ the C's per-super-block loops do. The caller splits the super-blocks over thread
 **Exactness.** fp32 in the C's order (every constant ``np.float32``, no fast-math); ``nearest_int`` the
 C's bit trick (:func:`qkit.schemes._kernels_lanes.ni`, exact for every input); ``(uint8_t)`` /
 ``(int8_t)`` stores wrap as the C's do. ``d`` / ``dmin`` are rounded to fp16 here as
-``GGML_FP32_TO_FP16`` does (a port of ``ggml_compute_fp32_to_fp16``: round to nearest even), because the
+``GGML_FP32_TO_FP16`` does (:mod:`qkit.schemes._kernels_fp16`: round to nearest even), because the
 C recomputes the codes from the rounded values; their fp32 values are handed back so that the caller
 can refuse a scale beyond fp16's range with the torch encoders' message.
 """
@@ -23,15 +23,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from qkit.schemes._kernels_lanes import (
-    LANES,
-    ni,
-    q3_lanes,
-    qkx_lanes,
-    qp_lanes,
-    qx_lanes,
-    scratch,
-)
+from qkit.schemes._kernels_fp16 import fp16_bits, fp16_value
+from qkit.schemes._kernels_lanes import LANES, ni, q3_lanes, qkx_lanes, qp_lanes, qx_lanes, scratch
 
 _compiled = njit(nogil=True, cache=True, error_model="numpy")
 _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -39,54 +32,6 @@ _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
 _F0 = np.float32(0.0)
 _F1 = np.float32(1.0)
 _QK = 256  # QK_K
-_TO_INF = np.float32(2.0**112)  # ggml_compute_fp32_to_fp16's scale_to_inf
-_TO_ZERO = np.float32(2.0**-110)  # and scale_to_zero
-
-
-# --------------------------------------------------------------------------- fp16 <-> fp32, bit for bit
-
-
-@_inline
-def _fp16_bits(f, u, uf):
-    """``GGML_FP32_TO_FP16(f)`` as an int (round to nearest even; inf beyond fp16's range). ``u`` / ``uf``:
-    a one-element uint32 buffer and its fp32 view (the C's ``fp32_to_bits`` / ``fp32_from_bits``)."""
-    base = (abs(f) * _TO_INF) * _TO_ZERO
-    uf[0] = f
-    w = np.int64(u[0])
-    shl1_w = (w + w) & 0xFFFFFFFF
-    sign = w & 0x80000000
-    bias = shl1_w & 0xFF000000
-    if bias < 0x71000000:
-        bias = 0x71000000
-    u[0] = np.uint32((bias >> 1) + 0x07800000)
-    uf[0] = uf[0] + base
-    bits = np.int64(u[0])
-    nonsign = ((bits >> 13) & 0x7C00) + (bits & 0x0FFF)
-    return (sign >> 16) | (0x7E00 if shl1_w > 0xFF000000 else nonsign)
-
-
-@_inline
-def _fp16_value(h, u, uf):
-    """``GGML_FP16_TO_FP32(h)`` for finite fp16 bits ``h`` (exact)."""
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = np.float32(m) * np.float32(2.0**-24)  # subnormal or zero: m units of 2**-24, exact
-    else:
-        u[0] = np.uint32(((e + 112) << 23) | (m << 13))
-        v = uf[0]
-    return -v if (h >> 15) & 1 else v
-
-
-@_compiled
-def fp16_round_trip(f, bits_out, value_out):
-    """``bits_out[i] = GGML_FP32_TO_FP16(f[i])`` and ``value_out[i]`` its fp32 value (inf where not finite)."""
-    u = np.empty(1, np.uint32)
-    uf = u.view(np.float32)
-    for i in range(f.shape[0]):
-        h = _fp16_bits(f[i], u, uf)
-        bits_out[i] = h
-        value_out[i] = _fp16_value(h, u, uf) if (h & 0x7C00) != 0x7C00 else np.float32(np.inf)
 
 
 # --------------------------------------------------------------------------- tiles of 64 super-blocks
@@ -170,6 +115,15 @@ def _recode(X, L, g, DD, DM, q3, Lbuf):
 
 
 @_inline
+def _recode_tile(x, b0, nt, X, Lg, DD, DM, q3, Lbuf):
+    """:func:`_recode` over the tile's groups that hold a super-block below ``b0 + nt``."""
+    for g in range(LANES // 4):
+        if 4 * g < nt:
+            _load_group(x, b0, nt, g, X)
+            _recode(X, Lg[g], g, DD, DM, q3, Lbuf)
+
+
+@_inline
 def _pack_2bit(L, ob, at):
     """``qs[j/4 + l] = L[j + l] | L[j + l + 32] << 2 | L[j + l + 64] << 4 | L[j + l + 96] << 6``,
     ``j = 0, 128``, into ``ob[at:at + 64]``."""
@@ -194,8 +148,7 @@ def run_q2_k(x, qw, impl, lo, hi, out, d_out, m_out):
     Lbuf = np.zeros((LANES, _QK), np.int32)
     sig = np.zeros(LANES, np.float32)
     dms, mms = np.zeros(LANES, np.float32), np.zeros(LANES, np.float32)
-    u = np.empty(1, np.uint32)
-    uf = u.view(np.float32)
+    one = np.empty(1, np.int32)
     q4scale = np.float32(15.0)
     for b0 in range(lo, hi, LANES):
         nt = min(LANES, hi - b0)
@@ -205,17 +158,17 @@ def run_q2_k(x, qw, impl, lo, hi, out, d_out, m_out):
             _load_group(x, b0, nt, g, X)
             if impl:
                 _impl_weights(X, qw, b0, nt, g, sig, W, SW)
-                qkx_lanes(X, W, 3, np.float32(-0.9), np.float32(0.05), 36, False, Lg[g], V)
+                qkx_lanes(X, W, 16, 3, np.float32(-0.9), np.float32(0.05), 36, False, Lg[g], V)
             else:
                 for t in range(n):
                     W[t] = abs(X[t])
-                qkx_lanes(X, W, 3, np.float32(-0.5), np.float32(0.1), 15, True, Lg[g], V)
+                qkx_lanes(X, W, 16, 3, np.float32(-0.5), np.float32(0.1), 15, True, Lg[g], V)
             _store_scales(g, V[0], V[1], SC, MN)
         if impl:
-            qp_lanes(SC, SW, 15, Ls, P)
+            qp_lanes(SC, SW, 16, 15, Ls, P)
             for s in range(LANES):
                 dms[s] = P[0][s]
-            qp_lanes(MN, SW, 15, Lm, P)
+            qp_lanes(MN, SW, 16, 15, Lm, P)
             for s in range(LANES):
                 mms[s] = P[0][s]
         for s in range(LANES):  # lanes past the tile's end are computed (their inputs are zeros), never written
@@ -240,8 +193,8 @@ def run_q2_k(x, qw, impl, lo, hi, out, d_out, m_out):
                     d = max_scale / q4scale
                 if max_min > _F0:
                     dmin = max_min / q4scale
-            hd, hm = _fp16_bits(d, u, uf), _fp16_bits(dmin, u, uf)
-            dv, mv = _fp16_value(hd, u, uf), _fp16_value(hm, u, uf)
+            hd, hm = fp16_bits(d, one), fp16_bits(dmin, one)
+            dv, mv = fp16_value(hd, one), fp16_value(hm, one)
             for j in range(16):
                 sc = Ls[j * LANES + s]
                 DD[j * LANES + s] = dv * np.float32(sc & 0xF)
@@ -256,10 +209,7 @@ def run_q2_k(x, qw, impl, lo, hi, out, d_out, m_out):
                 ob[83] = np.uint8(hm >> 8)
                 d_out[b0 + s] = d
                 m_out[b0 + s] = dmin
-        for g in range(LANES // 4):
-            if 4 * g < nt:
-                _load_group(x, b0, nt, g, X)
-                _recode(X, Lg[g], g, DD, DM, False, Lbuf)
+        _recode_tile(x, b0, nt, X, Lg, DD, DM, False, Lbuf)
         for s in range(nt):
             _pack_2bit(Lbuf[s], out[b0 + s], 16)
 
@@ -307,8 +257,7 @@ def run_q3_k(x, qw, impl, lo, hi, out, d_out):
     sig = np.zeros(LANES, np.float32)
     hmk = np.zeros(32, np.int32)
     sb12 = np.zeros(12, np.uint8)
-    u = np.empty(1, np.uint32)
-    uf = u.view(np.float32)
+    one = np.empty(1, np.int32)
     for b0 in range(lo, hi, LANES):
         nt = min(LANES, hi - b0)
         if impl:
@@ -317,12 +266,12 @@ def run_q3_k(x, qw, impl, lo, hi, out, d_out):
             _load_group(x, b0, nt, g, X)
             if impl:
                 _impl_weights(X, qw, b0, nt, g, sig, W, SW)
-                qx_lanes(X, W, 4, Lg[g], V)
+                qx_lanes(X, W, 16, 4, Lg[g], V)
             else:
-                q3_lanes(X, 4, Lg[g], V)
+                q3_lanes(X, 16, 4, Lg[g], V)
             _store_scales(g, V[0], V[0], SC, MN)
         if impl:
-            qx_lanes(SC, SW, 32, Ls, V)
+            qx_lanes(SC, SW, 16, 32, Ls, V)
         for s in range(LANES):
             for t in range(12):
                 sb12[t] = 0
@@ -344,8 +293,8 @@ def run_q3_k(x, qw, impl, lo, hi, out, d_out):
                         l = ((ni(iscale * SC[j * LANES + s]) + 128) & 0xFF) - 128  # int8_t l = nearest_int(...)
                         _q3_pack_scale(sb12, j, (-32 if l < -32 else (31 if l > 31 else l)) + 32)
                     d = _F1 / iscale
-            h = _fp16_bits(d, u, uf)
-            dv = _fp16_value(h, u, uf)
+            h = fp16_bits(d, one)
+            dv = fp16_value(h, one)
             for j in range(16):  # the stored scale, read back as the C does
                 sc = (np.int32(sb12[j]) & 0xF) if j < 8 else (np.int32(sb12[j - 8]) >> 4)
                 sc = (sc | (((np.int32(sb12[8 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
@@ -357,9 +306,6 @@ def run_q3_k(x, qw, impl, lo, hi, out, d_out):
                 ob[108] = np.uint8(h & 0xFF)
                 ob[109] = np.uint8(h >> 8)
                 d_out[b0 + s] = d
-        for g in range(LANES // 4):
-            if 4 * g < nt:
-                _load_group(x, b0, nt, g, X)
-                _recode(X, Lg[g], g, DD, DD, True, Lbuf)
+        _recode_tile(x, b0, nt, X, Lg, DD, DD, True, Lbuf)
         for s in range(nt):
             _q3_pack_codes(Lbuf[s], out[b0 + s], hmk)

@@ -1,8 +1,8 @@
 """llama.cpp's scale searches in numba: straight scalar ports of the ``static`` helpers of ``ggml-quants.c``
-(at ``qkit.schemes.kquants.LLAMA_CPP_COMMIT``), and the bounded ones again across sub-blocks for speed.
-Imported on first use (numba costs ~0.2 s to import), as :mod:`qkit.schemes._kernels_jit`.
+(at ``qkit.schemes.kquants.LLAMA_CPP_COMMIT``), one sub-block per call. Imported on first use (numba
+costs ~0.2 s to import), as :mod:`qkit.schemes._kernels_jit`.
 
-**Scalar ports**, one sub-block per call, callable from other ``@njit`` code (fp32 1-D views; ``L`` is
+**Scalar ports**, callable from other ``@njit`` code (fp32 1-D views; ``L`` is
 written as the C writes it):
 
 ==============================================================================  =====================================
@@ -21,13 +21,9 @@ nstep, use_mad)``
 ``weights`` are used only when ``has_qw`` / ``has_weights`` (the C ``NULL`` test; pass any fp32 array
 otherwise). ``rmin`` and ``rdelta`` are rounded to fp32 here, as the C ``float`` parameters are.
 
-**Across sub-blocks** (``make_qx_quants`` with weights and ``make_qkx2/3_quants``: the searches of the
-importance-matrix paths): :func:`qx_tile` / :func:`qkx_tile` run the same statements on 64 sub-blocks at
-once, element-major, so each C statement is a loop over the lanes that LLVM vectorises without
-reordering anything (4-9x faster than the C); :func:`run_qx`, :func:`run_qkx` drive them over rows
-``lo..hi`` of ``[S, n]`` arrays, :func:`qx_rows`, :func:`qkx_rows` over torch tensors with the threads
-of :func:`qkit.schemes.kernels._split`. :func:`row_weights` is the 32-block types' ``qw[j] *
-sqrtf(sigma2 + x[j]**2)``.
+The same searches across 64 sub-blocks at once (vectorised; what the encoders run) are
+:mod:`qkit.schemes._kernels_lanes`; these ports are the reference the tests hold them to and the
+scalar parts of the kernels (``make_qp_quants`` over a super-block's eight scales in q4_k / q5_k).
 
 **Exactness.** Every statement is the C one in its order and association, in fp32: each ``int`` that
 C converts to ``float`` is converted with ``np.float32`` (numba would otherwise promote to float64),
@@ -35,12 +31,10 @@ sums are sequential, divisions IEEE, no fast-math (no FMA contraction: ggml-base
 ``-march``). ``nearest_int`` is the bit trick itself: ``(bits(f + 12582912.f) & 0x7fffff) - 0x400000``;
 for ``|f| <= 4194303`` that is ``(f + 12582912.f) - 12582912.f`` (round half to even), and outside
 (``assert`` is compiled out in a release build) the mantissa bits are read with ``frexp``: ``inf`` gives
-``-4194304``, a NaN (only the default NaN ``0xffc00000`` arises, from ``inf * 0``) gives 0. The lane
-kernels see only bounded arguments and use the ``(f + M) - M`` form, with an overflowed inverse scale
-replaced by 0 (code 0, as the trick gives once clamped). The ``(int8_t)`` / ``(uint8_t)`` stores of ``L``
-wrap, as numba's integer stores do. ``MAX`` / ``MIN`` are ``a > b ? a : b`` / ``a < b ? a : b``.
+``-4194304``, a NaN (only the default NaN ``0xffc00000`` arises, from ``inf * 0``) gives 0. The
+``(int8_t)`` / ``(uint8_t)`` stores of ``L`` wrap, as numba's integer stores do. ``MAX`` / ``MIN`` are ``a > b ? a : b`` / ``a < b ? a : b``.
 ``tests/test_ggml_weighted.py`` compares the scalar ports with the C functions themselves (cut out of
-the pinned source and compiled alone), and the lane kernels with the torch searches.
+the pinned source and compiled alone).
 """
 
 from __future__ import annotations
@@ -48,10 +42,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from numba import njit
-
-from qkit.schemes import kernels
 
 _jit = njit(nogil=True, cache=True, error_model="numpy")
 
@@ -378,286 +369,3 @@ def make_qp_quants(n, nmax, x, L, quant_weights):
         if n_changed == 0:
             break
     return sumlx / suml2 if suml2 > _F0 else _F0
-
-
-# --------------------------------------------------------------------------- the searches across sub-blocks
-#
-# The same statements, run on LANES sub-blocks at once: a tile is element-major (element i of lane k at
-# i * LANES + k), so every C statement becomes a loop over the lanes that LLVM vectorises without
-# reordering anything (each lane adds its own terms in the C order). The codes of these bounded searches
-# are (v + 12582912.f) - 12582912.f clamped (nearest_int for |v| <= 4194303); an inverse scale that
-# overflows (max - min below ~4e-38) is replaced by 0 first: code 0, as nearest_int gives for inf / NaN
-# once clamped to 0..nmax.
-
-LANES = 64
-_inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
-_ROUND_BOUND = np.float32(4.0e6)  # under nearest_int's exact range 4194303, with room for the bound's rounding
-
-
-@_inline
-def _rc(v, lo, hi):
-    v = (v + _MAGIC) - _MAGIC
-    v = lo if v < lo else v
-    return hi if v > hi else v
-
-
-@_jit
-def qx_tile(X, W, La, V, n, nmax):
-    """``make_qx_quants(n, nmax, x, L, 1, W)`` on LANES sub-blocks (``X``, ``W`` element-major tiles).
-    Out: ``V[2]`` the scales, ``La`` the stored codes ``l + nmax`` (fp32; 0 for an all-zero lane)."""
-    amax, mx, scale, best, isc, best_is, sumlx, suml2 = V[0], V[1], V[2], V[3], V[4], V[5], V[6], V[7]
-    lo, hi = np.float32(-nmax), np.float32(nmax - 1)
-    fn = np.float32(nmax)
-    for k in range(LANES):
-        amax[k] = _F0
-        mx[k] = _F0
-    for i in range(n):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            ax = abs(x)
-            big = ax > amax[k]
-            amax[k] = ax if big else amax[k]
-            mx[k] = x if big else mx[k]
-    for si in range(-10, 10):
-        if si == 0:
-            continue
-        c = -fn if si == -10 else -(fn + _TENTH * np.float32(si))
-        for k in range(LANES):
-            v = c / mx[k]
-            isc[k] = v if np.isfinite(v) else _F0
-            sumlx[k] = _F0
-            suml2[k] = _F0
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                x = X[b + k]
-                v = _rc(isc[k] * x, lo, hi)
-                w = W[b + k]
-                sumlx[k] += w * x * v
-                suml2[k] += w * v * v
-        if si == -10:
-            for k in range(LANES):
-                scale[k] = sumlx[k] / suml2[k] if suml2[k] != _F0 else _F0
-                best[k] = scale[k] * sumlx[k]
-                best_is[k] = isc[k]
-        else:
-            for k in range(LANES):
-                if suml2[k] > _F0 and sumlx[k] * sumlx[k] > best[k] * suml2[k]:
-                    scale[k] = sumlx[k] / suml2[k]
-                    best[k] = scale[k] * sumlx[k]
-                    best_is[k] = isc[k]
-    for i in range(n):
-        b = i * LANES
-        for k in range(LANES):
-            v = _rc(best_is[k] * X[b + k], lo, hi)
-            La[b + k] = (v + fn) if amax[k] >= _EPS else _F0
-    for k in range(LANES):
-        if amax[k] < _EPS:
-            scale[k] = _F0
-
-
-@_inline
-def _qkx_sums(X, W, iscale, shift, hi, S):
-    """Codes of one candidate and their sums ``sum w*l``, ``sum w*l*l``, ``sum w*l*x`` (C order)."""
-    for k in range(3 * LANES):
-        S[k] = _F0
-    for i in range(X.shape[0] // LANES):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            v = _rc(iscale[k] * (x - shift[k]), _F0, hi)
-            wl = W[b + k] * v
-            S[k] += wl
-            S[LANES + k] += wl * v
-            S[2 * LANES + k] += wl * x
-
-
-@_inline
-def _qkx_error(X, W, iscale, shift, hi, a, m, E, use_mad):
-    """``sum w * (a*l + m - x)**2`` (``use_mad``: ``|.|``) per lane, the codes recomputed from ``iscale``/``shift``."""
-    for k in range(LANES):
-        E[k] = _F0
-    for i in range(X.shape[0] // LANES):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            v = _rc(iscale[k] * (x - shift[k]), _F0, hi)
-            d = a[k] * v + m[k] - x
-            E[k] += W[b + k] * (abs(d) if use_mad else d * d)
-
-
-@_jit
-def qkx_tile(X, W, La, V, n, nmax, steps, use_mad):
-    """``make_qkx2_quants`` / ``make_qkx3_quants(n, nmax, x, W, L, &the_min, Laux, rmin, rdelta, nstep,
-    use_mad)`` on LANES sub-blocks; ``steps`` fp32: the numerators ``rmin + rdelta*is + nmax`` (empty for
-    ``nstep < 1``). Out: ``V[5]`` scale, ``V[0]`` min (the_min = -min), ``La`` the codes, ``V[17]`` 1 for
-    a lane whose codes left nearest_int's exact range (to be redone by the scalar port). A lane with
-    ``max == min`` gets scale ``1/inf = 0``, codes 0 and no candidate (``D = 0``): the early return."""
-    hi = np.float32(nmax)
-    mn, mx, sum_w, sum_x, isc, scale = V[0], V[1], V[2], V[3], V[4], V[5]
-    best_is, best_sh, best_err, ts, tm, ce, dd = V[6], V[7], V[8], V[9], V[10], V[11], V[12]
-    S = V[13:16].ravel()
-    lo, flag = V[16], V[17]
-    for k in range(LANES):
-        x0, w0 = X[k], W[k]
-        mn[k] = x0
-        mx[k] = x0
-        sum_w[k] = w0
-        sum_x[k] = w0 * x0
-    for i in range(1, n):
-        b = i * LANES
-        for k in range(LANES):
-            x = X[b + k]
-            mn[k] = x if x < mn[k] else mn[k]
-            mx[k] = x if x > mx[k] else mx[k]
-        for k in range(LANES):
-            sum_w[k] += W[b + k]
-            sum_x[k] += W[b + k] * X[b + k]
-    for k in range(LANES):
-        lo[k] = mn[k]
-        flag[k] = _F0
-        if mn[k] > _F0:
-            mn[k] = _F0
-        v = hi / (mx[k] - mn[k])
-        scale[k] = _F1 / v
-        v = v if np.isfinite(v) else _F0
-        isc[k] = v
-        best_is[k] = v
-        best_sh[k] = mn[k]
-    _qkx_error(X, W, isc, mn, hi, scale, mn, best_err, use_mad)
-    for c in steps:
-        for k in range(LANES):
-            v = c / (mx[k] - mn[k])
-            v = v if np.isfinite(v) else _F0
-            isc[k] = v
-            # after a fitted min, |v * (x - min)| can pass nearest_int's exact range: the caller redoes the lane
-            reach = abs(v) * max(abs(mx[k] - mn[k]), abs(lo[k] - mn[k]))
-            flag[k] = _F1 if reach > _ROUND_BOUND else flag[k]
-        _qkx_sums(X, W, isc, mn, hi, S)
-        for k in range(LANES):
-            sl, sl2, sxl = S[k], S[LANES + k], S[2 * LANES + k]
-            D = sum_w[k] * sl2 - sl * sl
-            a = (sum_w[k] * sxl - sum_x[k] * sl) / D
-            m = (sl2 * sum_x[k] - sl * sxl) / D
-            if m > _F0:
-                m = _F0
-                a = sxl / sl2
-            ts[k] = a
-            tm[k] = m
-            dd[k] = D
-        _qkx_error(X, W, isc, mn, hi, ts, tm, ce, use_mad)
-        for k in range(LANES):
-            if dd[k] > _F0 and ce[k] < best_err[k]:
-                best_err[k] = ce[k]
-                scale[k] = ts[k]
-                best_is[k] = isc[k]
-                best_sh[k] = mn[k]
-                mn[k] = tm[k]
-    for i in range(n):
-        b = i * LANES
-        for k in range(LANES):
-            La[b + k] = _rc(best_is[k] * (X[b + k] - best_sh[k]), _F0, hi)
-
-
-@_inline
-def _load(src, s0, t, n, dst):
-    """Rows ``s0..s0+t`` of ``src`` ``[S, n]`` into the element-major tile ``dst`` (lanes past ``t`` zero)."""
-    for k in range(LANES):
-        for i in range(n):
-            dst[i * LANES + k] = src[s0 + k, i] if k < t else _F0
-
-
-@_jit
-def run_qx(x, w, lo, hi, nmax, scale, L):
-    """Sub-blocks ``lo..hi`` of ``x``, ``w`` fp32 ``[S, n]`` (a sub-block a row): ``make_qx_quants(n, nmax,
-    x, L, 1, w)``; ``scale`` fp32 ``[S]``, ``L`` uint8 ``[S, n]`` the stored codes ``l + nmax``."""
-    n = x.shape[1]
-    X = np.zeros(n * LANES, np.float32)
-    W = np.zeros(n * LANES, np.float32)
-    La = np.empty(n * LANES, np.float32)
-    V = np.empty((8, LANES), np.float32)
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load(x, s0, t, n, X)
-        _load(w, s0, t, n, W)
-        qx_tile(X, W, La, V, n, nmax)
-        for k in range(t):
-            scale[s0 + k] = V[2, k]
-            for i in range(n):
-                L[s0 + k, i] = np.uint8(La[i * LANES + k])
-
-
-@_jit
-def run_qkx(x, w, lo, hi, nmax, rmin, rdelta, nstep, use_mad, scale, the_min, L):
-    """Sub-blocks ``lo..hi`` of ``x``, ``w`` fp32 ``[S, n]``: ``make_qkx2_quants`` / ``make_qkx3_quants(n,
-    nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad)``; ``scale``, ``the_min`` fp32 ``[S]``,
-    ``L`` uint8 ``[S, n]``. Lanes flagged by :func:`qkx_tile` are redone by the scalar port."""
-    n = x.shape[1]
-    fr, fd, fn = np.float32(rmin), np.float32(rdelta), np.float32(nmax)
-    steps = np.empty(nstep + 1 if nstep >= 1 else 0, np.float32)
-    for i in range(steps.shape[0]):
-        steps[i] = fr + fd * np.float32(i) + fn
-    X = np.zeros(n * LANES, np.float32)
-    W = np.zeros(n * LANES, np.float32)
-    La = np.empty(n * LANES, np.float32)
-    V = np.empty((18, LANES), np.float32)
-    Laux = np.empty(n, np.uint8)
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load(x, s0, t, n, X)
-        _load(w, s0, t, n, W)
-        qkx_tile(X, W, La, V, n, nmax, steps, use_mad)
-        for k in range(t):
-            s = s0 + k
-            if V[17, k] != _F0:
-                scale[s], the_min[s] = _qkx(n, nmax, x[s], w[s], True, L[s], Laux, fr, fd, nstep, use_mad, True)
-                continue
-            scale[s] = V[5, k]
-            the_min[s] = -V[0, k]
-            for i in range(n):
-                L[s, i] = np.uint8(La[i * LANES + k])
-
-
-@_jit
-def row_weights(x, qw, lo, hi, W):
-    """Rows ``lo..hi``: ``W[r, j] = qw[j] * sqrtf(sigma2 + x[r, j]**2)``, ``sigma2`` the row's ``x*x``
-    summed in order over the whole row, divided by ``(float)cols`` (the 32-block ``quantize_row_*_impl``)."""
-    cols = x.shape[1]
-    n_f = np.float32(cols)
-    for r in range(lo, hi):
-        s = _F0
-        for j in range(cols):
-            s += x[r, j] * x[r, j]
-        sigma2 = s / n_f
-        for j in range(cols):
-            W[r, j] = qw[j] * np.sqrt(sigma2 + x[r, j] * x[r, j])
-
-
-# --------------------------------------------------------------------------- torch-facing drivers
-
-
-def qx_rows(x: torch.Tensor, w: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``make_qx_quants(n, nmax, x, L, 1, w)`` on every row of ``x``, ``w`` fp32 CPU tensors ``[S, n]`` (a
-    sub-block a row), the rows split over the threads: ``(scale fp32 [S], L uint8 [S, n])``, ``L`` the
-    stored codes ``l + nmax``; equal to :func:`qkit.schemes.kquant_search.make_qx_quants` with ``qw``."""
-    S, n = x.shape
-    xn, wn = x.detach().contiguous().numpy(), w.detach().contiguous().numpy()
-    scale, L = np.empty(S, np.float32), np.empty((S, n), np.uint8)
-    kernels._split(lambda lo, hi: run_qx(xn, wn, lo, hi, nmax, scale, L), S, 4096 // n)
-    return torch.from_numpy(scale), torch.from_numpy(L)
-
-
-def qkx_rows(
-    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``make_qkx2_quants`` / ``make_qkx3_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep,
-    use_mad)`` on every row of ``x``, ``w`` fp32 CPU tensors ``[S, n]``: ``(scale [S], the_min [S], L
-    uint8 [S, n])``, equal to :func:`qkit.schemes.kquant_search.make_qkx2_quants` (the two C functions
-    differ only where ``weights`` is ``NULL``: pass ``w = x*x`` for that)."""
-    S, n = x.shape
-    xn, wn = x.detach().contiguous().numpy(), w.detach().contiguous().numpy()
-    scale, the_min, L = np.empty(S, np.float32), np.empty(S, np.float32), np.empty((S, n), np.uint8)
-    unit = max(1, 16384 // (n * (max(nstep, 0) + 2)))  # sub-blocks of about half a millisecond
-    kernels._split(lambda lo, hi: run_qkx(xn, wn, lo, hi, nmax, float(rmin), float(rdelta), int(nstep), bool(use_mad), scale, the_min, L), S, unit)
-    return torch.from_numpy(scale), torch.from_numpy(the_min), torch.from_numpy(L)

@@ -66,7 +66,7 @@ import torch
 
 from qkit.errors import SchemeError
 from qkit.schemes import kernels
-from qkit.schemes.ggml import GGMLScheme, T, check_finite, fp16_bytes, fp16_scale, read_fp16, register_codec
+from qkit.schemes.ggml import GGMLScheme, T, check_finite, check_importance, fp16_bytes, fp16_scale, read_fp16, register_codec
 from qkit.schemes.kquant_search import GROUP_MAX_EPS, fdiv, first_max_abs, seq_sum, sqrtf
 from qkit.schemes.kquants import QK_K, KQuantScheme
 from qkit.schemes.registry import register
@@ -193,13 +193,6 @@ def _pack(codes: torch.Tensor, ls: torch.Tensor | None, out: torch.Tensor) -> No
 # --------------------------------------------------------------------------- encoders
 
 
-def check_importance(qw: torch.Tensor, what: str) -> None:
-    """``SchemeError`` for an importance vector with NaN, inf or negative values (llama.cpp would
-    quantize with them; the weights ``qw * sqrtf(...)`` would be meaningless)."""
-    if qw.numel() and not bool((torch.isfinite(qw) & (qw >= 0)).all()):
-        raise SchemeError(f"{what}: the importance matrix holds NaN, infinite or negative values; recompute or fix it")
-
-
 def _encode(x: torch.Tensor, qw: torch.Tensor | None, S: int) -> torch.Tensor:
     """fp32 ``x`` ``[rows, cols]`` (``cols`` a multiple of ``S``), ``qw`` fp32 ``[cols]`` or ``None`` ->
     the blocks of every row, uint8 ``[rows, cols / S * size]``."""
@@ -308,6 +301,6 @@ IQ4_XS = register(KQuantScheme(
 ))
 
 __all__ = [
-    "IQ4_NL", "IQ4_XS", "KVALUES_IQ4NL", "best_index_int8", "check_importance", "decode_iq4_nl", "decode_iq4_xs",
+    "IQ4_NL", "IQ4_XS", "KVALUES_IQ4NL", "best_index_int8", "decode_iq4_nl", "decode_iq4_xs",
     "encode_iq4_nl", "encode_iq4_xs", "quantize_iq4_torch", "weighted_iq4_nl", "weighted_iq4_xs",
 ]

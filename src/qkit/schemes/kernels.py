@@ -9,17 +9,18 @@ the same search with the caller's weights) and ``make_qx_quants`` (q6_k) try 16 
 scales per sub-block and keep the best, each candidate a pass of rounding and *sequential* fp32 sums over
 the sub-block (the C loops add in order; any other order rounds differently and can pick another
 candidate). In torch that is ~40 tensor operations per candidate over multi-megabyte intermediates; the C
-reference runs it one sub-block at a time, scalar. These kernels run the C loops *across* sub-blocks: a
-tile of 64 sub-blocks is laid out element-major (element ``i`` of sub-block ``k`` at ``i * 64 + k``), so
-every C statement becomes one loop over the lanes that LLVM vectorises (AVX2 / AVX-512) without
-reordering anything: each lane adds its own terms in the C order. No fast-math: no FMA contraction, no
-reassociation, IEEE division and square root. Rounding is the C ``nearest_int``: ``(v + 12582912.f) -
-12582912.f`` rounds half to even for the bounded ``|v| < 2**22`` it gets; an inverse scale that overflows
-(a sub-block narrower than about 4e-38) is replaced by 0 before rounding, giving code 0, as the C trick
-gives for inf and NaN. The final codes (the C ``nearest_int`` trick itself, from
-:mod:`qkit.schemes._kernels_search`) and their packing are compiled too. With an importance matrix, q4_k
-and q5_k run the whole ``quantize_row_q{4,5}_K_impl`` in one kernel (:func:`k45_impl`, in
-:mod:`qkit.schemes._kernels_kquants`): the tile search over eight super-blocks at a time, then per
+reference runs it one sub-block at a time, scalar. These kernels run the C loops *across* sub-blocks
+(:mod:`qkit.schemes._kernels_lanes`, one implementation for every type): 64 sub-blocks are laid out
+element-major (element ``i`` of sub-block ``k`` at ``i * 64 + k``), so every C statement becomes one loop
+over the lanes that LLVM vectorises (AVX2 / AVX-512) without reordering anything: each lane adds its own
+terms in the C order. No fast-math: no FMA contraction, no reassociation, IEEE division and square root.
+Rounding is the C ``nearest_int``: ``(v + 12582912.f) - 12582912.f`` rounds half to even for the bounded
+``|v| < 2**22`` the candidates give (a lane that could leave that range is redone by the scalar port of
+:mod:`qkit.schemes._kernels_search`); an inverse scale that overflows (a sub-block narrower than about
+4e-38) is replaced by 0 before rounding, giving code 0, as the C trick gives for inf and NaN. The final
+codes (the C ``nearest_int`` trick itself) and their packing are compiled too. With an importance
+matrix, q4_k and q5_k run the whole ``quantize_row_q{4,5}_K_impl`` in one kernel (:func:`k45_impl`, in
+:mod:`qkit.schemes._kernels_kquants`): the lane search over eight super-blocks at a time, then per
 super-block the scalar ``make_qp_quants`` of the eight scales and minimums, fp16 ``d`` / ``dmin`` (rounded
 in the kernel, round to nearest even) and the codes from them. Measured on one thread against
 ``ggml_quantize_chunk`` (the default model's 576x576, 1536x576 and 576x1536 projections as 1536-wide
@@ -124,11 +125,44 @@ def _split(run, S: int, unit: int) -> None:  # noqa: ANN001
         j.result()
 
 
-def steps(nmax: int, rmin: float, rdelta: float, nstep: int) -> np.ndarray:
-    """The inverse-scale numerators ``rmin + rdelta*is + nmax``, ``is = 0..nstep``, of ``make_qkx2_quants``
-    / ``make_qkx3_quants``: fp32 ``[nstep + 1]``, each operation rounded to fp32 in the C association."""
-    f = np.float32
-    return np.array([f(f(rmin) + f(rdelta) * f(i)) + f(nmax) for i in range(nstep + 1)], dtype=np.float32)
+def _lanes() -> ModuleType:
+    """The 64-lane scale searches and their row drivers (after :func:`_jit`, as :func:`_kq`)."""
+    from qkit.schemes import _kernels_lanes  # local: imports numba, as _jit
+
+    return _kernels_lanes
+
+
+_NO_WEIGHTS = np.zeros((1, 1), np.float32)  # the ``w`` argument of the drivers where they make the weights
+
+
+def _qkx(x: torch.Tensor, w: torch.Tensor | None, first: int, nmax: int, rmin: float, rdelta: float, nstep: int,
+         use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`qkit.schemes._kernels_lanes.run_qkx` on every row of ``x`` ``[S, n]``, split over the threads:
+    with ``w`` ``None`` the _ref paths' weights, else row ``(first + s) % P`` of ``w`` ``[P, n]``."""
+    lanes = _lanes()
+    S, n = x.shape
+    xn = x.detach().contiguous().numpy()
+    wn = _NO_WEIGHTS if w is None else w.detach().contiguous().numpy()
+    mode = lanes.W_REF if w is None else lanes.W_GIVEN
+    scale, the_min = np.empty(S, np.float32), np.empty(S, np.float32)
+    L = np.empty((S, n), np.uint8)
+    unit = max(1, 16384 // (n * (max(nstep, 0) + 2)))  # sub-blocks of about half a millisecond
+    args = (nmax, float(rmin), float(rdelta), int(nstep), bool(use_mad), scale, the_min, L)
+    _split(lambda lo, hi: lanes.run_qkx(xn, wn, int(first), mode, lo, hi, *args), S, unit)
+    return torch.from_numpy(scale), torch.from_numpy(the_min), torch.from_numpy(L)
+
+
+def _qx(x: torch.Tensor, w: torch.Tensor | None, first: int, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`qkit.schemes._kernels_lanes.run_qx` on every row of ``x`` ``[S, n]``, split over the threads:
+    with ``w`` ``None`` the weights ``x*x``, else row ``(first + s) % P`` of ``w`` ``[P, n]``."""
+    lanes = _lanes()
+    S, n = x.shape
+    xn = x.detach().contiguous().numpy()
+    wn = _NO_WEIGHTS if w is None else w.detach().contiguous().numpy()
+    mode = lanes.W_SQUARE if w is None else lanes.W_GIVEN
+    scale, L = np.empty(S, np.float32), np.empty((S, n), np.uint8)
+    _split(lambda lo, hi: lanes.run_qx(xn, wn, int(first), mode, lo, hi, nmax, scale, L), S, 4096 // n)
+    return torch.from_numpy(scale), torch.from_numpy(L)
 
 
 def qkx2(x: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,37 +170,40 @@ def qkx2(x: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, ns
     ``x`` ``[S, n]`` fp32 (a sub-block a row) with the _ref paths' weights ``av_x + |x|`` (q4_k's
     arguments by default; q5_k's are ``31, -0.5, 0.1, 15``). Returns ``(scale [S], the_min [S], L [S, n]
     uint8)``, as :func:`qkit.schemes.kquant_search.make_qkx2_quants` (the oracle in the tests)."""
-    S, n = x.shape
-    xn = x.detach().contiguous().numpy()
-    scale, the_min = np.empty(S, np.float32), np.empty(S, np.float32)
-    L = np.empty((S, n), np.uint8)
-    st = steps(nmax, rmin, rdelta, nstep)
-    _split(lambda lo, hi: _jit()._run_qkx2(xn, lo, hi, nmax, st, scale, the_min, L), S, unit=2048)
-    return torch.from_numpy(scale), torch.from_numpy(the_min), torch.from_numpy(L)
+    return _qkx(x, None, 0, nmax, rmin, rdelta, nstep, False)
+
+
+def qkx_rows(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``make_qkx2_quants`` / ``make_qkx3_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep,
+    use_mad)`` on every row of ``x``, ``w`` fp32 ``[S, n]``: ``(scale [S], the_min [S], L uint8 [S, n])``,
+    equal to :func:`qkit.schemes.kquant_search.make_qkx2_quants` (the two C functions differ only where
+    ``weights`` is ``NULL``: pass ``w = x*x`` for that)."""
+    return _qkx(x, w, 0, nmax, rmin, rdelta, nstep, use_mad)
 
 
 def qx(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_qx_quants(n, nmax, x, L, 1, NULL)`` on every row of ``x`` ``[S, n]`` fp32: ``(scale [S],
     L [S, n] uint8)``, the stored codes ``l + nmax`` (0 for an all-zero row), as
-    :func:`qkit.schemes.kquants.make_qx_quants`."""
-    S, n = x.shape
-    xn = x.detach().contiguous().numpy()
-    scale = np.empty(S, np.float32)
-    L = np.empty((S, n), np.uint8)
-    _split(lambda lo, hi: _jit()._run_qx(xn, lo, hi, nmax, scale, L), S, unit=4096)
-    return torch.from_numpy(scale), torch.from_numpy(L)
+    :func:`qkit.schemes.kquant_search.make_qx_quants`."""
+    return _qx(x, None, 0, nmax)
 
 
 def qx_weighted(x: torch.Tensor, qw: torch.Tensor, first: int, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``make_qx_quants(n, nmax, x, L, 1, qw)`` on every row of ``x`` ``[S, n]`` fp32, row ``s`` with the
-    weights ``qw[(first + s) % P]`` (``qw`` fp32 ``[P, n]``: the importance of one matrix row's sub-blocks).
-    Returns ``(scale [S], L [S, n] uint8)`` as :func:`qx`."""
-    S, n = x.shape
+    weights ``qw[(first + s) % P]`` (``qw`` fp32 ``[P, n]``: the importance of one matrix row's sub-blocks,
+    or ``[S, n]`` with ``first = 0``: a weight per element). Returns ``(scale [S], L [S, n] uint8)`` as :func:`qx`."""
+    return _qx(x, qw, first, nmax)
+
+
+def row_weights(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """The weights of the 32-block ``quantize_row_*_impl``: ``qw[j] * sqrtf(sigma2 + x[r, j]**2)`` fp32
+    ``[rows, cols]`` for ``x`` fp32 ``[rows, cols]``, ``qw`` fp32 ``[cols]`` (``sigma2`` the row's mean square,
+    summed in order), as :func:`qkit.schemes.ggml_weighted.row_weights`."""
+    jit, (rows, cols) = _jit(), x.shape
     xn, qn = x.detach().contiguous().numpy(), qw.detach().contiguous().numpy()
-    scale = np.empty(S, np.float32)
-    L = np.empty((S, n), np.uint8)
-    _split(lambda lo, hi: _kq()._run_qx_weighted(xn, qn, first, lo, hi, nmax, scale, L), S, unit=4096)
-    return torch.from_numpy(scale), torch.from_numpy(L)
+    w = np.empty((rows, cols), np.float32)
+    _split(lambda lo, hi: jit._run_row_weights(xn, qn, lo, hi, w), rows, max(1, 2**18 // cols))
+    return torch.from_numpy(w)
 
 
 def k45_impl(x: torch.Tensor, qw: torch.Tensor, first: int, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,8 +215,7 @@ def k45_impl(x: torch.Tensor, qw: torch.Tensor, first: int, nmax: int) -> tuple[
     xn, qn = x.detach().contiguous().numpy(), qw.detach().contiguous().numpy()
     out = np.empty((nb, 144 if nmax == 15 else 176), np.uint8)
     dm = np.empty((nb, 2), np.float32)
-    st = steps(nmax, -0.9, 0.05, 36)
-    _split(lambda lo, hi: _kq()._run_k45_impl(xn, qn, first, lo, hi, nmax, st, out, dm), nb, unit=256)
+    _split(lambda lo, hi: _kq()._run_k45_impl(xn, qn, first, lo, hi, nmax, out, dm), nb, unit=256)
     return torch.from_numpy(out), torch.from_numpy(dm)
 
 

@@ -74,6 +74,7 @@ from qkit.schemes.ggml import (
     GGMLScheme,
     T,
     check_finite,
+    check_importance,
     fp16_bytes,
     fp16_scale,
     read_fp16,
@@ -125,18 +126,6 @@ def in_chunks(encode: Any, x: torch.Tensor, size: int, qw: torch.Tensor | None =
         for i in range(0, x.shape[0], chunk):
             out[i : i + chunk] = encode(x[i : i + chunk]) if qw is None else encode(x[i : i + chunk], qw, i)
     return out
-
-
-def check_importance(qw: torch.Tensor, name: str) -> None:
-    """``SchemeError`` for an importance vector holding NaN, inf or a negative value (llama.cpp would use
-    it and write garbage or NaN scales; an imatrix file's mean squares are never negative)."""
-    bad = ~torch.isfinite(qw) | (qw < 0)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise SchemeError(
-            f"{name}: the importance vector holds {float(qw[i])!r} at column {i} ({int(bad.sum())} bad values); "
-            "importances are mean squares of activations, finite and >= 0: recompute the imatrix"
-        )
 
 
 def weighted(encode: Any, size: int, name: str) -> Any:

@@ -69,6 +69,7 @@ from qkit.schemes.ggml import (
     Q4_0,
     T,
     check_finite,
+    check_importance,
     fp16_bytes,
     fp16_scale,
     read_fp16,
@@ -313,16 +314,6 @@ def _encode(kind: str, x: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor
     return out
 
 
-def check_importance(qw: torch.Tensor, name: str) -> None:
-    """``SchemeError`` for an importance vector with NaN, inf or a negative value (llama.cpp would quantize
-    with garbage weights; an importance matrix holds means of squares)."""
-    if not bool(torch.isfinite(qw).all()) or bool((qw < 0).any()):
-        raise SchemeError(
-            f"{name}: the importance vector holds NaN, inf or negative values (an importance matrix holds mean "
-            "squares of the inputs); recompute the importance matrix"
-        )
-
-
 def _weighted(kind: str, name: str) -> Any:
     def weighted(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
         rows, cols = x.shape
@@ -366,5 +357,5 @@ Q3_K = register(KQuantScheme(
     description="llama.cpp Q3_K: sixteen sub-blocks of 16 with 6-bit scales, 3-bit codes",
 ))
 
-__all__ = ["Q2_K", "Q3_K", "check_importance", "decode_q2_k", "decode_q3_k", "encode_q2_k", "encode_q3_k",
+__all__ = ["Q2_K", "Q3_K", "decode_q2_k", "decode_q3_k", "encode_q2_k", "encode_q3_k",
            "weighted_q2_k", "weighted_q3_k"]

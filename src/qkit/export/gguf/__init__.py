@@ -57,7 +57,7 @@ from qkit.export.gguf.metadata import (
     read_record,
     source_gguf,
 )
-from qkit.export.gguf.names import ARCHITECTURES, inverse_permutation, permutation_heads, row_permutation, tensor_names
+from qkit.llama_names import ARCHITECTURES, inverse_permutation, permutation_heads, row_permutation, tensor_names
 from qkit.export.gguf.tokenizer import hf_tokenizer
 from qkit.export.gguf.types import block_bytes, file_type, ggml_blocks, ggml_scheme_names, is_ggml, scheme_for_type
 from qkit.export.gguf.writer import (

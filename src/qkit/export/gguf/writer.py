@@ -48,7 +48,7 @@ from qkit.export.gguf.metadata import (
     rope_parameters,
     source_gguf,
 )
-from qkit.export.gguf.names import (
+from qkit.llama_names import (
     ARCHITECTURES,
     arch_name,
     permutation_heads,

@@ -2,7 +2,7 @@
 
 An importance matrix names weights as llama.cpp does (``blk.3.ffn_down.weight``); qkit's tensors carry
 Hugging Face names (``model.layers.3.mlp.down_proj.weight``). The map is the GGUF writer's
-(``qkit.export.gguf.names``). The q/k row permutation of llama models reorders rows only; the matrix
+(``qkit.llama_names``). The q/k row permutation of llama models reorders rows only; the matrix
 weights columns, so it applies unchanged.
 
 :func:`quant_weights_for` refuses, in one line and before any work:
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from qkit.errors import InputError
-from qkit.export.gguf.names import ARCHITECTURES, tensor_names
+from qkit.llama_names import ARCHITECTURES, tensor_names
 from qkit.methods.imatrix.file import Imatrix
 from qkit.schemes.ggml import GGMLScheme, uses_importance
 

@@ -1,4 +1,7 @@
-"""GGUF names: Hugging Face tensor names -> llama.cpp's, and llama.cpp's q/k row permutation.
+"""llama.cpp's names: Hugging Face tensor names -> llama.cpp's, and llama.cpp's q/k row permutation.
+
+Layer 3, data below what uses it: the GGUF writer (``qkit.export.gguf``), importance matrices (whose
+entries carry llama.cpp's names, ``qkit.methods.imatrix``) and ``--tensor-type`` (patterns over them).
 
 Names come from ``gguf.get_tensor_name_map`` (``token_embd.weight``, ``blk.N.attn_q.weight``, ...,
 ``output_norm.weight``, ``output.weight`` unless tied). The permutation (llama only): llama.cpp's rotary
