@@ -124,3 +124,17 @@ def test_a_calibrated_row_is_compared_with_its_rtn_row_per_token():
     assert len(note) == 1 and note[0].endswith("a real gain.")
     rows[2].versus = {**v, "kld_change_se": 0.5}
     assert any("not distinguishable" in n for n in interpret(rows))
+
+
+def test_a_row_reproducing_some_tensors_is_qualified():
+    """q5_1 with an importance matrix lands on the default model's Q4_1 grid: a row that reproduces some of its
+    tensors bit for bit says so, and its gain over rtn is qualified."""
+    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    part = _row("q5_k_s+imatrix", 17.1, 0.3, 0.1, 32, matrices=210)
+    part.versus = {"against": "q5_k_s", "kld_change": -0.1, "kld_change_se": 0.002,
+                   "perplexity_change_pct": -12.0, "perplexity_change_se_pct": 1.0}
+    notes = interpret([ref, part])
+    assert any(n.startswith("q5_k_s+imatrix reproduces 178 of its 210 quantized tensors bit for bit") for n in notes)
+    assert any("a real gain, but 178 of its tensors reproduce" in n for n in notes)
+    whole = _row("q4_k_m", 18.0, 5.0, 1.0, 210, matrices=210)
+    assert not any("reproduces" in n for n in interpret([ref, whole]))

@@ -29,6 +29,12 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
             notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: its grid is the one the reference was "
                          "published in (the default model is Q4_1: asymmetric blocks of 32), so this row measures nothing "
                          "about the scheme or method; do not compare it with the others.")
+        elif r.weights_changed is not None and r.matrices and r.weights_changed < r.matrices:
+            kept = r.matrices - r.weights_changed
+            notes.append(f"{r.scheme} reproduces {kept} of its {r.matrices} quantized tensors bit for bit: their grid is the "
+                         "one the reference was published in (the default model is Q4_1; a weighted search can land on "
+                         "that grid, as q5_1 with an importance matrix does), so that share of the row measures the "
+                         "model's provenance, not the scheme or method: do not expect it on other models.")
     for r in collapsed:
         if not finite(r.perplexity):
             notes.append(f"{r.scheme} collapsed: its perplexity is {r.perplexity} (the model's log-probabilities are not "
@@ -75,6 +81,9 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
             continue
         verdict = ("a real gain" if kl + 2 * se < 0 else "a real loss" if kl - 2 * se > 0
                    else "within two paired SE: not distinguishable")
+        if r.weights_changed is not None and r.matrices and r.weights_changed < r.matrices:
+            verdict += (f", but {r.matrices - r.weights_changed} of its tensors reproduce the reference's published grid "
+                        "(above): on this model that share of the gain is the grid, not the method")
         notes.append(f"{r.scheme} against {v['against']}: KL {kl:+.4f} (±{2 * se:.4f}, 2 paired SE), perplexity "
                      f"{v['perplexity_change_pct']:+.2f}% (±{2 * v['perplexity_change_se_pct']:.2f}%): {verdict}.")
     measured = [r for r in others if r.agreement_total]
