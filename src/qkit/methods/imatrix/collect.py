@@ -108,7 +108,7 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
     prefix, blocks = find_blocks(model)
     linears = {f"{prefix}.{i}.{n}.weight": m for i, b in enumerate(blocks)
                for n, m in b.named_modules() if isinstance(m, torch.nn.Linear)}
-    head = getattr(model, "lm_head", None) if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings()  # transformers' API: the lm_head
     tied = bool(config.get("tie_word_embeddings", False))
     if options.process_output and not tied and isinstance(head, torch.nn.Linear):
         linears["lm_head.weight"] = head
@@ -136,8 +136,8 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
         return pre
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items() if n != "lm_head.weight"]
-    base = getattr(model, "model", None) if hasattr(model, "model") else None
-    run_base = base is not None and "lm_head.weight" not in linears
+    base = model.base_model  # transformers' API: the model without its head (what llama.cpp's blk.* run in)
+    run_base = base is not model and "lm_head.weight" not in linears
     if "lm_head.weight" in linears:
         handles.append(linears["lm_head.weight"].register_forward_pre_hook(hook("lm_head.weight")))
     device = next(model.parameters()).device
