@@ -13,7 +13,8 @@ from conftest import TINY_TEXT
 from qkit.evaluation import EvalOptions, evaluate
 from qkit.methods import RTN, method_names
 
-SCHEME = "int4-g32"  # an absmax scheme: every method (smoothquant included) serves it
+SCHEME = "int4-g32"  # an absmax scheme: every method but the importance matrix (smoothquant included) serves it
+SCHEMES = {"imatrix": "q4_0"}  # the importance matrix weights llama.cpp's block types only
 CALIBRATION = (("calibration_samples", 4), ("calibration_seqlen", 32))
 FAST = dict(tokens=96, battery_tokens=6, agree_tokens=2)
 EXACT = ("bits_per_weight", "perplexity", "perplexity_se", "perplexity_change_pct", "perplexity_change_se_pct",
@@ -34,20 +35,21 @@ def texts(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("method", method_names())
 def test_a_saved_checkpoint_evaluates_to_exactly_its_in_memory_row(method, tiny_model_dir, texts, tmp_path):
     corpus, cal = texts
+    scheme = SCHEMES.get(method, SCHEME)
     calibrated = method != RTN
     method_options = ((("calibration", str(cal)),) + CALIBRATION) if calibrated else ()
     in_memory = evaluate(tiny_model_dir, options=EvalOptions(
-        schemes=(SCHEME,), methods=(method,), method_options=method_options, corpus=str(corpus), **FAST)).rows[1]
+        schemes=(scheme,), methods=(method,), method_options=method_options, corpus=str(corpus), **FAST)).rows[1]
 
     ckpt = tmp_path / "ckpt"
-    cli = ["quantize", tiny_model_dir, "-s", SCHEME, "--method", method, "-o", ckpt, "--device", "cpu"]
+    cli = ["quantize", tiny_model_dir, "-s", scheme, "--method", method, "-o", ckpt, "--device", "cpu"]
     if calibrated:
         cli += ["--calibration", cal, "--calibration-samples", "4", "--calibration-seqlen", "32"]
     r = invoke(*cli)
     assert r.code == 0, r.text
     saved = evaluate(ckpt, options=EvalOptions(reference=str(tiny_model_dir), corpus=str(corpus), **FAST)).rows[1]
 
-    assert saved.scheme == f"checkpoint ({SCHEME})"
+    assert saved.scheme == f"checkpoint ({scheme})"
     for key in EXACT:
         assert getattr(saved, key) == getattr(in_memory, key), key
     if not calibrated:  # a calibrated method's manifest records its timings: a few bytes may differ
