@@ -265,21 +265,27 @@ def record_golden(ref: Reference) -> None:
             expected[t] = base64.b64encode(ref.quantize(x, gguf.GGMLQuantizationType[t]).tobytes()).decode()
         entries.append({"name": name, "shape": list(x.shape), "input_f32_le": base64.b64encode(x.astype("<f4").tobytes()).decode(),
                         "expected": expected})
+    write_golden(GOLDEN, entries, "llama.cpp reference quantizer output (ggml_quantize_chunk, no imatrix) for fixed inputs: "
+                 "q4_k / q6_k, and the 32-block types where the gguf package's numpy quantizer differs from C")
+
+
+def write_golden(path: Path, entries: list[dict], description: str, **extra) -> None:
+    """A golden file: the cases and how they were made (llama.cpp commit, compiler, flags, this command)."""
     cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     doc = {
-        "description": "llama.cpp reference quantizer output (ggml_quantize_chunk, no imatrix) for fixed inputs: "
-                       "q4_k / q6_k, and the 32-block types where the gguf package's numpy quantizer differs from C",
+        "description": description,
         "llama_cpp_commit": commit(),
         "llama_cpp_python_sdist": LLAMA_CPP_PYTHON,
         "ggml_quantize_c_flags": compile_flags(),
         "compiler": cc[0] if cc else "unknown",
         "machine": platform.machine(),
         "command": "python benchmarks/build_llama_ref.py --record-golden",
+        **extra,
         "cases": entries,
     }
-    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-    GOLDEN.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes, {len(entries)} cases)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {path} ({path.stat().st_size} bytes, {len(entries)} cases)")
 
 
 GOLDEN_IMATRIX = ROOT / "tests" / "golden" / "ggml_imatrix.json"
@@ -331,21 +337,10 @@ def record_imatrix_golden(ref: Reference) -> None:
         entries.append({"name": name, "shape": list(x.shape), "input_f32_le": base64.b64encode(x.astype("<f4").tobytes()).decode(),
                         "imatrix_f32_le": None if qw is None else base64.b64encode(qw.astype("<f4").tobytes()).decode(),
                         "expected": expected})
-    cc = subprocess.run(["cc", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    doc = {
-        "description": "llama.cpp's ggml_quantize_chunk output for fixed inputs, for every type of the GGUF ladder, "
-                       "without an importance matrix (imatrix_f32_le null) and with one (the quantize_row_*_impl paths)",
-        "llama_cpp_commit": commit(),
-        "llama_cpp_python_sdist": LLAMA_CPP_PYTHON,
-        "ggml_quantize_c_flags": compile_flags(),
-        "compiler": cc[0] if cc else "unknown",
-        "machine": platform.machine(),
-        "command": "python benchmarks/build_llama_ref.py --record-golden",
-        "types": LADDER_TYPES,
-        "cases": entries,
-    }
-    GOLDEN_IMATRIX.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {GOLDEN_IMATRIX} ({GOLDEN_IMATRIX.stat().st_size} bytes, {len(entries)} cases)")
+    write_golden(GOLDEN_IMATRIX, entries,
+                 "llama.cpp's ggml_quantize_chunk output for fixed inputs, for every type of the GGUF ladder, "
+                 "without an importance matrix (imatrix_f32_le null) and with one (the quantize_row_*_impl paths)",
+                 types=LADDER_TYPES)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -105,3 +105,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+_BENCHMARKS: dict[str, ModuleType] = {}
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/NAME.py`` imported by its path, once per process (the benchmarks are scripts, not a
+    package): ``build_llama_ref`` (llama.cpp's reference quantizer and tools), ``bench_llama_cpp``."""
+    if name not in _BENCHMARKS:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        _BENCHMARKS[name] = mod
+    return _BENCHMARKS[name]

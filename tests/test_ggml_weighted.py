@@ -13,16 +13,15 @@ Oracles, bit for bit:
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import benchmark_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -42,11 +41,7 @@ QKX_PARAMS = [(15, -1.0, 0.1, 20, False), (3, -0.5, 0.1, 15, True), (31, -0.5, 0
 
 
 def _build_ref():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "build_llama_ref.py"
-    spec = importlib.util.spec_from_file_location("build_llama_ref", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("build_llama_ref")
 
 
 @pytest.fixture(scope="module")

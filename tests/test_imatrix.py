@@ -8,7 +8,6 @@ qkit's collection with ``llama-imatrix`` on the same tokens and qkit's imatrix G
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import struct
@@ -19,11 +18,21 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import benchmark_module
 from typer.testing import CliRunner
 
 from qkit.cli import app
 from qkit.errors import InputError
-from qkit.methods.imatrix import Imatrix, ImatrixEntry, ImatrixOptions, collect, imatrix_ids, quant_weights_for, read, write_gguf
+from qkit.methods.imatrix import (
+    Imatrix,
+    ImatrixEntry,
+    ImatrixOptions,
+    collect,
+    imatrix_ids,
+    quant_weights_for,
+    read,
+    write_gguf,
+)
 from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.schemes import get_scheme
 
@@ -296,11 +305,7 @@ def test_tensor_type_overrides_are_llama_quantizes(tiny_model_dir, tmp_path):
 
 
 def _blr():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "build_llama_ref.py"
-    spec = importlib.util.spec_from_file_location("build_llama_ref", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("build_llama_ref")
 
 
 @pytest.mark.slow
@@ -318,9 +323,7 @@ def test_llama_quantize_reads_qkits_imatrix_and_writes_the_same_bytes(default_mo
     r = runner.invoke(app, ["quantize", "-s", scheme, "--format", "gguf", "-o", str(q), "--imatrix", str(im),
                             "--emit-tensor-types", str(tt)])
     assert r.exit_code == 0, r.output
-    bench = importlib.util.spec_from_file_location("bench_llama_cpp", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llama_cpp.py")
-    b = importlib.util.module_from_spec(bench)
-    bench.loader.exec_module(b)
+    b = benchmark_module("bench_llama_cpp")
     f32 = tmp_path / "f32.gguf"
     b.convert_f32(default_model_dir, f32, tmp_path)
     lq = tmp_path / "lq.gguf"
@@ -423,9 +426,7 @@ def test_a_random_qwen2_gives_llama_quantizes_bytes_with_and_without_imatrix(def
     if not blr.tool_path("llama-quantize").exists():
         pytest.skip("llama.cpp tools not built: python benchmarks/build_llama_ref.py --tools")
     src = _random_qwen2(tmp_path / "qwen2", default_model_dir)
-    bench = importlib.util.spec_from_file_location("bench_llama_cpp", Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llama_cpp.py")
-    b = importlib.util.module_from_spec(bench)
-    bench.loader.exec_module(b)
+    b = benchmark_module("bench_llama_cpp")
     f32 = _f32_gguf(src, tmp_path)
     im = tmp_path / "im.gguf"
     assert runner.invoke(app, ["imatrix", str(src), "-o", str(im), "--chunks", "2", "--chunk-size", "256"]).exit_code == 0

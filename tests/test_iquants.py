@@ -9,19 +9,23 @@ compiled kernel's oracle (and the other way round: every reference test runs bot
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import benchmark_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qkit.errors import NonFiniteWeightError, SchemeError
-from qkit.schemes import get_scheme, iquants, kernels, quantize_tensor  # iquants: registers iq4_nl, iq4_xs
+from qkit.schemes import (  # iquants: registers iq4_nl, iq4_xs
+    get_scheme,
+    iquants,
+    kernels,
+    quantize_tensor,
+)
 from qkit.schemes.base import ImportanceWeighted
 
 T = gguf.GGMLQuantizationType
@@ -46,11 +50,7 @@ _REF: list = []
 def maybe_reference():
     """The built llama.cpp reference, or ``None``."""
     if not _REF:
-        p = Path(__file__).resolve().parents[1] / "benchmarks" / "build_llama_ref.py"
-        spec = importlib.util.spec_from_file_location("build_llama_ref", p)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        _REF.append(mod.load())
+        _REF.append(benchmark_module("build_llama_ref").load())
     return _REF[0]
 
 

@@ -9,14 +9,13 @@ Both encoder paths are compared with the C code and with each other: the compile
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import benchmark_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_schemes_kernels import edge_matrix
@@ -33,11 +32,7 @@ PROPS = settings(max_examples=12, deadline=None, derandomize=True, suppress_heal
 
 
 def _load_reference():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "build_llama_ref.py"
-    spec = importlib.util.spec_from_file_location("build_llama_ref", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.load()
+    return benchmark_module("build_llama_ref").load()
 
 
 @pytest.fixture(scope="module")

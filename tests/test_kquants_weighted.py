@@ -8,13 +8,11 @@ for the decoder, and the torch code for the compiled kernels (and the other way 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import benchmark_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,11 +27,7 @@ PROPS = settings(max_examples=12, deadline=None, derandomize=True, suppress_heal
 
 
 def _load_reference():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "build_llama_ref.py"
-    spec = importlib.util.spec_from_file_location("build_llama_ref", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.load()
+    return benchmark_module("build_llama_ref").load()
 
 
 REF = _load_reference()

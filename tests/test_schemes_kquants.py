@@ -9,7 +9,6 @@ qkit cache (the same script), the slow tests also compare fresh random and real-
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -18,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import benchmark_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -97,11 +97,7 @@ def test_decode_of_arbitrary_blocks_equals_gguf(name):
 
 
 def _reference():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "build_llama_ref.py"
-    spec = importlib.util.spec_from_file_location("build_llama_ref", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.load()
+    return benchmark_module("build_llama_ref").load()
 
 
 @pytest.mark.slow
