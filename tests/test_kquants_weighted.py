@@ -159,8 +159,7 @@ def test_q5_k_falls_back_to_q5_1_on_a_576_wide_matrix(imatrix):
     assert scheme.resolve(x.shape, "t").name == "q5_1"
     assert scheme.resolve((8, 1536), "t") is scheme
     qw = importance(imatrix, 576)
-    if qw is not None and not uses_importance(T.Q5_1):
-        pytest.skip("q5_1's importance-matrix path is not registered")
+    assert uses_importance(T.Q5_1)
     qt = quantize_tensor(torch.from_numpy(x), scheme, quant_weights=None if qw is None else torch.from_numpy(qw))
     assert qt.scheme.name == "q5_1"
     assert np.array_equal(qt.qweight.numpy(), REF.quantize(x, T.Q5_1, imatrix=qw))

@@ -6,14 +6,12 @@ Oracles: (1) hand-checked tables read off ``src/llama-quant.cpp`` (``llama_tenso
 14 / 2 heads: n_gqa 7, tied) and Llama-70B; (2) llama.cpp's own snapshots of its type choice
 (``tests/snapshots/*.schema`` of the pinned source, written by ``test-quant-type-selection`` from
 ``llama_quant_compute_types``) for Llama-3.1-70B, Qwen3-0.6B, Qwen3-14B and Gemma-3-4B, where the
-reference source is in the qkit cache. The tables are of ggml types (``llama_type``), so they run
-whether or not the block types' schemes are registered yet; the scheme-level tests skip a recipe
-whose types are not all registered.
+reference source is in the qkit cache. The tables are of ggml types (``llama_type``); every type they
+name must be a registered scheme.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from conftest import benchmark_module
 
 from qkit.errors import SchemeError
 from qkit.schemes import get_scheme, quantize_tensor
@@ -38,15 +37,8 @@ from qkit.schemes.recipes import (
 )
 from qkit.schemes.registry import REGISTRY, scheme_from_dict
 
-# The block types' modules not yet imported by qkit.schemes (q2_k, q3_k; iq4_*), where present.
-for _module in ("qkit.schemes.kquants_low", "qkit.schemes.iquants"):
-    try:
-        importlib.import_module(_module)
-    except ImportError:
-        pass
-
 T = gguf.GGMLQuantizationType
-SNAPSHOTS = Path("/root/.cache/qkit/llama_ref/llama-cpp-python-0.3.36/src/tests/snapshots")
+SNAPSHOTS = benchmark_module("build_llama_ref").ref_dir() / "src" / "tests" / "snapshots"  # llama.cpp's, when fetched
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
         "mlp.down_proj")
 SHORT = {p: p.split(".")[1] for p in PROJ}  # q_proj, ..., down_proj
@@ -474,8 +466,7 @@ def test_assignment_gives_the_registered_scheme_of_each_type(name):
     r = get_scheme(name).bind(DEFAULT_CONFIG)
     want = llama_types(r, DEFAULT_SHAPES)
     missing = sorted({t.name.lower() for t in want.values()} - set(REGISTRY.names()))
-    if missing:
-        pytest.skip(f"{name} on the default model needs {', '.join(missing)}, not registered yet")
+    assert not missing, f"{name} on the default model needs {', '.join(missing)}, which no scheme registers"
     got = assignment(r, DEFAULT_SHAPES)
     assert {n: s.ggml_type for n, s in got.items()} == want
     assert all(s is get_scheme(s.ggml_type.name.lower()) for s in got.values())
@@ -489,8 +480,7 @@ def test_quantize_tensor_writes_the_assigned_type(name):
     gen = torch.Generator().manual_seed(1)
     for n, shape in (("model.layers.0.mlp.down_proj.weight", (8, 1536)), ("model.layers.0.self_attn.v_proj.weight", (8, 576))):
         want = r.llama_type(shape, n).name.lower()
-        if REGISTRY.find(want) is None:
-            pytest.skip(f"{want} is not registered yet")
+        assert REGISTRY.find(want) is not None, f"{want} is not registered"
         qt = quantize_tensor(torch.randn(shape, generator=gen), r, name=n)
         assert qt.scheme is get_scheme(want) and qt.nbytes == r.nbytes_for(shape, n)
         assert scheme_from_dict(qt.scheme.to_dict()) is qt.scheme

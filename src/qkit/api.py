@@ -269,6 +269,9 @@ def quantize_model(
         if not llama_names:
             raise InputError(f"--tensor-type matches llama.cpp tensor names; {ref.spec} is not a llama/qwen2 model qkit names")
         targets = overrides.apply(targets, llama_names)
+    if matrix is not None and not any(s.kind == "ggml" for s in targets.values()):
+        raise InputError(f"--imatrix weights llama.cpp's block types' searches; {default.name} is not one (use q2_k ... q8_0, "
+                         "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
     weights = quant_weights_for(matrix, config, shapes, targets) if matrix is not None else {}
     if chooser is not None:
         for s in {s.name: s for s in targets.values()}.values():
