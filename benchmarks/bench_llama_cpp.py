@@ -367,6 +367,248 @@ def bos_of(gguf_file: Path) -> int | None:
     return field("tokenizer.ggml.bos_token_id") if add else None
 
 
+# --------------------------------------------------------------------------- 5. KL divergence
+
+
+KLD_CHUNKS_RE = re.compile(r"kl_divergence: computing over (\d+) chunks, n_ctx=(\d+), batch_size=(\d+), n_seq=(\d+)")
+
+
+def llama_kld_base(gguf_file: Path, text_file: Path, ctx: int, threads: int, out: Path, chunks: int | None = None) -> dict:
+    """``llama-perplexity -m FILE -f TEXT -c CTX -t THREADS [--chunks N] --kl-divergence-base OUT``: writes the
+    log-probabilities of every scored position to ``out`` (read by :func:`read_kld_base`); returns what
+    :func:`llama_perplexity` returns for the run."""
+    cmd = [blr.tool_path("llama-perplexity"), "-m", gguf_file, "-f", text_file, "-c", ctx, "-t", threads,
+           "--kl-divergence-base", out] + (["--chunks", chunks] if chunks is not None else [])
+    sec, p = sh(cmd)
+    text = p.stdout + p.stderr
+    m, c = PPL_RE.search(text), CHUNKS_RE.search(text)
+    r = {"command": "llama-perplexity " + " ".join(map(str, cmd[1:])), "seconds": round(sec, 2), "rc": p.returncode}
+    if m:
+        r.update(ppl=float(m.group(1)), se=float(m.group(2)))
+    if c:
+        r.update(chunks=int(c.group(1)), n_ctx=int(c.group(2)), batch=int(c.group(3)), n_seq=int(c.group(4)))
+    if p.returncode != 0 or not m:
+        r["error"] = text[-2000:]
+    return r
+
+
+def llama_kl_divergence(gguf_file: Path, base_file: Path, threads: int, tool: Path | None = None,
+                        dump: Path | None = None) -> dict:
+    """``llama-perplexity -m FILE --kl-divergence-base BASE --kl-divergence -t THREADS`` (context and chunks
+    come from the base file; ``-c`` is given as the file's ``n_ctx``). ``tool``: another build of the binary
+    (:func:`build_kld_dump_tool`), which with ``dump`` also writes its per-token values there
+    (:func:`read_kld_dump`). Returns ``stats`` (:func:`parse_kl_stats`), ``lines`` (the final blocks as
+    printed), ``chunk_lines`` (the running per-chunk lines), the command, seconds and rc."""
+    n_ctx = int(np.frombuffer(Path(base_file).read_bytes()[8:12], dtype="<i4")[0])
+    cmd = [tool or blr.tool_path("llama-perplexity"), "-m", gguf_file, "-c", n_ctx, "-t", threads,
+           "--kl-divergence-base", base_file, "--kl-divergence"]
+    env = dict(os.environ)
+    if dump is not None:
+        env["QKIT_KLD_DUMP"] = str(dump)
+    sec, p = sh(cmd, env)
+    text = p.stdout + p.stderr
+    r = {"command": f"{Path(cmd[0]).name} " + " ".join(map(str, cmd[1:])), "seconds": round(sec, 2),
+         "rc": p.returncode, "stats": parse_kl_stats(text), "lines": kl_stats_lines(text),
+         "chunk_lines": [ln for ln in text.splitlines() if re.match(r"^\s*\d+\s+\d+\.\d+ ± ", ln)]}
+    c = KLD_CHUNKS_RE.search(text)
+    if c:
+        r.update(chunks=int(c.group(1)), n_ctx=int(c.group(2)), batch=int(c.group(3)), n_seq=int(c.group(4)))
+    if p.returncode != 0 or not r["stats"]:
+        r["error"] = text[-2000:]
+    return r
+
+
+_NUMBER = re.compile(r"[-+]?(?:nan|inf|\d+\.\d*|\d+)")
+
+
+def kl_stats_lines(text: str) -> list[str]:
+    """The final blocks of a ``--kl-divergence`` run as printed: from its ``====== Perplexity statistics``
+    header to its ``Same top p`` line (empty when it printed none: fewer than 100 positions)."""
+    from qkit.evaluation.klstats import HEADER_PPL
+
+    lines = text.splitlines()
+    starts = [i for i, ln in enumerate(lines) if ln.strip() == HEADER_PPL]
+    if not starts:
+        return []
+    out = []
+    for ln in lines[starts[-1]:]:
+        out.append(ln)
+        if ln.startswith("Same top p:"):
+            break
+    return out
+
+
+def parse_kl_stats(text: str) -> dict[str, float | None]:
+    """The statistics a ``--kl-divergence`` run printed, under :func:`qkit.evaluation.klstats.llama_kl_stats`'s
+    keys and in its units (the printed ones: Δp, same top p and the correlation in percent); ``nan`` as
+    printed becomes None. Empty when the run printed no final blocks."""
+    from qkit.evaluation.klstats import LINES
+
+    out: dict[str, float | None] = {}
+    lines = kl_stats_lines(text)
+    for entry in LINES:
+        if len(entry) != 4:
+            continue
+        key, se_key, label, _ = entry
+        for ln in lines:
+            if ln.startswith(label):
+                values = [float(v) for v in _NUMBER.findall(ln[len(label):])]
+                for k, v in zip((key, se_key), values):
+                    if k:
+                        out[k] = None if v != v else v
+                break
+    return out
+
+
+class KldBase:
+    """A ``--kl-divergence-base`` file, decoded as llama.cpp's ``kl_divergence()`` reads it.
+
+    Layout (``perplexity()`` with ``logits_file``, and the writing ``log_softmax``): the 8 bytes
+    ``_logits_``, int32 ``n_ctx``, int32 ``n_vocab``, int32 ``n_chunk``, int32 ``tokens[n_chunk * n_ctx]``,
+    then per chunk per scored position (``n_ctx - 1 - n_ctx // 2`` of them, predicting tokens ``n_ctx//2 + 1
+    .. n_ctx - 1`` of the chunk) ``nv = 2 * ((n_vocab + 1) // 2) + 4`` uint16: the first 4 are two float32,
+    ``scale = (max_logit - min_logit) / 65535`` and ``min_log_prob = min_logit - max_logit - ln sum exp``
+    with ``min_logit = max(min logit, max_logit - 16)``; then one uint16 per vocabulary entry,
+    ``nearest_int((logit - min_logit) / scale)`` for a logit above ``min_logit``, else 0. A log-probability
+    reads back as ``scale * code + min_log_prob`` in float32 (:meth:`log_probs`).
+
+    Attributes: ``n_ctx``, ``n_vocab``, ``n_chunk``; ``tokens`` int32 [n_chunk * n_ctx]; ``targets`` int64 [N]
+    (the token each scored position predicts, N = n_chunk * (n_ctx - 1 - n_ctx // 2)); ``scale``,
+    ``min_log_prob`` float32 [N]; ``codes`` uint16 [N, n_vocab] (a view of the file's bytes).
+    """
+
+    def __init__(self, path: Path):
+        raw = Path(path).read_bytes()
+        if raw[:8] != b"_logits_":
+            raise SystemExit(f"{path}: not a llama-perplexity --kl-divergence-base file")
+        self.n_ctx, self.n_vocab, self.n_chunk = (int(v) for v in np.frombuffer(raw, dtype="<i4", count=3, offset=8))
+        self.tokens = np.frombuffer(raw, dtype="<i4", count=self.n_chunk * self.n_ctx, offset=20)
+        nv = 2 * ((self.n_vocab + 1) // 2) + 4
+        per_chunk = self.n_ctx - 1 - self.n_ctx // 2
+        offset = 20 + 4 * self.n_chunk * self.n_ctx
+        if len(raw) != offset + 2 * self.n_chunk * per_chunk * nv:
+            raise SystemExit(f"{path}: {len(raw)} bytes, the header says {offset + 2 * self.n_chunk * per_chunk * nv}")
+        rows = np.frombuffer(raw, dtype="<u2", offset=offset).reshape(self.n_chunk * per_chunk, nv)
+        head = rows[:, :4].copy().view("<f4")
+        self.scale, self.min_log_prob = head[:, 0].copy(), head[:, 1].copy()
+        self.codes = rows[:, 4:4 + self.n_vocab]
+        first = self.n_ctx // 2
+        self.targets = self.tokens.reshape(self.n_chunk, self.n_ctx)[:, first + 1:].reshape(-1).astype(np.int64)
+
+    @property
+    def positions(self) -> int:
+        return self.codes.shape[0]
+
+    def log_probs(self, rows: slice = slice(None)) -> np.ndarray:
+        """float32 [r, n_vocab]: ``scale * code + min_log_prob``, float32 multiply then add, as the C reads it."""
+        c = self.codes[rows].astype(np.float32)
+        return c * self.scale[rows, None] + self.min_log_prob[rows, None]
+
+    def nll(self) -> np.ndarray:
+        """float32 [N]: ``-(scale * code[target] + min_log_prob)``, llama.cpp's ``nll_base``."""
+        c = self.codes[np.arange(self.positions), self.targets].astype(np.float32)
+        return -(c * self.scale + self.min_log_prob)
+
+
+def kl_from_kld_bases(base: KldBase, other: KldBase, block: int = 32) -> dict[str, np.ndarray]:
+    """Per scored position, ``kl_divergence()``'s quantities with ``other``'s decoded log-probabilities in
+    place of the model's float logits (llama.cpp has no way to write those), in float64:
+    ``nll`` = -ln q(target), ``nll_base`` (float32 values, as llama.cpp reads them), ``kld`` = sum over
+    ``i`` with ``ln p_i > -16`` of ``p_i (ln p_i - ln q_i)``, ``p_diff`` = exp(-nll) - exp(-nll_base),
+    ``same_top`` = first argmax of q == first argmax of p; and ``floor_mass``, the base probability of the
+    tokens in that sum that ``other`` stores at its floor (code 0: 16 nats or more under its top logit),
+    where the decoded ``ln q_i`` is only an upper bound. Both files must score the same tokens."""
+    if base.n_ctx != other.n_ctx or base.n_vocab != other.n_vocab or not np.array_equal(base.tokens, other.tokens):
+        raise SystemExit("the two --kl-divergence-base files score different tokens or contexts")
+    n = base.positions
+    kld = np.empty(n)
+    same = np.empty(n, dtype=bool)
+    floor_mass = np.empty(n)
+    for s in range(0, n, block):
+        rows = slice(s, min(n, s + block))
+        lp = base.log_probs(rows).astype(np.float64)
+        lq = other.log_probs(rows).astype(np.float64)
+        support = lp > -16.0
+        kld[rows] = np.where(support, np.exp(lp) * (lp - lq), 0.0).sum(axis=1)
+        floor_mass[rows] = np.where(support & (other.codes[rows] == 0), np.exp(lp), 0.0).sum(axis=1)
+        same[rows] = lq.argmax(axis=1) == lp.argmax(axis=1)
+    nll, nll_base = other.nll().astype(np.float64), base.nll().astype(np.float64)
+    return {"nll": nll, "nll_base": nll_base, "kld": kld, "p_diff": np.exp(-nll) - np.exp(-nll_base), "same_top": same,
+            "floor_mass": floor_mass}
+
+
+# A copy of perplexity.cpp that also writes, per scored position, the values kl_divergence() computes (its
+# computation untouched: the patch only stores them): float nll, float nll_base, double kld, float p_diff,
+# int32 same_top, 24 bytes a position in scoring order, to the file named by $QKIT_KLD_DUMP.
+KLD_DUMP_DTYPE = np.dtype([("nll", "<f4"), ("nll_base", "<f4"), ("kld", "<f8"), ("p_diff", "<f4"), ("same_top", "<i4")])
+_KLD_DUMP_PATCHES = (  # (anchor, text, insert before/after): each anchor occurs once in the pinned source
+    ("static std::pair<double, float> log_softmax(int n_vocab, const float * logits, const uint16_t * base_log_prob, "
+     "int tok, kl_divergence_result & kld) {",
+     "struct qkit_kld_token { float nll; float nll_base; double kld; float p_diff; int32_t same_top; };\n"
+     "static thread_local qkit_kld_token qkit_last;\n"
+     "static std::vector<qkit_kld_token> qkit_dump;\n"
+     "static const float * qkit_kld0 = nullptr;\n\n", "before"),
+    ("    return std::make_pair(sum, p_diff);\n", "    qkit_last = {nll, nll_base, sum, p_diff, imax == imax_base};\n", "before"),
+    ("            p_diff_values[i] = v.second;\n", "            qkit_dump[size_t(kld_values + i - qkit_kld0)] = qkit_last;\n", "after"),
+    ("    auto p_diff_ptr = p_diff_values.data();\n",
+     "    qkit_kld0 = kld_values.data();\n    qkit_dump.assign(kld_values.size(), qkit_kld_token{});\n", "after"),
+    ('    LOG("\\n");\n\n    if (kld.count < 100) return;',
+     '    if (const char * qkit_path = getenv("QKIT_KLD_DUMP")) {\n'
+     "        std::ofstream qkit_out(qkit_path, std::ios::binary);\n"
+     "        qkit_out.write((const char *)qkit_dump.data(), qkit_dump.size()*sizeof(qkit_kld_token));\n"
+     "    }\n", "before"),
+)
+
+
+def build_kld_dump_tool() -> Path:
+    """``llama-perplexity`` rebuilt from a copy of perplexity.cpp with :data:`_KLD_DUMP_PATCHES` applied, with
+    the compile flags and link line CMake used for the tools build (``flags.make``, ``link.txt``), into
+    ``build-tools/qkit-kld-dump/``; built once (seconds). Needs :func:`build_llama_ref.build_tools` first."""
+    import hashlib
+    import shlex
+
+    src = blr.fetch() / "tools" / "perplexity" / "perplexity.cpp"
+    text = src.read_text()
+    for anchor, add, where in _KLD_DUMP_PATCHES:
+        if text.count(anchor) != 1:
+            raise SystemExit(f"{src}: the dump patch's anchor {anchor[:60]!r} is not there once; llama.cpp changed")
+        text = text.replace(anchor, add + anchor if where == "before" else anchor + add)
+    out_dir = blr.tools_dir() / "qkit-kld-dump"
+    out_dir.mkdir(exist_ok=True)
+    tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+    tool = out_dir / f"llama-perplexity-kld-dump-{tag}"
+    if tool.exists():
+        return tool
+    cpp, obj = out_dir / f"perplexity-{tag}.cpp", out_dir / f"perplexity-{tag}.o"
+    cpp.write_text(text)
+    d = blr.tools_dir() / "tools" / "perplexity"
+    flags = {}
+    for ln in (d / "CMakeFiles" / "llama-perplexity-impl.dir" / "flags.make").read_text().splitlines():
+        if " = " in ln and not ln.startswith("#"):
+            k, v = ln.split(" = ", 1)
+            flags[k.strip()] = shlex.split(v)
+    link = shlex.split((d / "CMakeFiles" / "llama-perplexity.dir" / "link.txt").read_text())
+    cxx = link[0]
+    _, p = sh([cxx, *flags.get("CXX_DEFINES", []), *flags.get("CXX_INCLUDES", []), *flags.get("CXX_FLAGS", []),
+               "-c", cpp, "-o", obj])
+    check(p, "compiling the patched perplexity.cpp")
+    # the tool's link line with the patched object in place of the library holding perplexity.cpp.o
+    link = [str(obj) if a == "libllama-perplexity-impl.a" else a for a in link]
+    link[link.index("-o") + 1] = str(tool.with_suffix(".tmp"))
+    if str(obj) not in link:
+        raise SystemExit(f"unexpected link line for llama-perplexity: {' '.join(link)}")
+    p = subprocess.run(link, capture_output=True, text=True, cwd=d)  # link.txt's paths are relative to d
+    check(p, "linking the patched llama-perplexity")
+    tool.with_suffix(".tmp").rename(tool)
+    return tool
+
+
+def read_kld_dump(path: Path) -> np.ndarray:
+    """The per-token values a :func:`build_kld_dump_tool` run wrote: structured array of
+    :data:`KLD_DUMP_DTYPE` [N], in scoring order."""
+    return np.fromfile(path, dtype=KLD_DUMP_DTYPE)
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -383,8 +625,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from qkit.texts import load_corpus
     from qkit.models import load, resolve
+    from qkit.texts import load_corpus
     from qkit.threads import available_cores
 
     t_start = time.perf_counter()

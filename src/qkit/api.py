@@ -23,12 +23,14 @@ from qkit.checkpoint import (
     ShardWriter,
     checkpoint_bytes,
     iter_tensors,
+    tensor_dtypes,
     tensor_shapes,
     write_json,
 )
 from qkit.errors import InputError, OutputError, QkitError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
 from qkit.export.compressed_tensors_w8a8 import check_activations
+from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, get_method, make_options
 from qkit.methods.calibration import check_fits, model_context
 from qkit.methods.imatrix import (
@@ -43,6 +45,23 @@ from qkit.methods.imatrix import (
 )
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.file import is_qkit_imatrix
+from qkit.methods.imatrix.method import matrix_for
+from qkit.methods.plan import (
+    KEEP,
+    Plan,
+    PlanOptions,
+    base_type,
+    check_format,
+    check_plan_matches,
+    choose,
+    is_plan_file,
+    planned_targets,
+    precheck,
+    read_plan,
+    sensitivity_table,
+    write_plan,
+)
+from qkit.methods.plan import check as check_plan
 from qkit.models import (
     ModelRef,
     check_complete,
@@ -88,6 +107,7 @@ class QuantizeResult:
     types: dict[str, str] = field(default_factory=dict)  # tensor -> the stored type it got (recipes, fallbacks)
     llama_types: dict[str, str] = field(default_factory=dict)  # llama.cpp name -> ggml type, for llama.cpp types
     imatrix: dict | None = None  # the importance matrix used (file, sha256, chunks), when one was
+    plan: dict | None = None  # the plan written (Plan.record), when one was
 
     def to_dict(self) -> dict:
         return {
@@ -106,6 +126,7 @@ class QuantizeResult:
             "method_record": self.method_record,
             "types": dict(sorted(self.types.items())),
             "imatrix": self.imatrix,
+            "plan": self.plan,
         }
 
 
@@ -141,6 +162,7 @@ class QuantizeOptions:
     force: bool = False
     imatrix: str | None = None
     tensor_types: Sequence[str] = ()
+    plan: str | Path | Plan | PlanOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -241,6 +263,18 @@ def quantize_model(
     chooser = get_method(method)
     options = make_options(chooser, method_options) if chooser else None
     overrides = TensorTypes.parse(opts.tensor_types)
+    planned = opts.plan
+    if planned is not None:
+        if opts.keep or opts.tensor_types or opts.include or opts.exclude:
+            raise InputError("a plan sets every planned tensor's type; drop --keep/--tensor-type/--include/--exclude "
+                             "(plan with --include/--exclude instead)")
+        if isinstance(planned, (str, Path)):
+            planned = read_plan(planned)  # a malformed file: refused now
+        if isinstance(planned, Plan) and format != QKIT and check_format(format) != planned.format:
+            raise InputError(f"the plan was made for --format {planned.format}: its types and byte counts are that format's; "
+                             f"write it with --format {planned.format} (or re-plan for {format})")
+        if isinstance(planned, PlanOptions):
+            planned.check()
     matrix = read_imatrix(opts.imatrix) if opts.imatrix is not None else None  # a malformed file: refused now
     if matrix is not None and chooser is not None:
         raise InputError(f"--imatrix weights llama.cpp's own searches (--method rtn); {chooser.name} chooses the codes "
@@ -264,6 +298,14 @@ def quantize_model(
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
+    if planned is not None:
+        if isinstance(planned, PlanOptions):  # plan first, in memory (quantize --target-bits)
+            planned = plan_model(ref, options=planned, imatrix=opts.imatrix, method=method, device=device,
+                                 trust_remote_code=opts.trust_remote_code).plan
+        check_plan_matches(planned, shapes, ref.spec)
+        _check_plan_method(planned, matrix, chooser)
+        targets = {n: s for n, s in planned.schemes().items() if s is not None}
+        default = get_scheme(base_type(planned)) if base_type(planned) != KEEP else default
     llama_names = _llama_names(config, shapes) if overrides or format == "gguf" or matrix is not None else {}
     if overrides:
         if not llama_names:
@@ -281,6 +323,8 @@ def quantize_model(
     manifest = new_manifest(default, rules)
     if overrides:
         manifest["rules"]["tensor_types"] = list(overrides.words)
+    if planned is not None:
+        manifest["plan"] = planned.record()
     if matrix is not None:
         manifest["imatrix"] = imatrix_record(matrix, len(weights))
     export = None if format == QKIT else prepare_export(format, ref.directory, targets, shapes, manifest, ref=ref,
@@ -302,6 +346,7 @@ def quantize_model(
     result.method = RTN if chooser is None else chooser.name
     result.method_record = manifest.get("method", {})
     result.imatrix = manifest.get("imatrix")
+    result.plan = manifest.get("plan")
     qbytes = 0
     with atomic_output(export, out, force, inputs) as tmp:
         writer = export.writer(tmp, max_shard_bytes) if export else ShardWriter(tmp, manifest, max_shard_bytes)
@@ -336,6 +381,7 @@ def quantize_model(
             "scheme": default.to_dict(),
             "rules": manifest["rules"],
             **({"method": manifest["method"]} if "method" in manifest else {}),
+            **({"plan": manifest["plan"]} if "plan" in manifest else {}),
         }
         write_json(tmp / "config.json", config)
         # a trusted model's own code files too: its config names them, the copy cannot load without them
@@ -372,6 +418,131 @@ def _quantize_on(tensor: torch.Tensor, scheme: Scheme, name: str, device: torch.
                  quant_weights: torch.Tensor | None = None) -> QuantizedTensor:
     return quantize_tensor(tensor.to(device) if tensor.device != device else tensor, scheme, name=name,
                            quant_weights=quant_weights)
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclass
+class PlanResult:
+    """What ``plan_model`` chose (``plan``), where it wrote it, and the seconds it took."""
+
+    plan: Plan
+    output: Path | None
+    tensor_types: Path | None
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return {"output": str(self.output) if self.output else None,
+                "tensor_types": str(self.tensor_types) if self.tensor_types else None,
+                "seconds": self.seconds, "plan": self.plan.to_dict()}
+
+
+PLAN_METHODS = (RTN, "imatrix")
+
+
+def plan_model(
+    model: str | Path | ModelRef | None = None,
+    *,
+    options: PlanOptions,
+    output: str | Path | None = None,
+    method: str = RTN,
+    imatrix: str | None = None,
+    emit_tensor_types: str | Path | None = None,
+    device: str | None = "cpu",
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    force: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> PlanResult:
+    """Plan MODEL's types for a byte budget (``qkit.methods.plan``): measured sensitivity, the exact solve,
+    the measured check; write the plan JSON to ``output`` (None: keep it in memory) and, for GGUF, the
+    ``llama-quantize --tensor-type-file`` that gives every tensor its planned type to ``emit_tensor_types``.
+
+    ``method``: ``rtn``, or ``imatrix`` (collect the importance matrix as ``qkit imatrix`` does; llama.cpp's
+    types are then measured through their weighted searches); ``imatrix``: such a file instead.
+    Refused before any work: bad options, a format that cannot mix, an output that is an input or exists
+    (unless ``force`` and qkit wrote it), a calibration text that overlaps the eval text, a budget below the
+    smallest mix or above the unquantized size (checked from the headers, before the model runs).
+    ``progress(stage, done, total)``: ``fisher`` windows, ``candidates`` tensors."""
+    t0 = time.perf_counter()
+    options.check()
+    fmt = check_format(options.format)
+    if method not in PLAN_METHODS:
+        raise InputError(f"qkit plan measures candidates by rtn or the importance matrix (--method imatrix / --imatrix); "
+                         f"{method} chooses codes per type and is not planned: quantize a plan's types with it instead")
+    if (imatrix is not None or method == "imatrix") and fmt == "compressed-tensors":
+        raise InputError("the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it")
+    if imatrix is not None and method == "imatrix":
+        raise InputError("--imatrix FILE and --method imatrix both give the matrix: drop one of them")
+    if emit_tensor_types is not None and fmt != "gguf":
+        raise InputError("--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf")
+    given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
+             *file_inputs("the calibration text", options.calibration), *file_inputs("the importance matrix", imatrix)]
+    for path in (output, emit_tensor_types):
+        if path is not None:
+            check_output_path(path, kind="file", force=force, inputs=given,
+                              owned=is_plan_file if path is output else is_tensor_type_file,
+                              describe="a plan qkit wrote" if path is output else "a tensor-type file qkit wrote")
+    matrix = read_imatrix(imatrix) if imatrix is not None else None
+    ref = model if isinstance(model, ModelRef) else resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
+    if ref.is_quantized:
+        raise InputError(f"{ref.spec} is already a qkit checkpoint; plan for the original model")
+    check_complete(ref, trust_remote_code=trust_remote_code)
+    dev = parse_device(device)
+    shapes = dict(tensor_shapes(ref.directory))
+    config = read_config(ref.directory)
+    precheck(ref, options, config)  # the budget against the smallest and the unquantized mix: from the headers
+    if method == "imatrix":
+        refuse_unsupported(config)
+        matrix, _ = matrix_for(ref, ImatrixOptions(), dev)
+    weights, key = {}, None
+    if matrix is not None:
+        probe = {n: get_scheme("q4_0") for n, s in planned_targets(ref, options).items() if s[-1] % 32 == 0}
+        weights, key = quant_weights_for(matrix, config, shapes, probe), matrix.sha256
+    table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress)
+    record = imatrix_record(matrix, len(weights)) if matrix is not None else None
+    plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=method, imatrix=record, config=config)
+    check_plan(plan, table, ref, weights)
+    out = Path(output) if output is not None else None
+    if out is not None:
+        write_plan(plan, out)
+    tt = Path(emit_tensor_types) if emit_tensor_types is not None else None
+    if tt is not None:
+        write_tensor_type_file(tt, plan_llama_types(plan, config, shapes, tensor_dtypes(ref.directory)))
+    return PlanResult(plan, out, tt, time.perf_counter() - t0)
+
+
+def plan_llama_types(plan: Plan, config: dict, shapes: Mapping[str, tuple[int, ...]],
+                     dtypes: Mapping[str, torch.dtype | None]) -> dict[str, str]:
+    """``{llama.cpp name: ggml type}`` of every planned tensor (a kept one: its source float type, as qkit's
+    GGUF writer stores it), for ``llama-quantize --tensor-type-file``."""
+    names = _llama_names(config, shapes)
+    if not names:
+        raise InputError("--emit-tensor-types needs llama.cpp names: a llama or qwen2 model")
+    floats = {torch.float16: "F16", torch.bfloat16: "BF16"}
+    out = {}
+    for name, t in plan.tensors.items():
+        s = t.scheme
+        out[names[name]] = s.ggml_type.name if isinstance(s, GGMLScheme) else floats.get(dtypes.get(name), "F32")
+    return out
+
+
+def _check_plan_method(plan: Plan, matrix, chooser) -> None:
+    """A plan's costs were measured with one matrix or none: its quantize must use the same."""
+    if chooser is not None and chooser.name != "imatrix":
+        raise InputError(f"the plan's costs were measured with {plan.method}; {chooser.name} chooses other codes for the same "
+                         "types: quantize the plan with its own method (drop --method)")
+    if plan.imatrix is None and (matrix is not None or chooser is not None):
+        raise InputError("the plan was measured without an importance matrix; re-plan with --imatrix/--method imatrix, "
+                         "or quantize it without one")
+    if plan.imatrix is not None and chooser is None:
+        if matrix is None:
+            raise InputError(f"the plan was measured with the importance matrix {plan.imatrix.get('file') or ''} "
+                             f"(sha256 {str(plan.imatrix.get('sha256'))[:12]}...): pass it with --imatrix (or --method imatrix)")
+        if matrix.sha256 != plan.imatrix.get("sha256"):
+            raise InputError(f"--imatrix {matrix.source}: not the matrix the plan was measured with (sha256 "
+                             f"{matrix.sha256[:12]}... against {str(plan.imatrix.get('sha256'))[:12]}...); re-plan with it")
 
 
 # --------------------------------------------------------------------------- importance matrix

@@ -38,11 +38,13 @@ def _root() -> None:
 from qkit.cli import eval as _eval  # noqa: E402  (the modules need nothing from here but the app)
 from qkit.cli import imatrix as _imatrix  # noqa: E402
 from qkit.cli import inspect as _inspect  # noqa: E402
+from qkit.cli import plan as _plan  # noqa: E402
 from qkit.cli import quantize as _quantize  # noqa: E402
 from qkit.cli import serving as _serving  # noqa: E402
 
 app.command("quantize")(_quantize.quantize)
 app.command("imatrix")(_imatrix.imatrix)
+app.command("plan")(_plan.plan)
 app.command("eval")(_eval.eval_)
 app.command("kv")(_serving.kv_)
 app.command("budget")(_serving.budget_)

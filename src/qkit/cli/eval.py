@@ -8,7 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from qkit import console, evaluation  # ``evaluation.evaluate`` looked up per call (a test replaces it)
+from qkit import (  # ``evaluation.evaluate`` looked up per call (a test replaces it)
+    console,
+    evaluation,
+)
 from qkit.cli.common import (
     CalibrationOpt,
     CalibrationSamplesOpt,
@@ -22,13 +25,14 @@ from qkit.cli.common import (
     TrustOpt,
     calibration_options,
     comma_list,
-    handles_errors,
     file_inputs,
+    handles_errors,
     human_bytes,
     model_inputs,
     start,
 )
 from qkit.evaluation import EvalOptions
+from qkit.evaluation.klstats import format_llama_kl_stats
 from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
 from qkit.simulate.llm_int8 import LLMInt8Options
@@ -47,6 +51,10 @@ EvalScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", help=
 ThresholdOpt = Annotated[Optional[float], typer.Option("--threshold", help=f"LLM.int8 rows: input features with some |x| >= this run in 16-bit (default: {LLMInt8Options.threshold:g}).")]
 KvResidualOpt = Annotated[Optional[int], typer.Option("--kv-residual", help=f"KV-cache rows: the most recent tokens kept in full precision (default: {KVCacheOptions.kv_residual}).")]
 KvGroupOpt = Annotated[Optional[int], typer.Option("--kv-group", help=f"KV-cache rows with per-channel keys: tokens per key scale (default: {KVCacheOptions.kv_group}).")]
+
+
+PlanCandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="plan:FORMAT@TARGET rows: only these types (comma-separated; default: the format's whole ladder).", metavar="LIST")]
+KlStatsOpt = Annotated[bool, typer.Option("--kl-stats", help="Also print llama-perplexity --kl-divergence's statistics per row (always in --json).")]
 
 
 @handles_errors
@@ -73,6 +81,8 @@ def eval_(
     force: ForceOpt = False,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustOpt = False,
+    candidates: PlanCandidatesOpt = None,
+    kl_stats: KlStatsOpt = False,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
     run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
@@ -89,6 +99,7 @@ def eval_(
         "device": device,
         "device_map": device_map,
         "trust_remote_code": trust_remote_code or None,
+        "plan_candidates": tuple(comma_list(candidates)) if candidates else None,
     }
     options = dataclasses.replace(EvalOptions(), **{k: v for k, v in given.items() if v is not None})
     runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
@@ -100,6 +111,12 @@ def eval_(
     run.use_threads()
     report = evaluation.evaluate(model, options=options, on_status=console.status)
     render_eval(report)
+    if kl_stats:
+        for r in report.rows[1:]:
+            if r.llama_kl:
+                console.note(f"{r.scheme} (llama-perplexity --kl-divergence's statistics, on qkit's log-probabilities):")
+                for line in format_llama_kl_stats(r.llama_kl):
+                    console.note(line)
     run.write_json(report.to_dict)
 
 

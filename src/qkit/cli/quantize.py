@@ -36,11 +36,17 @@ from qkit.cli.common import (
 )
 from qkit.errors import InputError
 from qkit.export import QKIT, check_output, get_format
-from qkit.export.gguf.tensor_types import is_tensor_type_file, read_tensor_type_file, types_by_kind, write_tensor_type_file
-from qkit.outputs import check_output as check_output_path
+from qkit.export.gguf.tensor_types import (
+    is_tensor_type_file,
+    read_tensor_type_file,
+    types_by_kind,
+    write_tensor_type_file,
+)
 from qkit.export.verify import verify_checkpoint
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
+from qkit.methods.plan import PlanOptions
+from qkit.outputs import check_output as check_output_path
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
 from qkit.threads import check_threads
@@ -61,6 +67,9 @@ ImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importa
 TensorTypeOpt = Annotated[list[str], typer.Option("--tensor-type", help="PATTERN=TYPE as llama-quantize --tensor-type: a regex searched in llama.cpp's tensor names (blk.3.attn_v.weight), a ggml type (repeatable; the first match wins).", metavar="PATTERN=TYPE")]
 TensorTypeFileOpt = Annotated[Optional[str], typer.Option("--tensor-type-file", help="A file of PATTERN=TYPE words separated by spaces or newlines (llama-quantize's --tensor-type-file).", metavar="FILE")]
 EmitTensorTypesOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types", help="Also write the --tensor-type-file with which llama-quantize gives every quantized tensor the type qkit gave it.", metavar="PATH")]
+PlanFileOpt = Annotated[Optional[str], typer.Option("--plan", help="Write every planned tensor in the type a plan chose (qkit plan -o PLAN.json); replaces --scheme.", metavar="PLAN.json")]
+QTargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Plan (as qkit plan does, for this --format) and quantize in one step: bits per weight over the block projections.", metavar="B")]
+QTargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Plan and quantize in one step: bytes of the block projections, e.g. 100MB.", metavar="SIZE")]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
 
@@ -90,6 +99,9 @@ def quantize(
     tensor_type: TensorTypeOpt = [],
     tensor_type_file: TensorTypeFileOpt = None,
     emit_tensor_types: EmitTensorTypesOpt = None,
+    plan: PlanFileOpt = None,
+    target_bits: QTargetBitsOpt = None,
+    target_size: QTargetSizeOpt = None,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -102,7 +114,8 @@ def quantize(
     # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
     # resolved model, and the scheme, rules and device, before it reads the model.
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration),
-                                                  ("the importance matrix", imatrix), ("the tensor-type file", tensor_type_file)))
+                                                  ("the importance matrix", imatrix), ("the tensor-type file", tensor_type_file),
+                                                  ("the plan", plan)))
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
     if fmt != QKIT:
@@ -114,6 +127,7 @@ def quantize(
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
         _check_json_beside_output(emit_tensor_types, output)
     words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
+    planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration)
     shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
     check_threads(threads)
     removed = remove_stale_siblings(output)
@@ -138,7 +152,7 @@ def quantize(
                                   format=fmt, activations=activations, method=method,
                                   method_options=method_options or None, device=device, allow_pickle=allow_pickle,
                                   trust_remote_code=trust_remote_code, force=force, imatrix=imatrix,
-                                  tensor_types=tuple(words), **shard)
+                                  tensor_types=tuple(words), plan=planned, **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
     if emit_tensor_types is not None:
@@ -146,6 +160,25 @@ def quantize(
         console.note(f"wrote {emit_tensor_types}: llama-quantize --tensor-type-file {emit_tensor_types} gives every "
                      "quantized tensor the type it has here")
     run.write_json(result.to_dict)
+
+
+def _plan_option(plan: str | None, target_bits: float | None, target_size: str | None, fmt: str, scheme: str,
+                 scale_dtype: str, calibration: str | None):
+    """``--plan FILE``, or ``--target-bits``/``--target-size`` as the options of a plan made first; None."""
+    given = [w for w, v in (("--plan", plan), ("--target-bits", target_bits), ("--target-size", target_size)) if v is not None]
+    if len(given) > 1:
+        raise InputError(f"{' and '.join(given)} both choose the types: give one of them")
+    if not given:
+        return None
+    if scheme != DEFAULT_SCHEME:
+        raise InputError(f"{given[0]} chooses every planned tensor's type; drop --scheme {scheme}")
+    if plan is not None:
+        return plan
+    size = parse_size(target_size, "--target-size") if target_size is not None else None
+    options = PlanOptions(format=fmt, target_bits=target_bits, target_size=size, scale_dtype=scale_dtype,
+                          calibration=calibration)
+    options.check()
+    return options
 
 
 def _check_json_beside_output(json_path: str | None, output: str) -> None:

@@ -41,6 +41,8 @@ class Row:
     runtime_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
     weights_changed: int | None = None  # quantized tensors whose values differ from the reference's
     method_record: dict = field(default_factory=dict)  # what the method did (calibration, per-layer errors)
+    llama_kl: dict = field(default_factory=dict)  # llama-perplexity --kl-divergence's statistics (klstats)
+    plan: dict = field(default_factory=dict)  # a planned row's plan (Plan.record: target, bytes, predicted KL, check)
     # a calibrated row against the same scheme with rtn, when both are in the table (paired, same positions):
     # against, kld_change, kld_change_se, perplexity_change_pct, perplexity_change_se_pct
     versus: dict = field(default_factory=dict)

@@ -87,4 +87,15 @@ register_preset(
     "(q8_0 reads none)",
 )
 
-__all__ = ["ACTIVATIONS_PRESET", "GGUF_LADDER", "GGUF_PRESET", "SHIPPED", "SIMULATION_ROWS"]
+# The frontier: each ladder step beside the planned mix at that step's own bytes (plan:gguf@STEP, paired
+# against STEP's row); with the importance matrix, both sides with the same one.
+FRONTIER_GGUF = tuple(n for step in GGUF_LADDER for n in (step, f"plan:gguf@{step}"))
+FRONTIER_GGUF_IMATRIX = tuple(n for step in GGUF_LADDER if step != "q8_0"
+                              for n in (f"{step}+imatrix", f"plan:gguf@{step}+imatrix"))
+register_preset("frontier-gguf", FRONTIER_GGUF,
+                "every llama.cpp ladder step beside a planned GGUF of the same bytes (qkit plan), paired against it")
+register_preset("frontier-gguf-imatrix", FRONTIER_GGUF_IMATRIX,
+                "the frontier with the importance matrix on both sides: each step+imatrix beside its planned mix+imatrix")
+
+__all__ = ["ACTIVATIONS_PRESET", "FRONTIER_GGUF", "FRONTIER_GGUF_IMATRIX", "GGUF_LADDER", "GGUF_PRESET", "SHIPPED",
+           "SIMULATION_ROWS"]

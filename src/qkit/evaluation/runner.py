@@ -59,12 +59,14 @@ from qkit.evaluation.checks import (
     choose_window,
     read_config,
 )
+from qkit.evaluation.klstats import llama_kl_stats
 from qkit.evaluation.notes import interpret
 from qkit.evaluation.perplexity import CorpusReference, TokenScores, check_scored
 from qkit.evaluation.report import EvalReport, Row
-from qkit.evaluation.specs import RowSpec, resolve_rows
+from qkit.evaluation.specs import RowSpec, parse_plan_word, resolve_rows
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.methods import RTN
+from qkit.methods.plan import PlanOptions
 from qkit.models import (
     ModelRef,
     check_complete,
@@ -111,6 +113,7 @@ class EvalOptions:
     device_map: str | None = None  # "auto" etc.: spread the reference over several devices (accelerate)
     seed: int = 0
     trust_remote_code: bool = False  # allow a model's own code (auto_map); never asked for interactively
+    plan_candidates: tuple[str, ...] = ()  # the types plan rows may choose (default: the format's whole ladder)
 
     def validate(self) -> None:
         """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
@@ -130,6 +133,8 @@ class EvalOptions:
         for spec in specs:  # unknown runtimes, bad runtime option values (--threshold 0, --kv-residual -1)
             for name in spec.runtime:
                 get_runtime(name, self.runtime_options_for(spec))
+            if spec.plan is not None and not spec.plan.endswith(".json"):
+                row_plan(spec, self).check()  # a bad --candidates word, a target scheme that is no scheme
 
     def runtime_options_for(self, spec: RowSpec) -> dict[str, Any]:
         """The options ``spec``'s runtimes are built with: the row's own, else eval's; ``--calibration``,
@@ -318,8 +323,10 @@ def evaluate(
             with apply_runtime(lm, spec.runtime, context, options.runtime_options_for(spec)) as stats:
                 row = measure(spec.name, bits, size, matrices, t1, rows[0], spec=spec.to_dict(), act_bits=act_bits,
                               kv_bits=kv_bits, method_record=built.method_record if built is not None else {},
-                              weights_changed=swapper.changed if built is not None else None)
+                              weights_changed=swapper.changed if built is not None else None,
+                              plan=(built.plan or {}) if built is not None else {})
             row.runtime_stats = stats
+            row.llama_kl = llama_kl_stats(row_scores[spec.name], ref_scores)
             rows.append(row)
             swapper.restore()
     finally:
@@ -358,9 +365,15 @@ def compare_methods(rows: list[Row], specs: list[RowSpec], scores: dict[str, Tok
     table has one (``Row.versus``): the paired KL and perplexity differences on the same positions. What
     the method (gptq, awq, the importance matrix) bought, with its uncertainty."""
     for spec in specs:
-        if spec.method == RTN:
+        if spec.plan is not None:  # plan:FORMAT@SCHEME against that scheme's row, same method: like with like
+            target = None if spec.plan.endswith(".json") else parse_plan_word(spec.plan)[2]
+            if target is None:
+                continue
+            base = RowSpec(target, spec.method, spec.runtime).name
+        elif spec.method == RTN:
             continue
-        base = RowSpec(spec.scheme, RTN, spec.runtime).name
+        else:
+            base = RowSpec(spec.scheme, RTN, spec.runtime).name
         if base not in scores or spec.name not in scores:
             continue
         row = next(r for r in rows if r.scheme == spec.name)
@@ -380,19 +393,31 @@ def remove_stale_row_dirs(parent: str | Path | None = None) -> list[Path]:
     return remove_stale_temporary(TMP_PREFIX, parent)
 
 
+def row_plan(spec: RowSpec, options: EvalOptions):
+    """A plan row's plan: its file, or ``PlanOptions`` for ``FORMAT@TARGET`` with eval's ``--candidates``
+    (measured once for every row of the same format and method: ``qkit.methods.plan.planner``)."""
+    if spec.plan.endswith(".json"):
+        return spec.plan
+    fmt, bits, scheme = parse_plan_word(spec.plan)
+    return PlanOptions(format=fmt, target_bits=bits, target_scheme=scheme, candidates=tuple(options.plan_candidates),
+                       scale_dtype=options.scale_dtype)
+
+
 def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: EvalOptions, say: Callable[[str], None]):
     """Put ``spec``'s weights into the swapper's model: ``quantize_model`` (the path that writes
     checkpoints) into a temporary directory, then the dequantized matrices and any replaced
     full-precision tensors swapped in. Returns the ``QuantizeResult`` (None for unquantized weights)."""
-    if spec.scheme is None:
+    if spec.scheme is None and spec.plan is None:
         return None
+    planned = row_plan(spec, options) if spec.plan is not None else None
     # The writer's PID in the name: a killed eval's directory is found and removed by the next one.
     with temporary_directory(TMP_PREFIX) as tmp:
-        say(f"{spec.name}: quantizing" + (f" ({spec.method})" if spec.method != RTN else ""))
+        say(f"{spec.name}: " + ("planning and quantizing" if planned is not None else "quantizing")
+            + (f" ({spec.method})" if spec.method != RTN else ""))
         result = quantize_model(
             model=ref, output=Path(tmp) / "row", scheme=spec.scheme, method=spec.method, collect=True,
             method_options=dict(spec.method_options) or None,
-            options=QuantizeOptions(scale_dtype=options.scale_dtype, device="cpu"),
+            options=QuantizeOptions(scale_dtype=options.scale_dtype, device="cpu", plan=planned),
         )
     swapper.apply([*result.replaced.items(), *result.quantized.items()])
     return result

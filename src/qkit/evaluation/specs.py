@@ -28,6 +28,7 @@ from typing import Any
 
 from qkit.errors import InputError
 from qkit.methods import RTN, get_method
+from qkit.methods.plan import check_format
 from qkit.registry import Registry
 from qkit.schemes import get_scheme, scheme_names
 
@@ -47,12 +48,13 @@ class RowSpec:
     label: str | None = None
     method_options: tuple[tuple[str, Any], ...] = ()
     runtime_options: tuple[tuple[str, Any], ...] = ()
+    plan: str | None = None  # a planned mix instead of one scheme: "FORMAT@TARGET" (PLAN_PREFIX) or a plan file
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
-        base = self.scheme or "fp"
+        base = f"{PLAN_PREFIX}{self.plan}" if self.plan else (self.scheme or "fp")
         if self.method != RTN:
             base += f"+{self.method}"
         return "+".join([base, *self.runtime]) if self.runtime else base
@@ -65,7 +67,28 @@ class RowSpec:
             "runtime": list(self.runtime),
             "method_options": dict(self.method_options),
             "runtime_options": dict(self.runtime_options),
+            "plan": self.plan,
         }
+
+
+PLAN_PREFIX = "plan:"
+
+
+def parse_plan_word(word: str) -> tuple[str, float | None, str | None]:
+    """``FORMAT@TARGET`` -> ``(format, bits or None, scheme or None)``: TARGET is bits per weight
+    (``gguf@4.5``) or a scheme whose bytes the mix gets (``gguf@q4_k_m``: like with like)."""
+    fmt, sep, target = word.partition("@")
+    if not sep or not fmt or not target:
+        raise InputError(f"{PLAN_PREFIX}{word}: write {PLAN_PREFIX}FORMAT@BITS or {PLAN_PREFIX}FORMAT@SCHEME, "
+                         "e.g. plan:gguf@4.5 or plan:gguf@q4_k_m (a plan file: plan:PATH.json)")
+    fmt = check_format(fmt)
+    try:
+        bits = float(target)
+    except ValueError:
+        return fmt, None, get_scheme(target).name
+    if not (bits > 0 and bits < 64):
+        raise InputError(f"{PLAN_PREFIX}{word}: {target} is not a number of bits per weight")
+    return fmt, bits, None
 
 
 def _key(name: str) -> str:
@@ -89,7 +112,7 @@ def _check_free(kind: str, name: str) -> None:
 def register_row(name: str, spec: RowSpec, description: str = "") -> RowSpec:
     """A named row for ``--schemes`` (its label is ``name``)."""
     _check_free("row", name)
-    spec = RowSpec(spec.scheme, spec.method, spec.runtime, name, spec.method_options, spec.runtime_options)
+    spec = RowSpec(spec.scheme, spec.method, spec.runtime, name, spec.method_options, spec.runtime_options, spec.plan)
     ROWS.register(name, spec)
     _DESCRIPTIONS[name] = description
     return spec
@@ -139,6 +162,14 @@ def resolve_rows(
         if key in ROWS:
             specs.append(ROWS.get(key))
             return
+        if key.startswith(PLAN_PREFIX):  # a planned mix: plan:FORMAT@TARGET[+METHOD] or plan:FILE.json[+METHOD]
+            word, _, method_word = key[len(PLAN_PREFIX):].partition("+")
+            if not word.endswith(".json"):
+                parse_plan_word(word)
+            method_word = method_word or RTN
+            get_method(method_word)
+            specs.append(RowSpec(None, method_word, plan=word.strip()))
+            return
         if "+" in key:  # SCHEME+METHOD: one row with that method, whatever --methods says
             scheme_word, _, method_word = key.partition("+")
             method = get_method(method_word)
@@ -171,4 +202,4 @@ def resolve_rows(
     return list(unique.values())
 
 
-__all__ = ["PRESETS", "ROWS", "RowSpec", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+__all__ = ["PLAN_PREFIX", "PRESETS", "ROWS", "RowSpec", "parse_plan_word", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

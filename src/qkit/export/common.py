@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -228,6 +229,12 @@ def fingerprint(qt: QuantizedTensor) -> str:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def dense_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a safetensors directory (qkit's own ``ShardWriter``, an export's ``ExportWriter``) stores for a
+    tensor left unquantized: ``prod(shape) * itemsize(dtype)``; both store it as read, in the source dtype."""
+    return math.prod(int(d) for d in shape) * dtype.itemsize
 
 
 # A scale dtype the weight dtype holds exactly (every fp16 and bf16 value is an fp32 value).

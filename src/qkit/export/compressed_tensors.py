@@ -83,6 +83,29 @@ def _largest_dividing_group(widths: set[int], below: int) -> int | None:
     return None
 
 
+def stored_nbytes(scheme: Scheme, shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """Bytes ``CompressedTensorsFormat.encode`` stores for one linear ``M`` with weight ``[out, in]`` of dtype
+    ``dtype`` (the module docstring's layout)::
+
+        weight_packed  int32 [out, ceil(in * bits / 32)]       out * ceil(in * bits / 32) * 4
+        weight_scale   dtype [out, ceil(in / group)] or [out, 1]  out * (ceil(in / group) or 1) * itemsize(dtype)
+        weight_shape   int64 [2]                               16
+
+    The scale is stored in the **weight's** dtype, whatever the scheme's scale dtype (int4-g64 on an fp32
+    ``[1536, 576]``: 1536*72*4 + 1536*9*4 + 16 = 497,680 bytes). FP4 schemes:
+    ``compressed_tensors_fp4.stored_nbytes``. ``ExportError`` for a scheme compressed-tensors cannot store
+    (nf4, per-tensor scales)."""
+    if fp4.is_fp4(scheme):
+        return fp4.stored_nbytes(scheme, shape)
+    if not isinstance(scheme, AbsmaxScheme) or not isinstance(scheme.granularity, (PerGroup, PerRow)):
+        raise ExportError(f"compressed-tensors stores int4/int8 with channel or group scales and FP4, not {scheme.name}; "
+                          "use int4-g64, int4-row or int8-row")
+    rows, cols = (int(d) for d in shape)
+    words = -(-cols * scheme.bits // 32)  # a row's last int32 word is zero-padded (_pack_int32)
+    scale_cols = scheme.granularity.scale_shape((rows, cols))[1]
+    return rows * words * 4 + rows * scale_cols * dtype.itemsize + 2 * 8
+
+
 class CompressedTensorsFormat(SafetensorsFormat):
     """The ``Format`` of ``--format compressed-tensors`` (``ct``); see the module docstring."""
 

@@ -62,6 +62,22 @@ def check(plan: ExportPlan) -> None:
             )
 
 
+def stored_nbytes(scheme: Scheme, shape: tuple[int, int]) -> int:
+    """Bytes :func:`encode` stores for one ``[out, in]`` module of FP4 ``scheme`` (block ``B``: 16 nvfp4, 32 mxfp4)::
+
+        weight_packed        uint8 [out, in / 2]       out * in / 2
+        weight_scale         1 byte [out, in / B]      out * in / B     (E4M3 for nvfp4, E8M0 for mxfp4)
+        weight_global_scale  fp32 [1], nvfp4 only      4
+
+    (nvfp4: ``0.5625 * out * in + 4``; mxfp4: ``0.53125 * out * in``.) ``ExportError`` for a width that is not
+    whole blocks, which the format cannot store."""
+    rows, cols = (int(d) for d in shape)
+    if not is_fp4(scheme) or cols % scheme.block_size:
+        raise ExportError(f"compressed-tensors stores {scheme.name} only in whole blocks of FP4 codes along each row; "
+                          f"a [{rows}, {cols}] weight is not")
+    return rows * cols // 2 + rows * (cols // scheme.block_size) + (4 if scheme.name == "nvfp4" else 0)
+
+
 def encode(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     module = name.removesuffix(".weight")
     rows, cols = qt.shape

@@ -70,6 +70,27 @@ def block_bytes(ggml_type, cols: int) -> int:
     return cols // elems * size
 
 
+def float_type(dtype: torch.dtype):
+    """The GGUF type the writer stores an unquantized 2-D tensor of source ``dtype`` in: the source's own float
+    type (F16, BF16; F32 for anything else), never converted (``writer.prepare``). Norms and 1-D tensors are
+    F32 whatever their dtype."""
+    T = gguf.GGMLQuantizationType
+    return {torch.float16: T.F16, torch.bfloat16: T.BF16}.get(dtype, T.F32)
+
+
+def tensor_nbytes(ggml_type, shape: tuple[int, int]) -> int:
+    """Bytes GGUF stores for a ``[rows, cols]`` tensor of ``ggml_type`` (the tensor's ``n_bytes``, alignment padding
+    not counted): ``rows * cols / block * type_size`` (``GGML_QUANT_SIZES``; F32 is ``(1, 4)``, F16/BF16
+    ``(1, 2)``), e.g. Q4_K ``[576, 1536]``: 576 * 6 * 144 = 497,664. ``ExportError`` for a width that is not
+    whole blocks."""
+    rows, cols = (int(d) for d in shape)
+    elems = gguf.GGML_QUANT_SIZES[ggml_type][0]
+    if cols % elems:
+        raise ExportError(f"GGUF stores {gguf.GGMLQuantizationType(int(ggml_type)).name} in whole blocks of {elems} "
+                          f"per row; a [{rows}, {cols}] tensor is not")
+    return rows * block_bytes(ggml_type, cols)
+
+
 def check_block_width(name: str, shape: tuple[int, ...], scheme: Scheme) -> None:
     """Refuse (one line) a row width that is not whole blocks of ``scheme``'s ggml type."""
     elems = gguf.GGML_QUANT_SIZES[scheme.ggml_type][0]
@@ -127,5 +148,5 @@ def float_array(t: torch.Tensor, ggml_type):
     return t.to(torch.float32).contiguous().numpy()
 
 
-__all__ = ["block_bytes", "check_block_width", "file_type", "float_array", "decode_blocks", "ggml_blocks",
-           "ggml_scheme_names", "is_ggml", "resolve_scheme", "scheme_for_type"]
+__all__ = ["block_bytes", "check_block_width", "file_type", "float_array", "float_type", "decode_blocks", "ggml_blocks",
+           "ggml_scheme_names", "is_ggml", "resolve_scheme", "scheme_for_type", "tensor_nbytes"]

@@ -64,17 +64,7 @@ class ImatrixMethod:
         t0 = time.perf_counter()
         config = read_config(ref.directory)
         refuse_unsupported(config)
-        collection = options.collection()
-        key = (str(ref.directory), collection, str(device))
-        if key in _LAST:  # the same model and calibration: an eval's rows share one matrix (no work done twice)
-            matrix, provenance = _LAST[key]
-        else:
-            loaded = load(ref=ref, device=device)
-            chunks, provenance = imatrix_ids(loaded.tokenizer, collection)
-            matrix = collect(loaded.model, config, chunks, collection, on_chunk=on_block, provenance=provenance)
-            del loaded
-            _LAST.clear()
-            _LAST[key] = (matrix, provenance)
+        matrix, provenance = matrix_for(ref, options.collection(), device, on_block)
         shapes = dict(tensor_shapes(ref.directory))
         weights = quant_weights_for(matrix, config, shapes, targets)
         quantized: dict[str, QuantizedTensor] = {}
@@ -89,5 +79,21 @@ class ImatrixMethod:
 
 # The last matrix collected in this process, by (model directory, collection options, device): one entry.
 _LAST: dict[tuple, tuple] = {}
+
+
+def matrix_for(ref: ModelRef, collection: ImatrixOptions, device: torch.device,
+               on_chunk: Callable[[int, int], None] | None = None) -> tuple:
+    """``(Imatrix, calibration provenance)`` of ``ref`` collected with ``collection``; the same model and
+    options again in this process (an eval's rows, a plan then its quantize) reuse the last one."""
+    key = (str(ref.directory), collection, str(device))
+    if key not in _LAST:
+        config = read_config(ref.directory)
+        loaded = load(ref=ref, device=device)
+        chunks, provenance = imatrix_ids(loaded.tokenizer, collection)
+        matrix = collect(loaded.model, config, chunks, collection, on_chunk=on_chunk, provenance=provenance)
+        del loaded
+        _LAST.clear()
+        _LAST[key] = (matrix, provenance)
+    return _LAST[key]
 
 METHOD = ImatrixMethod()

@@ -1,0 +1,164 @@
+"""``qkit plan``: the best mix of types for a byte budget, from measured per-tensor sensitivity."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from qkit import console
+from qkit.api import PLAN_METHODS, plan_model
+from qkit.cli.common import (
+    CalibrationOpt,
+    DeviceOpt,
+    ForceOpt,
+    JsonOpt,
+    ModelArg,
+    PickleOpt,
+    ScaleDtypeOpt,
+    ThreadsOpt,
+    TrustOpt,
+    comma_list,
+    handles_errors,
+    human_bytes,
+    parse_size,
+    reads,
+    start,
+)
+from qkit.errors import InputError
+from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
+from qkit.methods import RTN
+from qkit.methods.plan import (
+    PLAN_FORMATS,
+    Plan,
+    PlanOptions,
+    base_type,
+    is_plan_file,
+    upgrades,
+)
+from qkit.methods.plan.planner import (
+    DEFAULT_CHECK_WINDOWS,
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQLEN,
+)
+from qkit.outputs import check_output
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
+from qkit.threads import check_threads
+
+PlanOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="The plan to write (JSON): per tensor its type, exact bytes and predicted KL.", metavar="PLAN.json")]
+TargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Budget in bits per weight over the planned tensors (the block projections), scales included.", metavar="B")]
+TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget in bytes of the planned tensors: 105454208, 100MB, 1GiB.", metavar="SIZE")]
+PlanFormatOpt = Annotated[str, typer.Option("--format", help=f"What the plan is written as, which decides its candidates and byte counts: {', '.join(PLAN_FORMATS)}.")]
+CandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="Only these types (comma-separated; default: the format's whole ladder; 'none' keeps a tensor unquantized).", metavar="LIST")]
+PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn, or imatrix (collect the importance matrix and measure llama.cpp's types through their weighted searches).")]
+PlanImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix file (qkit imatrix, llama-imatrix) that llama.cpp's types are measured and written with.", metavar="FILE")]
+PlanEmitOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types", help="With --format gguf: also write the --tensor-type-file with which llama-quantize writes every planned tensor's type.", metavar="FILE")]
+SamplesOpt = Annotated[int, typer.Option("--calibration-samples", help="Calibration windows the Fisher is measured on.", metavar="N")]
+SeqlenOpt = Annotated[int, typer.Option("--calibration-seqlen", help="Tokens per calibration window.", metavar="N")]
+CheckOpt = Annotated[int, typer.Option("--check-windows", help="Calibration windows the chosen mix's KL is measured on, beside the prediction.", metavar="N")]
+IncludePlanOpt = Annotated[list[str], typer.Option("--include", help="Also plan tensors matching this glob (repeatable).")]
+ExcludePlanOpt = Annotated[list[str], typer.Option("--exclude", help="Never plan (nor quantize) tensors matching this glob (repeatable).")]
+
+
+@handles_errors
+def plan(
+    model: ModelArg = None,
+    target_bits: TargetBitsOpt = None,
+    target_size: TargetSizeOpt = None,
+    fmt: PlanFormatOpt = "qkit",
+    output: PlanOutOpt = None,
+    candidates: CandidatesOpt = None,
+    method: PlanMethodOpt = RTN,
+    imatrix: PlanImatrixOpt = None,
+    emit_tensor_types: PlanEmitOpt = None,
+    include: IncludePlanOpt = [],
+    exclude: ExcludePlanOpt = [],
+    calibration: CalibrationOpt = None,
+    calibration_samples: SamplesOpt = DEFAULT_SAMPLES,
+    calibration_seqlen: SeqlenOpt = DEFAULT_SEQLEN,
+    check_windows: CheckOpt = DEFAULT_CHECK_WINDOWS,
+    scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
+    device: DeviceOpt = None,
+    force: ForceOpt = False,
+    json_path: JsonOpt = None,
+    trust_remote_code: TrustOpt = False,
+    allow_pickle: PickleOpt = False,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Choose each tensor's type for a byte budget: measured sensitivity, an exact solve, a measured check."""
+    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration), ("the importance matrix", imatrix)))
+    if output is None:
+        raise InputError("missing -o/--output: the plan file to write (e.g. plan.json)")
+    for path, owned, what in ((output, is_plan_file, "a plan qkit wrote"),
+                              (emit_tensor_types, is_tensor_type_file, "a tensor-type file qkit wrote")):
+        if path is not None:
+            check_output(path, kind="file", force=force, inputs=run.inputs, describe=what, owned=owned)
+    if method not in PLAN_METHODS:
+        raise InputError(f"--method {method}: qkit plan measures candidates by {' or '.join(PLAN_METHODS)}")
+    options = PlanOptions(format=fmt, target_bits=target_bits,
+                          target_size=parse_size(target_size, "--target-size") if target_size is not None else None,
+                          candidates=tuple(comma_list(candidates)) if candidates is not None else (),
+                          include=tuple(include), exclude=tuple(exclude), scale_dtype=scale_dtype, calibration=calibration,
+                          samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows)
+    options.check()
+    check_threads(threads)
+    run.use_threads()
+    with console.progress() as bar:
+        stage = [None, 0]
+
+        def progress(name: str, done: int, total: int) -> None:
+            if stage[0] != name:
+                bar.start({"fisher": f"sensitivity: Fisher over {total} calibration windows",
+                           "candidates": f"sensitivity: every candidate of {total} tensors"}[name], total)
+                stage[0], stage[1] = name, 0
+            bar.advance(done - stage[1])
+            stage[1] = done
+
+        r = plan_model(model, options=options, output=output, method=method, imatrix=imatrix,
+                       emit_tensor_types=emit_tensor_types, device=device, trust_remote_code=trust_remote_code,
+                       allow_pickle=allow_pickle, force=force, progress=progress)
+    render_plan(r.plan)
+    if r.tensor_types is not None:
+        console.note(f"wrote {r.tensor_types}: llama-quantize --tensor-type-file {r.tensor_types} gives every planned "
+                     "tensor the type it has in this plan")
+    run.write_json(r.to_dict)
+
+
+def render_plan(p: Plan) -> None:
+    """The plan's summary: budget, bytes, predicted and measured KL; types by tensor; the upgrades and why."""
+    t, chk, sol = p.target, p.check, p.solver
+    target = (f"{t['bits']} bits/w" if "bits" in t else f"the bytes of {t['scheme']}" if "scheme" in t
+              else human_bytes(t["size"]))
+    measured = chk.get("measured_kl")
+    lossless = sum(x.lossless and x.scheme is not None for x in p.tensors.values())
+    rows = [
+        ["target", f"{target}: {t['budget_bytes']:,} bytes over {len(p.tensors)} tensors ({t['weights']:,} weights)"],
+        ["planned", f"{p.nbytes:,} bytes, {p.bits_per_weight:.3f} bits/w ({p.format})"],
+        ["predicted KL", f"{p.predicted_kl:.5f} nats/token (diagonal Fisher, sum over tensors)"],
+        ["measured KL", "-" if measured is None else
+         f"{measured:.5f} ± {chk['measured_kl_se']:.5f} on {chk['positions']:,} calibration positions "
+         f"(predicted/measured {chk['ratio']:.2f})" if chk.get("ratio") else f"{measured:.5f}"],
+        ["solver", f"{'exact' if sol.get('exact') else 'rounded to ' + str(sol.get('unit')) + ' bytes'}: "
+                   f"{sol.get('states', 0):,} states of {sol.get('unit')} bytes, {sol.get('seconds', 0) * 1000:.0f} ms"],
+        ["sensitivity", f"{p.sensitivity.get('positions', 0):,} positions of {p.sensitivity.get('calibration', {}).get('name')}, "
+                        + ", ".join(f"{k} {v:.1f} s" for k, v in (p.sensitivity.get('seconds') or {}).items())],
+        *([["importance matrix", f"{p.imatrix.get('file')} (sha256 {str(p.imatrix.get('sha256'))[:12]}...)"]] if p.imatrix else []),
+    ]
+    console.table(["", ""], rows, title=f"qkit plan: {p.model}", show_header=False)
+    kinds = types_by_kind({n: x.type for n, x in p.tensors.items()})
+    names = sorted({ty for per in kinds.values() for ty in per})
+    console.table(["tensor", *names], [[k, *(str(per.get(ty, "")) for ty in names)] for k, per in kinds.items()],
+                  title="types planned, by tensor (count of layers)")
+    ups = upgrades(p)
+    if ups:
+        base = base_type(p)
+        top = sorted(ups, key=lambda u: -u["kl_at_base"])[:12]
+        console.table(["tensor", "type", "+bytes", f"KL at {base}", "KL", "KL saved per MB"],
+                      [[u["tensor"], u["type"], f"{u['extra_bytes']:,}", f"{u['kl_at_base']:.2e}", f"{u['kl']:.2e}",
+                        f"{u['kl_saved_per_mb']:.2e}"] for u in top],
+                      title=f"{len(ups)} tensors got more bytes than {base} would take (the {len(top)} most sensitive at {base})")
+    if lossless:
+        console.note(f"{lossless} planned tensors are stored in a type that reproduces their source weights exactly "
+                     "(predicted KL 0): the source was already on that type's grid (the default model was published as "
+                     "Q4_1). Such a plan's gain is the model's history, not the method's: plan again with --candidates "
+                     "without that type to compare methods.")

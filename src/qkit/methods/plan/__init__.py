@@ -1,0 +1,43 @@
+"""The planner: the best mix of types for a byte budget, from measured per-tensor sensitivity.
+
+``candidates`` (what each format can store a tensor as, and its exact bytes), ``sensitivity`` (the
+diagonal-Fisher estimate of each candidate's damage), ``solve`` (the exact multiple-choice knapsack),
+``planfile`` (the plan JSON) and ``planner`` (the steps together). ``qkit.api.plan_model`` and
+``qkit plan`` wrap them; ``qkit quantize --plan`` writes what a plan chose.
+"""
+
+from qkit.methods.plan.candidates import (
+    KEEP,
+    PLAN_FORMATS,
+    Candidate,
+    candidates,
+    check_format,
+    ladder,
+    parse_allowed,
+)
+from qkit.methods.plan.planfile import (
+    Plan,
+    TensorChoice,
+    check_plan_matches,
+    fingerprint,
+    is_plan_file,
+    read_plan,
+    write_plan,
+)
+from qkit.methods.plan.planner import (
+    PlanOptions,
+    Table,
+    base_type,
+    budget_bytes,
+    check,
+    choose,
+    planned_targets,
+    precheck,
+    sensitivity_table,
+    upgrades,
+)
+from qkit.methods.plan.solve import Solution, solve
+
+__all__ = ["KEEP", "PLAN_FORMATS", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
+           "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "fingerprint", "is_plan_file",
+           "ladder", "parse_allowed", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]

@@ -1,0 +1,249 @@
+"""The planner's candidates: for one quantized tensor, every type an output format can store it in, with the
+exact bytes that format writes for it.
+
+``qkit plan`` picks one candidate per tensor so that the stored bytes fit a budget; a plan is only as good
+as these numbers, so each one is the byte count the format's own writer produces (every stored part:
+codes, scales, minimums, global scales, shape tensors; the tests compare each with a written file).
+
+A candidate is offered for a ``[out, in]`` tensor only where the shape takes it **natively**: never through
+a width fallback (a k-quant on a width that is not a multiple of 256 is written as another type,
+``Scheme.resolve``), never with a short last group, so the plan names exactly the type that is stored.
+``KEEP`` (``"none"``, the word of ``--keep none:GLOB``) keeps the tensor unquantized in the source dtype.
+
+**gguf** (``qkit.export.gguf``; llama.cpp loads any per-tensor type): the ladder of ``llama-quantize``
+types qkit writes, ``q2_k q3_k iq4_xs q4_k q5_k q6_k`` (``in % 256 == 0``), ``q4_0 iq4_nl q4_1 q5_0 q5_1
+q8_0`` (``in % 32 == 0``), and KEEP. Bytes: ``out * in / block * type_size``
+(``gguf.GGML_QUANT_SIZES``, ``export.gguf.types.tensor_nbytes``), which is also the scheme's
+``nbytes_for`` and the GGUF tensor's ``n_bytes``. KEEP is the source's float type as the GGUF writer stores
+it (F32 for an fp32 model, F16 / BF16 for those), ``out * in * itemsize``. ``f16`` for an fp32 source is
+not offered: qkit's GGUF writer never converts a kept tensor. Nor is ``mxfp4`` (GGUF's MXFP4, which qkit
+can write): llama-quantize offers it only as the MoE-expert ftype ``MXFP4_MOE``.
+
+**compressed-tensors** (``qkit.export.compressed_tensors``, ``compressed_tensors_fp4``): ``int4-g32
+int4-g64 int4-g128`` (the group divides ``in``), ``int4-row``, ``int8-row``, ``nvfp4`` (``in % 16``),
+``mxfp4`` (``in % 32``), and KEEP. compressed-tensors 0.20.1 itself accepts any positive group size
+(``QuantizationArgs``: ``group_size > 0`` with ``strategy: group``, ``-1`` / channel); the groups offered
+are those vLLM's mixed-precision weight-only kernels serve (Marlin's ``MARLIN_SUPPORTED_GROUP_SIZES``:
+-1, 32, 64, 128). A mix of FP4 and int groups is written as ``mixed-precision``. Bytes
+(``compressed_tensors.stored_nbytes``), with ``weight_scale`` in the **weight's** dtype::
+
+    int:    out * ceil(in * bits / 32) * 4  +  out * (in / group, or 1 per row) * itemsize(dtype)  +  16
+    nvfp4:  out * in / 2  +  out * in / 16  +  4            mxfp4:  out * in / 2  +  out * in / 32
+
+KEEP: ``M.weight`` as read, ``out * in * itemsize(dtype)``. An int candidate whose scale dtype the weight
+dtype cannot hold exactly (fp16 scales on a bf16 model) is refused, as the exporter refuses it.
+
+**qkit** (``checkpoint.ShardWriter``): every registered scheme that is not a recipe (``scheme_names()``),
+plus the groups ``int4-g32 int4-g64 int8-g32 int8-g64 int8-g128``, each where the shape takes it natively
+(blocks and groups divide ``in``; nf4's flat blocks of 64 take any shape), and KEEP. Bytes: what the
+writer stores for the ``QuantizedTensor``, ``sum(bytes of qt.tensors(name))`` = the bytes of
+``scheme.part_layout(shape)`` (``QuantizedTensor.from_parts`` refuses parts that differ from it), which
+equals ``scheme.nbytes_for(shape)`` for every native shape (the llama.cpp types store an empty ``scales``);
+absmax and nf4 scales are in ``scale_dtype``. KEEP: ``out * in * itemsize(dtype)``.
+
+Candidates are listed by bytes, then name; ``ladder`` lists a format's names by their bytes on a
+``[4096, 4096]`` fp16 tensor with fp16 scales, KEEP last.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qkit.errors import InputError, SchemeError
+from qkit.export import compressed_tensors, compressed_tensors_fp4
+from qkit.export.common import EXACT_IN, dense_nbytes, dtype_name
+from qkit.export.gguf import types as gguf_types
+from qkit.granularity import PerGroup
+from qkit.schemes import AbsmaxScheme, get_scheme, scheme_names
+from qkit.schemes.base import DTYPE_NAMES, Recipe, Scheme, layout_nbytes
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
+from qkit.transform import KEEP_ORIGINAL
+
+KEEP = KEEP_ORIGINAL  # "none": the candidate that keeps a tensor unquantized in the source dtype
+PLAN_FORMATS = ("gguf", "compressed-tensors", "qkit")
+_ALIASES = {"ct": "compressed-tensors"}
+_SINGLE_TYPE = ("bitsandbytes", "bnb")
+
+# llama-quantize's types that qkit writes: the 256-blocks (k-quants, iq4_xs), then the 32-blocks.
+GGUF_TYPES = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0")
+# vLLM's weight-only kernels (Marlin) serve these group sizes; compressed-tensors takes any.
+CT_GROUPS = (32, 64, 128)
+CT_TYPES = (*(f"int4-g{g}" for g in CT_GROUPS), "int4-row", "int8-row", "nvfp4", "mxfp4")
+# Group sizes qkit's own format offers beside the registered schemes (int4-g128 is one of those).
+QKIT_GROUPS = ("int4-g32", "int4-g64", "int8-g32", "int8-g64", "int8-g128")
+_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LADDER_SHAPE = (4096, 4096)  # the shape ``ladder`` orders by: every candidate fits it natively
+_FLOAT_WORDS = ("f32", "f16", "bf16", "fp32", "fp16", "float32", "float16", "bfloat16", "keep")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One type a format can store a tensor in: ``name`` (the scheme name, or ``KEEP``), ``scheme`` (None for
+    ``KEEP``) and ``nbytes``, the exact bytes the format stores for that tensor (every stored part)."""
+
+    name: str
+    scheme: Scheme | None
+    nbytes: int
+
+
+def check_format(format: str) -> str:
+    """The canonical name of a format the planner plans for (``ct`` -> ``compressed-tensors``); ``InputError``
+    (one line) for bitsandbytes, which stores one type, and for an unknown name (with "did you mean")."""
+    key = str(format).strip().lower()
+    key = _ALIASES.get(key, key)
+    if key in PLAN_FORMATS:
+        return key
+    if key in _SINGLE_TYPE:
+        raise InputError("--format bitsandbytes stores one type (nf4) and cannot mix types; "
+                         "plan for gguf, compressed-tensors or qkit")
+    close = difflib.get_close_matches(key, [*PLAN_FORMATS, *_ALIASES], n=1, cutoff=0.6)
+    guess = f"did you mean {_ALIASES.get(close[0], close[0])}? " if close else ""
+    raise InputError(f"unknown format {format!r} to plan for; {guess}use one of: {', '.join(PLAN_FORMATS)}")
+
+
+@functools.cache
+def _scheme(name: str, scale_dtype: torch.dtype) -> Scheme:
+    return get_scheme(name, scale_dtype)
+
+
+def _names(fmt: str) -> tuple[str, ...]:
+    """The format's candidate names, unordered (``ladder`` orders them)."""
+    if fmt == "gguf":
+        return GGUF_TYPES
+    if fmt == "compressed-tensors":
+        return CT_TYPES
+    return (*(n for n in scheme_names() if not isinstance(get_scheme(n), Recipe)), *QKIT_GROUPS)
+
+
+def _native(scheme: Scheme, shape: tuple[int, int]) -> bool:
+    """Whether ``scheme`` stores a ``shape`` weight as itself: no width fallback (``resolve`` gives it back),
+    whole blocks along each row, and no short last group."""
+    try:
+        if scheme.resolve(shape, "<tensor>") != scheme:
+            return False  # a k-quant written as its fallback type
+    except SchemeError:
+        return False  # a width the type cannot take at all
+    cols = shape[1]
+    if isinstance(scheme, AbsmaxScheme):
+        g = scheme.granularity
+        return not isinstance(g, PerGroup) or cols % g.size == 0
+    if scheme.kind in ("ggml", "fp4"):
+        return cols % scheme.block_size == 0  # type: ignore[attr-defined]  # every block type has one
+    return True  # nf4: flat blocks of the flattened tensor, bitsandbytes' layout for any shape
+
+
+def _nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
+    """Exact stored bytes of a ``shape`` tensor of source ``dtype`` in format ``fmt`` (``scheme`` None: KEEP)."""
+    if fmt == "gguf":
+        t = gguf_types.float_type(dtype) if scheme is None else scheme.ggml_type  # type: ignore[attr-defined]
+        return gguf_types.tensor_nbytes(t, shape)
+    if scheme is None:
+        return dense_nbytes(shape, dtype)
+    if fmt == "compressed-tensors":
+        return compressed_tensors.stored_nbytes(scheme, shape, dtype)
+    return layout_nbytes(scheme.part_layout(shape))  # what ShardWriter stores: sum of qt.tensors(name)
+
+
+@functools.cache
+def ladder(format: str) -> tuple[str, ...]:
+    """Every candidate name ``format`` can offer (for help and validation), smallest first: by bytes on a
+    ``[4096, 4096]`` fp16 tensor with fp16 scales (ties by name), ``KEEP`` last."""
+    fmt = check_format(format)
+    fp16 = parse_scale_dtype(DEFAULT_SCALE_DTYPE)
+    size = {n: _nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in _names(fmt)}
+    return (*sorted(size, key=lambda n: (size[n], n)), KEEP)
+
+
+def parse_allowed(format: str, words: Sequence[str]) -> tuple[str, ...]:
+    """Validate ``--candidates`` words (each may hold several, split at commas and spaces; any case) against
+    ``format``'s ladder; returns the chosen names in ladder order, each once. ``InputError`` (one line) for an
+    unknown word (with "did you mean"), a scheme the format does not offer (naming its ladder), or no word."""
+    fmt = check_format(format)
+    names = ladder(fmt)
+    listed = ", ".join(names)
+    offers = f"--format {fmt} offers: {listed}"
+    chosen: set[str] = set()
+    for word in [w for item in words for w in re.split(r"[,\s]+", str(item)) if w]:
+        key = word.strip().lower()
+        if key in names:
+            chosen.add(key)
+            continue
+        if key in _FLOAT_WORDS:
+            raise InputError(f"candidate {word!r}: a tensor kept unquantized is the candidate {KEEP} (stored in the "
+                             f"source dtype, never converted); {offers}")
+        try:
+            scheme = get_scheme(key)
+        except SchemeError:
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6) or difflib.get_close_matches(
+                key, scheme_names(), n=1, cutoff=0.6)
+            guess = f"did you mean {close[0]}? " if close else ""
+            raise InputError(f"unknown candidate {word!r}; {guess}{offers}") from None
+        if isinstance(scheme, Recipe):
+            why = "is a recipe (a fixed mix of types), and the plan chooses each tensor's type itself"
+        elif isinstance(scheme, AbsmaxScheme) and isinstance(scheme.granularity, PerGroup):
+            why = "is a group size the plan does not offer (groups of 32, 64 or 128)"
+        else:
+            why = "is not a type it can mix"
+        raise InputError(f"candidate {scheme.name} {why} for --format {fmt}; it offers: {listed}")
+    if not chosen:
+        raise InputError(f"--candidates names no candidate; give some of what {offers}")
+    return tuple(n for n in names if n in chosen)
+
+
+def candidates(
+    format: str,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    *,
+    allowed: Sequence[str] | None = None,
+    scale_dtype: str = DEFAULT_SCALE_DTYPE,
+) -> list[Candidate]:
+    """The candidates ``format`` offers a ``[out, in]`` tensor of source ``dtype`` (fp32, fp16 or bf16), by
+    ``nbytes`` ascending, then name: every name of ``ladder(format)`` the shape takes natively (module
+    docstring), restricted to ``allowed`` (``--candidates`` words, checked by ``parse_allowed``) when given.
+
+    ``scale_dtype``: the scale type of the schemes with a free one (``--scale-dtype``; it changes qkit's
+    absmax/nf4 bytes, not compressed-tensors', which stores scales in the weight dtype). ``InputError`` (one
+    line) for a bad format, shape or dtype, for compressed-tensors int candidates whose scales ``dtype``
+    cannot hold, and when no allowed candidate fits the shape (naming what would)."""
+    fmt = check_format(format)
+    if len(shape) != 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
+        raise InputError(f"a planned tensor must be 2-D [out, in] with positive sizes, not {list(shape)}")
+    shape = (int(shape[0]), int(shape[1]))
+    if dtype not in _SOURCE_DTYPES:
+        raise InputError(f"a planned tensor's source dtype must be float32, float16 or bfloat16, not {dtype_name(dtype)}")
+    sdtype = parse_scale_dtype(scale_dtype)
+    wanted = set(ladder(fmt) if allowed is None else parse_allowed(fmt, allowed))
+    fits: list[Candidate] = []
+    for name in ladder(fmt):
+        scheme = None if name == KEEP else _scheme(name, sdtype)
+        if scheme is not None and not _native(scheme, shape):
+            continue
+        fits.append(Candidate(name, scheme, _nbytes(fmt, scheme, shape, dtype)))
+    out = sorted((c for c in fits if c.name in wanted), key=lambda c: (c.nbytes, c.name))
+    if fmt == "compressed-tensors" and sdtype not in EXACT_IN[dtype]:
+        ints = [c.name for c in out if c.scheme is not None and not compressed_tensors_fp4.is_fp4(c.scheme)]
+        if ints:
+            fix = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+            raise InputError(
+                f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(dtype)}), which cannot "
+                f"hold {DTYPE_NAMES[sdtype]} scales exactly, so {ints[0]} cannot be planned; plan with "
+                f"--scale-dtype {fix}, or leave the int candidates out of --candidates"
+            )
+    if not out:
+        what = ", ".join(c.name for c in sorted(fits, key=lambda c: (c.nbytes, c.name)))
+        raise InputError(
+            f"no allowed candidate ({', '.join(n for n in ladder(fmt) if n in wanted)}) fits a {list(shape)} tensor "
+            f"in --format {fmt}; what fits: {what}; add one of them to --candidates"
+        )
+    return out
+
+
+__all__ = ["CT_GROUPS", "CT_TYPES", "GGUF_TYPES", "KEEP", "PLAN_FORMATS", "QKIT_GROUPS", "Candidate",
+           "candidates", "check_format", "ladder", "parse_allowed"]

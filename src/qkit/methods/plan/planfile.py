@@ -1,0 +1,209 @@
+"""A plan: per tensor, the chosen type, its exact bytes and its predicted cost, as a versioned JSON file.
+
+``qkit plan`` writes it; ``qkit quantize --plan`` reads it back and writes exactly those types. A plan
+names the model it was made for by a fingerprint of every tensor's name and shape (``fingerprint``):
+one made for another model is refused in one line, naming the first tensor that differs.
+
+Layout (``format: "qkit-plan"``, ``format_version: 1``, keys sorted)::
+
+    model, model_fingerprint, format (gguf | compressed-tensors | qkit), method, imatrix,
+    target {bits | size, budget_bytes, counts},
+    tensors {name: {type, scheme (the scheme's dict, or null: unquantized), shape, bytes, predicted_kl,
+                    lossless, candidates {type: [bytes, predicted_kl]}}},
+    totals {bytes, weights, bits_per_weight, predicted_kl},
+    check {measured_kl, measured_kl_se, positions, ...}, sensitivity {...}, solver {...}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkit.errors import InputError, SchemeError
+from qkit.methods.plan.candidates import KEEP
+from qkit.schemes.base import Scheme
+from qkit.schemes.registry import scheme_from_dict
+from qkit.staging import write_text
+
+PLAN_FORMAT = "qkit-plan"
+PLAN_VERSION = 1
+
+
+def fingerprint(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """sha256 of every tensor's ``name:shape`` line, sorted by name: what a plan is made for."""
+    lines = "".join(f"{n}:{','.join(map(str, s))}\n" for n, s in sorted(shapes))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+@dataclass
+class TensorChoice:
+    """One planned tensor: ``type`` (a scheme name or ``none``), ``scheme`` (None: kept unquantized)."""
+
+    type: str
+    scheme: Scheme | None
+    shape: tuple[int, ...]
+    nbytes: int
+    predicted_kl: float
+    lossless: bool = False
+    candidates: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type, "scheme": self.scheme.to_dict() if self.scheme is not None else None,
+                "shape": list(self.shape), "bytes": self.nbytes, "predicted_kl": self.predicted_kl,
+                "lossless": self.lossless, "candidates": {k: [b, c] for k, (b, c) in sorted(self.candidates.items())}}
+
+
+@dataclass
+class Plan:
+    """What ``qkit plan`` chose (see the module docstring for the file)."""
+
+    model: str
+    model_fingerprint: str
+    format: str
+    method: str
+    target: dict[str, Any]
+    tensors: dict[str, TensorChoice]
+    imatrix: dict | None = None
+    sensitivity: dict[str, Any] = field(default_factory=dict)
+    solver: dict[str, Any] = field(default_factory=dict)
+    check: dict[str, Any] = field(default_factory=dict)
+    qkit_version: str = ""
+    path: Path | None = None  # where it was read from or written to
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def weights(self) -> int:
+        n = 0
+        for t in self.tensors.values():
+            k = 1
+            for d in t.shape:
+                k *= d
+            n += k
+        return n
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / max(1, self.weights)
+
+    @property
+    def predicted_kl(self) -> float:
+        return float(sum(t.predicted_kl for t in self.tensors.values()))
+
+    def schemes(self) -> dict[str, Scheme | None]:
+        """``{tensor: scheme}`` (None: kept unquantized) for the transform."""
+        return {n: t.scheme for n, t in self.tensors.items()}
+
+    def sha256(self) -> str:
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT, "format_version": PLAN_VERSION, "qkit_version": self.qkit_version,
+            "model": self.model, "model_fingerprint": self.model_fingerprint, "target_format": self.format,
+            "method": self.method, "imatrix": self.imatrix, "target": self.target,
+            "tensors": {n: t.to_dict() for n, t in sorted(self.tensors.items())},
+            "totals": {"bytes": self.nbytes, "weights": self.weights, "bits_per_weight": self.bits_per_weight,
+                       "predicted_kl": self.predicted_kl},
+            "sensitivity": self.sensitivity, "solver": self.solver, "check": self.check,
+        }
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint's manifest says of the plan it was written from."""
+        types: dict[str, int] = {}
+        for t in self.tensors.values():
+            types[t.type] = types.get(t.type, 0) + 1
+        return {"sha256": self.sha256(), "file": str(self.path) if self.path else None, "target": self.target,
+                "format": self.format, "bytes": self.nbytes, "predicted_kl": self.predicted_kl,
+                "measured_kl": self.check.get("measured_kl"), "types": dict(sorted(types.items())),
+                "lossless": sum(t.lossless and t.scheme is not None for t in self.tensors.values())}
+
+
+def read_plan(path: str | Path) -> Plan:
+    """A plan file back, every field checked; a malformed or foreign file is refused in one line."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"--plan {p}: no such file; write one with qkit plan") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"--plan {p}: not a readable JSON file ({getattr(exc, 'strerror', None) or exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+        raise InputError(f"--plan {p} is not a qkit plan (no \"format\": \"{PLAN_FORMAT}\"); write one with qkit plan")
+    if doc.get("format_version") != PLAN_VERSION:
+        raise InputError(f"--plan {p} has format_version {doc.get('format_version')!r}; this qkit reads {PLAN_VERSION}: re-plan")
+    tensors = doc.get("tensors")
+    if not isinstance(tensors, dict) or not tensors:
+        raise InputError(f"--plan {p} names no tensors; re-plan")
+    out: dict[str, TensorChoice] = {}
+    for name, t in tensors.items():
+        out[name] = _choice(p, name, t)
+    for key, kind in (("model", str), ("model_fingerprint", str), ("target_format", str), ("method", str), ("target", dict)):
+        if not isinstance(doc.get(key), kind):
+            raise InputError(f"--plan {p}: {key!r} is missing or not a {kind.__name__}; re-plan")
+    return Plan(doc["model"], doc["model_fingerprint"], doc["target_format"], doc["method"], doc["target"], out,
+                imatrix=doc.get("imatrix"), sensitivity=doc.get("sensitivity") or {}, solver=doc.get("solver") or {},
+                check=doc.get("check") or {}, qkit_version=str(doc.get("qkit_version", "")), path=p)
+
+
+def _choice(path: Path, name: str, t: Any) -> TensorChoice:
+    bad = f"--plan {path}: the entry of {name}"
+    if not isinstance(t, dict):
+        raise InputError(f"{bad} is not an object; re-plan")
+    shape, nbytes, kl, type_ = t.get("shape"), t.get("bytes"), t.get("predicted_kl"), t.get("type")
+    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+        raise InputError(f"{bad} has shape {shape!r}, not positive integers; re-plan")
+    if not (isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes > 0):
+        raise InputError(f"{bad} has bytes {nbytes!r}, not a positive integer; re-plan")
+    if not (isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl >= 0 and kl == kl and kl != float("inf")):
+        raise InputError(f"{bad} has predicted_kl {kl!r}, not a finite number >= 0; re-plan")
+    if not isinstance(type_, str):
+        raise InputError(f"{bad} has no type; re-plan")
+    scheme = None
+    if t.get("scheme") is not None:
+        try:
+            scheme = scheme_from_dict(t["scheme"])
+        except (SchemeError, InputError, TypeError, KeyError) as exc:
+            raise InputError(f"{bad}: {exc}") from None
+        if scheme.name != type_:
+            raise InputError(f"{bad} says type {type_} but stores scheme {scheme.name}; re-plan")
+    elif type_ != KEEP:
+        raise InputError(f"{bad} has type {type_} and no scheme; re-plan")
+    return TensorChoice(type_, scheme, tuple(shape), nbytes, float(kl), bool(t.get("lossless", False)))
+
+
+def check_plan_matches(plan: Plan, shapes: Mapping[str, tuple[int, ...]], spec: str) -> None:
+    """Refuse a plan made for another model: a planned tensor the model lacks or with another shape."""
+    for name, t in sorted(plan.tensors.items()):
+        if name not in shapes:
+            raise InputError(f"--plan {plan.path or ''} was made for {plan.model}: {name} is not a tensor of {spec}; "
+                             "plan for this model with qkit plan")
+        if tuple(shapes[name]) != tuple(t.shape):
+            raise InputError(f"--plan {plan.path or ''} was made for {plan.model}: {name} is {list(t.shape)} there and "
+                             f"{list(shapes[name])} in {spec}; plan for this model with qkit plan")
+    if fingerprint(shapes.items()) != plan.model_fingerprint:
+        raise InputError(f"--plan {plan.path or ''} was made for {plan.model}, whose tensors differ from {spec}'s; "
+                         "plan for this model with qkit plan")
+
+
+def write_plan(plan: Plan, path: str | Path) -> None:
+    write_text(path, json.dumps(plan.to_dict(), indent=1, sort_keys=True) + "\n", what="-o")
+    plan.path = Path(path)
+
+
+def is_plan_file(path: Path) -> bool:
+    """Whether ``path`` is a plan qkit wrote (what --force may replace)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")).get("format") == PLAN_FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return False
+
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
+           "read_plan", "write_plan"]

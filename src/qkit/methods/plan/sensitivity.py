@@ -1,0 +1,142 @@
+"""Measured sensitivity: the damage each candidate type does to the model's output, per tensor.
+
+The estimator is the **diagonal Fisher** of the model's own output distribution, measured on the
+calibration text (never the eval text). For a change ``delta`` of the weights, the mean KL divergence
+from the reference's next-token distribution to the changed model's is, to second order,
+
+    KL(p_ref || p_q)  ~=  1/2 delta^T F delta,     F = E_t E_{y ~ p_ref(.|x_<t)} [ g g^T ],  g = d log p(y | x_<t) / d theta
+
+(``F`` is the Hessian of the KL at the reference: its gradient there is zero). qkit keeps ``F``'s
+diagonal, per weight, so a tensor's cost under a candidate is::
+
+    cost(W, c) = 1/2 sum_ij F_ij (W_ij - dequantize(quantize(W, c))_ij)^2       (nats per position)
+
+measured with exactly the codes the written file holds (``quantize_tensor``, with the importance
+matrix when one is given). Labels ``y`` are **sampled from the reference** (seeded), which makes ``F``
+the true Fisher; the text's own next tokens would give the empirical Fisher, which is not the KL's
+Hessian. One backward pass per calibration window of ``w`` tokens gives, for every target at once,
+``g_w = d/dW sum_t log p(y_t)`` and ``F ~= 1/(n w) sum_w g_w^2`` (cross-position terms have zero mean
+under independent samples, so the square of the window's sum estimates the sum of the positions').
+
+What it assumes, and what the plan checks: that costs add over tensors (the diagonal drops every
+cross term, within a tensor and between tensors) and that the quadratic holds at the candidates'
+error sizes (it under-counts where a type's damage is no longer small, e.g. 2-bit types). Every plan
+therefore measures the KL of the chosen mix on calibration windows and reports it beside the
+prediction (``measured_kl``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from qkit.schemes import quantize_tensor
+from qkit.schemes.base import Scheme
+
+
+@dataclass
+class Fisher:
+    """``diag`` ``{target: float32 [out, in]}``: the mean per-position diagonal Fisher; ``positions``
+    the positions it averages over; ``reference`` the reference's log-probabilities of the first check
+    windows (float32 ``[w, V]`` each), kept for ``measured_kl``; ``check_ids`` those windows."""
+
+    diag: dict[str, torch.Tensor]
+    positions: int
+    reference: list[torch.Tensor]
+    check_ids: torch.Tensor
+    seconds: float
+
+
+def _logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities at every position of one window: float32 ``[w, V]``."""
+    logits = model(input_ids=ids[None], use_cache=False).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def fisher_diagonal(
+    model,
+    ids: torch.Tensor,
+    targets: Sequence[str],
+    *,
+    seed: int = 0,
+    check_windows: int = 0,
+    on_window: Callable[[int, int], None] | None = None,
+) -> Fisher:
+    """The diagonal Fisher of ``model``'s parameters named ``targets`` over windows ``ids`` (int64
+    ``[n, w]``): one forward and one backward pass per window, labels sampled from the model itself with
+    a ``torch.Generator`` seeded by ``seed``. Only the targets get gradients; every parameter's
+    ``requires_grad`` is restored afterwards. The first ``check_windows`` windows' log-probabilities are
+    kept (``Fisher.reference``)."""
+    t0 = time.perf_counter()
+    params = dict(model.named_parameters())
+    missing = [t for t in targets if t not in params]
+    if missing:  # a caller's bug, not a user's input: the targets come from the model's own headers
+        raise KeyError(f"the model has no parameter {missing[0]}")
+    device = next(model.parameters()).device
+    was = {n: p.requires_grad for n, p in params.items()}
+    diag = {t: torch.zeros(params[t].shape, dtype=torch.float32, device=device) for t in targets}
+    reference: list[torch.Tensor] = []
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    try:
+        for n, p in params.items():
+            p.requires_grad_(n in diag)
+            p.grad = None
+        for i, window in enumerate(ids):
+            lp = _logprobs(model, window.to(device))
+            with torch.no_grad():
+                y = torch.multinomial(lp.detach().exp().cpu(), 1, generator=g).to(device)
+            lp.gather(1, y).sum().backward()
+            with torch.no_grad():
+                for t, f in diag.items():
+                    grad = params[t].grad
+                    f.addcmul_(grad, grad)
+                    params[t].grad = None
+            if i < check_windows:
+                reference.append(lp.detach().cpu())
+            del lp
+            if on_window is not None:
+                on_window(i + 1, int(ids.shape[0]))
+    finally:
+        for n, p in params.items():
+            p.grad = None
+            p.requires_grad_(was[n])
+    positions = int(ids.numel())
+    for f in diag.values():
+        f.div_(positions)
+    return Fisher(diag, positions, reference, ids[:check_windows].clone(), time.perf_counter() - t0)
+
+
+def candidate_cost(w: torch.Tensor, fisher: torch.Tensor, scheme: Scheme | None, *, name: str = "<tensor>",
+                   quant_weights: torch.Tensor | None = None) -> tuple[float, bool]:
+    """``(cost, lossless)`` of storing ``w`` (float ``[out, in]``) as ``scheme`` (None: unquantized, cost 0):
+    ``1/2 sum F (w - w_hat)^2`` in float64 (nats per position), and whether ``w_hat == w`` exactly (the
+    source weights already lie on the candidate's grid)."""
+    if scheme is None:
+        return 0.0, True
+    qt = quantize_tensor(w, scheme, name=name, quant_weights=quant_weights)
+    delta = w.float() - qt.dequantize(torch.float32).to(w.device)
+    lossless = not bool(delta.any())
+    cost = 0.5 * float((fisher.double() * delta.double().square()).sum())
+    return cost, lossless
+
+
+def measured_kl(model, fisher: Fisher) -> tuple[float, float]:
+    """Mean KL (nats) from the stored reference log-probabilities to ``model``'s on the check windows, and
+    its standard error over positions: what the prediction is compared with."""
+    device = next(model.parameters()).device
+    kls = []
+    with torch.inference_mode():
+        for window, ref in zip(fisher.check_ids, fisher.reference):
+            lp = _logprobs(model, window.to(device)).cpu()
+            kls.append((ref.exp() * (ref - lp)).sum(-1).double())
+    kl = torch.cat(kls)
+    n = kl.numel()
+    se = kl.std(unbiased=True).item() / math.sqrt(n) if n >= 2 else float("nan")
+    return kl.mean().item(), se
+
+
+__all__ = ["Fisher", "candidate_cost", "fisher_diagonal", "measured_kl"]

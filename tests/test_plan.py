@@ -1,0 +1,197 @@
+"""The planner end to end on a tiny llama: the Fisher against a finite difference, the budget, exact bytes
+against the written files, determinism, a plan's quantize against its eval row, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gguf
+import pytest
+import torch
+from conftest import make_tiny_llama, make_tokenizer
+from typer.testing import CliRunner
+
+from qkit.api import QuantizeOptions, plan_model, quantize_model
+from qkit.cli import app
+from qkit.errors import InputError
+from qkit.methods.plan import PlanOptions, read_plan
+from qkit.methods.plan.sensitivity import candidate_cost, fisher_diagonal
+
+runner = CliRunner()
+FAST = dict(samples=2, seqlen=32, check_windows=2)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """Widths 256 and 512: every ggml type (k-quants too) applies natively."""
+    d = tmp_path_factory.mktemp("wide")
+    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def gguf_plan(wide_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "plan.json"
+    tt = out.with_name("types.txt")
+    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out,
+                   emit_tensor_types=tt)
+    return r, out, tt
+
+
+def test_fisher_predicts_the_kl_of_a_small_change():
+    """1/2 d^T F d against the measured mean KL for a small random change of one matrix (second order: the
+    two agree as the change shrinks); labels sampled, so agreement is statistical: within 35% here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    m = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (64, 32))
+    name = "model.layers.0.mlp.down_proj.weight"
+    f = fisher_diagonal(m, ids, [name], seed=1, check_windows=64)
+    assert f.positions == 64 * 32 and f.diag[name].shape == (32, 64) and (f.diag[name] >= 0).all()
+    p = dict(m.named_parameters())[name]
+    assert not p.requires_grad or all(q.requires_grad for q in m.parameters())  # restored as it was
+    delta = 0.02 * torch.randn_like(p)
+    predicted = 0.5 * float((f.diag[name].double() * delta.double() ** 2).sum())
+    from qkit.methods.plan.sensitivity import measured_kl
+
+    with torch.no_grad():
+        p.add_(delta)
+    kl, se = measured_kl(m, f)
+    assert predicted > 0 and kl > 0
+    assert abs(predicted / kl - 1) < 0.35, (predicted, kl, se)
+
+
+def test_candidate_cost_is_zero_for_weights_on_the_grid():
+    from qkit.schemes import get_scheme, quantize_tensor
+
+    w = torch.randn(4, 64)
+    on_grid = quantize_tensor(w, get_scheme("q4_1")).dequantize(torch.float32)
+    f = torch.ones_like(w)
+    assert candidate_cost(on_grid, f, get_scheme("q4_1")) == (0.0, True)
+    cost, lossless = candidate_cost(w, f, get_scheme("q4_0"))
+    delta = w - quantize_tensor(w, get_scheme("q4_0")).dequantize(torch.float32)
+    assert not lossless and cost == pytest.approx(0.5 * float((delta.double() ** 2).sum()), rel=1e-12)
+
+
+def test_plan_fits_the_budget_and_its_bytes_are_the_files(gguf_plan, tmp_path):
+    r, out, tt = gguf_plan
+    p = r.plan
+    budget = p.target["budget_bytes"]
+    assert budget == math.floor(4.6 * p.weights / 8) and p.nbytes <= budget
+    assert p.solver["exact"] and p.nbytes == p.solver["nbytes"]
+    assert p.predicted_kl == pytest.approx(sum(t.predicted_kl for t in p.tensors.values()))
+    # every tensor's chosen candidate is its cheapest among those that the solver could afford: none cheaper and smaller
+    for t in p.tensors.values():
+        assert (t.nbytes, t.predicted_kl) == tuple(t.candidates[t.type])
+    assert p.check["measured_kl"] > 0 and p.check["predicted_kl"] == pytest.approx(p.predicted_kl)
+    written = tmp_path / "w.gguf"
+    quantize_model(str(_model_of(out)), output=written, options=QuantizeOptions(plan=str(out), format="gguf"))
+    reader = gguf.GGUFReader(str(written))
+    from qkit.llama_names import tensor_names
+
+    by_gguf = {t.name: t for t in reader.tensors}
+    cfg = json.loads((_model_of(out) / "config.json").read_text())
+    names = tensor_names("llama", cfg["num_hidden_layers"], list(p.tensors), tied=True)
+    for name, t in p.tensors.items():
+        g = by_gguf[names[name]]
+        assert int(g.n_bytes) == t.nbytes, name
+        assert g.tensor_type.name.lower() == (t.type if t.scheme is not None else "f32"), name
+    words = tt.read_text().split()
+    assert len(words) == len(p.tensors) and all(w.startswith("^blk") for w in words)
+
+
+def _model_of(plan_path):
+    return _MODEL[0]
+
+
+_MODEL: list = []
+
+
+@pytest.fixture(autouse=True)
+def _remember(wide_model):
+    _MODEL[:] = [wide_model]
+
+
+def test_the_same_inputs_give_the_same_plan(wide_model, gguf_plan, tmp_path):
+    from qkit.methods.plan import planner
+
+    planner._TABLE.clear()  # measure again, from scratch
+    again = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=tmp_path / "p.json")
+    first = json.loads(gguf_plan[1].read_text())
+    second = json.loads((tmp_path / "p.json").read_text())
+    for doc in (first, second):
+        for k in ("sensitivity", "solver", "check"):
+            doc.pop(k)
+    assert first == second
+    assert again.plan.sha256() and read_plan(tmp_path / "p.json").schemes().keys() == again.plan.schemes().keys()
+
+
+def test_a_planned_row_is_the_plans_checkpoint(wide_model, gguf_plan, tmp_path):
+    """plan:FILE as an eval row and the checkpoint quantize --plan writes, evaluated against the model: the same row."""
+    from qkit.evaluation.runner import EvalOptions, evaluate
+
+    out = gguf_plan[1]
+    ck = tmp_path / "ck"
+    quantize_model(str(wide_model), output=ck, options=QuantizeOptions(plan=str(out)))
+    common = dict(tokens=200, window=100, battery_tokens=4, agree_tokens=3)
+    mem = evaluate(str(wide_model), options=EvalOptions(schemes=(f"plan:{out}",), **common)).rows[1]
+    disk = evaluate(str(ck), options=EvalOptions(reference=str(wide_model), **common)).rows[1]
+    assert mem.kld == disk.kld and mem.perplexity == disk.perplexity and mem.bits_per_weight == disk.bits_per_weight
+    assert mem.plan["sha256"] == read_plan(out).sha256()
+    assert mem.llama_kl["kld_mean"] == pytest.approx(mem.kld, rel=1e-9)
+
+
+def test_compressed_tensors_and_qkit_plans_write_what_they_planned(wide_model, tmp_path):
+    for fmt in ("compressed-tensors", "qkit"):
+        r = plan_model(str(wide_model), options=PlanOptions(format=fmt, target_bits=5.0, **FAST), output=tmp_path / f"{fmt}.json")
+        q = quantize_model(str(wide_model), output=tmp_path / fmt, options=QuantizeOptions(plan=str(tmp_path / f"{fmt}.json"), format=fmt))
+        assert q.types == {n: t.type for n, t in r.plan.tensors.items() if t.scheme is not None}
+        assert r.plan.nbytes <= r.plan.target["budget_bytes"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target-bits", "1.0", "--format", "gguf"], "below the smallest mix"),
+    (["--target-bits", "40", "--format", "gguf"], "above the unquantized size"),
+    (["--target-bits", "4", "--format", "bitsandbytes"], "cannot mix types"),
+    (["--target-bits", "4", "--target-size", "1MB"], "exactly one of"),
+    (["--target-bits", "4", "--candidates", "q4_k_m"], "q4_k_m"),
+    (["--target-bits", "4", "--method", "gptq"], "rtn or imatrix"),
+])
+def test_refusals_are_one_line_and_write_nothing(wide_model, tmp_path, args, message):
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["plan", str(wide_model), "-o", str(out), *args, "--calibration-samples", "2",
+                            "--calibration-seqlen", "32", "--check-windows", "1"])
+    assert r.exit_code == 2, r.output
+    assert message in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) <= 3, r.output
+    assert not out.exists()
+
+
+def test_a_calibration_text_overlapping_the_eval_text_is_refused(wide_model, tmp_path):
+    from qkit.texts import load_corpus
+
+    bad = tmp_path / "ruth.txt"
+    bad.write_text(load_corpus(None).text)
+    with pytest.raises(InputError, match="overlap|shares"):
+        plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=5.0, calibration=str(bad), **FAST),
+                   output=tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_plan_for_another_model_is_refused(gguf_plan, tmp_path):
+    other = tmp_path / "other"
+    make_tiny_llama(other, hidden=256, intermediate=768, layers=2)
+    make_tokenizer(other)
+    with pytest.raises(InputError, match="was made for"):
+        quantize_model(str(other), output=tmp_path / "q", options=QuantizeOptions(plan=str(gguf_plan[1]), format="gguf"))
+    assert not (tmp_path / "q").exists()
+    with pytest.raises(InputError, match="--format gguf"):
+        quantize_model(str(_MODEL[0]), output=tmp_path / "q", options=QuantizeOptions(plan=str(gguf_plan[1]), format="compressed-tensors"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "qkit-plan", "format_version": 1, "tensors": {"a": {"shape": [1], "bytes": -1}}}))
+    with pytest.raises(InputError, match="bytes -1"):
+        read_plan(bad)
