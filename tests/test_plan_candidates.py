@@ -1,4 +1,4 @@
-"""The planner's candidates (``qkit.methods.plan.candidates``): which types each format offers a tensor, and
+"""The planner's candidates (``qkit.plan.candidates``): which types each format offers a tensor, and
 their exact stored bytes, checked three ways: hand-written lists and golden byte counts for the default
 model's four shapes, the schemes' own ``nbytes_for``, and the bytes of real mixed checkpoints written by
 ``quantize_model`` and read back with the ``gguf`` package's reader and safetensors' headers."""
@@ -22,7 +22,7 @@ from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError
 from qkit.export import compressed_tensors
 from qkit.export.gguf import types as gguf_types
-from qkit.methods.plan.candidates import (
+from qkit.plan.candidates import (
     KEEP,
     PLAN_FORMATS,
     Candidate,

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkit.errors import InputError
-from qkit.methods.plan.solve import Solution, brute_force, largest, smallest, solve
+from qkit.plan.solve import Solution, brute_force, largest, smallest, solve
 
 COSTS = st.one_of(st.sampled_from([0.0, 0.0, 0.5, 1.0, 1.0, 2.0]), st.floats(0.0, 10.0, allow_nan=False))
 

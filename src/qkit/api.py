@@ -46,7 +46,19 @@ from qkit.methods.imatrix import (
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.methods.imatrix.method import matrix_for
-from qkit.methods.plan import (
+from qkit.models import (
+    ModelRef,
+    check_complete,
+    copy_aux_files,
+    load_tokenizer,
+    parse_device,
+    read_config,
+    resolve,
+)
+from qkit.models import load as _load
+from qkit.outputs import Input, directory_inputs, file_inputs, model_inputs
+from qkit.outputs import check_output as check_output_path
+from qkit.plan import (
     KEEP,
     Plan,
     PlanOptions,
@@ -61,19 +73,7 @@ from qkit.methods.plan import (
     sensitivity_table,
     write_plan,
 )
-from qkit.methods.plan import check as check_plan
-from qkit.models import (
-    ModelRef,
-    check_complete,
-    copy_aux_files,
-    load_tokenizer,
-    parse_device,
-    read_config,
-    resolve,
-)
-from qkit.models import load as _load
-from qkit.outputs import Input, directory_inputs, file_inputs, model_inputs
-from qkit.outputs import check_output as check_output_path
+from qkit.plan import check as check_plan
 from qkit.schemes import QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
@@ -455,7 +455,7 @@ def plan_model(
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> PlanResult:
-    """Plan MODEL's types for a byte budget (``qkit.methods.plan``): measured sensitivity, the exact solve,
+    """Plan MODEL's types for a byte budget (``qkit.plan``): measured sensitivity, the exact solve,
     the measured check; write the plan JSON to ``output`` (None: keep it in memory) and, for GGUF, the
     ``llama-quantize --tensor-type-file`` that gives every tensor its planned type to ``emit_tensor_types``.
 

@@ -28,7 +28,8 @@ from qkit.cli.common import (
 from qkit.errors import InputError
 from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
 from qkit.methods import RTN
-from qkit.methods.plan import (
+from qkit.outputs import check_output
+from qkit.plan import (
     PLAN_FORMATS,
     Plan,
     PlanOptions,
@@ -36,12 +37,11 @@ from qkit.methods.plan import (
     is_plan_file,
     upgrades,
 )
-from qkit.methods.plan.planner import (
+from qkit.plan.planner import (
     DEFAULT_CHECK_WINDOWS,
     DEFAULT_SAMPLES,
     DEFAULT_SEQLEN,
 )
-from qkit.outputs import check_output
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.threads import check_threads
 

@@ -45,8 +45,8 @@ from qkit.export.gguf.tensor_types import (
 from qkit.export.verify import verify_checkpoint
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
-from qkit.methods.plan import PlanOptions
 from qkit.outputs import check_output as check_output_path
+from qkit.plan import PlanOptions
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
 from qkit.threads import check_threads

@@ -66,7 +66,6 @@ from qkit.evaluation.report import EvalReport, Row
 from qkit.evaluation.specs import RowSpec, parse_plan_word, resolve_rows
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.methods import RTN
-from qkit.methods.plan import PlanOptions
 from qkit.models import (
     ModelRef,
     check_complete,
@@ -76,6 +75,7 @@ from qkit.models import (
     parse_device,
     resolve,
 )
+from qkit.plan import PlanOptions
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
@@ -395,7 +395,7 @@ def remove_stale_row_dirs(parent: str | Path | None = None) -> list[Path]:
 
 def row_plan(spec: RowSpec, options: EvalOptions):
     """A plan row's plan: its file, or ``PlanOptions`` for ``FORMAT@TARGET`` with eval's ``--candidates``
-    (measured once for every row of the same format and method: ``qkit.methods.plan.planner``)."""
+    (measured once for every row of the same format and method: ``qkit.plan.planner``)."""
     if spec.plan.endswith(".json"):
         return spec.plan
     fmt, bits, scheme = parse_plan_word(spec.plan)

@@ -28,7 +28,7 @@ from typing import Any
 
 from qkit.errors import InputError
 from qkit.methods import RTN, get_method
-from qkit.methods.plan import check_format
+from qkit.plan import check_format
 from qkit.registry import Registry
 from qkit.schemes import get_scheme, scheme_names
 

@@ -33,17 +33,17 @@ import torch
 from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_shapes
 from qkit.errors import InputError
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
-from qkit.methods.plan.candidates import (
+from qkit.models import ModelRef, load, load_tokenizer
+from qkit.plan.candidates import (
     KEEP,
     Candidate,
     candidates,
     check_format,
     parse_allowed,
 )
-from qkit.methods.plan.planfile import Plan, TensorChoice, fingerprint
-from qkit.methods.plan.sensitivity import candidate_cost, fisher_diagonal, measured_kl
-from qkit.methods.plan.solve import smallest, solve
-from qkit.models import ModelRef, load, load_tokenizer
+from qkit.plan.planfile import Plan, TensorChoice, fingerprint
+from qkit.plan.sensitivity import candidate_cost, fisher_diagonal, measured_kl
+from qkit.plan.solve import smallest, solve
 from qkit.schemes import get_scheme, quantize_tensor
 from qkit.schemes.ggml import GGMLScheme, uses_importance
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE

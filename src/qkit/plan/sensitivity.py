@@ -120,7 +120,8 @@ def candidate_cost(w: torch.Tensor, fisher: torch.Tensor, scheme: Scheme | None,
     qt = quantize_tensor(w, scheme, name=name, quant_weights=quant_weights)
     delta = w.float() - qt.dequantize(torch.float32).to(w.device)
     lossless = not bool(delta.any())
-    cost = 0.5 * float((fisher.double() * delta.double().square()).sum())
+    # elementwise in fp32 (F * d^2 is a product of two fp32 numbers: one rounding), summed in fp64
+    cost = 0.5 * float(torch.sum(fisher * delta.square(), dtype=torch.float64))
     return cost, lossless
 
 

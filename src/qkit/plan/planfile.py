@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from qkit.errors import InputError, SchemeError
-from qkit.methods.plan.candidates import KEEP
+from qkit.plan.candidates import KEEP
 from qkit.schemes.base import Scheme
 from qkit.schemes.registry import scheme_from_dict
 from qkit.staging import write_text

@@ -4,9 +4,14 @@
 diagonal-Fisher estimate of each candidate's damage), ``solve`` (the exact multiple-choice knapsack),
 ``planfile`` (the plan JSON) and ``planner`` (the steps together). ``qkit.api.plan_model`` and
 ``qkit plan`` wrap them; ``qkit quantize --plan`` writes what a plan chose.
+
+Layer 5b: above ``methods`` (the importance matrix, the calibration text) and ``export`` (each format's
+exact stored bytes, ``candidates``), below ``evaluation`` (plan rows) and ``api``. It is its own package,
+not part of ``methods``, because it reads the formats' layouts: ``export`` (through ``verify``) uses
+``simulate``, which uses ``methods.calibration``, so ``methods`` importing ``export`` would close a circle.
 """
 
-from qkit.methods.plan.candidates import (
+from qkit.plan.candidates import (
     KEEP,
     PLAN_FORMATS,
     Candidate,
@@ -15,7 +20,7 @@ from qkit.methods.plan.candidates import (
     ladder,
     parse_allowed,
 )
-from qkit.methods.plan.planfile import (
+from qkit.plan.planfile import (
     Plan,
     TensorChoice,
     check_plan_matches,
@@ -24,7 +29,7 @@ from qkit.methods.plan.planfile import (
     read_plan,
     write_plan,
 )
-from qkit.methods.plan.planner import (
+from qkit.plan.planner import (
     PlanOptions,
     Table,
     base_type,
@@ -36,7 +41,7 @@ from qkit.methods.plan.planner import (
     sensitivity_table,
     upgrades,
 )
-from qkit.methods.plan.solve import Solution, solve
+from qkit.plan.solve import Solution, solve
 
 __all__ = ["KEEP", "PLAN_FORMATS", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
            "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "fingerprint", "is_plan_file",
