@@ -27,6 +27,7 @@ from qkit.cli.common import (
     ThreadsOpt,
     TrustOpt,
     calibration_options,
+    comma_list,
     handles_errors,
     human_bytes,
     model_inputs,
@@ -70,6 +71,7 @@ EmitTensorTypesOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types"
 PlanFileOpt = Annotated[Optional[str], typer.Option("--plan", help="Write every planned tensor in the type a plan chose (qkit plan -o PLAN.json); replaces --scheme.", metavar="PLAN.json")]
 QTargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Plan (as qkit plan does, for this --format) and quantize in one step: bits per weight over the block projections.", metavar="B")]
 QTargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Plan and quantize in one step: bytes of the block projections, e.g. 100MB.", metavar="SIZE")]
+QCandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="With --target-bits/--target-size: only these types (comma-separated; default: the format's whole ladder).", metavar="LIST")]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
 
@@ -102,6 +104,7 @@ def quantize(
     plan: PlanFileOpt = None,
     target_bits: QTargetBitsOpt = None,
     target_size: QTargetSizeOpt = None,
+    candidates: QCandidatesOpt = None,
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
     trust_remote_code: TrustOpt = False,
@@ -127,7 +130,10 @@ def quantize(
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
         _check_json_beside_output(emit_tensor_types, output)
     words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
-    planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration)
+    planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration, candidates,
+                           calibration_samples, calibration_seqlen)
+    if isinstance(planned, PlanOptions) and method == RTN:  # the calibration options are the plan's, not a method's
+        calibration = calibration_samples = calibration_seqlen = None
     shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
     check_threads(threads)
     removed = remove_stale_siblings(output)
@@ -163,7 +169,8 @@ def quantize(
 
 
 def _plan_option(plan: str | None, target_bits: float | None, target_size: str | None, fmt: str, scheme: str,
-                 scale_dtype: str, calibration: str | None):
+                 scale_dtype: str, calibration: str | None, candidates: str | None = None,
+                 samples: int | None = None, seqlen: int | None = None):
     """``--plan FILE``, or ``--target-bits``/``--target-size`` as the options of a plan made first; None."""
     given = [w for w, v in (("--plan", plan), ("--target-bits", target_bits), ("--target-size", target_size)) if v is not None]
     if len(given) > 1:
@@ -172,11 +179,15 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
         return None
     if scheme != DEFAULT_SCHEME:
         raise InputError(f"{given[0]} chooses every planned tensor's type; drop --scheme {scheme}")
+    if candidates is not None and plan is not None:
+        raise InputError("--candidates chooses what --target-bits/--target-size may plan; a --plan file has its types")
     if plan is not None:
         return plan
     size = parse_size(target_size, "--target-size") if target_size is not None else None
+    sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen)) if v is not None}
     options = PlanOptions(format=fmt, target_bits=target_bits, target_size=size, scale_dtype=scale_dtype,
-                          calibration=calibration)
+                          calibration=calibration, candidates=tuple(comma_list(candidates)) if candidates else (),
+                          **sizes)
     options.check()
     return options
 
