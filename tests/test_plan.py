@@ -195,3 +195,21 @@ def test_a_plan_for_another_model_is_refused(gguf_plan, tmp_path):
     bad.write_text(json.dumps({"format": "qkit-plan", "format_version": 1, "tensors": {"a": {"shape": [1], "bytes": -1}}}))
     with pytest.raises(InputError, match="bytes -1"):
         read_plan(bad)
+
+
+def test_eval_candidates_are_taken_per_format_and_checked():
+    from qkit.evaluation.runner import EvalOptions, row_plan
+    from qkit.evaluation.specs import resolve_rows
+
+    opts = EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=("q4_k,q8_0", "int4-g64"))
+    opts.validate()
+    gguf_row, ct_row = resolve_rows(opts.schemes)
+    assert row_plan(gguf_row, opts).candidates == ("q4_k", "q8_0") and row_plan(ct_row, opts).candidates == ("int4-g64",)
+    assert gguf_row.name == "plan:gguf@q4_k_m" and row_plan(gguf_row, opts).target_scheme == "q4_k_m"
+    for words, message in ((("int4-g64",), "no type that plan:gguf@q4_k_m"), (("q4_k", "int4-g64", "nf4"), "nf4")):
+        with pytest.raises(InputError, match=message):
+            EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=words).validate()
+    with pytest.raises(InputError, match="the table has none"):
+        EvalOptions(schemes=("q4_k_m",), plan_candidates=("q4_k",)).validate()
+    with pytest.raises(InputError, match="plan:FORMAT@BITS"):
+        resolve_rows(["plan:gguf"])

@@ -18,7 +18,8 @@ Steps (``make_plan``), each a function a script can call:
    the prediction (the solver assumes costs add; this says how far they do).
 
 The sensitivity table (steps 1-3) is kept for the last model, format, candidates and calibration
-(``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once.
+(``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the Fisher is kept
+for the last model and calibration (``_FISHER``), so plans for another format or candidate set reuse it.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Table:
 
 
 _TABLE: dict[tuple, Table] = {}
+_FISHER: dict[tuple, tuple] = {}  # the last model's Fisher (with its model and calibration record): one entry
 
 
 def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int, ...]]:
@@ -174,14 +176,21 @@ def sensitivity_table(
         return _TABLE[key]
     opts = candidate_sets(ref, options)
     cal = options.calibration_options()
-    # the text (overlap with the eval text, too short) is refused before the model loads
-    ids, provenance = calibration_ids(load_tokenizer(ref.directory), cal)
-    loaded = load(ref=ref, device=device)
-    check_fits(cal, loaded.model.config)
     say = on_step or (lambda *_: None)
+    fkey = (str(ref.directory), tuple(targets), cal, options.check_windows, str(device))
     t0 = time.perf_counter()
-    fisher = fisher_diagonal(loaded.model, ids, list(targets), seed=options.seed, check_windows=options.check_windows,
-                             on_window=lambda i, n: say("fisher", i, n))
+    if fkey in _FISHER:  # another format or candidate set of the same model: the Fisher does not depend on them
+        fisher, model, provenance = _FISHER[fkey]
+    else:
+        # the text (overlap with the eval text, too short) is refused before the model loads
+        ids, provenance = calibration_ids(load_tokenizer(ref.directory), cal)
+        loaded = load(ref=ref, device=device)
+        check_fits(cal, loaded.model.config)
+        model = loaded.model
+        fisher = fisher_diagonal(model, ids, list(targets), seed=options.seed, check_windows=options.check_windows,
+                                 on_window=lambda i, n: say("fisher", i, n))
+        _FISHER.clear()
+        _FISHER[fkey] = (fisher, model, provenance)
     t1 = time.perf_counter()
     names = list(targets)
     by_name: dict[str, tuple[list[float], list[bool]]] = {}
@@ -195,9 +204,8 @@ def sensitivity_table(
         say("candidates", len(by_name), len(targets))
     costs = [by_name[n][0] for n in names]
     lossless = [by_name[n][1] for n in names]
-    fisher.diag = {}  # the check needs only its reference windows
     table = Table(names, targets, [opts[n] for n in names], costs, lossless, provenance, fisher.positions, fisher,
-                  loaded.model, {"fisher": round(t1 - t0, 3), "candidates": round(time.perf_counter() - t1, 3)})
+                  model, {"fisher": round(t1 - t0, 3), "candidates": round(time.perf_counter() - t1, 3)})
     _TABLE.clear()
     _TABLE[key] = table
     return table
