@@ -30,20 +30,22 @@ class ReferenceContinuation:
         return self.input_ids[:, -self.n :]
 
 
-def _argmax_next(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Argmax at every position: ``[B, T]`` (prediction for position t+1 at index t)."""
+def _argmax_next(model, ids: torch.Tensor, mask: torch.Tensor, at: slice = slice(None)) -> torch.Tensor:
+    """Argmax at the positions ``at``: ``[B, T]`` for all of them (the prediction for position t+1 at
+    index t). One forward pass over all ``T`` positions whatever ``at`` (the same logits); only the
+    argmax is restricted to the positions asked for."""
     device = next(model.parameters()).device
     pos = (mask.cumsum(-1) - 1).clamp_(min=0)
     with torch.inference_mode():
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device), use_cache=False).logits
-    return logits.argmax(-1).cpu()
+        return logits[:, at].argmax(-1).cpu()
 
 
 def reference_continuation(model, tokenizer, prompts: list[str], n: int) -> ReferenceContinuation:
     batch = encode_batch(tokenizer, prompts)
     ids, mask = batch["input_ids"], batch["attention_mask"]
     for _ in range(n):
-        nxt = _argmax_next(model, ids, mask)[:, -1:]
+        nxt = _argmax_next(model, ids, mask, slice(-1, None))
         ids = torch.cat([ids, nxt], dim=1)
         mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
     return ReferenceContinuation(ids, mask, n)
@@ -51,5 +53,5 @@ def reference_continuation(model, tokenizer, prompts: list[str], n: int) -> Refe
 
 def agreement(model, ref: ReferenceContinuation) -> torch.Tensor:
     """Bool ``[B, n]``: the model's teacher-forced argmax equals the reference's token."""
-    pred = _argmax_next(model, ref.input_ids, ref.attention_mask)[:, -ref.n - 1 : -1]
+    pred = _argmax_next(model, ref.input_ids, ref.attention_mask, slice(-ref.n - 1, -1))
     return pred == ref.targets

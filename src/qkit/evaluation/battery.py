@@ -50,7 +50,12 @@ def encode_batch(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
 
 
 def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, repetition_penalty: float) -> list[str]:
-    """Greedy answers for all prompts in one batch; decoding stops per sequence at EOS."""
+    """Greedy answers for all prompts in one left-padded batch; decoding stops per sequence at EOS.
+
+    ``generate`` runs one prefill over ``[B, L]`` (the longest prompt) and then up to ``max_new_tokens - 1``
+    decode steps of ``[B, 1]`` each, until every sequence has ended. The answers equal those of one prompt
+    at a time on CPU (tests/test_eval_speed.py); nothing promises that on every backend, since padding and
+    the batch size change the shapes of the matrix products."""
     from transformers import GenerationConfig
 
     batch = encode_batch(tokenizer, prompts)

@@ -13,7 +13,9 @@ For a model with log-probabilities ``log q`` and the reference's ``log p`` at ea
     KL_t   = sum_v p(v) (log p(v) - log q(v))                       (nats, reference || model)
     top1_t = [argmax p == argmax q]
 
-The reference's log-probabilities are computed once and reused by every row.
+The reference's log-probabilities (and, when they fit ``PROBS_CACHE_BYTES``, their exponentials ``p``)
+are computed once and reused by every row; each row's KL is computed exactly as the formula above is
+written, in float32 over ``KL_CHUNK`` positions at a time (``kl_per_position``).
 """
 
 from __future__ import annotations
@@ -126,23 +128,63 @@ def split_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
 
 
 def position_logprobs(model, window_ids: torch.Tensor) -> torch.Tensor:
-    """log-softmax over the vocabulary at each position but the last: float32 ``[w-1, V]``."""
+    """log-softmax over the vocabulary at each position but the last: float32 ``[w-1, V]``.
+
+    An inference tensor (``torch.inference_mode``): read it anywhere, modify it only in inference mode."""
     device = next(model.parameters()).device
     with torch.inference_mode():
         logits = model(input_ids=window_ids[None].to(device), use_cache=False).logits[0, :-1]
-    return torch.log_softmax(logits.float(), dim=-1).cpu()
+        # .float() is no copy for a float32 model; half-precision logits get their log-softmax in float32
+        return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+KL_CHUNK = 512  # rows of [chunk, V] temporaries: 100 MB each at V = 49152, whatever the window
+PROBS_CACHE_BYTES = 2 << 30  # keep exp(log p) for every row's KL when all windows' [w-1, V] fit in this
+
+
+def kl_per_position(ref_lp: torch.Tensor, lp: torch.Tensor, ref_probs: torch.Tensor | None = None,
+                    chunk: int = KL_CHUNK) -> torch.Tensor:
+    """``KL_t = sum_v p_t(v) (log p_t(v) - log q_t(v))`` per row: float64 ``[n]`` from float32 ``[n, V]``.
+
+    ``ref_lp`` is ``log p`` (the reference), ``lp`` is ``log q``; ``ref_probs``, when given, is
+    ``ref_lp.exp()`` computed once (the reference is the same for every row). The values are exactly
+    those of ``(ref_lp.exp() * (ref_lp - lp)).sum(-1).double()`` computed ``chunk`` rows at a time: the
+    same elementwise float32 operations (multiplication commutes exactly) and the same row sums over
+    ``[chunk, V]`` blocks, written into two reused ``[chunk, V]`` buffers instead of three fresh ones per
+    chunk (fresh 100 MB blocks cost page faults on every row)."""
+    n, v = lp.shape
+    out = torch.empty(n, dtype=torch.float64)
+    with torch.inference_mode():
+        diff = torch.empty((min(chunk, n), v), dtype=lp.dtype)
+        prob = torch.empty_like(diff) if ref_probs is None else None
+        for s in range(0, n, chunk):
+            p_lp, q_lp = ref_lp[s : s + chunk], lp[s : s + chunk]
+            m = p_lp.shape[0]
+            d = torch.sub(p_lp, q_lp, out=diff[:m])
+            d.mul_(ref_probs[s : s + chunk] if ref_probs is not None else torch.exp(p_lp, out=prob[:m]))
+            out[s : s + m] = d.sum(-1)
+    return out
 
 
 class CorpusReference:
-    """The reference's log-probabilities over the corpus windows, computed once."""
+    """The reference's log-probabilities over the corpus windows, computed once.
 
-    def __init__(self, model, ids: torch.Tensor, window: int):
+    ``ref_logprobs``: float32 ``[w-1, V]`` per window; ``ref_argmax``: int64 ``[w-1]``; ``ref_probs``:
+    ``exp`` of each log-probability tensor, kept for every row's KL when all of them fit in
+    ``probs_cache_bytes`` (else None: each row recomputes them chunk by chunk, the same values)."""
+
+    def __init__(self, model, ids: torch.Tensor, window: int, probs_cache_bytes: int = PROBS_CACHE_BYTES):
         self.windows = split_windows(ids, window)
         if self.scored_tokens < MIN_SCORED:  # the runner refuses this before loading; a library caller here
             raise InputError(f"the corpus scores {self.scored_tokens} position(s) in windows of {window} tokens; a "
                              f"standard error needs {MIN_SCORED}: pass a longer text")
         self.ref_logprobs = [position_logprobs(model, w) for w in self.windows]
         self.ref_argmax = [lp.argmax(-1) for lp in self.ref_logprobs]
+        size = sum(lp.numel() * lp.element_size() for lp in self.ref_logprobs)
+        self.ref_probs: list[torch.Tensor] | None = None
+        if size <= probs_cache_bytes:
+            with torch.inference_mode():
+                self.ref_probs = [lp.exp() for lp in self.ref_logprobs]
 
     @property
     def scored_tokens(self) -> int:
@@ -153,15 +195,16 @@ class CorpusReference:
         nll = torch.cat([-lp.gather(1, w[1:, None]).squeeze(1).double() for w, lp in zip(self.windows, self.ref_logprobs)])
         return TokenScores(nll, torch.zeros_like(nll), torch.ones(nll.numel(), dtype=torch.bool))
 
-    def score(self, model, chunk: int = 512) -> TokenScores:
-        """Score ``model`` on the same windows against the stored reference."""
+    def score(self, model, chunk: int = KL_CHUNK) -> TokenScores:
+        """Score ``model`` on the same windows against the stored reference: one forward pass per window,
+        then the NLL of each target, ``kl_per_position`` and the top-1 match."""
         nll, kl, top1 = [], [], []
-        for w, ref_lp, ref_top in zip(self.windows, self.ref_logprobs, self.ref_argmax):
+        probs = self.ref_probs or [None] * len(self.windows)
+        for w, ref_lp, ref_p, ref_top in zip(self.windows, self.ref_logprobs, probs, self.ref_argmax):
             lp = position_logprobs(model, w)
             targets = w[1:]
             nll.append(-lp.gather(1, targets[:, None]).squeeze(1).double())
-            for s in range(0, lp.shape[0], chunk):  # chunked: exp(ref) would be another [w, V] otherwise
-                p_lp, q_lp = ref_lp[s : s + chunk], lp[s : s + chunk]
-                kl.append((p_lp.exp() * (p_lp - q_lp)).sum(-1).double())
+            kl.append(kl_per_position(ref_lp, lp, ref_p, chunk))
             top1.append(lp.argmax(-1) == ref_top)
+            del lp  # freed before the next window's forward pass: one [w-1, V] at a time, not two
         return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1))

@@ -75,7 +75,7 @@ from qkit.models import (
     parse_device,
     resolve,
 )
-from qkit.plan import PlanOptions
+from qkit.plan import PlanOptions, ladder, parse_allowed
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
@@ -134,7 +134,20 @@ class EvalOptions:
             for name in spec.runtime:
                 get_runtime(name, self.runtime_options_for(spec))
             if spec.plan is not None and not spec.plan.endswith(".json"):
-                row_plan(spec, self).check()  # a bad --candidates word, a target scheme that is no scheme
+                planned = row_plan(spec, self)
+                planned.check()  # a target scheme that is no scheme
+                if self.plan_candidates and not planned.candidates:
+                    raise InputError(f"--candidates names no type that {spec.name}'s format {planned.format} offers "
+                                     f"({', '.join(ladder(planned.format))})")
+        formats = {parse_plan_word(s.plan)[0] for s in specs if s.plan is not None and not s.plan.endswith(".json")}
+        if self.plan_candidates:
+            if not formats:
+                raise InputError("--candidates chooses the types of plan rows (plan:FORMAT@TARGET); the table has none")
+            offered = {w for f in formats for w in ladder(f)}
+            unknown = [w for w in comma_words(self.plan_candidates) if w not in offered]
+            if unknown:  # a typo, or a type no planned format offers
+                parse_allowed(sorted(formats)[0], unknown)
+                raise InputError(f"--candidates {unknown[0]}: not a type the plan rows' formats ({', '.join(sorted(formats))}) offer")
 
     def runtime_options_for(self, spec: RowSpec) -> dict[str, Any]:
         """The options ``spec``'s runtimes are built with: the row's own, else eval's; ``--calibration``,
@@ -399,8 +412,19 @@ def row_plan(spec: RowSpec, options: EvalOptions):
     if spec.plan.endswith(".json"):
         return spec.plan
     fmt, bits, scheme = parse_plan_word(spec.plan)
-    return PlanOptions(format=fmt, target_bits=bits, target_scheme=scheme, candidates=tuple(options.plan_candidates),
-                       scale_dtype=options.scale_dtype)
+    return PlanOptions(format=fmt, target_bits=bits, target_scheme=scheme,
+                       candidates=for_format(fmt, options.plan_candidates), scale_dtype=options.scale_dtype)
+
+
+def comma_words(words) -> list[str]:
+    return [w.strip().lower() for item in words for w in str(item).replace(' ', ',').split(',') if w.strip()]
+
+
+def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``--candidates`` words that format ``fmt`` offers (a table may plan for several formats); every
+    word must belong to some plan row's format (``EvalOptions.validate``)."""
+    offered = set(ladder(fmt))
+    return tuple(w for w in comma_words(words) if w in offered)
 
 
 def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: EvalOptions, say: Callable[[str], None]):
