@@ -31,9 +31,11 @@ def test_spec_names_are_derived_from_their_parts():
     assert RowSpec("int8-row", runtime=("act-int8-token",)).name == "int8-row+act-int8-token"
     assert RowSpec(None, runtime=("kv-int8-token",)).name == "fp+kv-int8-token"
     assert RowSpec("int8-row", label="w8a8").name == "w8a8"
+    assert RowSpec(None, plan="gguf@q4_k_m").name == "plan:gguf@q4_k_m"
+    assert RowSpec(None, "imatrix", plan="gguf@4.5").name == "plan:gguf@4.5+imatrix"
     assert RowSpec("int4-g64", "gptq").to_dict() == {
         "name": "int4-g64+gptq", "scheme": "int4-g64", "method": "gptq", "runtime": [],
-        "method_options": {}, "runtime_options": {},
+        "method_options": {}, "runtime_options": {}, "plan": None,
     }
 
 
