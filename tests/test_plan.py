@@ -54,7 +54,7 @@ def test_fisher_predicts_the_kl_of_a_small_change():
     f = fisher_diagonal(m, ids, [name], seed=1, check_windows=64)
     assert f.positions == 64 * 32 and f.diag[name].shape == (32, 64) and (f.diag[name] >= 0).all()
     p = dict(m.named_parameters())[name]
-    assert not p.requires_grad or all(q.requires_grad for q in m.parameters())  # restored as it was
+    assert all(q.requires_grad for q in m.parameters()) and p.grad is None  # restored as it was
     delta = 0.02 * torch.randn_like(p)
     predicted = 0.5 * float((f.diag[name].double() * delta.double() ** 2).sum())
     from qkit.plan.sensitivity import measured_kl
@@ -78,7 +78,7 @@ def test_candidate_cost_is_zero_for_weights_on_the_grid():
     assert not lossless and cost == pytest.approx(0.5 * float((delta.double() ** 2).sum()), rel=1e-6)
 
 
-def test_plan_fits_the_budget_and_its_bytes_are_the_files(gguf_plan, tmp_path):
+def test_plan_fits_the_budget_and_its_bytes_are_the_files(wide_model, gguf_plan, tmp_path):
     r, out, tt = gguf_plan
     p = r.plan
     budget = p.target["budget_bytes"]
@@ -90,12 +90,12 @@ def test_plan_fits_the_budget_and_its_bytes_are_the_files(gguf_plan, tmp_path):
         assert (t.nbytes, t.predicted_kl) == tuple(t.candidates[t.type])
     assert p.check["measured_kl"] > 0 and p.check["predicted_kl"] == pytest.approx(p.predicted_kl)
     written = tmp_path / "w.gguf"
-    quantize_model(str(_model_of(out)), output=written, options=QuantizeOptions(plan=str(out), format="gguf"))
+    quantize_model(str(wide_model), output=written, options=QuantizeOptions(plan=str(out), format="gguf"))
     reader = gguf.GGUFReader(str(written))
     from qkit.llama_names import tensor_names
 
     by_gguf = {t.name: t for t in reader.tensors}
-    cfg = json.loads((_model_of(out) / "config.json").read_text())
+    cfg = json.loads((wide_model / "config.json").read_text())
     names = tensor_names("llama", cfg["num_hidden_layers"], list(p.tensors), tied=True)
     for name, t in p.tensors.items():
         g = by_gguf[names[name]]
@@ -103,18 +103,6 @@ def test_plan_fits_the_budget_and_its_bytes_are_the_files(gguf_plan, tmp_path):
         assert g.tensor_type.name.lower() == (t.type if t.scheme is not None else "f32"), name
     words = tt.read_text().split()
     assert len(words) == len(p.tensors) and all(w.startswith("^blk") for w in words)
-
-
-def _model_of(plan_path):
-    return _MODEL[0]
-
-
-_MODEL: list = []
-
-
-@pytest.fixture(autouse=True)
-def _remember(wide_model):
-    _MODEL[:] = [wide_model]
 
 
 def test_the_same_inputs_give_the_same_plan(wide_model, gguf_plan, tmp_path):
@@ -182,7 +170,7 @@ def test_a_calibration_text_overlapping_the_eval_text_is_refused(wide_model, tmp
     assert not (tmp_path / "p.json").exists()
 
 
-def test_a_plan_for_another_model_is_refused(gguf_plan, tmp_path):
+def test_a_plan_for_another_model_is_refused(wide_model, gguf_plan, tmp_path):
     other = tmp_path / "other"
     make_tiny_llama(other, hidden=256, intermediate=768, layers=2)
     make_tokenizer(other)
@@ -190,7 +178,7 @@ def test_a_plan_for_another_model_is_refused(gguf_plan, tmp_path):
         quantize_model(str(other), output=tmp_path / "q", options=QuantizeOptions(plan=str(gguf_plan[1]), format="gguf"))
     assert not (tmp_path / "q").exists()
     with pytest.raises(InputError, match="--format gguf"):
-        quantize_model(str(_MODEL[0]), output=tmp_path / "q", options=QuantizeOptions(plan=str(gguf_plan[1]), format="compressed-tensors"))
+        quantize_model(str(wide_model), output=tmp_path / "q", options=QuantizeOptions(plan=str(gguf_plan[1]), format="compressed-tensors"))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "qkit-plan", "format_version": 1, "tensors": {"a": {"shape": [1], "bytes": -1}}}))
     with pytest.raises(InputError, match="bytes -1"):
@@ -213,3 +201,14 @@ def test_eval_candidates_are_taken_per_format_and_checked():
         EvalOptions(schemes=("q4_k_m",), plan_candidates=("q4_k",)).validate()
     with pytest.raises(InputError, match="plan:FORMAT@BITS"):
         resolve_rows(["plan:gguf"])
+
+
+def test_a_plan_file_row_keeps_its_path_and_is_read_before_the_reference_loads(tmp_path):
+    from qkit.evaluation.runner import EvalOptions
+    from qkit.evaluation.specs import resolve_rows
+
+    missing = tmp_path / "My Plan.json"
+    (row,) = resolve_rows([f"plan:{missing}+imatrix"])
+    assert row.plan == str(missing) and row.method == "imatrix"  # the path's case kept, the method read
+    with pytest.raises(InputError, match="no such file"):
+        EvalOptions(schemes=(f"plan:{missing}",)).validate()

@@ -75,7 +75,7 @@ from qkit.models import (
     parse_device,
     resolve,
 )
-from qkit.plan import PlanOptions, ladder, parse_allowed
+from qkit.plan import PlanOptions, ladder, parse_allowed, read_plan
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
@@ -133,7 +133,9 @@ class EvalOptions:
         for spec in specs:  # unknown runtimes, bad runtime option values (--threshold 0, --kv-residual -1)
             for name in spec.runtime:
                 get_runtime(name, self.runtime_options_for(spec))
-            if spec.plan is not None and not spec.plan.endswith(".json"):
+            if spec.plan is not None and spec.plan.endswith(".json"):
+                read_plan(spec.plan)  # a missing or malformed plan file: refused before the reference loads
+            elif spec.plan is not None:
                 planned = row_plan(spec, self)
                 planned.check()  # a target scheme that is no scheme
                 if self.plan_candidates and not planned.candidates:

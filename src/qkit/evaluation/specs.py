@@ -163,8 +163,11 @@ def resolve_rows(
             specs.append(ROWS.get(key))
             return
         if key.startswith(PLAN_PREFIX):  # a planned mix: plan:FORMAT@TARGET[+METHOD] or plan:FILE.json[+METHOD]
-            word, _, method_word = key[len(PLAN_PREFIX):].partition("+")
-            if not word.endswith(".json"):
+            # the target as given: a plan file's path keeps its case (the key is lower-cased)
+            word, _, method_word = name.strip()[len(PLAN_PREFIX):].partition("+")
+            method_word = method_word.lower()
+            if not word.lower().endswith(".json"):
+                word = word.lower()
                 parse_plan_word(word)
             method_word = method_word or RTN
             get_method(method_word)
