@@ -51,6 +51,25 @@ DeviceMapOpt = Annotated[
 ]
 ScaleDtypeOpt = Annotated[str, typer.Option("--scale-dtype", help="Dtype the scales are stored (and applied) in: fp16, bf16, fp32.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow custom model code from the model's repository.")]
+# Eval runtimes and the engines' settings (qkit.evaluation.engines.EngineOptions holds the defaults).
+RuntimeOpt = Annotated[Optional[str], typer.Option("--runtime", help="Where rows are measured, comma-separated: torch (qkit's forward pass), vllm, llama.cpp (the engine loads the row's written file) [default: torch].", metavar="LIST")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="The torch runtime's model dtype: fp32, bf16, fp16; the reference is scored in it too [default: fp32].")]
+TensorParallelOpt = Annotated[Optional[int], typer.Option("--tensor-parallel-size", help="vLLM: shard each layer over this many devices [default: 1].")]
+PipelineParallelOpt = Annotated[Optional[int], typer.Option("--pipeline-parallel-size", help="vLLM: split the layers over this many devices or nodes [default: 1].")]
+ExecutorBackendOpt = Annotated[Optional[str], typer.Option("--distributed-executor-backend", help="vLLM: mp (one node) or ray (several nodes) [default: vLLM's choice].")]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="The engine's context length [default: the eval window].")]
+
+
+def engine_options(tensor_parallel_size=None, pipeline_parallel_size=None, distributed_executor_backend=None,
+                   max_model_len=None):
+    """The engine options given on the command line over ``EngineOptions``' defaults (an option left out
+    keeps its default)."""
+    # qkit.evaluation imports torch; cli.common stays light
+    from qkit.evaluation.engines import EngineOptions
+
+    given = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size,
+             "distributed_executor_backend": distributed_executor_backend, "max_model_len": max_model_len}
+    return EngineOptions(**{k: v for k, v in given.items() if v is not None})
 PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow loading pickled .bin/.pt weights (can run code).")]
 ConfigOpt = Annotated[
     Optional[str], typer.Option("--config", help="A config.json (or a directory holding one) instead of MODEL.", metavar="PATH")

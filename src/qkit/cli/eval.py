@@ -18,13 +18,20 @@ from qkit.cli.common import (
     CalibrationSeqlenOpt,
     DeviceMapOpt,
     DeviceOpt,
+    DtypeOpt,
+    ExecutorBackendOpt,
     ForceOpt,
     JsonOpt,
+    MaxModelLenOpt,
     ModelArg,
+    PipelineParallelOpt,
+    RuntimeOpt,
+    TensorParallelOpt,
     ThreadsOpt,
     TrustOpt,
     calibration_options,
     comma_list,
+    engine_options,
     file_inputs,
     handles_errors,
     human_bytes,
@@ -83,6 +90,12 @@ def eval_(
     trust_remote_code: TrustOpt = False,
     candidates: PlanCandidatesOpt = None,
     kl_stats: KlStatsOpt = False,
+    runtime: RuntimeOpt = None,
+    dtype: DtypeOpt = None,
+    tensor_parallel_size: TensorParallelOpt = None,
+    pipeline_parallel_size: PipelineParallelOpt = None,
+    distributed_executor_backend: ExecutorBackendOpt = None,
+    max_model_len: MaxModelLenOpt = None,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
     run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
@@ -100,6 +113,9 @@ def eval_(
         "device_map": device_map,
         "trust_remote_code": trust_remote_code or None,
         "plan_candidates": tuple(comma_list(candidates)) if candidates else None,
+        "runtimes": tuple(w.lower() for w in comma_list(runtime)) if runtime else None,
+        "dtype": dtype.lower() if dtype else None,
+        "engine": engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len),
     }
     options = dataclasses.replace(EvalOptions(), **{k: v for k, v in given.items() if v is not None})
     runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}

@@ -46,6 +46,15 @@ class Row:
     # a calibrated row against the same scheme with rtn, when both are in the table (paired, same positions):
     # against, kld_change, kld_change_se, perplexity_change_pct, perplexity_change_se_pct
     versus: dict = field(default_factory=dict)
+    # Where the row was measured (``qkit.evaluation.engines``): "torch", "vllm", "llama.cpp".
+    runtime: str = "torch"
+    # An engine row's facts: version, load_seconds, run_seconds, the file it loaded (format), what the
+    # engine said (notes), and which statistics it could give (full_distribution: KL and top-1 need it).
+    engine: dict = field(default_factory=dict)
+    refused: str | None = None  # the engine could not run this row: its reason, in one line (no numbers then)
+    # an engine row against the torch row of the same spec (paired, same positions): against,
+    # perplexity_change_pct, perplexity_change_se_pct, and kld_change, kld_change_se where KL exists
+    versus_torch: dict = field(default_factory=dict)
 
 @dataclass
 class EvalReport:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,12 +59,14 @@ from qkit.evaluation.checks import (
     choose_window,
     read_config,
 )
+from qkit.evaluation.engines import DTYPES, EngineOptions, check_runtimes
 from qkit.evaluation.klstats import llama_kl_stats
 from qkit.evaluation.notes import interpret
 from qkit.evaluation.perplexity import CorpusReference, TokenScores, check_scored
 from qkit.evaluation.report import EvalReport, Row
 from qkit.evaluation.specs import RowSpec, parse_plan_word, resolve_rows
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
+from qkit.evaluation.swap import Swapper
 from qkit.methods import RTN
 from qkit.models import (
     ModelRef,
@@ -114,6 +116,11 @@ class EvalOptions:
     seed: int = 0
     trust_remote_code: bool = False  # allow a model's own code (auto_map); never asked for interactively
     plan_candidates: tuple[str, ...] = ()  # the types plan rows may choose (default: the format's whole ladder)
+    # Where rows are measured (``qkit.evaluation.engines``): "torch" (qkit's own forward pass, with the
+    # simulation hooks), or an engine that loads the row's written file: "vllm", "llama.cpp".
+    runtimes: tuple[str, ...] = ("torch",)
+    dtype: str = "fp32"  # the torch runtime's model dtype (bf16, fp16, fp32); the reference is scored in it too
+    engine: EngineOptions = EngineOptions()  # vLLM's parallelism and the engines' own settings
 
     def validate(self) -> None:
         """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
@@ -124,6 +131,7 @@ class EvalOptions:
             if value is not None and value < least:
                 raise InputError(f"{flag} must be at least {least}, got {value}")
         check_scored(self.tokens, self.window)  # a perplexity without a standard error is never reported
+        check_runtimes(self.runtimes, self.dtype, self.engine)  # unknown names, an engine not installed, bad counts
         parse_scale_dtype(self.scale_dtype)
         parse_device(self.device)
         if self.device_map is not None:
@@ -157,45 +165,6 @@ class EvalOptions:
         too (the same text a calibrated method's row uses)."""
         calibration = {k: v for k, v in self.method_options if k in _RUNTIME_CALIBRATION}
         return {**calibration, **dict(spec.runtime_options or self.runtime_options)}
-
-
-class _Swapper:
-    """Replace a model's tensors in place, keeping one copy of the originals to restore."""
-
-    def __init__(self, model):
-        self.model = model
-        # Parameters and buffers by every name they answer to (tied weights under both names).
-        self.targets: dict[str, torch.Tensor] = {**dict(model.named_buffers(remove_duplicate=False)),
-                                                 **dict(model.named_parameters(remove_duplicate=False))}
-        self.originals: dict[str, torch.Tensor] = {}
-        self.changed = 0  # tensors of the last ``apply`` whose values differ from the reference's
-
-    def apply(self, tensors: Iterable[tuple[str, QuantizedTensor | torch.Tensor]]) -> None:
-        """Copy each dequantized ``QuantizedTensor`` (or full-precision replacement, e.g. a norm that a
-        method folded scales into) into the model's tensor of that name. A stored tensor the model does not
-        hold (transformers ignored it when it loaded the reference, e.g. an old ``rotary_emb.inv_freq``) is
-        skipped, as it was then; a full-precision tensor equal to the model's is not copied (nor saved)."""
-        self.changed = 0
-        with torch.no_grad():
-            for name, value in tensors:
-                p = self.targets.get(name)
-                if p is None:
-                    continue
-                shape = value.shape if isinstance(value, QuantizedTensor) else tuple(value.shape)
-                if tuple(p.shape) != tuple(shape):
-                    raise InputError(f"{name}: checkpoint shape {list(shape)} != model shape {list(p.shape)}; pass the matching --reference")
-                new = value.dequantize(p.dtype) if isinstance(value, QuantizedTensor) else value.to(p.dtype)
-                if name not in self.originals:
-                    if torch.equal(p, new.to(p.device)):
-                        continue
-                    self.originals[name] = p.detach().clone()
-                p.copy_(new)
-                self.changed += not torch.equal(p, self.originals[name])
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for name, w in self.originals.items():
-                self.targets[name].copy_(w)
 
 
 def evaluate(
@@ -242,7 +211,7 @@ def evaluate(
     calibrations = check_calibrations(specs, tok, corpus, config, options.runtime_options_for)
 
     say("loading the reference model")
-    loaded = load(ref=ref, device=options.device, device_map=options.device_map)
+    loaded = load(ref=ref, device=options.device, device_map=options.device_map, dtype=DTYPES[options.dtype])
     lm = loaded.model
     if window is None:  # only when the config could not be read above but transformers loaded it anyway
         window = choose_window(options.window, options.tokens, lm.config)
@@ -309,7 +278,7 @@ def evaluate(
     ref_bits = 8 * lm.get_parameter(ref_targets[0]).element_size() if ref_targets else float("nan")
     rows = [measure(REFERENCE, ref_bits, checkpoint_bytes(ref.directory), 0, t0, None)]
 
-    swapper = _Swapper(lm)
+    swapper = Swapper(lm, ref.directory)
     try:
         if checkpoint is not None:
             t1 = time.perf_counter()
@@ -368,6 +337,8 @@ def evaluate(
         "qkit_version": __version__,
         "torch_version": torch.__version__,
         "device": str(next(lm.parameters()).device),
+        "dtype": options.dtype,
+        "runtimes": list(options.runtimes),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "seconds_total": time.perf_counter() - t0,
@@ -429,7 +400,7 @@ def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(w for w in comma_words(words) if w in offered)
 
 
-def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: EvalOptions, say: Callable[[str], None]):
+def build_row_model(spec: RowSpec, ref: ModelRef, swapper: Swapper, options: EvalOptions, say: Callable[[str], None]):
     """Put ``spec``'s weights into the swapper's model: ``quantize_model`` (the path that writes
     checkpoints) into a temporary directory, then the dequantized matrices and any replaced
     full-precision tensors swapped in. Returns the ``QuantizeResult`` (None for unquantized weights)."""
@@ -447,3 +418,6 @@ def build_row_model(spec: RowSpec, ref: ModelRef, swapper: _Swapper, options: Ev
         )
     swapper.apply([*result.replaced.items(), *result.quantized.items()])
     return result
+
+
+_Swapper = Swapper  # the name benchmarks and older scripts import

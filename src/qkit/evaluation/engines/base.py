@@ -1,0 +1,171 @@
+"""Where a row is measured: qkit's own torch forward pass, or an inference engine loading the row's file.
+
+Layer 6 (``evaluation``). An engine (vLLM, llama.cpp) is registered in ``ENGINES`` with the ``Engine``
+protocol below. It never runs in qkit's process: ``Engine.run`` starts a worker subprocess (its process
+model, memory and logging stay out of qkit's), hands it the row's written file and an ``EngineJob`` (the
+same token ids every runtime scores), and reads back ``EngineScores``. The engine's Python package is an
+optional extra (``qkit[vllm]``, ``qkit[llama-cpp]``), imported only inside the worker.
+
+A row's file is written by the same ``quantize_model`` path as every checkpoint, in the format the
+engine reads (``Engine.format``): compressed-tensors for vLLM, GGUF for llama.cpp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from qkit.errors import InputError, QkitError
+from qkit.registry import Registry
+
+TORCH = "torch"  # qkit's own forward pass (dequantized weights, simulation hooks): today's rows
+
+# --dtype: the torch runtime's model dtype, and the reference's.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's --distributed-executor-backend
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engines' settings, defined once (``qkit eval`` and ``qkit verify`` pass them through).
+
+    ``tensor_parallel_size`` / ``pipeline_parallel_size`` / ``distributed_executor_backend``: vLLM's
+    sharding over devices (and, with Ray, nodes); ``max_model_len``: the engine's context (default: the
+    eval window); ``python``: the interpreter that has the engine installed (default: qkit's own; or
+    ``$QKIT_ENGINE_PYTHON``), for an engine kept in a virtual environment of its own."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    max_model_len: int | None = None
+    python: str | None = None
+
+    def validate(self) -> None:
+        for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
+                            ("--pipeline-parallel-size", self.pipeline_parallel_size)):
+            if value < 1:
+                raise InputError(f"{flag} must be at least 1, got {value}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise InputError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.distributed_executor_backend is not None and self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise InputError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}")
+
+    @property
+    def parallel(self) -> bool:
+        return self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.distributed_executor_backend is not None
+
+
+@dataclass
+class EngineJob:
+    """What every runtime is asked for one row: the same token ids, so rows pair position by position.
+
+    ``windows``: int64 ``[w]`` corpus windows (position t is predicted from positions < t, t >= 1);
+    ``battery_prompts``: each battery prompt's token ids (chat template applied), generated greedily for
+    ``battery_tokens`` tokens with ``repetition_penalty``; ``agreement_inputs``: each battery prompt
+    followed by the reference's ``agreement_n`` greedy tokens (unpadded), read teacher-forced;
+    ``top_k``: how many log-probabilities per position an engine without the full distribution returns."""
+
+    windows: list[torch.Tensor]
+    battery_prompts: list[list[int]]
+    battery_tokens: int
+    repetition_penalty: float
+    agreement_inputs: list[list[int]]
+    agreement_n: int
+    top_k: int = 20
+
+
+@dataclass
+class EngineScores:
+    """What an engine measured, per window and per prompt of ``EngineJob``.
+
+    ``target_logprobs``: float64 ``[w-1]``, log q(x_t) of each scored token; ``full``: float32
+    ``[w-1, V]`` log-probabilities over the whole vocabulary (None where the engine gives only the top
+    ``k``: then ``top_ids`` / ``top_logprobs`` int64 / float32 ``[w-1, k]``); ``argmax``: int64 ``[w-1]``;
+    ``battery_ids``: the generated token ids per prompt; ``agreement_argmax``: int64 ``[agreement_n]``
+    per prompt, the argmax at each of the reference's continuation positions; ``load_seconds`` /
+    ``run_seconds``: loading the file, then scoring and generating; ``version``: the engine's version;
+    ``notes``: what the engine said that a reader should see (e.g. the kernel it chose)."""
+
+    target_logprobs: list[torch.Tensor]
+    argmax: list[torch.Tensor]
+    battery_ids: list[list[int]]
+    agreement_argmax: list[torch.Tensor]
+    full: list[torch.Tensor] | None = None
+    top_ids: list[torch.Tensor] | None = None
+    top_logprobs: list[torch.Tensor] | None = None
+    load_seconds: float = 0.0
+    run_seconds: float = 0.0
+    version: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class EngineRefused(QkitError):
+    """The engine could not load or run this row's file (e.g. no W4A16 kernel on this CPU build). The
+    message is the engine's reason in one line; the runner turns it into a row that says so."""
+
+
+class Engine(Protocol):
+    """One inference engine as an eval runtime (registered in ``ENGINES``)."""
+
+    name: str  # "vllm", "llama.cpp": the --runtime word
+    extra: str  # the pip extra that installs it: qkit[<extra>]
+    format: str  # the qkit export format it reads: "compressed-tensors" or "gguf"
+    full_distribution: bool  # True: it returns every vocabulary entry's log-probability (KL computable)
+
+    def check_available(self, options: EngineOptions) -> None:
+        """Raise ``InputError`` in one line naming the extra when the engine is not installed, or when
+        ``options`` ask for more devices than exist; milliseconds, before any model is loaded."""
+        ...
+
+    def cannot_run(self, scheme: str | None, simulations: tuple[str, ...]) -> str | None:
+        """Why this engine cannot run a row of ``scheme`` (None: the unquantized reference) with these
+        run-time simulations, known before anything is written (e.g. a scheme GGUF has no type for), or
+        None. A reason only the engine can tell comes later, from ``run``, as ``EngineRefused``."""
+        ...
+
+    def run(self, path: Path, job: EngineJob, options: EngineOptions) -> EngineScores:
+        """Load ``path`` (a file or directory in ``format``) in a worker subprocess and measure ``job``."""
+        ...
+
+
+ENGINES: Registry[Engine] = Registry("runtime", error=InputError, normalize=lambda n: n.strip().lower())
+
+
+def get_engine(name: str) -> Engine:
+    return ENGINES.get(name)
+
+
+def runtime_names() -> list[str]:
+    return [TORCH, *ENGINES.names()]
+
+
+def check_runtimes(runtimes: tuple[str, ...], dtype: str, options: EngineOptions) -> None:
+    """``--runtime``, ``--dtype`` and the engine options, in milliseconds: unknown names, a duplicate, an
+    engine that is not installed (one line naming its extra), parallelism asked of the torch runtime."""
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not runtimes:
+        raise InputError(f"--runtime names no runtime; choose from {', '.join(runtime_names())}")
+    seen: set[str] = set()
+    for name in runtimes:
+        key = name.strip().lower()
+        if key in seen:
+            raise InputError(f"--runtime names {key} twice")
+        seen.add(key)
+        if key != TORCH:
+            ENGINES.get(key)
+    options.validate()
+    if options.parallel and seen == {TORCH}:
+        raise InputError("--tensor-parallel-size, --pipeline-parallel-size and --distributed-executor-backend are "
+                         "vLLM's; add --runtime vllm (the torch runtime spreads a model with --device-map)")
+    for key in sorted(seen - {TORCH}):
+        ENGINES.get(key).check_available(options)
+
+
+__all__ = ["DTYPES", "ENGINES", "EXECUTOR_BACKENDS", "Engine", "EngineJob", "EngineOptions", "EngineRefused",
+           "EngineScores", "TORCH", "check_runtimes", "get_engine", "runtime_names"]
