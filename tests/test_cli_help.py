@@ -60,11 +60,11 @@ def help_texts(monkeypatch) -> dict[str, list[str]]:
 
 def test_every_command_is_covered():
     names = {" ".join(p) for p in command_paths()}
-    # The fifteen commands (inspect's and simulate's sub-commands counted) and the two sub-apps.
-    assert {"quantize", "imatrix", "plan", "eval", "verify", "kv", "budget", "speculate", "bench", "simulate batching",
+    # The sixteen commands (inspect's and simulate's sub-commands counted) and the two sub-apps.
+    assert {"quantize", "imatrix", "plan", "eval", "report", "verify", "kv", "budget", "speculate", "bench", "simulate batching",
             "inspect errors", "inspect matrix", "inspect outliers", "inspect sensitivity",
             "inspect next-token"} <= names
-    assert len(names) == 18  # root + 15 commands + 2 sub-apps
+    assert len(names) == 19  # root + 16 commands + 2 sub-apps
 
 
 def test_help_text_is_unchanged(monkeypatch):

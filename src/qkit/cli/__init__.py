@@ -1,7 +1,8 @@
 """The command line: the only package that imports typer; thin: parse, call the library, render, exit.
 
-One module per command family (``quantize``: quantize and verify; ``imatrix``; ``eval``; ``inspect``; ``serving``: kv,
-budget, speculate, bench, simulate), the shared option aliases, error handling and parsing in ``common``.
+One module per command family (``quantize``: quantize and verify; ``imatrix``; ``plan``; ``eval``; ``inspect``;
+``serving``: kv, budget, speculate, bench, simulate; ``report``: the HTML page of the others' JSON), the shared
+option aliases, error handling and parsing in ``common``.
 This module makes the ``app``, registers every command (in the order ``qkit --help`` lists them) and holds
 the entry point. Every option is defined once (an ``Annotated`` alias) and takes its default from the
 library. Library errors (``QkitError``) become one line on stderr and a non-zero exit code, never a
@@ -40,6 +41,7 @@ from qkit.cli import imatrix as _imatrix  # noqa: E402
 from qkit.cli import inspect as _inspect  # noqa: E402
 from qkit.cli import plan as _plan  # noqa: E402
 from qkit.cli import quantize as _quantize  # noqa: E402
+from qkit.cli import report as _report  # noqa: E402
 from qkit.cli import serving as _serving  # noqa: E402
 
 app.command("quantize")(_quantize.quantize)
@@ -53,6 +55,7 @@ app.command("bench")(_serving.bench_)
 app.add_typer(_serving.simulate_app, name="simulate")
 app.command("verify")(_quantize.verify)
 app.add_typer(_inspect.inspect_app, name="inspect")
+app.command("report")(_report.report)
 
 
 INTERRUPTED = "interrupted; nothing was written"  # before any output was put in place (see _exit_interrupted)

@@ -1,0 +1,197 @@
+"""The JSON files a report is built from: what each is (detected from its content), checked to belong together.
+
+Every qkit command's ``--json`` has a shape of its own, so a file's kind is read from its keys, never from
+its name:
+
+========================  ================================================================  ==========
+kind                      written by                                                        recognised by
+========================  ================================================================  ==========
+``eval``                  ``qkit eval --json``                                              ``rows`` and ``provenance.qkit_version``
+``errors``                ``qkit inspect errors --json``                                    ``matrices`` with ``rel_error``, ``schemes``
+``outliers``              ``qkit inspect outliers --json``                                  ``per_layer``, ``outlier_dims``, ``histogram``, ``int8``
+``sensitivity``           ``qkit inspect sensitivity --json``                               ``units``, ``by``, ``scheme``, ``suggestion``
+``plan``                  ``qkit plan -o``                                                  ``"format": "qkit-plan"``
+``kv``                    ``qkit kv --json``                                                ``architecture``, ``bytes_per_token``, ``variants``
+``budget``                ``qkit budget --json``                                            ``tables``, ``models``, ``formats``, ``reserve_gib``
+========================  ================================================================  ==========
+
+Refused in one line each (``InputError``), before any work: a file that is missing, unreadable or not JSON,
+a JSON no qkit command writes, two files of one kind, a file that records another ``qkit_version`` (eval
+and plan files record it; the inspect, kv and budget JSONs do not), and files of different models. A
+model is named by what the user passed (``ModelRef.spec``), so a path is compared by where it resolves.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkit.errors import InputError
+from qkit.plan.planfile import PLAN_FORMAT, PLAN_VERSION
+from qkit.version import __version__
+
+KINDS = ("eval", "errors", "outliers", "sensitivity", "plan", "kv", "budget")
+# The command that writes each kind (for messages and the page's notes).
+COMMANDS = {
+    "eval": "qkit eval --json EVAL.json",
+    "errors": "qkit inspect errors --json ERRORS.json",
+    "outliers": "qkit inspect outliers --json OUTLIERS.json",
+    "sensitivity": "qkit inspect sensitivity --scheme SCHEME --json SENSITIVITY.json",
+    "plan": "qkit plan --target-bits B -o PLAN.json",
+    "kv": "qkit kv --json KV.json",
+    "budget": "qkit budget default --json BUDGET.json",
+}
+_MAX_BYTES = 256 * 1024**2  # a qkit JSON is far smaller; a larger file is not one
+
+
+@dataclass
+class Inputs:
+    """The report's data: ``docs[kind]`` is the parsed JSON of that kind; ``paths[kind]`` where it came from
+    (``None``: computed by this run); ``seconds[kind]`` how long a computed step took."""
+
+    docs: dict[str, dict] = field(default_factory=dict)
+    paths: dict[str, str | None] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def get(self, kind: str) -> dict | None:
+        return self.docs.get(kind)
+
+    def model(self) -> str | None:
+        """The model every document is of (the first one that names it), or None when none does."""
+        for kind in KINDS:
+            doc = self.docs.get(kind)
+            if doc is not None:
+                names = model_names(kind, doc)
+                if names:
+                    return names[0]
+        return None
+
+
+def detect_kind(doc: Any) -> str | None:
+    """The kind (one of ``KINDS``) of a parsed qkit JSON, from its keys; None for anything else."""
+    if not isinstance(doc, dict):
+        return None
+    keys = set(doc)
+    prov = doc.get("provenance")
+    if isinstance(doc.get("rows"), list) and isinstance(prov, dict) and "qkit_version" in prov:
+        return "eval"
+    if doc.get("format") == PLAN_FORMAT:
+        return "plan"
+    if {"per_layer", "outlier_dims", "histogram", "int8", "layer", "hidden"} <= keys:
+        return "outliers"
+    if {"units", "by", "scheme", "suggestion"} <= keys and isinstance(doc["units"], list):
+        return "sensitivity"
+    if {"matrices", "schemes", "model"} <= keys and isinstance(doc["matrices"], list) and all(
+            isinstance(m, dict) and "rel_error" in m and "scheme" in m for m in doc["matrices"]):
+        return "errors"
+    if {"architecture", "bytes_per_token", "variants", "equivalent_splits"} <= keys:
+        return "kv"
+    if {"tables", "models", "formats", "reserve_gib"} <= keys:
+        return "budget"
+    return None
+
+
+def model_names(kind: str, doc: dict) -> list[str]:
+    """The model(s) a document is of: one name, or for ``budget`` every model it tabulates."""
+    if kind == "eval":
+        name = (doc.get("provenance") or {}).get("model")
+    elif kind == "kv":
+        name = (doc.get("architecture") or {}).get("name")
+    elif kind == "budget":
+        return [str((m.get("architecture") or {}).get("name")) for m in doc.get("models") or []
+                if isinstance(m, dict) and (m.get("architecture") or {}).get("name")]
+    else:
+        name = doc.get("model")
+    return [str(name)] if name else []
+
+
+def version_of(kind: str, doc: dict) -> str | None:
+    """The ``qkit_version`` a document records (eval: in ``provenance``; plan: at the top), else None."""
+    if kind == "eval":
+        return (doc.get("provenance") or {}).get("qkit_version")
+    if kind == "plan":
+        return doc.get("qkit_version") or None
+    return None
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two recorded model names are one model: equal, or paths resolving to the same place."""
+    if a == b:
+        return True
+    try:
+        return os.path.exists(a) and os.path.exists(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def read_json(path: str | os.PathLike) -> tuple[str, dict]:
+    """``(kind, document)`` of one file; refused in one line if it is not a qkit JSON of this version."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise InputError(f"{p} is a directory; give the JSON files qkit eval, inspect, plan, kv or budget wrote")
+        if p.stat().st_size > _MAX_BYTES:
+            raise InputError(f"{p} is larger than any qkit JSON ({p.stat().st_size:,} bytes); give the --json output of a qkit command")
+        doc = json.loads(p.read_bytes())
+    except FileNotFoundError:
+        raise InputError(f"{p}: no such file; give the --json output of qkit eval, inspect, plan, kv or budget") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or "not JSON"
+        raise InputError(f"{p} is not a readable JSON file ({why}); give the --json output of a qkit command") from None
+    kind = detect_kind(doc)
+    if kind is None:
+        raise InputError(f"{p} is not a JSON that qkit eval, inspect errors/outliers/sensitivity, plan, kv or budget "
+                         "writes; give one of those")
+    if kind == "plan" and doc.get("format_version") != PLAN_VERSION:
+        raise InputError(f"{p} is a plan of format_version {doc.get('format_version')!r}; this qkit reads "
+                         f"{PLAN_VERSION}: re-plan with this qkit")
+    version = version_of(kind, doc)
+    if version is not None and version != __version__:
+        raise InputError(f"{p} was written by qkit {version}, this is qkit {__version__}: its numbers may not mean "
+                         f"the same; re-run it with this qkit ({COMMANDS[kind]})")
+    return kind, doc
+
+
+def read_inputs(paths: list[str | os.PathLike]) -> Inputs:
+    """Read, classify and cross-check every file (see the module docstring); nothing heavy is done."""
+    inputs = Inputs()
+    for path in paths:
+        kind, doc = read_json(path)
+        if kind in inputs.docs:
+            raise InputError(f"{path} and {inputs.paths[kind]} are both {kind} JSONs; give one file of each kind")
+        inputs.docs[kind], inputs.paths[kind] = doc, os.fspath(path)
+    check_one_model(inputs)
+    return inputs
+
+
+def check_one_model(inputs: Inputs) -> None:
+    """Refuse documents of different models (a budget may tabulate several models: one must be this one)."""
+    first: tuple[str, str] | None = None  # (model, kind)
+    for kind in KINDS:
+        doc = inputs.docs.get(kind)
+        if doc is None or kind == "budget":
+            continue
+        for name in model_names(kind, doc):
+            if first is None:
+                first = (name, kind)
+            elif not same_model(name, first[0]):
+                raise InputError(f"{_where(inputs, kind)} is of model {name!r} but {_where(inputs, first[1])} is of "
+                                 f"{first[0]!r}; a report is of one model: give files of one model")
+    budget = inputs.docs.get("budget")
+    if budget is not None and first is not None:
+        names = model_names("budget", budget)
+        if not any(same_model(n, first[0]) for n in names):
+            raise InputError(f"{_where(inputs, 'budget')} tabulates {', '.join(map(repr, names)) or 'no model'}, not "
+                             f"{first[0]!r} ({_where(inputs, first[1])}); run qkit budget on that model")
+
+
+def _where(inputs: Inputs, kind: str) -> str:
+    p = inputs.paths.get(kind)
+    return p if p else f"the {kind} step this run computed"
+
+
+__all__ = ["COMMANDS", "KINDS", "Inputs", "check_one_model", "detect_kind", "model_names", "read_inputs",
+           "read_json", "same_model", "version_of"]
