@@ -219,3 +219,15 @@ def test_default_model_error_ordering(default_model_dir):
     m = {s.scheme: s.mean for s in r.summaries()}
     assert m["int4-tensor"] > m["int4-row"] > m["int4-g128"] > m["nf4"]
     assert len(r.stats) == 210
+
+
+def test_a_recipe_is_bound_to_the_model_as_quantize_binds_it(tiny_model_dir, tmp_path):
+    # q4_k_m chooses each tensor's type from the model's layer count: inspect errors measures the very
+    # types (and bytes) qkit quantize writes, tensor by tensor.
+    from qkit.api import quantize_model
+
+    report = weight_errors(tiny_model_dir, schemes=["q4_k_m"])
+    written = quantize_model(model=tiny_model_dir, output=tmp_path / "q", scheme="q4_k_m", collect=True)
+    measured = {m.name: m.nbytes for m in report.matrices}
+    assert measured == {n: q.nbytes for n, q in written.quantized.items() if n in measured}
+    assert len(measured) == 14

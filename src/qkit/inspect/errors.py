@@ -38,7 +38,7 @@ from qkit.checkpoint import open_safetensors, tensor_shapes, weight_files
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow, PerTensor
 from qkit.inspect.matrix_stats import MatrixStats, int4_tensor_levels, matrix_stats, reconstruct, relative_error, sumsq64
-from qkit.models import ModelRef, check_complete, resolve
+from qkit.models import ModelRef, check_complete, read_config, resolve
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme
 from qkit.transform import is_block_projection
@@ -301,6 +301,10 @@ def weight_errors(
         raise InputError(f"{ref.spec} has no block projection matrices (layers.N.*.weight); pass a decoder LM")
     if on_start:
         on_start(len(todo))
+    # A recipe (q4_k_m) chooses each tensor's type from facts of the model (its layer count): bound as
+    # ``qkit quantize`` binds it, so the errors are those of the file quantize writes.
+    config = read_config(ref.directory)
+    parsed = [s.bind(config) for s in parsed]
     report = ErrorsReport(ref.spec, [s.name for s in parsed])
     for name, w in iter_projections(ref.directory, todo if names is not None else None):
         report.stats[name] = matrix_stats(w, name)
