@@ -2,8 +2,9 @@
 
 - ``kl_per_position`` (reused buffers, the reference's probabilities computed once) against the
   straightforward formula, bit for bit, and against a float64 oracle and a hand-computed value;
-- ``CorpusReference.score`` against the implementation it replaced, line for line (below), with and
-  without the cached probabilities, bit for bit;
+- ``CorpusReference.score`` against the implementation it replaced, line for line (below), with every
+  window one chunk of positions and with several chunks per window, bit for bit (the memory bounds
+  themselves: tests/test_eval_memory.py);
 - agreement's restricted argmax against the argmax over all positions;
 - the battery's one left-padded batch against one prompt at a time (the greedy answers the table reports).
 """
@@ -108,31 +109,18 @@ def test_kl_per_position_of_inference_tensors_as_score_gives_them():
 def test_score_equals_the_naive_implementation_bit_for_bit(perturbed, window):
     ref_model, row, _ = perturbed
     ids = torch.randint(3, 300, (72,), generator=torch.Generator().manual_seed(window))
-    cached = CorpusReference(ref_model, ids, window)
-    uncached = CorpusReference(ref_model, ids, window, probs_cache_bytes=0)
-    assert cached.ref_probs is not None and uncached.ref_probs is None
+    whole = CorpusReference(ref_model, ids, window)  # every window one chunk of positions
+    chunked = CorpusReference(ref_model, ids, window, chunk=16)  # a window of 37: two spans of 18 and 19 rows
     for model in (row, ref_model):
-        expected = naive_score(cached, model, chunk=5)
-        for ref in (cached, uncached):
-            got = ref.score(model, chunk=5)
+        expected = naive_score(whole, model, chunk=5)
+        for ref in (whole, chunked):
+            got = ref.score(model)
             assert torch.equal(got.nll, expected.nll)
             assert torch.equal(got.kl, expected.kl)
             assert torch.equal(got.top1, expected.top1)
-    s = cached.score(row)
+    s = whole.score(row)
     assert s.kld > 1e-3 and s.top1_match < 1.0  # the perturbed row really differs: the comparison can fail
-    assert cached.score(ref_model).kld == 0.0
-
-
-def test_probs_cache_holds_exactly_exp_of_the_log_probs(perturbed):
-    ref_model, _, _ = perturbed
-    ids = torch.randint(3, 300, (40,), generator=torch.Generator().manual_seed(0))
-    ref = CorpusReference(ref_model, ids, 20)
-    assert len(ref.ref_probs) == len(ref.ref_logprobs) == 2
-    for p, lp in zip(ref.ref_probs, ref.ref_logprobs):
-        assert torch.equal(p, lp.exp())
-    size = sum(lp.numel() * 4 for lp in ref.ref_logprobs)
-    assert CorpusReference(ref_model, ids, 20, probs_cache_bytes=size).ref_probs is not None
-    assert CorpusReference(ref_model, ids, 20, probs_cache_bytes=size - 1).ref_probs is None
+    assert whole.score(ref_model).kld == 0.0
 
 
 def test_agreement_equals_the_argmax_over_all_positions(perturbed):
