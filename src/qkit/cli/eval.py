@@ -176,16 +176,21 @@ def render_eval(report) -> None:
     rows, styles = [], []
     for r in report.rows:
         is_ref = r is ref
+        if r.refused is not None:  # an engine could not run it: one line, its reason in the notes below
+            rows.append([_literal(r.scheme), "-", *([""] if runtime_bits else []), "-", "not run (see below)"]
+                        + [""] * (len(headers) - 4 - runtime_bits))
+            styles.append("dim")
+            continue
         collapsed = not is_ref and not (r.perplexity < 10 * ref.perplexity)  # NaN / inf count as collapsed
         rows.append([
-            r.scheme,
+            _literal(r.scheme),
             _fmt_number(r.bits_per_weight, ".3f"),  # "-": a model with no block projection to count bits of
             *([_fmt_runtime_bits(r.act_bits, r.kv_bits)] if runtime_bits else []),
             human_bytes(r.size_bytes),
             _fmt_estimate(r.perplexity, r.perplexity_se, report.provenance["scored_tokens"]),
             "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
             _fmt_number(r.kld, ".4f"),
-            _fmt_number(100 * r.top1_match, ".1f") + "%",
+            _fmt_number(100 * r.top1_match, ".1f") + ("%" if math.isfinite(r.top1_match) else ""),
             f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)",
             f"{r.agreement}/{r.agreement_total}",
         ])
@@ -200,15 +205,44 @@ def render_eval(report) -> None:
             "Δ ppl ± paired SE; KL(reference || row) and top-1 match on the same tokens; "
             f"battery: {p['battery']['questions']} questions, greedy, repetition penalty {p['battery']['repetition_penalty']:g}; "
             f"agreement: teacher-forced argmax vs the reference's greedy tokens. {p['seconds_total']:.0f} s."
+            + (" A row named 'NAME [ENGINE]' was measured by that engine from the file it loads, against the same "
+               "torch reference." if any(r.runtime != "torch" for r in report.rows) else "")
         ),
         styles=styles,
     )
+    render_versus_torch(report)
     for line in report.notes:
-        console.note(f"- {line}")
+        console.note(_literal(f"- {line}"))
     for r in report.rows:  # what each run-time simulation did (e.g. LLM.int8's share of 16-bit multiply-adds)
         for stats in r.runtime_stats.values():
             if isinstance(stats, dict) and stats.get("summary"):
-                console.note(f"- {r.scheme}: {stats['summary']}")
+                console.note(_literal(f"- {r.scheme}: {stats['summary']}"))
+
+
+def _literal(text: str) -> str:
+    """``text`` printed as written: rich reads ``[word]`` as markup (a row named ``q4_k_m [llama.cpp]``
+    lost its runtime), so an opening bracket is escaped."""
+    return text.replace("[", "\\[")
+
+
+def render_versus_torch(report) -> None:
+    """Engine minus torch per engine row that has the torch row of its spec: paired perplexity change and KL
+    difference (``Row.versus_torch``), with the engine's load and run times."""
+    rows = [r for r in report.rows if r.versus_torch]
+    if not rows:
+        return
+    table = []
+    for r in rows:
+        v, e = r.versus_torch, r.engine
+        kl = (f"{v['kld_change']:+.4f} ± {v['kld_change_se']:.4f}" if "kld_change" in v and math.isfinite(v["kld_change"])
+              else "- (no full distribution)")
+        table.append([_literal(r.scheme), _literal(v["against"]), _fmt_change(v["perplexity_change_pct"], v["perplexity_change_se_pct"]), kl,
+                      f"{e.get('load_seconds', math.nan):.1f} s", f"{e.get('run_seconds', math.nan):.1f} s",
+                      f"{r.seconds:.1f} s"])
+    console.table(["engine row", "torch row", "Δ ppl (engine - torch)", "Δ KL (engine - torch)", "load", "run", "row"],
+                  table, title="engine minus torch, paired on the same tokens (± paired SE)",
+                  caption="load: the engine loading the file; run: scoring, battery and agreement in the engine; "
+                          "row: everything, writing the file included.")
 
 
 def _fmt_runtime_bits(act_bits: int | None, kv_bits: int | None) -> str:

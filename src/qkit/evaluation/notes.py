@@ -18,7 +18,10 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
     called a difference or a match."""
     ref = rows[0]
     notes: list[str] = []
-    others = rows[1:]
+    refused = [r for r in rows[1:] if r.refused is not None]
+    others = [r for r in rows[1:] if r.refused is None]  # a row an engine did not run has no numbers to read
+    for r in refused:
+        notes.append(f"{r.scheme}: not run: {r.refused}.")
     if not others:
         return notes
     finite = math.isfinite
@@ -55,12 +58,16 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
             notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) is indistinguishable from the reference on these tokens.")
         else:
             notes.append(f"{r.scheme}: perplexity {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) against the reference, a real difference on these tokens.")
-    survivors = sorted((r for r in others if r not in collapsed and r.bits_per_weight < 6), key=lambda r: r.perplexity)
-    if len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
-        notes.append("4-bit rows from best to worst perplexity: " + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
-    elif len(survivors) > 1:  # a mixed recipe (q4_k_m on 576-wide rows: mostly Q5_0) is not a 4-bit row: say its bits
-        notes.append("rows below 6 bits per weight from best to worst perplexity (bits/w): " + " < ".join(
-            f"{r.scheme} ({r.perplexity:.2f}, {r.bits_per_weight:.2f})" for r in survivors) + ".")
+    for runtime in dict.fromkeys(r.runtime for r in others):  # ranked within each runtime: like with like
+        survivors = sorted((r for r in others if r.runtime == runtime and r not in collapsed and r.bits_per_weight < 6),
+                           key=lambda r: r.perplexity)
+        where = "" if runtime == "torch" else f" in {runtime}"
+        if len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
+            notes.append(f"4-bit rows{where} from best to worst perplexity: "
+                         + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
+        elif len(survivors) > 1:  # a mixed recipe (q4_k_m on 576-wide rows: mostly Q5_0) is not a 4-bit row: say its bits
+            notes.append(f"rows below 6 bits per weight{where} from best to worst perplexity (bits/w): " + " < ".join(
+                f"{r.scheme} ({r.perplexity:.2f}, {r.bits_per_weight:.2f})" for r in survivors) + ".")
     if ref.battery_total:  # McNemar needs paired answers; no questions, no test
         distinct = [r for r in others if finite(r.mcnemar_p) and r.mcnemar_p < 0.05]
         if distinct:
@@ -86,11 +93,47 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
                         "(above): on this model that share of the gain is the grid, not the method")
         notes.append(f"{r.scheme} against {v['against']}: KL {kl:+.4f} (±{2 * se:.4f}, 2 paired SE), perplexity "
                      f"{v['perplexity_change_pct']:+.2f}% (±{2 * v['perplexity_change_se_pct']:.2f}%): {verdict}.")
+    notes.extend(engine_notes(others))
     measured = [r for r in others if r.agreement_total]
     if measured:
         best = max(measured, key=lambda r: r.agreement / r.agreement_total)
         notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
                      f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
+    return notes
+
+
+def engine_notes(rows: list[Row]) -> list[str]:
+    """Engine minus torch for each engine row with the torch row of its spec (``Row.versus_torch``): where
+    the simulation does not predict the engine; then what each engine said, once per engine."""
+    finite = math.isfinite
+    notes = []
+    for r in rows:
+        v = r.versus_torch
+        if not v:
+            continue
+        pct, se = v["perplexity_change_pct"], v["perplexity_change_se_pct"]
+        if not (finite(pct) and finite(se)):
+            notes.append(f"{r.scheme} minus {v['against']} (torch): perplexity {pct:+.2f}% has no standard error.")
+            continue
+        verdict = ("beyond two paired SE: the torch row does not predict the engine's perplexity here" if abs(pct) > 2 * se
+                   else "within two paired SE: the torch row predicts the engine's perplexity")
+        text = (f"{r.scheme} minus {v['against']} (torch), paired on the same tokens: perplexity {pct:+.2f}% "
+                f"(±{2 * se:.2f}%, 2 SE), {verdict}")
+        if "kld_change" in v and finite(v["kld_change"]) and finite(v["kld_change_se"]):
+            kl, kl_se = v["kld_change"], v["kld_change_se"]
+            # KL is never negative, so any engine noise adds to it: the sign says which side is further off
+            text += (f"; KL {kl:+.4f} (±{2 * kl_se:.4f}): the engine's distribution is "
+                     + ("further from" if kl - 2 * kl_se > 0 else "closer to" if kl + 2 * kl_se < 0 else "as far from")
+                     + " the reference's than torch's")
+        else:
+            text += "; KL not computable (the engine gives no full distribution)"
+        notes.append(f"{text}.")
+    said: set[str] = set()
+    for r in rows:
+        for line in r.engine.get("notes", []):
+            if line not in said:
+                said.add(line)
+                notes.append(line if line.endswith(".") else f"{line}.")
     return notes
 
 
@@ -106,4 +149,4 @@ def _min_discordant(alpha: float) -> int:
     return n
 
 
-__all__ = ["interpret"]
+__all__ = ["engine_notes", "interpret"]

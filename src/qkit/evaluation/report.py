@@ -55,6 +55,9 @@ class Row:
     # an engine row against the torch row of the same spec (paired, same positions): against,
     # perplexity_change_pct, perplexity_change_se_pct, and kld_change, kld_change_se where KL exists
     versus_torch: dict = field(default_factory=dict)
+    # seconds of ``seconds`` spent writing the row's weights (quantize_model, or the engine's file): the
+    # rest is measuring. None for a row that writes nothing (the torch reference, a saved checkpoint).
+    build_seconds: float | None = None
 
 @dataclass
 class EvalReport:

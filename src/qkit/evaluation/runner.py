@@ -20,6 +20,11 @@ Every refusal comes before the reference model is loaded: options, window agains
 token counts too small for a standard error, the corpus and calibration texts (readable, disjoint), and a
 checkpoint's tensor names and shapes against the reference's headers.
 
+``--runtime`` names where rows are measured: ``torch`` (the above) and engines (``vllm``, ``llama.cpp``).
+After the torch rows, each engine measures the reference and every spec from the file ``quantize_model``
+writes in the engine's format, in a worker subprocess (``qkit.evaluation.engine_rows``); qkit's torch
+model is released first. The torch reference is always measured: every row is compared with it.
+
 Each row's checkpoint is written under ``$TMPDIR/qkit-eval-PID-RANDOM`` (removed when the row is built,
 on an exception and on Ctrl-C); one left by a killed eval (SIGKILL) is removed by the next eval, which
 says so in a status line.
@@ -27,6 +32,7 @@ says so in a status line.
 
 from __future__ import annotations
 
+import gc
 import platform
 import time
 from collections.abc import Callable
@@ -59,13 +65,27 @@ from qkit.evaluation.checks import (
     choose_window,
     read_config,
 )
-from qkit.evaluation.engines import DTYPES, EngineOptions, check_runtimes
+from qkit.evaluation.engine_rows import (
+    TorchSide,
+    assemble_row,
+    check_engine_lengths,
+    engine_provenance,
+    engine_rows,
+    engines_of,
+    has_torch,
+)
+from qkit.evaluation.engines import DTYPES, TORCH, EngineOptions, check_runtimes
 from qkit.evaluation.klstats import llama_kl_stats
 from qkit.evaluation.notes import interpret
 from qkit.evaluation.perplexity import CorpusReference, TokenScores, check_scored
 from qkit.evaluation.report import EvalReport, Row
-from qkit.evaluation.specs import RowSpec, parse_plan_word, resolve_rows
-from qkit.evaluation.stats import mcnemar_exact, wilson_interval
+from qkit.evaluation.specs import (  # row_plan and the --candidates words: re-exported for older callers
+    RowSpec,
+    comma_words,
+    parse_plan_word,
+    resolve_rows,
+    row_plan,
+)
 from qkit.evaluation.swap import Swapper
 from qkit.methods import RTN
 from qkit.models import (
@@ -77,7 +97,7 @@ from qkit.models import (
     parse_device,
     resolve,
 )
-from qkit.plan import PlanOptions, ladder, parse_allowed, read_plan
+from qkit.plan import ladder, parse_allowed, read_plan
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
@@ -92,6 +112,7 @@ from qkit.version import __version__
 
 REFERENCE = "reference"
 _RUNTIME_CALIBRATION = ("calibration", "calibration_samples", "calibration_seqlen")  # simulate.activations.StaticOptions
+ROW_SHARD_BYTES = 256 << 20  # a row's temporary checkpoint: the shard writer holds one shard (safetensors a copy)
 TMP_PREFIX = "qkit-eval-"  # a row's temporary checkpoint: $TMPDIR/qkit-eval-PID-RANDOM (qkit.staging.temporary_directory)
 
 
@@ -209,6 +230,12 @@ def evaluate(
     if window is not None:
         check_corpus_tokens(corpus, int(ids.numel()), window)
     calibrations = check_calibrations(specs, tok, corpus, config, options.runtime_options_for)
+    battery = load_battery()
+    prompts = build_prompts(tok, [q.question for q in battery])
+    engines = engines_of(options.runtimes)  # each installed (EvalOptions.validate): their lengths, before loading
+    if window is not None:
+        check_engine_lengths(engines, options.engine, min(window, int(ids.numel())), [len(tok(p, add_special_tokens=False)["input_ids"])
+                                                                for p in prompts], options.battery_tokens, options.agree_tokens)
 
     say("loading the reference model")
     loaded = load(ref=ref, device=options.device, device_map=options.device_map, dtype=DTYPES[options.dtype])
@@ -222,8 +249,6 @@ def evaluate(
     t0 = time.perf_counter()
     say("reference: perplexity")
     corpus_ref = CorpusReference(lm, ids, window)
-    battery = load_battery()
-    prompts = build_prompts(tok, [q.question for q in battery])
     rp = model_repetition_penalty(lm) if options.repetition_penalty else 1.0
     say("reference: greedy continuations for agreement")
     continuation = reference_continuation(lm, tok, prompts, options.agree_tokens)
@@ -238,38 +263,8 @@ def evaluate(
         answers = [is_correct(o, q.answers) for o, q in zip(outputs, battery)]
         say(f"{name}: agreement")
         agree = agreement(lm, continuation)
-        k, n = int(agree.sum()), int(agree.numel())
-        if ref_row is None:
-            change, change_se, (only_ref, only_row, p) = 0.0, 0.0, (0, 0, 1.0)
-        else:
-            change, change_se = scores.change_against(ref_scores)
-            only_ref, only_row, p = mcnemar_exact(ref_row.battery_answers, answers)
-        return Row(
-            scheme=name,
-            bits_per_weight=bits,
-            size_bytes=size,
-            perplexity=scores.perplexity,
-            perplexity_se=scores.perplexity_se,
-            perplexity_change_pct=change,
-            perplexity_change_se_pct=change_se,
-            kld=scores.kld,
-            kld_se=scores.kld_se,
-            top1_match=scores.top1_match,
-            battery_correct=sum(answers),
-            battery_total=len(answers),
-            battery_ci95=wilson_interval(sum(answers), len(answers)),
-            battery_answers=answers,
-            battery_outputs=outputs,
-            mcnemar_only_reference=only_ref,
-            mcnemar_only_row=only_row,
-            mcnemar_p=p,
-            agreement=k,
-            agreement_total=n,
-            agreement_ci95=wilson_interval(k, n),
-            seconds=time.perf_counter() - started,
-            matrices=matrices,
-            **facts,
-        )
+        return assemble_row(name, scores, ref_scores, ref_row, outputs, answers, agree, bits, size, matrices,
+                            time.perf_counter() - started, **facts)
 
     row_scores: dict[str, TokenScores] = {}
     ref_scores = corpus_ref.own_scores()
@@ -297,9 +292,10 @@ def evaluate(
             rows.append(measure(label, bits, checkpoint_bytes(checkpoint.directory), len(quantized), t1, rows[0],
                                 method_record=manifest.get("method") or {}))
         context = RuntimeContext(device=next(lm.parameters()).device, extra={"tokenizer": tok, "model_ref": ref, "corpus": corpus})
-        for spec in specs:
+        for spec in specs if has_torch(options.runtimes) else []:  # --runtime without torch: its reference only
             t1 = time.perf_counter()
             built = build_row_model(spec, ref, swapper, options, say)
+            build_seconds = time.perf_counter() - t1 if built is not None else None
             bits = built.bits_per_weight if built is not None else rows[0].bits_per_weight
             size = built.bytes_after if built is not None else rows[0].size_bytes
             matrices = built.matrices if built is not None else 0
@@ -308,7 +304,7 @@ def evaluate(
                 row = measure(spec.name, bits, size, matrices, t1, rows[0], spec=spec.to_dict(), act_bits=act_bits,
                               kv_bits=kv_bits, method_record=built.method_record if built is not None else {},
                               weights_changed=swapper.changed if built is not None else None,
-                              plan=(built.plan or {}) if built is not None else {})
+                              plan=(built.plan or {}) if built is not None else {}, build_seconds=build_seconds)
             row.runtime_stats = stats
             row.llama_kl = llama_kl_stats(row_scores[spec.name], ref_scores)
             rows.append(row)
@@ -316,6 +312,15 @@ def evaluate(
     finally:
         swapper.restore()
     compare_methods(rows, specs, row_scores)
+    torch_scores = dict(row_scores)
+    device = str(next(lm.parameters()).device)
+    if engines:  # the engines load their own copy of the weights: qkit's is released first
+        del swapper, lm, loaded, context
+        gc.collect()
+    side = TorchSide(ref, tok, corpus_ref, ref_scores, rows[0], battery, prompts, continuation, rp, options.battery_tokens)
+    for engine in engines:  # each row's file written in the engine's format and measured there
+        rows.extend(engine_rows(engine, specs, side, eval_options=options, torch_scores=torch_scores,
+                                row_scores=row_scores, say=say, checkpoint=rows[1].scheme if checkpoint else None))
 
     provenance = {
         "model": ref.spec,
@@ -336,9 +341,10 @@ def evaluate(
         "seed": options.seed,
         "qkit_version": __version__,
         "torch_version": torch.__version__,
-        "device": str(next(lm.parameters()).device),
+        "device": device,
         "dtype": options.dtype,
-        "runtimes": list(options.runtimes),
+        "runtimes": [TORCH, *(e.name for e in engines)] if has_torch(options.runtimes) else [e.name for e in engines],
+        "engines": engine_provenance(engines, rows, options.engine),
         "threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "seconds_total": time.perf_counter() - t0,
@@ -379,31 +385,11 @@ def remove_stale_row_dirs(parent: str | Path | None = None) -> list[Path]:
     return remove_stale_temporary(TMP_PREFIX, parent)
 
 
-def row_plan(spec: RowSpec, options: EvalOptions):
-    """A plan row's plan: its file, or ``PlanOptions`` for ``FORMAT@TARGET`` with eval's ``--candidates``
-    (measured once for every row of the same format and method: ``qkit.plan.planner``)."""
-    if spec.plan.endswith(".json"):
-        return spec.plan
-    fmt, bits, scheme = parse_plan_word(spec.plan)
-    return PlanOptions(format=fmt, target_bits=bits, target_scheme=scheme,
-                       candidates=for_format(fmt, options.plan_candidates), scale_dtype=options.scale_dtype)
-
-
-def comma_words(words) -> list[str]:
-    return [w.strip().lower() for item in words for w in str(item).replace(' ', ',').split(',') if w.strip()]
-
-
-def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
-    """The ``--candidates`` words that format ``fmt`` offers (a table may plan for several formats); every
-    word must belong to some plan row's format (``EvalOptions.validate``)."""
-    offered = set(ladder(fmt))
-    return tuple(w for w in comma_words(words) if w in offered)
-
-
 def build_row_model(spec: RowSpec, ref: ModelRef, swapper: Swapper, options: EvalOptions, say: Callable[[str], None]):
     """Put ``spec``'s weights into the swapper's model: ``quantize_model`` (the path that writes
-    checkpoints) into a temporary directory, then the dequantized matrices and any replaced
-    full-precision tensors swapped in. Returns the ``QuantizeResult`` (None for unquantized weights)."""
+    checkpoints) into a temporary directory, then that checkpoint's tensors streamed into the model
+    (quantized ones dequantized; the others, such as norms a method folded scales into, copied where they
+    differ from the model's). Returns the ``QuantizeResult`` (None for unquantized weights)."""
     if spec.scheme is None and spec.plan is None:
         return None
     planned = row_plan(spec, options) if spec.plan is not None else None
@@ -412,11 +398,14 @@ def build_row_model(spec: RowSpec, ref: ModelRef, swapper: Swapper, options: Eva
         say(f"{spec.name}: " + ("planning and quantizing" if planned is not None else "quantizing")
             + (f" ({spec.method})" if spec.method != RTN else ""))
         result = quantize_model(
-            model=ref, output=Path(tmp) / "row", scheme=spec.scheme, method=spec.method, collect=True,
+            model=ref, output=Path(tmp) / "row", scheme=spec.scheme, method=spec.method,
             method_options=dict(spec.method_options) or None,
-            options=QuantizeOptions(scale_dtype=options.scale_dtype, device="cpu", plan=planned),
+            options=QuantizeOptions(scale_dtype=options.scale_dtype, device="cpu", plan=planned,
+                                    max_shard_bytes=ROW_SHARD_BYTES),
         )
-    swapper.apply([*result.replaced.items(), *result.quantized.items()])
+        # The row's own file, one tensor in memory at a time: bit for bit what collect=True held, which was
+        # every quantized tensor of the row at once (6.9 GB of int8 codes on a 7B; docs/eval-memory.md).
+        swapper.apply(iter_quantized(Path(tmp) / "row"))
     return result
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from qkit.errors import InputError
 from qkit.methods import RTN, get_method
-from qkit.plan import check_format
+from qkit.plan import PlanOptions, check_format, ladder
 from qkit.registry import Registry
 from qkit.schemes import get_scheme, scheme_names
 
@@ -205,4 +205,26 @@ def resolve_rows(
     return list(unique.values())
 
 
-__all__ = ["PLAN_PREFIX", "PRESETS", "ROWS", "RowSpec", "parse_plan_word", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+def row_plan(spec: RowSpec, options):
+    """A plan row's plan: its file, or ``PlanOptions`` for ``FORMAT@TARGET`` with eval's ``--candidates``
+    (measured once for every row of the same format and method: ``qkit.plan.planner``). ``options``: the
+    ``EvalOptions`` (``plan_candidates``, ``scale_dtype``)."""
+    if spec.plan.endswith(".json"):
+        return spec.plan
+    fmt, bits, scheme = parse_plan_word(spec.plan)
+    return PlanOptions(format=fmt, target_bits=bits, target_scheme=scheme,
+                       candidates=for_format(fmt, options.plan_candidates), scale_dtype=options.scale_dtype)
+
+
+def comma_words(words) -> list[str]:
+    return [w.strip().lower() for item in words for w in str(item).replace(' ', ',').split(',') if w.strip()]
+
+
+def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``--candidates`` words that format ``fmt`` offers (a table may plan for several formats); every
+    word must belong to some plan row's format (``EvalOptions.validate``)."""
+    offered = set(ladder(fmt))
+    return tuple(w for w in comma_words(words) if w in offered)
+
+
+__all__ = ["PLAN_PREFIX", "PRESETS", "ROWS", "RowSpec", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

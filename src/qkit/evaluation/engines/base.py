@@ -4,7 +4,8 @@ Layer 6 (``evaluation``). An engine (vLLM, llama.cpp) is registered in ``ENGINES
 protocol below. It never runs in qkit's process: ``Engine.run`` starts a worker subprocess (its process
 model, memory and logging stay out of qkit's), hands it the row's written file and an ``EngineJob`` (the
 same token ids every runtime scores), and reads back ``EngineScores``. The engine's Python package is an
-optional extra (``qkit[vllm]``, ``qkit[llama-cpp]``), imported only inside the worker.
+optional install (``qkit[llama-cpp]``; vLLM in an environment of its own, docs/vllm.md), imported only
+inside the worker.
 
 A row's file is written by the same ``quantize_model`` path as every checkpoint, in the format the
 engine reads (``Engine.format``): compressed-tensors for vLLM, GGUF for llama.cpp.
@@ -43,6 +44,7 @@ class EngineOptions:
     distributed_executor_backend: str | None = None
     max_model_len: int | None = None
     python: str | None = None
+    dtype: str | None = None  # what the engine computes in, a DTYPES key (qkit eval passes --dtype); None: the file's
 
     def validate(self) -> None:
         for flag, value in (("--tensor-parallel-size", self.tensor_parallel_size),
@@ -51,6 +53,8 @@ class EngineOptions:
                 raise InputError(f"{flag} must be at least 1, got {value}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InputError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.distributed_executor_backend is not None and self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise InputError(f"--distributed-executor-backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {self.distributed_executor_backend!r}")
@@ -126,6 +130,12 @@ class Engine(Protocol):
         """Why this engine cannot run a row of ``scheme`` (None: the unquantized reference) with these
         run-time simulations, known before anything is written (e.g. a scheme GGUF has no type for), or
         None. A reason only the engine can tell comes later, from ``run``, as ``EngineRefused``."""
+        ...
+
+    def export_options(self, simulations: tuple[str, ...]) -> dict[str, str]:
+        """The ``QuantizeOptions`` fields a row's file is written with: at least ``{"format": self.format}``,
+        plus what the file must declare for the row's run-time simulations (vLLM's W8A8 rows:
+        ``{"activations": "int8-token"}``)."""
         ...
 
     def run(self, path: Path, job: EngineJob, options: EngineOptions) -> EngineScores:
