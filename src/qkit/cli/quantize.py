@@ -18,16 +18,21 @@ from qkit.cli.common import (
     CalibrationSamplesOpt,
     CalibrationSeqlenOpt,
     DeviceOpt,
+    ExecutorBackendOpt,
     ForceOpt,
     JsonOpt,
+    MaxModelLenOpt,
     ModelArg,
     NoClipOpt,
     PickleOpt,
+    PipelineParallelOpt,
     ScaleDtypeOpt,
+    TensorParallelOpt,
     ThreadsOpt,
     TrustOpt,
     calibration_options,
     comma_list,
+    engine_options,
     handles_errors,
     human_bytes,
     model_inputs,
@@ -272,16 +277,45 @@ def verify(
     force: ForceOpt = False,
     threads: ThreadsOpt = None,
     trust_remote_code: TrustOpt = False,
+    runtime: Annotated[Optional[str], typer.Option("--runtime", help="Who reads the export: the target library (default: transformers + compressed-tensors / bitsandbytes / gguf) or vllm (vLLM serves the directory; compared on log-probabilities).", metavar="NAME")] = None,
+    tensor_parallel_size: TensorParallelOpt = None,
+    pipeline_parallel_size: PipelineParallelOpt = None,
+    distributed_executor_backend: ExecutorBackendOpt = None,
+    max_model_len: MaxModelLenOpt = None,
 ) -> None:
     """Load an exported CHECKPOINT with its target library and compare it with qkit, weight by weight and on logits."""
 
+    engine = engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len)
+    if runtime is not None and runtime.strip().lower() not in ("vllm",):
+        raise InputError(f"--runtime for qkit verify is vllm (or leave it out for the target library), got {runtime!r}")
+    if runtime is None and engine.parallel:
+        raise InputError("--tensor-parallel-size, --pipeline-parallel-size and --distributed-executor-backend are vLLM's; "
+                         "add --runtime vllm")
     run = start(json_path, force, threads, model_inputs(checkpoint, "the checkpoint"))
     run.use_threads()
-    r = verify_checkpoint(checkpoint, device=device, trust_remote_code=trust_remote_code)
-    render_verify(r)
+    if runtime is not None:
+        # qkit.evaluation (the engines) is imported only for --runtime: plain verify stays as light as before
+        from qkit.evaluation.engines.vllm import verify_in_vllm
+
+        r = verify_in_vllm(checkpoint, engine, trust_remote_code=trust_remote_code)
+        render_engine_verify(r)
+    else:
+        r = verify_checkpoint(checkpoint, device=device, trust_remote_code=trust_remote_code)
+        render_verify(r)
     run.write_json(r.to_dict)
     if not r.passed:
         raise typer.Exit(1)
+
+
+def render_engine_verify(r) -> None:
+    console.table(["max |Δ log-prob|", "tolerance", "top-1 same", "positions", "top-k"],
+                  [[f"{r.max_abs_diff:.3g}", f"{r.tolerance:.3g}", f"{r.top1_same}", f"{r.positions}", f"{r.top_k}"]],
+                  title=f"qkit verify --runtime vllm: {r.checkpoint} ({r.format}, served by {r.engine}, {r.dtype})")
+    console.note(f"log-probabilities at the engine's top-{r.top_k} ids on a fixed {r.prompt_tokens}-token prompt, "
+                 f"against qkit's reading of the same files: {r.rule}")
+    for n in r.notes:
+        console.note(n)
+    console.note("verified" if r.passed else "NOT verified", style="bold green" if r.passed else "bold red")
 
 
 def render_verify(r) -> None:
