@@ -2,7 +2,7 @@
 
     python benchmarks/bench_eval_memory.py [--layers 32] [--hidden 4096] [--intermediate 11008]
         [--schemes int8-row,q4_k_m] [--tokens 256] [--dtype bf16] [--dir /tmp] [--keep-going]
-        [--as-main] [-- EXTRA EVAL ARGS]
+        [-- EXTRA EVAL ARGS]
 
 The model: random weights (normal, 0.02 for matrices, 1 for norms), written in bf16 shard by shard (one
 shard in memory at a time, never the model), with the default model's tokenizer (so its vocabulary,
@@ -20,17 +20,15 @@ Before anything is written, the run refuses when ``MemAvailable`` is below the b
 (``--keep-going`` turns that into a warning) and when ``--dir`` has too little free space for the model
 plus the largest row checkpoint.
 
-Rows are built as ``qkit.evaluation.runner.build_row_model`` builds them, with one difference unless
-``--as-main``: the row's tensors are streamed from the temporary checkpoint ``quantize_model`` writes
-(``iter_quantized``) instead of kept in memory (``collect=True`` holds every quantized tensor of the row
-at once: 6.9 GB of int8 codes for this model), and that checkpoint is written in 256 MiB shards, not
-2 GiB ones (the shard writer holds a pending shard, and safetensors a serialized copy of it). That is
-the runner change docs/eval-memory.md proposes; ``--as-main`` measures the runner as it is.
+Rows are built by ``qkit.evaluation.runner.build_row_model``: the row's tensors are streamed from the
+temporary checkpoint ``quantize_model`` writes (``iter_quantized``, one tensor at a time), written in
+256 MiB shards (the shard writer holds a pending shard, and safetensors a serialized copy of it).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import resource
@@ -41,70 +39,33 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+# The synthetic llama writer of tests/test_streaming.py (as benchmarks/bench_streaming.py uses it).
+_spec = importlib.util.spec_from_file_location("test_streaming", ROOT / "tests" / "test_streaming.py")
+synthetic = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(synthetic)
+
 GIB = 1 << 30
-ROW_SHARD_BYTES = 256 << 20  # a streamed row's checkpoint shards: the writer holds one (and its serialization)
 SHAPE_7B = dict(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32)  # llama-2-7b's config
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
-def layout(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Tensor names and shapes of an untied llama checkpoint, in ``LlamaForCausalLM.state_dict`` order."""
-    kv = hidden // heads * kv_heads
-    out = [("model.embed_tokens.weight", (vocab, hidden))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out += [(p + "input_layernorm.weight", (hidden,)), (p + "self_attn.q_proj.weight", (hidden, hidden)),
-                (p + "self_attn.k_proj.weight", (kv, hidden)), (p + "self_attn.v_proj.weight", (kv, hidden)),
-                (p + "self_attn.o_proj.weight", (hidden, hidden)), (p + "post_attention_layernorm.weight", (hidden,)),
-                (p + "mlp.gate_proj.weight", (intermediate, hidden)), (p + "mlp.up_proj.weight", (intermediate, hidden)),
-                (p + "mlp.down_proj.weight", (hidden, intermediate))]
-    return out + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+def layout(**shape) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor names and shapes of an untied llama checkpoint (tests/test_streaming.py's)."""
+    return synthetic.synthetic_layout(**shape)
 
 
 def write_model(directory: Path, tokenizer_dir: Path, *, shard_bytes: int = 2 * GIB, seed: int = 0, **shape) -> int:
-    """Write a random bf16 llama (config, shards, index, the tokenizer of ``tokenizer_dir``); return its bytes."""
+    """Write a random bf16 llama (config, shards, index) with the tokenizer of ``tokenizer_dir``; return its bytes."""
     import torch
-    from safetensors.torch import save_file
 
     src_config = json.loads((tokenizer_dir / "config.json").read_text())
-    directory.mkdir(parents=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": shape["hidden"],
-        "intermediate_size": shape["intermediate"], "num_hidden_layers": shape["layers"],
-        "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
-        "vocab_size": shape["vocab"], "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "dtype": "bfloat16", "hidden_act": "silu", "rope_theta": 10000.0,
-        **{k: src_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_config},
-    }
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    extra = {"rope_theta": 10000.0, **{k: src_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in src_config}}
+    total = synthetic.write_synthetic_llama(directory, shard_bytes=shard_bytes, seed=seed, dtype=torch.bfloat16,
+                                            config=extra, **shape)
     for f in TOKENIZER_FILES:
         if (tokenizer_dir / f).is_file():
             shutil.copy2(tokenizer_dir / f, directory / f)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
-    for name, shp in layout(**shape):
-        nbytes = 2 * math.prod(shp)
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, shp))
-        size += nbytes
-    gen = torch.Generator().manual_seed(seed)
-    weight_map, total = {}, 0
-    for i, members in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {}
-        for name, shp in members:
-            t = torch.randn(shp, generator=gen, dtype=torch.bfloat16) if len(shp) == 2 else torch.ones(shp, dtype=torch.bfloat16)
-            if len(shp) == 2:
-                t.mul_(0.02)  # typical init scale: codes spread over their range, activations of a sane size
-            tensors[name] = t
-            weight_map[name] = fname
-            total += t.numel() * 2
-        save_file(tensors, str(directory / fname), metadata={"format": "pt"})
-        del tensors
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True))
     return total
 
 
@@ -132,43 +93,12 @@ def bound_bytes(params: int, largest_bytes: int, vocab: int, eval_itemsize: int,
     return {**parts, "bound": sum(parts.values())}
 
 
-def child(stream: bool, argv: list[str]) -> None:
-    """Run ``qkit eval`` in this process, rows streamed from their checkpoint when ``stream``."""
-    if stream:
-        install_streamed_rows()
+def child(argv: list[str]) -> None:
+    """Run ``qkit eval`` in this process."""
     sys.argv = ["qkit", *argv]
     from qkit.__main__ import main
 
     main()
-
-
-def install_streamed_rows() -> None:
-    """``runner.build_row_model`` with its tensors streamed from the row's own temporary checkpoint
-    (``iter_quantized``, one tensor at a time) instead of ``collect=True``: the change this benchmark's
-    docs propose. The values are the same (a row and its checkpoint are bit-identical)."""
-    from qkit.api import QuantizeOptions, quantize_model
-    from qkit.checkpoint import iter_quantized
-    from qkit.evaluation import runner
-    from qkit.methods import RTN
-    from qkit.staging import temporary_directory
-
-    def build_row_model(spec, ref, swapper, options, say):
-        if spec.scheme is None and spec.plan is None:
-            return None
-        planned = runner.row_plan(spec, options) if spec.plan is not None else None
-        with temporary_directory(runner.TMP_PREFIX) as tmp:
-            say(f"{spec.name}: " + ("planning and quantizing" if planned is not None else "quantizing")
-                + (f" ({spec.method})" if spec.method != RTN else ""))
-            result = quantize_model(
-                model=ref, output=Path(tmp) / "row", scheme=spec.scheme, method=spec.method, collect=False,
-                method_options=dict(spec.method_options) or None,
-                options=QuantizeOptions(scale_dtype=options.scale_dtype, device="cpu", plan=planned,
-                                        max_shard_bytes=ROW_SHARD_BYTES),
-            )
-            swapper.apply(iter_quantized(Path(tmp) / "row"))
-        return result
-
-    runner.build_row_model = build_row_model
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -210,15 +140,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where the model is written (default $TMPDIR)")
     ap.add_argument("--keep-going", action="store_true", help="warn instead of refusing when MemAvailable is below the bound")
-    ap.add_argument("--as-main", action="store_true", help="rows as the runner builds them now (collect=True)")
     ap.add_argument("--json", type=Path, default=None, help="write the measurement here")
     ap.add_argument("--every", type=float, default=15.0, help="seconds between the child's memory samples")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)
     args, extra = ap.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if args.child:
-        child(args.stream, extra)
+        child(extra)
         return
 
     from qkit.models import resolve
@@ -246,7 +174,7 @@ def main() -> None:
         sys.exit(f"refused: {args.dir} has {free / GIB:.1f} GiB free, the model and a row checkpoint need {need / GIB:.1f} GiB")
     work = Path(tempfile.mkdtemp(prefix="qkit-bench-mem-", dir=args.dir))
     result: dict = {"shape": shape, "parameters": params, "bound": bound, "mem_available": avail,
-                    "schemes": args.schemes, "tokens": args.tokens, "dtype": args.dtype, "streamed_rows": not args.as_main}
+                    "schemes": args.schemes, "tokens": args.tokens, "dtype": args.dtype}
     try:
         t0 = time.perf_counter()
         model = work / "model"
@@ -254,10 +182,10 @@ def main() -> None:
         result["write_seconds"] = time.perf_counter() - t0
         print(f"wrote {nbytes / 1e9:.2f} GB in {result['write_seconds']:.0f} s to {model}")
         out_json = work / "eval.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *(["--stream"] if not args.as_main else []), "--",
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--",
                "eval", str(model), "--dtype", args.dtype, "--tokens", str(args.tokens), "--schemes", args.schemes,
                "--json", str(out_json), *extra]
-        print("running: qkit " + " ".join(cmd[cmd.index("eval"):]) + ("" if args.as_main else "   (rows streamed)"), flush=True)
+        print("running: qkit " + " ".join(cmd[cmd.index("eval"):]), flush=True)
         t1 = time.perf_counter()
         proc = subprocess.Popen(cmd)
         samples = watch(proc, t1, args.every)

@@ -33,22 +33,14 @@ from qkit.evaluation.perplexity import (
     CorpusReference,
     TokenScores,
     kl_per_position,
-    position_logprobs,
 )
 from qkit.models import load
+from test_eval_memory import whole_window_score  # the whole-window scoring before chunking
 
 
 def naive_score(ref: CorpusReference, model, chunk: int = 512) -> TokenScores:
     """``CorpusReference.score`` as it was before the fast path: fresh temporaries, exp(ref) per row."""
-    nll, kl, top1 = [], [], []
-    for w, ref_lp, ref_top in zip(ref.windows, ref.ref_logprobs, ref.ref_argmax):
-        lp = position_logprobs(model, w)
-        nll.append(-lp.gather(1, w[1:, None]).squeeze(1).double())
-        for s in range(0, lp.shape[0], chunk):
-            p_lp, q_lp = ref_lp[s : s + chunk], lp[s : s + chunk]
-            kl.append((p_lp.exp() * (p_lp - q_lp)).sum(-1).double())
-        top1.append(lp.argmax(-1) == ref_top)
-    return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1))
+    return whole_window_score(ref.ref_logprobs, ref.ref_argmax, ref.windows, model, chunk)
 
 
 def naive_kl(ref_lp: torch.Tensor, lp: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -48,8 +48,10 @@ def synthetic_layout(hidden: int, intermediate: int, layers: int, heads: int, kv
     return out
 
 
-def write_synthetic_llama(directory: Path, *, shard_bytes: int = 256 * MB, seed: int = 0, **shape) -> int:
-    """Write a random fp32 llama checkpoint (config, shards, index) one shard at a time; return its bytes.
+def write_synthetic_llama(directory: Path, *, shard_bytes: int = 256 * MB, seed: int = 0, dtype: torch.dtype = torch.float32,
+                          config: dict | None = None, **shape) -> int:
+    """Write a random llama checkpoint in ``dtype`` (config, shards, index) one shard at a time; return its
+    bytes. Matrices are normal with std 0.02, norms 1; ``config`` adds to (or overrides) config.json.
 
     Memory: one source shard (``shard_bytes``) at a time, never the model.
     """
@@ -62,14 +64,16 @@ def write_synthetic_llama(directory: Path, *, shard_bytes: int = 256 * MB, seed:
         "intermediate_size": shape["intermediate"], "num_hidden_layers": shape["layers"],
         "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
         "vocab_size": shape["vocab"], "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False, "dtype": "float32", "hidden_act": "silu",
+        "tie_word_embeddings": False, "dtype": str(dtype).removeprefix("torch."), "hidden_act": "silu",
+        **(config or {}),
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     layout = synthetic_layout(**shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
     size = 0
     for name, shp in layout:
-        nbytes = 4 * math.prod(shp)
+        nbytes = itemsize * math.prod(shp)
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append([])
             size = 0
@@ -81,12 +85,11 @@ def write_synthetic_llama(directory: Path, *, shard_bytes: int = 256 * MB, seed:
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name, shp in members:
-            t = torch.randn(shp, generator=gen)
-            if len(shp) == 2:
-                t.mul_(0.02)  # typical init scale; keeps int8/int4 codes spread over their range
+            # typical init scale: int8/int4 codes spread over their range, activations of a sane size
+            t = torch.randn(shp, generator=gen, dtype=dtype).mul_(0.02) if len(shp) == 2 else torch.ones(shp, dtype=dtype)
             tensors[name] = t
             weight_map[name] = fname
-            total += t.numel() * 4
+            total += t.numel() * itemsize
         save_file(tensors, str(directory / fname), metadata={"format": "pt"})
         del tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
