@@ -61,15 +61,15 @@ def assert_same_scores(got: TokenScores, expected: TokenScores) -> None:
     assert torch.equal(got.top1, expected.top1)
 
 
-@pytest.fixture(scope="module")
-def perturbed(tiny_model_dir):
-    """The tiny model twice, every matrix times 8 (its next-token distributions are nearly uniform
-    otherwise); the second also perturbed (a 'row')."""
-    ref = load(tiny_model_dir, device="cpu").model
-    row = load(tiny_model_dir, device="cpu").model
+def perturbed_pair(directory):
+    """The model at ``directory`` loaded twice, every matrix times 8 (the tiny random model's next-token
+    distributions are nearly uniform otherwise, its greedy tokens all alike): the reference (the loaded
+    model, with its tokenizer), and a copy with every matrix perturbed too (a 'row')."""
+    ref = load(directory, device="cpu")
+    row = load(directory, device="cpu").model
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
-        for model in (ref, row):
+        for model in (ref.model, row):
             for p in model.parameters():
                 if p.ndim == 2:
                     p.mul_(8)
@@ -77,6 +77,12 @@ def perturbed(tiny_model_dir):
             if p.ndim == 2:
                 p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
     return ref, row
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_model_dir):
+    ref, row = perturbed_pair(tiny_model_dir)
+    return ref.model, row
 
 
 # window, chunk: one window per chunk, several chunks per window (spans of 12-18 rows, never fewer

@@ -34,8 +34,7 @@ from qkit.evaluation.perplexity import (
     TokenScores,
     kl_per_position,
 )
-from qkit.models import load
-from test_eval_memory import whole_window_score  # the whole-window scoring before chunking
+from test_eval_memory import perturbed_pair, whole_window_score  # the scoring before chunking; the model pair
 
 
 def naive_score(ref: CorpusReference, model, chunk: int = 512) -> TokenScores:
@@ -50,20 +49,8 @@ def naive_kl(ref_lp: torch.Tensor, lp: torch.Tensor, chunk: int) -> torch.Tensor
 
 @pytest.fixture(scope="module")
 def perturbed(tiny_model_dir):
-    """The tiny model loaded twice, every matrix times 8 (the random model's next-token distributions are
-    nearly uniform otherwise, its greedy tokens all alike): the reference, and a copy with every matrix
-    perturbed too (a 'row')."""
-    ref = load(tiny_model_dir, device="cpu")
-    row = load(tiny_model_dir, device="cpu").model
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for model in (ref.model, row):
-            for p in model.parameters():
-                if p.ndim == 2:
-                    p.mul_(8)
-        for p in row.parameters():
-            if p.ndim == 2:
-                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    """The reference (every matrix of the tiny model times 8), a perturbed copy (a 'row'), the tokenizer."""
+    ref, row = perturbed_pair(tiny_model_dir)
     return ref.model, row, ref.tokenizer
 
 
