@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from qkit.errors import InputError
 from qkit.report.data import Grid
 
@@ -165,8 +167,7 @@ def heatmaps(name: str, grids: list[tuple[str, Grid]], colorbar: str, log: bool 
     """One layer x matrix heatmap per ``(title, grid)``, side by side on one colour scale (log where every
     value is positive); an empty cell (no such tensor) is white."""
     plt = require_matplotlib()
-    import matplotlib.colors as mcolors
-    import numpy as np
+    import matplotlib.colors as mcolors  # the optional extra: after require_matplotlib
 
     n = max(1, len(grids))
     height = max(3.0, 0.14 * max((len(g.layers) for _, g in grids), default=10) + 1.5)

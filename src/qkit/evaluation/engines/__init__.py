@@ -5,8 +5,6 @@ when this package is imported (its engine's Python package is imported only in i
 ``worker`` runs a worker script in a subprocess (the file exchange, refusals, nothing left running).
 """
 
-import importlib.util
-
 from qkit.evaluation.engines.base import (
     DTYPES,
     ENGINES,
@@ -22,11 +20,12 @@ from qkit.evaluation.engines.base import (
     runtime_names,
 )
 
-# Each engine registers itself on import, in the order --help lists them. The vLLM module is written
-# separately; until it exists the package works without it (find_spec: no import, just a lookup).
-if importlib.util.find_spec("qkit.evaluation.engines.vllm") is not None:
-    import qkit.evaluation.engines.vllm  # noqa: F401,E402  (registers "vllm")
-import qkit.evaluation.engines.llama_cpp  # noqa: F401,E402  (registers "llama.cpp")
+# Each engine registers itself when imported, after the contract above: vllm, then llama.cpp, the order
+# they are listed in (neither module imports its engine: only their workers do).
+# isort: off
+from qkit.evaluation.engines import vllm  # noqa: F401
+from qkit.evaluation.engines import llama_cpp  # noqa: F401
+# isort: on
 
 __all__ = ["DTYPES", "ENGINES", "EXECUTOR_BACKENDS", "Engine", "EngineJob", "EngineOptions", "EngineRefused",
            "EngineScores", "TORCH", "check_runtimes", "get_engine", "runtime_names"]

@@ -31,6 +31,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -104,8 +105,6 @@ def _same_interpreter(python: str) -> bool:
 
 
 def _metadata_version(name: str) -> str | None:
-    from importlib import metadata
-
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
