@@ -425,3 +425,9 @@ def test_an_engine_refusal_while_running_is_a_row_not_a_crash(fake_engine, tiny_
     rows = {r.scheme: r for r in report.rows}
     assert rows["int8-row [torch-oracle]"].refused == "torch-oracle: no kernel for this row"
     assert rows["int4-tensor [torch-oracle]"].refused is None and math.isfinite(rows["int4-tensor [torch-oracle]"].kld)
+
+
+def test_an_unknown_runtime_lists_every_runtime_torch_included():
+    with pytest.raises(InputError) as e:
+        EvalOptions(runtimes=("troch",)).validate()
+    assert str(e.value) == "unknown runtime 'troch' (did you mean torch?); use one of: torch, vllm, llama.cpp"

@@ -13,6 +13,7 @@ engine reads (``Engine.format``): compressed-tensors for vLLM, GGUF for llama.cp
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -167,8 +168,10 @@ def check_runtimes(runtimes: tuple[str, ...], dtype: str, options: EngineOptions
         if key in seen:
             raise InputError(f"--runtime names {key} twice")
         seen.add(key)
-        if key != TORCH:
-            ENGINES.get(key)
+        if key != TORCH and ENGINES.find(key) is None:  # the registry knows only the engines: torch is named here
+            close = difflib.get_close_matches(key, runtime_names(), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise InputError(f"unknown runtime {key!r}{hint}; use one of: {', '.join(runtime_names())}")
     options.validate()
     if options.parallel and seen == {TORCH}:
         raise InputError("--tensor-parallel-size, --pipeline-parallel-size and --distributed-executor-backend are "
