@@ -6,20 +6,22 @@ times, in this order:
 
 - peer: ``forward``, one plain forward pass and log-softmax over the window (``position_logprobs`` as it
   stood when this benchmark was written, frozen below so that speeding up qkit's copy cannot move the peer);
-- ``quantize``: ``qkit.api.quantize_model`` with ``collect=True``, writing the row's checkpoint to a
-  temporary directory, as ``runner.build_row_model`` calls it;
-- ``swap``: the dequantized tensors copied into the model (``runner._Swapper.apply``);
+- ``build``: ``runner.build_row_model``: ``qkit.api.quantize_model`` writing the row's checkpoint to a
+  temporary directory, then its tensors streamed into the model (``Swapper.apply``);
 - ``perplexity+KL``: ``CorpusReference.score`` (forward, NLL, KL against the stored reference, top-1);
-- ``battery``: ``generate_answers`` (greedy, ``--battery-tokens`` new tokens for the 16 questions);
-- ``agreement``: ``agreement`` (teacher-forced argmax over the reference's greedy continuations);
-- ``restore``: the reference's weights copied back (``runner._Swapper.restore``).
+- ``prefill``: ``agreement.prefill_prompts``, the 16 battery prompts' KV cache (shared by the next two);
+- ``agreement``: one cached forward of ``--agree-tokens`` positions per prompt, on a copy of that cache;
+- ``battery``: ``generate_answers`` continuing from the cache (greedy, ``--battery-tokens`` new tokens);
+- ``restore``: the reference's weights read back (``Swapper.restore``).
 
 Round-robin (one warm-up round, then ``--repeats`` rounds), so every part sees the same machine load;
 prints each part's median wall time, min-max, its ratio to the peer's median, the same for the
 process's CPU seconds (steadier on a shared machine), and the row's total (the sum of the parts'
-medians) over the peer: the target is <= 1.5. The battery is split into its prefill, its decode steps
-(forward hooks on the model) and what ``generate`` spends outside the model. ``--eval`` also runs
-``evaluate`` on the scheme and prints the rows' own ``seconds`` against the peer median.
+medians) over the peer: the target is <= 1.5. The battery is split into its decode steps (forward hooks
+on the model) and what ``generate`` spends outside the model, and each step is set beside the floor of
+a memory-bound step: the model's bytes over the machine's copy bandwidth (a 1 GiB ``clone``, read plus
+write, timed here). ``--eval`` also runs ``evaluate`` on the scheme and prints the rows' own ``seconds``
+against the peer median.
 
 Run: ``python benchmarks/bench_eval_row.py [--scheme q4_0] [--repeats 5] [--tokens 2048] [--threads 2] [--eval]``.
 """
@@ -30,12 +32,10 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from qkit.api import QuantizeOptions, quantize_model
-from qkit.evaluation.agreement import agreement, reference_continuation
+from qkit.evaluation.agreement import agreement, prefill_prompts, reference_continuation
 from qkit.evaluation.battery import (
     build_prompts,
     generate_answers,
@@ -43,9 +43,10 @@ from qkit.evaluation.battery import (
     model_repetition_penalty,
 )
 from qkit.evaluation.perplexity import CorpusReference
-from qkit.evaluation.runner import TMP_PREFIX, EvalOptions, _Swapper, evaluate
+from qkit.evaluation.runner import EvalOptions, build_row_model, evaluate
+from qkit.evaluation.specs import resolve_rows
+from qkit.evaluation.swap import Swapper
 from qkit.models import load, resolve
-from qkit.staging import temporary_directory
 from qkit.texts import load_corpus
 
 
@@ -54,6 +55,12 @@ def plain_forward(model, window_ids: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
         logits = model(input_ids=window_ids[None], use_cache=False).logits[0, :-1]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def round_robin_cpu(fns: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -92,17 +99,16 @@ def main() -> None:
     prompts = build_prompts(tok, [q.question for q in load_battery()])
     rp = model_repetition_penalty(lm)
     continuation = reference_continuation(lm, tok, prompts, args.agree_tokens)
-    swapper = _Swapper(lm)
+    swapper = Swapper(lm, ref.directory)
+    spec = resolve_rows((args.scheme,), EvalOptions.methods, {})[0]
+    options = EvalOptions(schemes=(args.scheme,), tokens=args.tokens)
     state: dict = {}
 
-    def quantize():
-        with temporary_directory(TMP_PREFIX) as tmp:
-            state["result"] = quantize_model(model=ref, output=Path(tmp) / "row", scheme=args.scheme, collect=True,
-                                             options=QuantizeOptions(scale_dtype=EvalOptions.scale_dtype, device="cpu"))
+    def build():
+        build_row_model(spec, ref, swapper, options, lambda _m: None)
 
-    def swap():
-        r = state["result"]
-        swapper.apply([*r.replaced.items(), *r.quantized.items()])
+    def prefill():
+        state["cache"] = prefill_prompts(lm, *continuation.prompts)
 
     # The battery's forward passes, timed by hooks (the forward signature generate() inspects stays the
     # model's): the first of each generate() is the prompts' prefill, each later one a decode step.
@@ -124,18 +130,18 @@ def main() -> None:
         battery_calls.append([])
         state["in_battery"] = True
         try:
-            generate_answers(lm, tok, prompts, args.battery_tokens, rp)
+            generate_answers(lm, tok, prompts, args.battery_tokens, rp, prompt_cache=state.pop("cache"))
         finally:
             state["in_battery"] = False
 
     # Dict order is the round's order: the model holds the row's weights from swap to restore.
     parts = {
         "forward (peer)": lambda: plain_forward(lm, ids),
-        "quantize (writes)": quantize,
-        "swap": swap,
+        "build (quantize+swap)": build,
         "perplexity+KL": lambda: corpus_ref.score(lm),
+        "prefill": prefill,
+        "agreement": lambda: agreement(lm, continuation, prompt_cache=state["cache"]),
         "battery": battery,
-        "agreement": lambda: agreement(lm, continuation),
         "restore": swapper.restore,
     }
     try:
@@ -154,14 +160,21 @@ def main() -> None:
     crow = sum(m for k, m in cmed.items() if k != "forward (peer)")
     print(f"{'row (sum of parts)':20} {row:8.3f} {'':15} {row / peer:10.2f} {crow:8.3f} {crow / cpeer:10.2f}   (target <= 1.50)")
     runs = battery_calls[1:]  # without the warm-up round; run i is times["battery"][i]
-    prefill = statistics.median(c[0] for c in runs)
-    step = statistics.median(x for c in runs for x in c[1:])
-    steps = statistics.median(len(c) - 1 for c in runs)
+    step = statistics.median(x for c in runs for x in c)
+    steps = statistics.median(len(c) for c in runs)
     rest = statistics.median(t - sum(c) for t, c in zip(times["battery"], runs))
-    print(f"battery (wall) = prefill {prefill:.3f} s ({prefill / peer:.2f} x forward) + {steps} decode steps x {step:.3f} s "
+    big = torch.empty(2**28)  # 1 GiB of float32
+    copy_s = statistics.median(_timed(big.clone) for _ in range(5))
+    bandwidth = 2 * big.numel() * 4 / copy_s  # bytes read plus written per second
+    weights = sum(p.numel() * p.element_size() for p in lm.parameters())
+    floor = weights / bandwidth
+    print(f"battery (wall) = {steps} model calls (the prompts' last tokens, then decode steps) x {step:.3f} s "
           f"({steps * step / peer:.2f} x forward) + {rest:.3f} s outside the model's forward")
+    print(f"a memory-bound step reads every weight once: {weights / 1e6:.0f} MB / {bandwidth / 1e9:.1f} GB/s copy bandwidth "
+          f"= {floor:.3f} s, so {steps} steps >= {steps * floor:.2f} s ({steps * floor / peer:.2f} x forward)")
     b, t = continuation.input_ids.shape
-    print(f"agreement = one forward pass over {b} x {t} = {b * t} positions (the peer: {ids.numel()})")
+    print(f"prefill: {b} x {t - args.agree_tokens - 1} positions; agreement: {b} x {args.agree_tokens} on the cache "
+          f"(the peer: {ids.numel()})")
 
     if args.eval:
         report = evaluate(None, options=EvalOptions(schemes=(args.scheme,), tokens=args.tokens,

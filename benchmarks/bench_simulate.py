@@ -23,11 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _timing import round_robin  # noqa: E402
 
-from qkit.evaluation.agreement import agreement, reference_continuation  # noqa: E402
+from qkit.evaluation.agreement import agreement, prefill_prompts, reference_continuation  # noqa: E402
 from qkit.evaluation.battery import build_prompts, generate_answers, load_battery, model_repetition_penalty  # noqa: E402
 from qkit.texts import load_corpus  # noqa: E402
 from qkit.evaluation.perplexity import CorpusReference  # noqa: E402
-from qkit.evaluation.runner import EvalOptions, _Swapper, build_row_model  # noqa: E402
+from qkit.evaluation.runner import EvalOptions, build_row_model  # noqa: E402
+from qkit.evaluation.swap import Swapper  # noqa: E402
 from qkit.evaluation.specs import RowSpec  # noqa: E402
 from qkit.models import load, resolve  # noqa: E402
 from qkit.simulate import RuntimeContext, apply_runtime  # noqa: E402
@@ -55,7 +56,7 @@ def main() -> None:
     prompts = build_prompts(tok, [q.question for q in load_battery()])
     rp = model_repetition_penalty(lm)
     continuation = reference_continuation(lm, tok, prompts, EvalOptions().agree_tokens)
-    build_row_model(RowSpec("int8-row"), ref, _Swapper(lm), EvalOptions(), lambda _m: None)
+    build_row_model(RowSpec("int8-row"), ref, Swapper(lm, ref.directory), EvalOptions(), lambda _m: None)
     context = RuntimeContext(device=torch.device("cpu"), extra={"tokenizer": tok, "model_ref": ref})
 
     def row(name, runtime):
@@ -63,8 +64,9 @@ def main() -> None:
             print(f"  {name}", file=sys.stderr, flush=True)
             with torch.inference_mode(), apply_runtime(lm, runtime, context):
                 corpus_ref.score(lm)
-                generate_answers(lm, tok, prompts, EvalOptions().battery_tokens, rp)
-                agreement(lm, continuation)
+                cached = prefill_prompts(lm, *continuation.prompts)  # as the runner: one prefill for both
+                agreement(lm, continuation, prompt_cache=cached)
+                generate_answers(lm, tok, prompts, EvalOptions().battery_tokens, rp, prompt_cache=cached)
 
         return run
 

@@ -6,7 +6,8 @@
   window one chunk of positions and with several chunks per window, bit for bit (the memory bounds
   themselves: tests/test_eval_memory.py);
 - agreement's restricted argmax against the argmax over all positions;
-- the battery's one left-padded batch against one prompt at a time (the greedy answers the table reports).
+- the battery's one left-padded batch against one prompt at a time (the greedy answers the table reports);
+- one prompt prefill shared by agreement and the battery against each computed on its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from qkit.evaluation.agreement import (
     ReferenceContinuation,
     agreement,
+    prefill_prompts,
     reference_continuation,
 )
 from qkit.evaluation.battery import (
@@ -134,3 +136,28 @@ def test_battery_batch_equals_one_prompt_at_a_time(perturbed):
     single = [generate_answers(row, tok, [p], 6, 1.0)[0] for p in prompts]
     assert batched == single
     assert len(set(batched)) > 8  # distinct answers: equality is not that of 16 identical strings
+
+
+def test_one_prefill_serves_agreement_and_the_battery(perturbed):
+    """The runner's path (one ``prefill_prompts`` per model, agreement on a copy of its cache, then the
+    battery continuing from it) gives exactly the answers and agreement of each computed on its own."""
+    ref_model, row, tok = perturbed
+    prompts = build_prompts(tok, [q.question for q in load_battery()])
+    batch = encode_batch(tok, prompts)
+    ref_cache = prefill_prompts(ref_model, batch["input_ids"], batch["attention_mask"])
+    cont = reference_continuation(ref_model, tok, prompts, 5, prompt_cache=ref_cache)
+    assert torch.equal(cont.input_ids, reference_continuation(ref_model, tok, prompts, 5).input_ids)
+    assert bool(agreement(ref_model, cont, prompt_cache=ref_cache).all())  # the cache is left as it was
+    for model in (row, ref_model):
+        cached = prefill_prompts(model, *cont.prompts)
+        first = agreement(model, cont, prompt_cache=cached)
+        assert torch.equal(agreement(model, cont, prompt_cache=cached), first)  # extend does not move the cache
+        assert torch.equal(first, agreement(model, cont))
+        answers = generate_answers(model, tok, prompts, 6, 1.0, prompt_cache=cached)
+        assert answers == generate_answers(model, tok, prompts, 6, 1.0)
+        assert cached.cache is None  # consumed: a second use is refused, not silently wrong
+        with pytest.raises(RuntimeError, match="consumed"):
+            agreement(model, cont, prompt_cache=cached)
+        with pytest.raises(RuntimeError, match="consumed"):
+            generate_answers(model, tok, prompts, 6, 1.0, prompt_cache=cached)
+    assert 0 < int(agreement(row, cont).sum()) < cont.targets.numel()  # the row differs: the equalities can fail

@@ -49,16 +49,36 @@ def encode_batch(tokenizer, prompts: list[str]) -> dict[str, torch.Tensor]:
     return tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
-def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, repetition_penalty: float) -> list[str]:
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward and ``generate`` take a KV cache by: ``cache`` in transformers
+    releases that renamed it, ``past_key_values`` before (the old name warns, then goes)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, repetition_penalty: float, *,
+                     prompt_cache=None) -> list[str]:
     """Greedy answers for all prompts in one left-padded batch; decoding stops per sequence at EOS.
 
     ``generate`` runs one prefill over ``[B, L]`` (the longest prompt) and then up to ``max_new_tokens - 1``
-    decode steps of ``[B, 1]`` each, until every sequence has ended. The answers equal those of one prompt
-    at a time on CPU (tests/test_eval_speed.py); nothing promises that on every backend, since padding and
-    the batch size change the shapes of the matrix products."""
+    decode steps of ``[B, 1]`` each, until every sequence has ended. ``prompt_cache``: this model's
+    ``agreement.prefill_prompts`` of the same batch, which ``generate`` continues from (one step of the
+    prompts' last tokens instead of the prefill) and consumes. The answers equal those of one prompt at a
+    time on CPU, and those without the cache (tests/test_eval_speed.py); nothing promises that on every
+    backend, since padding and the batch size change the shapes of the matrix products."""
     from transformers import GenerationConfig
 
-    batch = encode_batch(tokenizer, prompts)
+    if prompt_cache is None:
+        batch = encode_batch(tokenizer, prompts)
+        ids, mask, cache = batch["input_ids"], batch["attention_mask"], None
+    else:
+        if prompt_cache.cache is None:
+            raise RuntimeError("this prompt cache was consumed by generation; prefill the prompts again")
+        ids, mask, cache = prompt_cache.input_ids, prompt_cache.attention_mask, prompt_cache.cache
+        prompt_cache.cache = None  # generate extends it in place
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
     device = next(model.parameters()).device
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -67,9 +87,10 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    extra = {cache_keyword(model): cache} if cache is not None else {}
     with torch.inference_mode():
-        out = model.generate(**{k: v.to(device) for k, v in batch.items()}, generation_config=config)
-    new = out[:, batch["input_ids"].shape[1] :].cpu()
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, **extra)
+    new = out[:, ids.shape[1] :].cpu()
     return tokenizer.batch_decode(new, skip_special_tokens=True)
 
 

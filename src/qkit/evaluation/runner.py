@@ -50,9 +50,10 @@ from qkit.checkpoint import (
     tensor_shapes,
 )
 from qkit.errors import InputError
-from qkit.evaluation.agreement import agreement, reference_continuation
+from qkit.evaluation.agreement import agreement, prefill_prompts, reference_continuation
 from qkit.evaluation.battery import (
     build_prompts,
+    encode_batch,
     generate_answers,
     is_correct,
     load_battery,
@@ -251,18 +252,21 @@ def evaluate(
     corpus_ref = CorpusReference(lm, ids, window)
     rp = model_repetition_penalty(lm) if options.repetition_penalty else 1.0
     say("reference: greedy continuations for agreement")
-    continuation = reference_continuation(lm, tok, prompts, options.agree_tokens)
+    batch = encode_batch(tok, prompts)
+    ref_prompts = prefill_prompts(lm, batch["input_ids"], batch["attention_mask"])  # shared with its battery
+    continuation = reference_continuation(lm, tok, prompts, options.agree_tokens, prompt_cache=ref_prompts)
 
     def measure(name: str, bits: float, size: int, matrices: int, started: float, ref_row: Row | None, **facts) -> Row:
         if ref_row is not None:
             say(f"{name}: perplexity and KL divergence")
         scores: TokenScores = corpus_ref.score(lm) if ref_row is not None else ref_scores
         row_scores[name] = scores
-        say(f"{name}: battery")
-        outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp)
+        say(f"{name}: agreement and battery")
+        # one prefill of the prompts for both (agreement reads on a copy of its cache; the battery consumes it)
+        cached = prefill_prompts(lm, *continuation.prompts) if ref_row is not None else ref_prompts
+        agree = agreement(lm, continuation, prompt_cache=cached)
+        outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp, prompt_cache=cached)
         answers = [is_correct(o, q.answers) for o, q in zip(outputs, battery)]
-        say(f"{name}: agreement")
-        agree = agreement(lm, continuation)
         return assemble_row(name, scores, ref_scores, ref_row, outputs, answers, agree, bits, size, matrices,
                             time.perf_counter() - started, **facts)
 
@@ -409,4 +413,4 @@ def build_row_model(spec: RowSpec, ref: ModelRef, swapper: Swapper, options: Eva
     return result
 
 
-_Swapper = Swapper  # the name benchmarks and older scripts import
+_Swapper = Swapper  # the name older scripts import
