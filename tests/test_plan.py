@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from qkit.api import QuantizeOptions, plan_model, quantize_model
 from qkit.cli import app
 from qkit.errors import InputError
-from qkit.plan import PlanOptions, read_plan
+from qkit.plan import Candidate, PlanOptions, read_plan
 from qkit.plan.sensitivity import candidate_cost, fisher_diagonal
 
 runner = CliRunner()
@@ -140,6 +140,39 @@ def test_compressed_tensors_and_qkit_plans_write_what_they_planned(wide_model, t
         q = quantize_model(str(wide_model), output=tmp_path / fmt, options=QuantizeOptions(plan=str(tmp_path / f"{fmt}.json"), format=fmt))
         assert q.types == {n: t.type for n, t in r.plan.tensors.items() if t.scheme is not None}
         assert r.plan.nbytes <= r.plan.target["budget_bytes"]
+
+
+def _fused_key(name: str) -> str:
+    return name.replace("q_proj", "qkv").replace("k_proj", "qkv").replace("v_proj", "qkv").replace("gate_proj", "gu").replace("up_proj", "gu")
+
+
+def test_a_compressed_tensors_plan_gives_each_fused_vllm_layer_one_type(wide_model, tmp_path):
+    """vLLM fuses q/k/v and gate/up and refuses shards of one fused layer in different schemes: the
+    compressed-tensors plan ties them (and is the exact optimum of the tied problem, brute force over the
+    tied items); the gguf plan of the same budget is free to split them, and here does."""
+    from itertools import product
+
+    from qkit.plan.planner import tied_items
+    from qkit.plan.solve import brute_force
+
+    opts = PlanOptions(format="compressed-tensors", target_bits=5.0, candidates=("int4-g64", "int8-row", "none"), **FAST)
+    r = plan_model(str(wide_model), options=opts, output=tmp_path / "ct.json")
+    by_fused: dict[str, set[str]] = {}
+    for name, t in r.plan.tensors.items():
+        by_fused.setdefault(_fused_key(name), set()).add(t.type)
+    assert all(len(types) == 1 for types in by_fused.values()), by_fused
+    assert len(r.plan.solver["tied"]) == 4 and r.plan.solver["items"] == 2 * 4  # per layer: qkv, o, gate_up, down
+    names = list(r.plan.tensors)
+    options = [[Candidate(k, None, b) for k, (b, _) in r.plan.tensors[n].candidates.items()] for n in names]
+    costs = [[c for _, c in r.plan.tensors[n].candidates.values()] for n in names]
+    groups, items, merged = tied_items(names, options, "compressed-tensors", costs)
+    choice, best = brute_force(merged, [[c.nbytes for c in row] for row in items], r.plan.target["budget_bytes"])
+    assert r.plan.predicted_kl == pytest.approx(best, rel=1e-12)
+    assert len(list(product(*items))) > 1000  # the brute force had a real choice to make
+    free = plan_model(str(wide_model), options=PlanOptions(format="qkit", target_bits=5.0, candidates=("int4-g64", "int8-g128", "none"), **FAST),
+                      output=tmp_path / "qkit.json")
+    assert any(len({free.plan.tensors[n].type for n in names if _fused_key(n) == k}) > 1 for k in by_fused), \
+        "the untied plan never splits a fused group, so the tie above is not what made those types equal"
 
 
 @pytest.mark.parametrize("args, message", [

@@ -367,3 +367,28 @@ def test_candidate_bytes_equal_written_files(fmt, mixed_model, tmp_path):
     for width in (288, 512):
         want = {c.name for n in targets if shapes[n][1] == width for c in offered[n]}
         assert {name for name, w in seen if w == width} == want
+
+
+def test_fused_groups_are_vllms_fused_layers_in_compressed_tensors_only():
+    from qkit.plan.candidates import fused_groups
+
+    names = [f"model.layers.{i}.{m}.weight" for i in (0, 1) for m in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    names.append("model.layers.1.self_attn.q_proj.bias")  # not a weight: alone
+    assert fused_groups("ct", names) == [[0, 1, 2], [3], [4, 5], [6], [7, 8, 9], [10], [11, 12], [13], [14]]
+    for fmt in ("gguf", "qkit"):
+        assert fused_groups(fmt, names) == [[i] for i in range(len(names))]
+
+
+def test_a_budget_named_by_a_scheme_is_its_bytes_in_the_plans_format():
+    """plan:ct@int4-g64 gets what int4-g64 stores in compressed-tensors (scales in the fp32 weight dtype,
+    plus weight_shape), not qkit's own fp16-scale bytes: the plan competes with the uniform row's real size."""
+    from qkit.plan.planner import PlanOptions, budget_bytes
+
+    shapes = {"m.weight": (512, 256)}
+    ct = budget_bytes(PlanOptions(format="ct", target_scheme="int4-g64"), 512 * 256, shapes, None, {"m.weight": torch.float32})
+    assert ct == 512 * (256 * 4 // 32) * 4 + 512 * (256 // 64) * 4 + 16  # 73,744: int32 words + fp32 scales + shape
+    own = budget_bytes(PlanOptions(format="qkit", target_scheme="int4-g64"), 512 * 256, shapes, None, {"m.weight": torch.float32})
+    assert own == 512 * 256 // 2 + 512 * (256 // 64) * 2  # 69,632: codes + fp16 scales
+    bf16 = budget_bytes(PlanOptions(format="ct", target_scheme="int4-g64"), 512 * 256, shapes, None, {"m.weight": torch.bfloat16})
+    assert bf16 == 512 * 32 * 4 + 512 * 4 * 2 + 16

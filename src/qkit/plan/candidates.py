@@ -41,6 +41,12 @@ writer stores for the ``QuantizedTensor``, ``sum(bytes of qt.tensors(name))`` = 
 equals ``scheme.nbytes_for(shape)`` for every native shape (the llama.cpp types store an empty ``scales``);
 absmax and nf4 scales are in ``scale_dtype``. KEEP: ``out * in * itemsize(dtype)``.
 
+**Fused layers** (``fused_groups``): vLLM serves a llama-style model's q/k/v projections as one
+``qkv_proj`` and gate/up as one ``gate_up_proj``, and refuses a compressed-tensors checkpoint whose shards
+of one fused layer have different schemes ("vLLM requires all to use the same scheme", or no matching
+config group). A compressed-tensors plan therefore gives each such group one type; gguf (llama.cpp keeps
+every tensor separate) and qkit plan each tensor alone.
+
 Candidates are listed by bytes, then name; ``ladder`` lists a format's names by their bytes on a
 ``[4096, 4096]`` fp16 tensor with fp16 scales, KEEP last.
 """
@@ -138,7 +144,7 @@ def _native(scheme: Scheme, shape: tuple[int, int]) -> bool:
     return True  # nf4: flat blocks of the flattened tensor, bitsandbytes' layout for any shape
 
 
-def _nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
+def stored_nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Exact stored bytes of a ``shape`` tensor of source ``dtype`` in format ``fmt`` (``scheme`` None: KEEP)."""
     if fmt == "gguf":
         t = gguf_types.float_type(dtype) if scheme is None else scheme.ggml_type  # type: ignore[attr-defined]
@@ -150,13 +156,34 @@ def _nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype: torc
     return layout_nbytes(scheme.part_layout(shape))  # what ShardWriter stores: sum of qt.tensors(name)
 
 
+# vLLM's ``packed_modules_mapping`` for llama-style models: the fused module and its shards.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_TIES_FUSED = ("compressed-tensors",)
+_SHARD = re.compile(r"(?:^|\.)(" + "|".join(s for shards in FUSED_MODULES.values() for s in shards) + r")\.weight$")
+_FUSED_OF = {shard: fused for fused, shards in FUSED_MODULES.items() for shard in shards}
+
+
+def fused_groups(format: str, names: Sequence[str]) -> list[list[int]]:
+    """Indices into ``names`` that must share one type in ``format``, in order of first appearance: for
+    compressed-tensors, the shards of one fused vLLM layer (``...self_attn.{q,k,v}_proj.weight`` of one
+    layer; ``...mlp.{gate,up}_proj.weight``); every other tensor, and every tensor of other formats, alone."""
+    if check_format(format) not in _TIES_FUSED:
+        return [[i] for i in range(len(names))]
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        m = _SHARD.search(name)
+        key = name[: m.start(1)] + _FUSED_OF[m.group(1)] if m else f"\0{name}"  # \0: never a tensor's name
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
 @functools.cache
 def ladder(format: str) -> tuple[str, ...]:
     """Every candidate name ``format`` can offer (for help and validation), smallest first: by bytes on a
     ``[4096, 4096]`` fp16 tensor with fp16 scales (ties by name), ``KEEP`` last."""
     fmt = check_format(format)
     fp16 = parse_scale_dtype(DEFAULT_SCALE_DTYPE)
-    size = {n: _nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in _names(fmt)}
+    size = {n: stored_nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in _names(fmt)}
     return (*sorted(size, key=lambda n: (size[n], n)), KEEP)
 
 
@@ -225,7 +252,7 @@ def candidates(
         scheme = None if name == KEEP else _scheme(name, sdtype)
         if scheme is not None and not _native(scheme, shape):
             continue
-        fits.append(Candidate(name, scheme, _nbytes(fmt, scheme, shape, dtype)))
+        fits.append(Candidate(name, scheme, stored_nbytes(fmt, scheme, shape, dtype)))
     out = sorted((c for c in fits if c.name in wanted), key=lambda c: (c.nbytes, c.name))
     if fmt == "compressed-tensors" and sdtype not in EXACT_IN[dtype]:
         ints = [c.name for c in out if c.scheme is not None and not compressed_tensors_fp4.is_fp4(c.scheme)]
@@ -245,5 +272,5 @@ def candidates(
     return out
 
 
-__all__ = ["CT_GROUPS", "CT_TYPES", "GGUF_TYPES", "KEEP", "PLAN_FORMATS", "QKIT_GROUPS", "Candidate",
-           "candidates", "check_format", "ladder", "parse_allowed"]
+__all__ = ["CT_GROUPS", "CT_TYPES", "FUSED_MODULES", "fused_groups", "GGUF_TYPES", "KEEP", "PLAN_FORMATS", "QKIT_GROUPS", "Candidate",
+           "candidates", "check_format", "ladder", "parse_allowed", "stored_nbytes"]

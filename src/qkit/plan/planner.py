@@ -40,7 +40,10 @@ from qkit.plan.candidates import (
     Candidate,
     candidates,
     check_format,
+    fused_groups,
+    ladder,
     parse_allowed,
+    stored_nbytes,
 )
 from qkit.plan.planfile import Plan, TensorChoice, fingerprint
 from qkit.plan.sensitivity import candidate_cost, fisher_diagonal, measured_kl
@@ -119,6 +122,7 @@ class Table:
     positions: int
     fisher: object = field(repr=False, default=None)  # sensitivity.Fisher: the check's reference windows
     model: object = field(repr=False, default=None)  # the loaded reference, for the check
+    dtypes: dict = field(default_factory=dict)  # each planned tensor's source dtype
     seconds: dict = field(default_factory=dict)
 
     @property
@@ -145,14 +149,23 @@ def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int,
 
 
 def budget_bytes(options: PlanOptions, weights: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 config: Mapping | None = None) -> int:
+                 config: Mapping | None = None, dtypes: Mapping[str, torch.dtype | None] | None = None) -> int:
     """The budget in bytes: ``target_size``; ``floor(target_bits * weights / 8)``; or the bytes
-    ``target_scheme`` (bound to the model's ``config``: a recipe's per-tensor types) stores for ``shapes``."""
+    ``target_scheme`` (bound to the model's ``config``: a recipe's per-tensor types) stores for ``shapes``
+    in the plan's format, from each tensor's source dtype in ``dtypes`` (compressed-tensors keeps scales
+    in the weight dtype, so ``plan:ct@int4-g64`` gets the bytes int4-g64 takes *there*)."""
     if options.target_size is not None:
         return int(options.target_size)
     if options.target_scheme is not None:
         s = get_scheme(options.target_scheme).bind(dict(config or {}))
-        return sum(s.resolve(tuple(shape), n).nbytes_for(tuple(shape)) for n, shape in (shapes or {}).items())
+        fmt, dt, offered = check_format(options.format), dict(dtypes or {}), set(ladder(options.format))
+
+        def nbytes(scheme, name: str, shape: tuple[int, ...]) -> int:  # a type the format offers: its stored bytes
+            if scheme.name in offered:
+                return stored_nbytes(fmt, scheme, shape, dt.get(name) or torch.float32)
+            return scheme.nbytes_for(shape)
+
+        return sum(nbytes(s.resolve(tuple(shape), n), n, tuple(shape)) for n, shape in (shapes or {}).items())
     return int(math.floor(options.target_bits * weights / 8))
 
 
@@ -205,7 +218,8 @@ def sensitivity_table(
     costs = [by_name[n][0] for n in names]
     lossless = [by_name[n][1] for n in names]
     table = Table(names, targets, [opts[n] for n in names], costs, lossless, provenance, fisher.positions, fisher,
-                  model, {"fisher": round(t1 - t0, 3), "candidates": round(time.perf_counter() - t1, 3)})
+                  model, dtypes={n: d for n, d in tensor_dtypes(ref.directory).items() if n in targets},
+                  seconds={"fisher": round(t1 - t0, 3), "candidates": round(time.perf_counter() - t1, 3)})
     _TABLE.clear()
     _TABLE[key] = table
     return table
@@ -240,8 +254,8 @@ def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None)
     sets = candidate_sets(ref, options)
     shapes = planned_targets(ref, options)
     weights = sum(math.prod(s) for s in shapes.values())
-    budget = budget_bytes(options, weights, shapes, config)
-    check_budget(budget, list(sets.values()), weights)
+    budget = budget_bytes(options, weights, shapes, config, tensor_dtypes(ref.directory))
+    check_budget(budget, tied_items(list(sets), list(sets.values()), options.format)[1], weights)
     return budget
 
 
@@ -249,13 +263,14 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
            method: str = "rtn", imatrix: dict | None = None, config: Mapping | None = None) -> Plan:
     """Step 4: the exact solve of ``table`` for ``options``' budget, as a ``Plan`` (no check yet)."""
     weights = table.weights
-    budget = budget_bytes(options, weights, table.shapes, config)
-    sizes = [[c.nbytes for c in row] for row in table.options]
-    check_budget(budget, table.options, weights)
-    sol = solve(table.costs, sizes, budget)
+    budget = budget_bytes(options, weights, table.shapes, config, table.dtypes)
+    groups, items, costs = tied_items(table.names, table.options, options.format, table.costs)
+    check_budget(budget, items, weights)
+    sol = solve(costs, [[c.nbytes for c in row] for row in items], budget)
+    picked = {i: items[g][sol.choice[g]].name for g, members in enumerate(groups) for i in members}
     tensors = {}
     for i, name in enumerate(table.names):
-        j = sol.choice[i]
+        j = next(k for k, c in enumerate(table.options[i]) if c.name == picked[i])
         cand = table.options[i][j]
         tensors[name] = TensorChoice(cand.name, cand.scheme, tuple(table.shapes[name]), cand.nbytes, table.costs[i][j],
                                      table.lossless[i][j],
@@ -265,8 +280,29 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
         "them); embeddings, norms and unplanned tensors are outside the budget")}
     sensitivity = {"estimator": ESTIMATOR, "calibration": table.calibration, "positions": table.positions,
                    "seconds": table.seconds}
+    solver = {**sol.to_dict(), "items": len(groups), "tied": [[table.names[i] for i in g] for g in groups if len(g) > 1]}
     return Plan(model_spec, fingerprint(shapes_all.items()), check_format(options.format), method, target, tensors,
-                imatrix=imatrix, sensitivity=sensitivity, solver=sol.to_dict(), qkit_version=__version__)
+                imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
+
+
+def tied_items(names: Sequence[str], options: Sequence[Sequence[Candidate]], format: str,
+               costs: Sequence[Sequence[float]] | None = None) -> tuple[list[list[int]], list[list[Candidate]], list[list[float]]]:
+    """The solver's items: each group of ``candidates.fused_groups`` (tensors that must share one type)
+    is one item whose options are the types every member offers, with the members' bytes and predicted
+    ``costs`` summed (so the knapsack over items is exact for the tied problem). Returns the groups
+    (indices into ``names``), each item's merged candidates (``scheme`` None) and their costs."""
+    groups = fused_groups(format, names)
+    items, merged = [], []
+    for g in groups:
+        by_name = [{c.name: k for k, c in enumerate(options[i])} for i in g]
+        common = [c.name for c in options[g[0]] if all(c.name in m for m in by_name)]
+        if not common:
+            raise InputError(f"{', '.join(names[i] for i in g)} must share one type (vLLM fuses them) but "
+                             "have no candidate in common; widen --candidates")
+        items.append([Candidate(n, None, sum(options[i][m[n]].nbytes for i, m in zip(g, by_name))) for n in common])
+        if costs is not None:
+            merged.append([sum(costs[i][m[n]] for i, m in zip(g, by_name)) for n in common])
+    return groups, items, merged
 
 
 def _qw(weights: Mapping[str, torch.Tensor], name: str, cand: Candidate) -> torch.Tensor | None:
