@@ -171,6 +171,21 @@ def test_pinned_corpus_is_the_book_of_ruth():
     assert c.text.startswith("Now it came to pass in the days when the judges ruled")
 
 
+@pytest.mark.slow
+def test_kjv_books_are_a_pinned_longer_corpus():
+    """kjv:BOOK,... reads the same verified archive: kjv:Ruth is the default text to the byte, books are
+    joined in the order given, and a wrong or repeated book is refused in one line."""
+    ruth = load_corpus("kjv:ruth")
+    assert ruth.text == load_corpus().text and ruth.sha256 == load_corpus().sha256
+    both = load_corpus("kjv:Ruth,Jonah")
+    assert both.text.startswith(ruth.text + "\n\n") and both.name == "kjv-ruth-jonah"
+    assert both.text.endswith("and also much cattle?")  # Jonah 4:11, the book's last words
+    assert load_corpus("kjv:Luke").sha256 == "bd9c52074975d2c42a6d989afeca635fa1f85f6a024dabb274bb3f63c7a9a930"
+    for spec, message in (("kjv:Lukee", "did you mean Luke"), ("kjv:", "names no book"), ("kjv:Luke,luke", "twice")):
+        with pytest.raises(InputError, match=message):
+            load_corpus(spec)
+
+
 def test_own_scores_equal_a_second_forward_pass():
     probs = torch.tensor([[0.25, 0.5, 0.25], [0.5, 0.25, 0.25], [0.25, 0.5, 0.25]])
     model = BigramModel(probs.log())

