@@ -459,6 +459,67 @@ def test_w8a8_export_scored_by_vllm(vllm_tiny, tmp_path):
     assert abs(math.exp(-s.target_logprobs[0].mean().item()) / math.exp(-target.mean().item()) - 1) < 5e-3
 
 
+@pytest.mark.slow
+@needs_vllm
+def test_a_planned_int4_mix_loads_in_vllm(vllm_tiny, tmp_path):
+    """A compressed-tensors plan of two int4 group sizes (fused layers tied) loads in vLLM in bf16 through
+    its mixed-precision path and scores what torch scores on the same dequantized weights in bf16."""
+    import shutil
+
+    from conftest import make_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from qkit.api import QuantizeOptions, plan_model, quantize_model
+    from qkit.checkpoint import iter_tensors
+    from qkit.plan import PlanOptions
+    from qkit.schemes import quantize_tensor
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(vllm_tiny, model_dir)
+    make_tokenizer(model_dir)
+    opts = PlanOptions(format="ct", target_bits=4.75, candidates=("int4-g32", "int4-g64"), samples=2, seqlen=32,
+                       check_windows=1)
+    plan = plan_model(str(model_dir), options=opts, output=tmp_path / "plan.json").plan
+    assert {t.type for t in plan.tensors.values()} == {"int4-g32", "int4-g64"}  # a real mix of config groups
+    out = tmp_path / "mix"
+    quantize_model(str(model_dir), output=out, options=QuantizeOptions(plan=str(tmp_path / "plan.json"), format="compressed-tensors"))
+    ids = (torch.arange(96) * 37 + 5) % 300
+    s = ENGINE.run(out, _job([ids.tolist()], k=5), EngineOptions(dtype="bf16"))
+    assert any("mixed-precision" in n for n in s.notes), s.notes
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    reference, _ = _torch_target(model.to(torch.bfloat16), ids)
+    model = model.float()
+    with torch.no_grad():  # the plan's codes, as the export holds them (the same quantize_tensor)
+        for name, w in iter_tensors(model_dir):
+            t = plan.tensors.get(name)
+            if t is not None and t.scheme is not None:
+                model.get_parameter(name).copy_(quantize_tensor(w, t.scheme, name=name).dequantize(torch.float32))
+    target, _ = _torch_target(model.to(torch.bfloat16), ids)
+    diff = (s.target_logprobs[0] - target.float()).abs().mean().item()
+    away = (s.target_logprobs[0] - reference.float()).abs().mean().item()  # the unquantized model: what a wrong file scores like
+    assert diff < 0.01 and away > 5 * diff, (diff, away)
+
+
+def test_a_compressed_tensors_file_splitting_a_fused_layer_is_refused_before_vllm(vllm_tiny, tmp_path):
+    """q_proj and k_proj of one layer in different schemes: vLLM itself fails on such a file with a bare
+    AssertionError; qkit names the shards and their schemes in one line instead, before vLLM starts."""
+    from qkit.api import QuantizeOptions, quantize_model
+    from qkit.evaluation.engines.vllm import check_readable
+
+    out = tmp_path / "untied"
+    quantize_model(str(vllm_tiny), output=out, scheme="int4-g32", format="compressed-tensors",
+                   options=QuantizeOptions(keep=("int4-g64:*k_proj*",)))
+    with pytest.raises(InputError) as info:
+        check_readable(out)
+    msg = str(info.value)
+    assert "model.layers.0.self_attn.k_proj is int4 groups of 64" in msg and "q_proj is int4 groups of 32" in msg, msg
+    assert "\n" not in msg
+    tied = tmp_path / "tied"
+    quantize_model(str(vllm_tiny), output=tied, scheme="int4-g32", format="compressed-tensors",
+                   options=QuantizeOptions(keep=("int4-g64:*self_attn*",)))  # q, k, v (and o) together: consistent
+    check_readable(tied)
+
+
 # --------------------------------------------------------------------------- qkit verify --runtime vllm (the comparison)
 
 

@@ -28,6 +28,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qkit.checkpoint import read_manifest
+from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError
 from qkit.evaluation.engines.base import (
     ENGINES,
@@ -53,6 +54,7 @@ from qkit.export.compressed_tensors_fp4 import is_fp4
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
 from qkit.export.verify.vllm import EngineLogprobs, EngineVerifyResult, verify_engine
 from qkit.granularity import PerGroup, PerRow
+from qkit.plan.candidates import FUSED_MODULES
 from qkit.schemes import AbsmaxScheme, get_scheme
 
 NAME = "vllm"
@@ -176,7 +178,51 @@ def check_readable(path: Path) -> dict:
         raise InputError(f"{path} is a qkit checkpoint, which vLLM cannot read; {fix}")
     if qc is not None and qc.get("quant_method") != FORMAT:
         raise InputError(f"{path} is a {qc.get('quant_method')!r} checkpoint; qkit's vLLM runtime reads {FORMAT}: {fix}")
+    if qc is not None:
+        split = fused_scheme_split(qc, {n.rsplit(".", 1)[0] for n, _ in tensor_shapes(path)})
+        if split:
+            raise InputError(f"{path}: {split}; vLLM fuses them into one layer and requires one scheme for all "
+                             "(a compressed-tensors qkit plan ties them; re-quantize with one type for them)")
     return config
+
+
+def _matches(name: str, target: str) -> bool:
+    """compressed-tensors' target matching: ``re:REGEX`` (``re.match``), a module name, or a class name
+    (``Linear``: every linear module, which every name checked here is)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    return target == name or target == "Linear"
+
+
+def fused_scheme_split(quantization_config: dict, modules: set[str]) -> str | None:
+    """The first fused vLLM layer (``candidates.FUSED_MODULES``: q/k/v, gate/up of one block) whose shards
+    the config puts in different config groups, or some ignored and some not, as one line; None when
+    every fused layer is consistent. ``modules``: the checkpoint's module names (tensor names without
+    their last part)."""
+    groups = quantization_config.get("config_groups") or {}
+    ignore = quantization_config.get("ignore") or []
+
+    def describe(group: str) -> str:
+        w = groups[group].get("weights") or {}
+        unit = f"groups of {w.get('group_size')}" if w.get("strategy") == "group" else f"per {w.get('strategy')}"
+        return f"{w.get('type', 'int')}{w.get('num_bits')} {unit} ({group})"
+
+    def where(module: str) -> str:
+        if any(_matches(module, t) for t in ignore):
+            return "unquantized"
+        group = next((g for g, spec in groups.items() if any(_matches(module, t) for t in spec.get("targets") or [])), None)
+        return describe(group) if group is not None else "unquantized"
+
+    for module in sorted(modules):
+        for shards in FUSED_MODULES.values():
+            prefix, _, last = module.rpartition(".")
+            if last != shards[0]:
+                continue
+            present = [f"{prefix}.{s}" for s in shards if f"{prefix}.{s}" in modules]
+            placed = {m: where(m) for m in present}
+            if len(set(placed.values())) > 1:
+                return "; ".join(f"{m} is {g}" for m, g in placed.items())
+    return None
 
 
 _EVAL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # EngineOptions.dtype -> vLLM's dtype
