@@ -139,7 +139,8 @@ def render_plan(p: Plan) -> None:
          f"{measured:.5f} ± {chk['measured_kl_se']:.5f} on {chk['positions']:,} calibration positions "
          f"(predicted/measured {chk['ratio']:.2f})" if chk.get("ratio") else f"{measured:.5f}"],
         ["solver", f"{'exact' if sol.get('exact') else 'rounded to ' + str(sol.get('unit')) + ' bytes'}: "
-                   f"{sol.get('states', 0):,} states of {sol.get('unit')} bytes, {sol.get('seconds', 0) * 1000:.0f} ms"],
+                   f"{sol.get('states', 0):,} states of {sol.get('unit')} bytes, {sol.get('seconds', 0) * 1000:.0f} ms"
+                   + (f"; {len(sol['tied'])} fused vLLM layers (q/k/v, gate/up) take one type each" if sol.get("tied") else "")],
         ["sensitivity", f"{p.sensitivity.get('positions', 0):,} positions of {p.sensitivity.get('calibration', {}).get('name')}, "
                         + ", ".join(f"{k} {v:.1f} s" for k, v in (p.sensitivity.get('seconds') or {}).items())],
         *([["importance matrix", f"{p.imatrix.get('file')} (sha256 {str(p.imatrix.get('sha256'))[:12]}...)"]] if p.imatrix else []),
