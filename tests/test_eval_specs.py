@@ -140,3 +140,17 @@ def test_a_row_reproducing_some_tensors_is_qualified():
     assert any("a real gain, but 178 of its tensors reproduce" in n for n in notes)
     whole = _row("q4_k_m", 18.0, 5.0, 1.0, 210, matrices=210)
     assert not any("reproduces" in n for n in interpret([ref, whole]))
+
+
+def test_the_compressed_tensors_frontier_pairs_each_type_with_its_plan():
+    from qkit.evaluation.runner import EvalOptions, row_plan
+    from qkit.plan.candidates import CT_TYPES
+
+    rows = resolve_rows(("frontier-ct",))
+    names = [r.name for r in rows]
+    assert names[0::2] == ["int4-row", "int4-g128", "mxfp4", "int4-g64", "nvfp4", "int4-g32", "int8-row"]
+    assert set(names[0::2]) == set(CT_TYPES)  # every type the format offers, none missing
+    assert names[1::2] == [f"plan:ct@{n}" for n in names[0::2]]
+    opts = EvalOptions(schemes=("frontier-ct",))
+    assert [row_plan(r, opts).target_scheme for r in rows[1::2]] == names[0::2]
+    assert {row_plan(r, opts).format for r in rows[1::2]} == {"compressed-tensors"}

@@ -96,6 +96,12 @@ register_preset("frontier-gguf", FRONTIER_GGUF,
                 "every llama.cpp ladder step beside a planned GGUF of the same bytes (qkit plan), paired against it")
 register_preset("frontier-gguf-imatrix", FRONTIER_GGUF_IMATRIX,
                 "the frontier with the importance matrix on both sides: each step+imatrix beside its planned mix+imatrix")
+# compressed-tensors' uniform types (candidates.CT_TYPES) by their bytes, each beside the planned mix that
+# gets that type's stored bytes in compressed-tensors (plan:ct@STEP, paired against STEP's row).
+CT_LADDER = ("int4-row", "int4-g128", "mxfp4", "int4-g64", "nvfp4", "int4-g32", "int8-row")
+FRONTIER_CT = tuple(n for step in CT_LADDER for n in (step, f"plan:ct@{step}"))
+register_preset("frontier-ct", FRONTIER_CT,
+                "every compressed-tensors type beside a planned compressed-tensors mix of the same stored bytes, paired against it")
 
-__all__ = ["ACTIVATIONS_PRESET", "FRONTIER_GGUF", "FRONTIER_GGUF_IMATRIX", "GGUF_LADDER", "GGUF_PRESET", "SHIPPED",
+__all__ = ["ACTIVATIONS_PRESET", "CT_LADDER", "FRONTIER_CT", "FRONTIER_GGUF", "FRONTIER_GGUF_IMATRIX", "GGUF_LADDER", "GGUF_PRESET", "SHIPPED",
            "SIMULATION_ROWS"]
