@@ -132,6 +132,24 @@ def test_another_qkit_version_is_refused(tmp_path):
     docs = make_docs()
     docs["plan"]["qkit_version"] = "9.9"
     _refused(tmp_path, docs, "qkit 9.9", "plan-data.json")
+    for kind in ("errors", "outliers", "sensitivity", "kv", "budget"):  # --json records it at the top
+        docs = make_docs()
+        docs[kind]["qkit_version"] = "0.0.1"
+        _refused(tmp_path, docs, "qkit 0.0.1", f"{kind}-data.json")
+
+
+def test_every_json_a_command_writes_records_its_qkit_version(tmp_path):
+    from qkit.cli.common import start
+
+    for doc in ({"matrices": []}, {"rows": [], "provenance": {"qkit_version": __version__}}, [1, 2]):
+        out = tmp_path / "out.json"
+        out.unlink(missing_ok=True)
+        start(str(out), force=False).write_json(lambda d=doc: d)
+        written = json.loads(out.read_text())
+        if isinstance(doc, dict) and "provenance" not in doc:
+            assert written == {"qkit_version": __version__, **doc}
+        else:
+            assert written == doc  # an eval's version stays in its provenance, once; a list is written as given
 
 
 def test_another_model_is_refused(tmp_path):

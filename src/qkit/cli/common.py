@@ -24,6 +24,7 @@ from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
 from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
 from qkit.threads import set_threads
+from qkit.version import __version__
 
 # --------------------------------------------------------------------------- shared options (defined once)
 
@@ -176,9 +177,14 @@ class Run:
         return use_threads(self.threads)
 
     def write_json(self, data: Callable[[], Any]) -> None:
-        """With ``--json``, write what ``data()`` returns there (computed only then)."""
+        """With ``--json``, write what ``data()`` returns there (computed only then), with the
+        ``qkit_version`` that wrote it at the top where the document records none (an eval's is in its
+        provenance), so ``qkit report`` can refuse files of different versions."""
         if self.json_path:
-            console.write_json(self.json_path, data())
+            doc = data()
+            if isinstance(doc, dict) and "qkit_version" not in doc and "qkit_version" not in (doc.get("provenance") or {}):
+                doc = {"qkit_version": __version__, **doc}
+            console.write_json(self.json_path, doc)
 
 
 def start(json_path: str | None, force: bool, threads: int | None = None, inputs: Iterable[outputs.Input] = ()) -> Run:

@@ -16,8 +16,9 @@ kind                      written by                                            
 ========================  ================================================================  ==========
 
 Refused in one line each (``InputError``), before any work: a file that is missing, unreadable or not JSON,
-a JSON no qkit command writes, two files of one kind, a file that records another ``qkit_version`` (eval
-and plan files record it; the inspect, kv and budget JSONs do not), and files of different models. A
+a JSON no qkit command writes, two files of one kind, a file that records another ``qkit_version`` (every
+``--json`` records it; an older inspect, kv or budget JSON without one is not checked), and files of
+different models. A
 model is named by what the user passed (``ModelRef.spec``), so a path is compared by where it resolves.
 """
 
@@ -109,12 +110,11 @@ def model_names(kind: str, doc: dict) -> list[str]:
 
 
 def version_of(kind: str, doc: dict) -> str | None:
-    """The ``qkit_version`` a document records (eval: in ``provenance``; plan: at the top), else None."""
+    """The ``qkit_version`` a document records (eval: in ``provenance``; every other kind at the top:
+    ``--json`` adds it), else None (a file written before the inspect, kv and budget JSONs recorded it)."""
     if kind == "eval":
         return (doc.get("provenance") or {}).get("qkit_version")
-    if kind == "plan":
-        return doc.get("qkit_version") or None
-    return None
+    return doc.get("qkit_version") or None
 
 
 def same_model(a: str, b: str) -> bool:
