@@ -465,7 +465,7 @@ def test_ctrl_c_during_eval(tiny_model_dir, tmp_path):
     report, tmp = tmp_path / "eval.json", tmp_path / "tmp"
     tmp.mkdir()
     r = spawn_and_signal("eval", str(tiny_model_dir), "--schemes", "int8-row", "--tokens", "256", "--window", "64",
-                         "--json", str(report), sig=signal.SIGINT, when="reference: battery",
+                         "--json", str(report), sig=signal.SIGINT, when="reference: agreement and battery",
                          env={"TMPDIR": str(tmp)}, timeout=180)
     _assert_interrupted(r, report)
     assert listing(tmp_path) == {str(tmp)} and listing(tmp) == set(), (listing(tmp_path), listing(tmp))
