@@ -42,6 +42,12 @@ _RC = {
 PNG_DPI = 150
 
 
+
+def _with_runtime(point: dict) -> str:
+    """A row's label with its runtime, unless its name already carries it (``q4_k_m [llama.cpp]``)."""
+    name, runtime = str(point["name"]), point.get("runtime")
+    return name if not runtime or f"[{runtime}]" in name else f"{name} ({runtime})"
+
 def require_matplotlib() -> Any:
     """``matplotlib.pyplot`` on the Agg backend, or one ``InputError`` line saying how to install it."""
     try:
@@ -140,7 +146,7 @@ def frontier(points: list[dict]) -> Figure:
             ax.errorbar(x, y, yerr=yerr, fmt=marker, color=colour, ms=9 if marker == "*" else 6, capsize=3,
                         elinewidth=1, label=legend, linestyle="none")
             for p in pts:
-                text = f"{p['name']} ({p['runtime']})" if kind == "engine" else str(p["name"])
+                text = _with_runtime(p) if kind == "engine" else str(p["name"])
                 ax.annotate(text, (p["bits"], p[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel("bits per weight (block projections, scales included)")
         ax.set_ylabel(label)
@@ -299,7 +305,7 @@ def engine_versus(rows: list[dict]) -> Figure:
     pts = [r for r in rows if r["dppl_vs_torch"] is not None]
     ax.errorbar([r["dppl_vs_torch"] for r in pts], range(len(pts)),
                 xerr=[2 * (r["dppl_vs_torch_se"] or 0.0) for r in pts], fmt="s", color="tab:green", capsize=3)
-    ax.set_yticks(range(len(pts)), [f"{r['name']} ({r['runtime']})" for r in pts], fontsize=7)
+    ax.set_yticks(range(len(pts)), [_with_runtime(r) for r in pts], fontsize=7)
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_xlabel("perplexity: engine against qkit's simulation, % (± 2 paired SE)")
     f.fig.tight_layout()
