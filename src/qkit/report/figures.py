@@ -42,7 +42,6 @@ _RC = {
 PNG_DPI = 150
 
 
-
 def _with_runtime(point: dict) -> str:
     """A row's label with its runtime, unless its name already carries it (``q4_k_m [llama.cpp]``)."""
     name, runtime = str(point["name"]), point.get("runtime")
