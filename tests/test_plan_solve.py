@@ -80,6 +80,32 @@ def test_forced_rounding_fits_and_bounds(inst, max_states):
         assert sol.unit > 0 and sol.states <= max_states
 
 
+def test_rounding_leaves_no_bytes_a_cheaper_option_fits_in():
+    """A budget that is exactly every item at its largest option (a uniform row's own bytes): rounding each
+    increment up makes that mix look too big to the DP, and the exact-bytes repair takes it back."""
+    costs = [[2.0, 1.0, 0.0]] * 6  # a small, a middle (the uniform row's type) and a kept option
+    sizes = [[10, 17, 40]] * 6  # slack 42 over the base: 43 exact states; with 4 the unit is 14 bytes
+    sol = solve(costs, sizes, 6 * 17, max_states=4)
+    _, best = brute_force(costs, sizes, 6 * 17)
+    assert best == 6.0 and not sol.exact and sol.unit == 14
+    # rounded, 7-byte increments cost 14 and only three of them fit; the repair spends the 21 bytes left
+    assert sol.choice == (1,) * 6 and sol.cost == 6.0 and sol.nbytes == 102
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(instances(), st.integers(2, 4))
+def test_a_rounded_answer_admits_no_improving_single_move(inst, max_states):
+    costs, sizes, budget = inst
+    if budget < smallest(sizes):
+        return
+    sol = solve(costs, sizes, budget, max_states=max_states)
+    left = budget - sol.nbytes
+    for i, j in enumerate(sol.choice):
+        for m in range(len(sizes[i])):
+            if sizes[i][m] - sizes[i][j] <= left:
+                assert costs[i][m] >= costs[i][j], (i, j, m)
+
+
 def test_rounding_is_reported():
     # increments 1..40 bytes (gcd 1) over a slack of 55 bytes: 56 exact states, so 4 forces rounding
     costs = [[4.0, 2.0, 1.0, 0.0]] * 3

@@ -16,6 +16,8 @@ over ``k = 0..K``, ``K = min(slack // g, sum_i max_j d_ij / g)``, is exact: ``dp
 When ``K + 1`` exceeds ``max_states`` the unit becomes ``u = g * ceil((slack // g) / (max_states - 1))``
 (a multiple of ``g``, so that no increment is rounded needlessly) and every increment is rounded UP to a
 multiple of ``u``: the answer still fits the budget but is no longer proven optimal (``exact=False``).
+The bytes the rounding leaves unused are then spent in exact bytes (``_repair``: single moves to a
+larger option, the largest saving first), which can only lower the cost.
 Float addition is monotone, so the DP minimum is bit-identical to the least item-order float64 sum over
 all feasible mixes.
 
@@ -242,4 +244,31 @@ def solve(
         j = int(args[i][k])
         choice[i] = j
         k -= int(du[i][j])
+    if not exact:
+        _repair(choice, kc, ks, budget)
     return done(choice, exact, unit, width, _lp_bound(kc, ks, slack))
+
+
+def _repair(choice: list[int], kc: list[np.ndarray], ks: list[np.ndarray], budget: int) -> None:
+    """After a rounded DP: spend the bytes the rounding left unused, in exact bytes. Rounding every
+    increment up can make a mix that fits exactly look too big (every tensor at the option whose bytes are
+    the budget, say), so the DP's answer may leave slack. Repeatedly move the one item whose move to a
+    larger kept option (lower cost) fits in that slack and saves the most cost; ties go to the lowest item,
+    then option. Each move lowers the cost and keeps the mix within the budget, so the answer can only
+    improve; it is still not proven optimal."""
+    left = budget - sum(int(ks[i][j]) for i, j in enumerate(choice))
+    while True:
+        best = None  # (saving, item, option)
+        for i, j in enumerate(choice):
+            s, c = ks[i], kc[i]
+            for m in range(j + 1, len(s)):
+                if int(s[m] - s[j]) > left:
+                    break  # kept options ascend in size
+                saving = float(c[j] - c[m])
+                if best is None or saving > best[0]:
+                    best = (saving, i, m)
+        if best is None or best[0] <= 0:
+            return
+        _, i, m = best
+        left -= int(ks[i][m] - ks[i][choice[i]])
+        choice[i] = m
