@@ -91,3 +91,37 @@ def test_outliers_accept_a_device_map(tiny_model_dir):
     a = residual_outliers(tiny_model_dir, prompt="The quick brown fox")
     b = residual_outliers(tiny_model_dir, prompt="The quick brown fox", device_map="auto")
     assert a.per_layer == b.per_layer
+
+
+def test_no_battery_skips_the_answers_and_keeps_everything_else(tiny_model_dir, corpus_file, tmp_path):
+    """--no-battery: no battery answers in any row (shown "-", the caption says so), the same perplexity,
+    KL and agreement as with the battery, and no battery prompts in an engine's job."""
+    from typer.testing import CliRunner
+
+    from qkit.cli import app
+    from qkit.evaluation.engine_rows import build_job
+
+    full = evaluate(tiny_model_dir, options=EvalOptions(schemes=("int8-row",), corpus=corpus_file, **FAST))
+    lean = evaluate(tiny_model_dir, options=EvalOptions(schemes=("int8-row",), corpus=corpus_file, battery=False, **FAST))
+    assert full.rows[1].battery_total == 16 and all(r.battery_total == 0 and r.battery_outputs == [] for r in lean.rows)
+    for a, b in zip(full.rows, lean.rows):
+        assert (a.perplexity, a.kld, a.agreement) == (b.perplexity, b.kld, b.agreement) and b.agreement_total == 144
+    assert lean.provenance["battery"]["questions"] == 0
+    out = tmp_path / "e.json"
+    r = CliRunner().invoke(app, ["eval", str(tiny_model_dir), "--no-battery", "--schemes", "int8-row", "--corpus", corpus_file,
+                                 "--tokens", "128", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "battery: not run (--no-battery)" in " ".join(r.output.split())
+    assert [json.loads(out.read_text())["rows"][i]["battery_total"] for i in (0, 1)] == [0, 0]
+
+    class Side:  # what build_job reads of the runner's torch side
+        tokenizer = load(tiny_model_dir, device="cpu").tokenizer
+        prompts = build_prompts(tokenizer, [q.question for q in load_battery()])
+        corpus = type("C", (), {"windows": []})()
+        continuation = reference_continuation(load(tiny_model_dir, device="cpu").model, tokenizer, prompts, 2)
+        repetition_penalty, battery_tokens = 1.0, 8
+
+    Side.battery = []
+    assert build_job(Side).battery_prompts == [] and len(build_job(Side).agreement_inputs) == 16
+    Side.battery = load_battery()
+    assert len(build_job(Side).battery_prompts) == 16

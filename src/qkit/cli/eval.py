@@ -52,6 +52,7 @@ CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text
 TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score, at least 3 (a standard error needs 2 scored positions; the first token of each window is context only) [default: 2048].")]
 WindowOpt = Annotated[Optional[int], typer.Option("--window", help="Window length in tokens [default: min(2048, the model's context)].")]
 AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="Reference tokens per battery prompt for greedy agreement [default: 9].")]
+NoBatteryOpt = Annotated[bool, typer.Option("--no-battery", help="Skip the 16-question battery (its greedy answers cost about 0.6 of a forward pass per row; agreement is still measured): for a frontier read by KL and perplexity.")]
 NoRepetitionPenaltyOpt = Annotated[bool, typer.Option("--no-repetition-penalty", help="Pure greedy battery answers (ignore the model's repetition penalty).")]
 EvalScaleDtypeOpt = Annotated[Optional[str], typer.Option("--scale-dtype", help="Scale dtype for every scheme [default: fp16].")]
 # Run-time simulation options (rows such as llm-int8, kv-int4); defaults from their dataclasses.
@@ -78,6 +79,7 @@ def eval_(
     window: WindowOpt = None,
     agree_tokens: AgreeTokensOpt = None,
     no_repetition_penalty: NoRepetitionPenaltyOpt = False,
+    no_battery: NoBatteryOpt = False,
     scale_dtype: EvalScaleDtypeOpt = None,
     threshold: ThresholdOpt = None,
     kv_residual: KvResidualOpt = None,
@@ -123,6 +125,8 @@ def eval_(
     options = _with_pairs(options, "method_options", calibration_options(calibration, calibration_samples, calibration_seqlen))
     if no_repetition_penalty:
         options = dataclasses.replace(options, repetition_penalty=False)
+    if no_battery:
+        options = dataclasses.replace(options, battery=False)
     options.validate()  # every check that needs no model, before the model is touched
     run.use_threads()
     report = evaluation.evaluate(model, options=options, on_status=console.status)
@@ -191,7 +195,8 @@ def render_eval(report) -> None:
             "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
             _fmt_number(r.kld, ".4f"),
             _fmt_number(100 * r.top1_match, ".1f") + ("%" if math.isfinite(r.top1_match) else ""),
-            f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)",
+            (f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)"
+             if r.battery_total else "-"),
             f"{r.agreement}/{r.agreement_total}",
         ])
         styles.append("bold red" if collapsed else None)
@@ -203,8 +208,9 @@ def render_eval(report) -> None:
         caption=(
             f"perplexity ± SE over {p['scored_tokens']:,} scored tokens of {p['corpus']['name']} (window {p['window']}); "
             "Δ ppl ± paired SE; KL(reference || row) and top-1 match on the same tokens; "
-            f"battery: {p['battery']['questions']} questions, greedy, repetition penalty {p['battery']['repetition_penalty']:g}; "
-            f"agreement: teacher-forced argmax vs the reference's greedy tokens. {p['seconds_total']:.0f} s."
+            + (f"battery: {p['battery']['questions']} questions, greedy, repetition penalty {p['battery']['repetition_penalty']:g}; "
+               if p["battery"]["questions"] else "battery: not run (--no-battery); ")
+            + f"agreement: teacher-forced argmax vs the reference's greedy tokens. {p['seconds_total']:.0f} s."
             + (" A row named 'NAME [ENGINE]' was measured by that engine from the file it loads, against the same "
                "torch reference." if any(r.runtime != "torch" for r in report.rows) else "")
         ),

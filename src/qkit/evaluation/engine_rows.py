@@ -119,7 +119,7 @@ def build_job(side: TorchSide) -> EngineJob:
     ``encode_batch`` tokenizes them, without the padding) and the reference's greedy continuations
     (prompt + ``agree_tokens`` ids, the left padding removed)."""
     tok = side.tokenizer
-    prompts = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in side.prompts]
+    prompts = [list(tok(p, add_special_tokens=False)["input_ids"]) for p in side.prompts] if side.battery else []
     c = side.continuation
     inputs = [row[mask.bool()].tolist() for row, mask in zip(c.input_ids, c.attention_mask)]
     return EngineJob(windows=side.corpus.windows, battery_prompts=prompts, battery_tokens=side.battery_tokens,

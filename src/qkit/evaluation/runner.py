@@ -131,6 +131,7 @@ class EvalOptions:
     window: int | None = None  # default: min(2048, the model's maximum context)
     agree_tokens: int = 9
     battery_tokens: int = 32
+    battery: bool = True  # False: no battery answers (agreement still reads the battery prompts)
     repetition_penalty: bool = True
     scale_dtype: str = DEFAULT_SCALE_DTYPE
     device: str | None = None
@@ -231,8 +232,9 @@ def evaluate(
     if window is not None:
         check_corpus_tokens(corpus, int(ids.numel()), window)
     calibrations = check_calibrations(specs, tok, corpus, config, options.runtime_options_for)
-    battery = load_battery()
-    prompts = build_prompts(tok, [q.question for q in battery])
+    questions = load_battery()
+    prompts = build_prompts(tok, [q.question for q in questions])  # agreement's prompts too
+    battery = questions if options.battery else []  # the questions answered (--no-battery: none)
     engines = engines_of(options.runtimes)  # each installed (EvalOptions.validate): their lengths, before loading
     if window is not None:
         check_engine_lengths(engines, options.engine, min(window, int(ids.numel())), [len(tok(p, add_special_tokens=False)["input_ids"])
@@ -261,11 +263,11 @@ def evaluate(
             say(f"{name}: perplexity and KL divergence")
         scores: TokenScores = corpus_ref.score(lm) if ref_row is not None else ref_scores
         row_scores[name] = scores
-        say(f"{name}: agreement and battery")
+        say(f"{name}: agreement and battery" if battery else f"{name}: agreement")
         # one prefill of the prompts for both (agreement reads on a copy of its cache; the battery consumes it)
         cached = prefill_prompts(lm, *continuation.prompts) if ref_row is not None else ref_prompts
         agree = agreement(lm, continuation, prompt_cache=cached)
-        outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp, prompt_cache=cached)
+        outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp, prompt_cache=cached) if battery else []
         answers = [is_correct(o, q.answers) for o, q in zip(outputs, battery)]
         return assemble_row(name, scores, ref_scores, ref_row, outputs, answers, agree, bits, size, matrices,
                             time.perf_counter() - started, **facts)

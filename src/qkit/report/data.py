@@ -100,7 +100,7 @@ def quality_table(eval_doc: dict) -> tuple[list[str], list[list[str]]]:
             "" if i == 0 else _est(r.get("perplexity_change_pct"), r.get("perplexity_change_se_pct"), 2),
             "" if i == 0 else _est(r.get("kld"), r.get("kld_se"), 4),
             f"{100 * top1:.1f}%" if top1 is not None else "-",
-            f"{r.get('battery_correct')}/{r.get('battery_total')}",
+            f"{r.get('battery_correct')}/{r.get('battery_total')}" if r.get('battery_total') else "-",
             f"{r.get('agreement')}/{r.get('agreement_total')}",
         ])
     return headers, rows
