@@ -268,6 +268,7 @@ def evaluate(
         cached = prefill_prompts(lm, *continuation.prompts) if ref_row is not None else ref_prompts
         agree = agreement(lm, continuation, prompt_cache=cached)
         outputs = generate_answers(lm, tok, prompts, options.battery_tokens, rp, prompt_cache=cached) if battery else []
+        cached.cache = None  # consumed by the battery, or not needed: its keys and values go now
         answers = [is_correct(o, q.answers) for o, q in zip(outputs, battery)]
         return assemble_row(name, scores, ref_scores, ref_row, outputs, answers, agree, bits, size, matrices,
                             time.perf_counter() - started, **facts)
