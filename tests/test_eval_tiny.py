@@ -114,11 +114,13 @@ def test_no_battery_skips_the_answers_and_keeps_everything_else(tiny_model_dir, 
     assert "battery: not run (--no-battery)" in " ".join(r.output.split())
     assert [json.loads(out.read_text())["rows"][i]["battery_total"] for i in (0, 1)] == [0, 0]
 
+    loaded = load(tiny_model_dir, device="cpu")
+
     class Side:  # what build_job reads of the runner's torch side
-        tokenizer = load(tiny_model_dir, device="cpu").tokenizer
+        tokenizer = loaded.tokenizer
         prompts = build_prompts(tokenizer, [q.question for q in load_battery()])
         corpus = type("C", (), {"windows": []})()
-        continuation = reference_continuation(load(tiny_model_dir, device="cpu").model, tokenizer, prompts, 2)
+        continuation = reference_continuation(loaded.model, tokenizer, prompts, 2)
         repetition_penalty, battery_tokens = 1.0, 8
 
     Side.battery = []

