@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from qkit import outputs, staging
 from qkit.errors import CheckpointError, SchemeError
+from qkit.jsonfields import OBJECT, STRING, check, obj
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor
 from qkit.schemes.quantized import check_parts
@@ -171,23 +172,23 @@ def _read_index(index: Path) -> dict[str, Any]:
     ``metadata``, if any, is an object. Anything else is one ``CheckpointError`` line naming the index."""
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{index} is not valid JSON ({exc}); re-download or re-create the checkpoint") from exc
     except OSError as exc:
         raise CheckpointError(f"cannot read {index} ({exc.strerror or exc}); check its permissions") from exc
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index} has no weight_map object naming the shards; re-download or re-create the checkpoint")
-    bad = [v for k, v in weight_map.items()
-           if not isinstance(v, str) or v in ("", ".", "..") or Path(v).name != v or "\\" in v]
+    fix = "re-download or re-create the checkpoint"
+    check(data, _INDEX, str(index), error=CheckpointError, fix=fix)  # types: weight_map of strings, metadata
+    weight_map = data.get("weight_map")
+    if not weight_map:
+        raise CheckpointError(f"{index} has no weight_map object naming the shards; {fix}")
+    bad = [v for v in weight_map.values() if v in ("", ".", "..") or Path(v).name != v or "\\" in v]
     if bad:
-        raise CheckpointError(
-            f"{index}: weight_map names {bad[0]!r}, not a shard file name in the checkpoint directory; "
-            "re-download or re-create the checkpoint"
-        )
-    if not isinstance(data.get("metadata", {}), dict):
-        raise CheckpointError(f"{index}: metadata is not an object; re-download or re-create the checkpoint")
+        raise CheckpointError(f"{index}: weight_map names {bad[0]!r}, not a shard file name in the checkpoint directory; {fix}")
     return data
+
+
+# What ``_read_index`` reads of an index: tensor name -> shard file name, and an optional metadata object.
+_INDEX = obj({"weight_map": obj(values=STRING), "metadata": OBJECT})
 
 
 def weight_files(directory: Path) -> list[Path]:

@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Union
 
-from qkit import assets
-from qkit.errors import OutputError, OutputExistsError
+from qkit import assets, jsonfields
+from qkit.errors import OutputError, OutputExistsError, QkitError
 from qkit.staging import _WRITE_ERRORS, TMP_MARK, sibling_name
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -153,10 +153,12 @@ def is_qkit_directory(path: PathLike) -> bool:
     if not names or EXPORT_MANIFEST in names or SOURCE_FILE in names:
         return True
     try:
-        with open(os.path.join(os.fspath(path), "config.json"), "rb") as f:
+        config_path = os.path.join(os.fspath(path), "config.json")
+        with open(config_path, "rb") as f:
             config = json.loads(f.read(_MAX_JSON_BYTES))
-        return (config.get("quantization_config") or {}).get("quant_method") == "qkit"
-    except (OSError, ValueError, AttributeError):
+        qc = jsonfields.field(config, "quantization_config", jsonfields.OBJECT | jsonfields.NULL, config_path) or {}
+        return qc.get("quant_method") == "qkit"
+    except (OSError, ValueError, RecursionError, QkitError):  # unreadable or of the wrong shape: not qkit's
         return False
 
 

@@ -135,7 +135,7 @@ def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[
 def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], *,
               trust_remote_code: bool = False) -> ExportPlan:
     dtypes = tensor_dtypes(directory, floating_only=True)  # only the floating ones can be sources
-    config = json.loads((Path(directory) / "config.json").read_text())
+    config = read_config(Path(directory))  # every field it reads type-checked (qkit.models.files.CONFIG)
     name = config.get("dtype") or config.get("torch_dtype")
     model_dtype = getattr(torch, str(name), None) if name else None
     if not isinstance(model_dtype, torch.dtype):

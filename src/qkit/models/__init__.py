@@ -34,12 +34,14 @@ from qkit.models.files import (
     LoadedModel,
     ModelRef,
     check_architecture,
+    check_config,
     check_remote_code,
     code_files,
     copy_aux_files,
     custom_code,
     quiet_progress,
     read_config,
+    read_tokenizer_config,
 )
 from qkit.models.loading import (
     check_device_map,
@@ -58,6 +60,7 @@ __all__ = [
     "LoadedModel",
     "ModelRef",
     "check_architecture",
+    "check_config",
     "check_complete",
     "check_device_map",
     "check_remote_code",
@@ -74,5 +77,6 @@ __all__ = [
     "parse_device",
     "quiet_progress",
     "read_config",
+    "read_tokenizer_config",
     "resolve",
 ]

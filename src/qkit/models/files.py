@@ -20,6 +20,7 @@ from typing import Any
 
 from qkit.checkpoint import weight_files
 from qkit.errors import ModelLoadError
+from qkit.jsonfields import BOOL, INT, NULL, NUMBER, STRING, Kind, check, list_of, obj
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
 _PICKLED = ("*.bin", "*.pt", "*.pth")
@@ -85,12 +86,87 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {path} ({exc.strerror or exc}); check the model files") from exc
     try:
         config = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"malformed {path} ({exc}); fix the JSON or re-download the model") from exc
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ModelLoadError(f"malformed {path}: no 'model_type' key; fix it or re-download the model")
+    check_config(config, str(path))
     check_architecture(config, str(path))
     return config
+
+def check_config(config: Any, where: str = "config.json") -> dict[str, Any]:
+    """``config`` (a parsed config.json) when every field qkit reads has its JSON type (``CONFIG``); else one
+    ``ModelLoadError`` line naming ``where`` and the field (``qkit.jsonfields.check``)."""
+    return check(config, CONFIG, where, fix="fix the config")
+
+# --------------------------------------------------------------------------- what qkit reads, typed
+# Every field of a model's JSON files that qkit (or a reader it hands the dict to) reads, with its JSON
+# type: ``read_config`` checks them all once (``qkit.jsonfields.check``), so no reader meets a string
+# where it reads an object. Sizes (hidden_size, ...) are checked by ``check_architecture``. A key not
+# named here is not read by qkit and is left to transformers.
+
+# A class reference map: {"AutoConfig": "module.Class", "AutoTokenizer": ["module.Slow", "module.Fast"]},
+# or the legacy list form of a tokenizer's.
+_CLASS_REFS = list_of(STRING | NULL)
+AUTO_MAP: Kind = (obj(values=STRING | _CLASS_REFS | NULL) | _CLASS_REFS).named(
+    "an object of class names or a list of them")
+
+# compressed-tensors' QuantizationArgs and config groups, as qkit's readers (export/, the vLLM engine) read them
+_QUANT_ARGS = obj({"type": STRING, "num_bits": INT, "strategy": STRING | NULL, "group_size": INT | NULL,
+                   "symmetric": BOOL, "dynamic": BOOL | STRING})
+_CONFIG_GROUP = obj({"targets": list_of(STRING), "weights": _QUANT_ARGS | NULL,
+                     "input_activations": _QUANT_ARGS | NULL, "format": STRING | NULL})
+QUANTIZATION_CONFIG = obj({
+    "quant_method": STRING,
+    "format": STRING | NULL,
+    "config_groups": obj(values=_CONFIG_GROUP) | NULL,
+    "ignore": list_of(STRING) | NULL,
+    "load_in_4bit": BOOL, "load_in_8bit": BOOL, "bnb_4bit_quant_type": STRING | NULL,  # bitsandbytes'
+})
+
+_ROPE_FIELDS = {"rope_type": STRING, "type": STRING, "factor": NUMBER | NULL, "rope_theta": NUMBER | NULL,
+                "original_max_position_embeddings": INT | NULL, "low_freq_factor": NUMBER,
+                "high_freq_factor": NUMBER}
+_ROPE = obj({**_ROPE_FIELDS, "full_attention": obj(_ROPE_FIELDS) | NULL})  # rope_parameters per layer type
+
+_MODEL_FIELDS: dict[str, Kind] = {
+    "model_type": STRING,
+    "architectures": list_of(STRING) | NULL,
+    "dtype": STRING | NULL,
+    "torch_dtype": STRING | NULL,
+    "tie_word_embeddings": BOOL,
+    "rope_scaling": _ROPE | NULL,
+    "rope_parameters": _ROPE | NULL,
+    "rope_theta": NUMBER | NULL,
+    "rms_norm_eps": NUMBER | NULL,
+    "partial_rotary_factor": NUMBER | NULL,
+    "original_max_position_embeddings": INT | NULL,
+    "num_local_experts": INT | NULL, "num_experts": INT | NULL, "n_routed_experts": INT | NULL,
+    "multi_query": BOOL,
+    "attention_bias": BOOL,
+    "_name_or_path": STRING,
+}
+CONFIG: Kind = obj({
+    **_MODEL_FIELDS,
+    "quantization_config": QUANTIZATION_CONFIG | NULL,
+    "auto_map": AUTO_MAP,
+    "text_config": obj(_MODEL_FIELDS) | NULL,  # a multimodal config's language model
+})
+TOKENIZER_CONFIG: Kind = obj({"auto_map": AUTO_MAP, "tokenizer_class": STRING | NULL, "add_prefix_space": BOOL | NULL})
+
+
+def read_tokenizer_config(directory: Path) -> dict[str, Any]:
+    """``directory/tokenizer_config.json`` with the fields qkit reads checked (``TOKENIZER_CONFIG``); ``{}``
+    when there is none, or it is not JSON (transformers then fails on it before any code runs, and
+    ``load_tokenizer`` says why). A field of the wrong type is one ``ModelLoadError`` line naming it."""
+    path = Path(directory) / "tokenizer_config.json"
+    try:
+        tok = json.loads(path.read_text()) if path.is_file() else {}
+    except PermissionError as exc:
+        raise _denied(path, exc) from exc
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return {}
+    return check(tok, TOKENIZER_CONFIG, str(path), fix="fix the tokenizer config")
 
 # Sizes every causal LM config names (llama-style and GPT-2-style keys): each must be a positive integer.
 _SIZE_KEYS = (
@@ -176,14 +252,8 @@ def custom_code(directory: Path, config: Mapping[str, Any] | None = None) -> lis
 
         if config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
             found.append(f"config.json auto_map: {', '.join(keys)}")
-    tok_path = directory / "tokenizer_config.json"
-    try:
-        tok = json.loads(tok_path.read_text()) if tok_path.is_file() else {}
-    except PermissionError as exc:
-        raise _denied(tok_path, exc) from exc
-    except (OSError, ValueError, UnicodeDecodeError):
-        tok = {}  # malformed: transformers fails on it before any code runs (load_tokenizer says why)
-    auto_map = tok.get("auto_map") if isinstance(tok, dict) else None
+    tok = read_tokenizer_config(directory)
+    auto_map = tok.get("auto_map")
     if isinstance(auto_map, Mapping):
         auto_map = auto_map.get("AutoTokenizer")
     if auto_map:

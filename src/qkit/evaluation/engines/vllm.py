@@ -54,6 +54,7 @@ from qkit.export.compressed_tensors_fp4 import is_fp4
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
 from qkit.export.verify.vllm import EngineLogprobs, EngineVerifyResult, verify_engine
 from qkit.granularity import PerGroup, PerRow
+from qkit.models import check_config
 from qkit.plan.candidates import FUSED_MODULES
 from qkit.schemes import AbsmaxScheme, get_scheme
 
@@ -133,8 +134,12 @@ def probe(python: str) -> Installation:
     if done.returncode != 0:
         raise InputError(f"the engine interpreter {python} failed to start (exit {done.returncode}); "
                          f"point {PYTHON_ENV} at a Python that has vLLM")
-    info = json.loads(done.stdout.strip().splitlines()[-1])
-    return Installation(python, bool(info["vllm"]), bool(info["ray"]), info["version"], bool(info["cpu_build"]))
+    try:  # the last line is the probe's JSON; a program that is not Python (/bin/echo, a script) prints other things
+        info = json.loads(done.stdout.strip().splitlines()[-1])
+        return Installation(python, bool(info["vllm"]), bool(info["ray"]), info["version"], bool(info["cpu_build"]))
+    except (ValueError, IndexError, KeyError, TypeError):
+        raise InputError(f"the engine interpreter {python} is not a Python that answered qkit's probe; point "
+                         f"{PYTHON_ENV} at a Python that has vLLM") from None
 
 
 def device_count(cpu_build: bool) -> int:
@@ -159,11 +164,13 @@ def device_count(cpu_build: bool) -> int:
 
 
 def _config(path: Path) -> dict:
+    """``path``'s config.json, every field qkit reads type-checked (``qkit.models.check_config``)."""
     try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as exc:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, RecursionError) as exc:
         raise InputError(f"{path} has no readable config.json ({exc.__class__.__name__}); vLLM loads a "
                          "transformers model directory") from None
+    return check_config(config, str(path / "config.json"))
 
 
 def check_readable(path: Path) -> dict:

@@ -20,6 +20,7 @@ import torch
 
 from qkit import assets
 from qkit.errors import ExportError
+from qkit.jsonfields import NULL, STRING, field
 from qkit.export.common import EXPORT_MANIFEST
 
 NAME = "gguf"
@@ -236,7 +237,12 @@ def source_gguf(directory: Path, ref=None) -> Path | None:
     if ref is not None and ref.kind == "default":
         sha = assets.DEFAULT_MODEL.member_sha256
     elif record.is_file():
-        sha = json.loads(record.read_text()).get("sha256")
+        fix = "delete the directory and convert the GGUF again"
+        try:
+            doc = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ExportError(f"cannot read {record} as JSON ({' '.join(str(exc).split())[:120]}); {fix}") from exc
+        sha = field(doc, "sha256", STRING | NULL, str(record), error=ExportError, fix=fix)
     if sha == assets.DEFAULT_MODEL.member_sha256 and assets.DEFAULT_MODEL.path.is_file():
         return assets.DEFAULT_MODEL.path
     return None

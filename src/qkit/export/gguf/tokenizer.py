@@ -13,7 +13,13 @@ from pathlib import Path
 
 import gguf
 
-from qkit.errors import ExportError
+from qkit.errors import ExportError, ModelLoadError
+from qkit.jsonfields import BOOL, NULL, STRING, check, obj
+from qkit.models import read_tokenizer_config
+
+# What qkit reads of tokenizer.json (the tokenizers library's serialization), with its JSON types.
+_TOKENIZER_JSON = obj({"model": obj({"type": STRING, "byte_fallback": BOOL | NULL}) | NULL,
+                       "pre_tokenizer": obj({"type": STRING, "use_regex": BOOL}) | NULL})
 
 # llama.cpp's ``get_vocab_base_pre``: the pre-tokenizer is named by the sha256 of the token ids of this
 # text (``convert_hf_to_gguf_update.py`` generates the table). The families qkit exports; a byte-level
@@ -62,7 +68,12 @@ def hf_tokenizer(directory: Path, config: dict, arch: str, *, trust_remote_code:
             f"{'a SentencePiece tokenizer.model' if (directory / 'tokenizer.model').is_file() else 'no tokenizer.json'}; "
             "export a model converted from a GGUF, or use --format qkit"
         )
-    tj = json.loads(tj_path.read_text())
+    fix = "fix or re-download the tokenizer"
+    try:
+        tj = json.loads(tj_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"cannot read {tj_path} as JSON ({' '.join(str(exc).split())[:120]}); {fix}") from exc
+    check(tj, _TOKENIZER_JSON, str(tj_path), fix=fix)
     model = tj.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         raise ExportError(
@@ -107,10 +118,7 @@ def hf_tokenizer(directory: Path, config: dict, arch: str, *, trust_remote_code:
         else:
             types.append(gguf.TokenType.NORMAL)
         tokens.append(token)
-    tc_path = directory / "tokenizer_config.json"
-    add_space_prefix = None
-    if arch == "llama" and tc_path.is_file():
-        add_space_prefix = json.loads(tc_path.read_text()).get("add_prefix_space")
+    add_space_prefix = read_tokenizer_config(directory).get("add_prefix_space") if arch == "llama" else None
     return {"pre": pre, "tokens": tokens, "types": types, "add_space_prefix": add_space_prefix,
             "special": gguf.SpecialVocab(directory, load_merges=True)}
 
