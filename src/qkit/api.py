@@ -28,7 +28,7 @@ from qkit.checkpoint import (
     write_json,
 )
 from qkit.errors import InputError, OutputError, QkitError
-from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
+from qkit.export import QKIT, atomic_output, check_output, get_format, output_bytes, prepare_export
 from qkit.export.compressed_tensors_w8a8 import check_activations
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, get_method, make_options
@@ -263,6 +263,7 @@ def quantize_model(
     chooser = get_method(method)
     options = make_options(chooser, method_options) if chooser else None
     overrides = TensorTypes.parse(opts.tensor_types)
+    overrides.check_format(QKIT if format == QKIT else get_format(format).name)  # before the model is read
     planned = opts.plan
     if planned is not None:
         if opts.keep or opts.tensor_types or opts.include or opts.exclude:
@@ -295,6 +296,7 @@ def quantize_model(
     if weighted and isinstance(default, Recipe):  # llama.cpp's choice reads has_imatrix (IQ4 recipes)
         default = default.with_imatrix(True)
     rules = Rules(rules.include, rules.exclude, tuple((g, s and s.bind(config)) for g, s in rules.overrides))
+    rules.check_matches(shapes, ref.spec)  # a glob that matches no tensor: a typo, refused
     targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from qkit import assets
 from qkit.errors import AssetError, InputError, ModelLoadError
+from qkit.lists import split_list
 
 EVAL_MANIFEST = "kjv-ruth.json"
 CALIBRATION_MANIFEST = "kjv-calibration.json"
@@ -109,9 +110,9 @@ def kjv_corpus(books: str, option: str = "--corpus") -> Corpus:
     come from (its sha256 and the member's are checked, so the text is fixed by the books named), in the
     order given, e.g. ``kjv:Luke,Acts``: a longer evaluation text for differences the default's 2,047
     scored tokens cannot resolve. Unknown books are refused in one line with the closest names."""
-    names = [b.strip() for b in books.split(",") if b.strip()]
-    if not names:
+    if not books.replace(",", "").strip():
         raise InputError(f"{option} kjv: names no book; e.g. {option} kjv:Luke,Acts")
+    names = split_list(books, f"{option} kjv:", what="book", where="e.g. kjv:Luke,Acts")  # kjv:Luke,,Acts: refused
     spec, jsonl = fetch_pinned_member(EVAL_MANIFEST)
     verses = _kjv_verses(jsonl)  # read once: the book list and the text both come from it
     known = list(dict.fromkeys(str(v["book"]) for v in verses if v.get("book")))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qkit.errors import CheckpointError, InputError, SchemeError
+from qkit.lists import check_words, empty, shown
 from qkit.schemes import QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import scheme_from_dict
 from qkit.version import __version__
@@ -67,16 +68,31 @@ class Rules:
         keep: Iterable[str] = (),
         scale_dtype: str | torch.dtype | None = None,
     ) -> Rules:
-        """Build rules from CLI words; ``keep`` items are ``SCHEME:GLOB`` (``int8:*.down_proj.*``)."""
+        """Build rules from CLI words; ``keep`` items are ``SCHEME:GLOB`` (``int8:*.down_proj.*``). An empty
+        value of any of them is refused (``qkit.lists.check_words``)."""
+        include = check_words(include, "--include", what="glob", where="e.g. '*.mlp.*'")
+        exclude = check_words(exclude, "--exclude", what="glob", where="e.g. '*.layers.0.*'")
         overrides: list[tuple[str, Scheme | None]] = []
-        for item in keep:
+        for item in check_words(keep, "--keep", what="SCHEME:GLOB", where="e.g. int8:'*.mlp.down_proj.weight'"):
             word, sep, glob = item.partition(":")
             if not sep or not glob or not word:
-                raise InputError(f"--keep {item!r} must be SCHEME:GLOB, e.g. int8:'*.mlp.down_proj.weight'")
+                raise InputError(f"--keep {shown(item)} must be SCHEME:GLOB, e.g. int8:'*.mlp.down_proj.weight'")
             word = word.strip().lower()
             scheme = None if word == KEEP_ORIGINAL else get_scheme(_KEEP_ALIASES.get(word, word), scale_dtype)
             overrides.append((glob, scheme))
         return cls(tuple(include), tuple(exclude), tuple(overrides))
+
+    def check_matches(self, names: Iterable[str], model: str = "the model") -> None:
+        """Refuse a glob that matches no tensor name of the model (``names``: every tensor's): a typo would
+        otherwise change nothing in silence. ``--tensor-type`` refuses a pattern that matches nothing the same way."""
+        names = list(names)
+        for option, globs in (("--include", self.include), ("--exclude", self.exclude),
+                              ("--keep", tuple(g for g, _ in self.overrides))):
+            for glob in globs:
+                if not any(fnmatch.fnmatchcase(n, glob) for n in names):
+                    example = next((n for n in names if is_block_projection(n, (2, 2))), names[0] if names else "")
+                    raise InputError(f"{option} {shown(glob)} matches no tensor of {model} (globs match whole names, "
+                                     f"e.g. {example}); check the glob, or drop it")
 
 
 @dataclass(frozen=True)
@@ -100,18 +116,49 @@ class TensorTypes:
 
     @classmethod
     def parse(cls, words: Iterable[str]) -> TensorTypes:
+        """``PATTERN=TYPE`` words -> the overrides. Refused in one line, naming the word and its bad piece:
+        an empty word, a control character or a word over ``MAX_TENSOR_TYPE`` characters, no ``=``, no
+        PATTERN or no TYPE, a PATTERN that is not a regular expression, a TYPE qkit does not write, and a
+        PATTERN given twice (the first match wins: the second could never apply)."""
         words = tuple(words)
         patterns = []
+        seen: dict[str, str] = {}
         for word in words:
+            where = f"--tensor-type {shown(word)}"
+            if not word.strip():
+                raise empty("--tensor-type", "PATTERN=TYPE", "e.g. 'attn_v=q8_0'", one=True)
+            if any(ord(c) < 32 or ord(c) == 127 for c in word):
+                raise InputError(f"{where} holds a control character; write PATTERN=TYPE in printable characters")
+            if len(word) > MAX_TENSOR_TYPE:
+                raise InputError(f"{where} is {len(word):,} characters long; a pattern over llama.cpp's tensor names "
+                                 f"(blk.3.attn_v.weight) needs far fewer (at most {MAX_TENSOR_TYPE:,})")
             pattern, sep, type_name = word.partition("=")
-            if not sep or not pattern or not type_name:
-                raise InputError(f"--tensor-type {word!r} must be PATTERN=TYPE, e.g. 'attn_v=q8_0' or 'blk\\.1[0-9]\\.ffn_down=q6_K'")
+            missing = [w for w, v in (("no PATTERN before the '='", pattern), ("no TYPE after it", type_name)) if not v.strip()]
+            if not sep or missing:
+                why = f"has {' and '.join(missing)}" if sep else "has no '='"
+                raise InputError(f"{where} {why}: write PATTERN=TYPE, e.g. 'attn_v=q8_0' or 'blk\\.1[0-9]\\.ffn_down=q6_K'")
             try:
                 rx = re.compile(pattern.lower())
             except re.error as exc:
-                raise InputError(f"--tensor-type {word!r}: {pattern!r} is not a regular expression ({exc})") from None
-            patterns.append((rx, ggml_scheme(type_name, f"--tensor-type {word!r}")))
+                raise InputError(f"{where}: {shown(pattern)} is not a regular expression ({exc})") from None
+            scheme = ggml_scheme(type_name, where)
+            key = pattern.lower()
+            if key in seen:
+                first = seen[key]
+                same = first.partition("=")[2].strip().lower() == type_name.strip().lower()
+                raise InputError(f"{where}: the pattern {shown(pattern)} is already given as {shown(first)}"
+                                 + ("" if same else " with another type") + "; the first match wins, so give each pattern once")
+            seen[key] = word
+            patterns.append((rx, scheme))
         return cls(words, tuple(patterns))
+
+    def check_format(self, format: str) -> None:
+        """Refuse overrides a format cannot store: llama.cpp's block types are written by ``gguf`` and
+        ``qkit`` (``format``: the registered name), never by compressed-tensors or bitsandbytes."""
+        if self and format not in TENSOR_TYPE_FORMATS:
+            (_, scheme), word = self.patterns[0], self.words[0]
+            raise InputError(f"--tensor-type {shown(word)}: --format {format} cannot store {scheme.name} (a llama.cpp "
+                             f"block type); --tensor-type goes with --format gguf (or qkit)")
 
     def apply(self, targets: dict[str, Scheme], llama_names: dict[str, str]) -> dict[str, Scheme]:
         """``targets`` with the overridden tensors' schemes replaced (``llama_names``: Hugging Face name ->
@@ -126,11 +173,23 @@ class TensorTypes:
                 if rx.search(g):
                     out[name], used[i] = scheme, True
                     break
-        unused = [w for w, u in zip(self.words, used) if not u]
-        if unused:
-            raise InputError(f"--tensor-type {unused[0]!r} matches no tensor that is quantized (llama.cpp names, "
+        for i, (word, u) in enumerate(zip(self.words, used)):
+            if u:
+                continue
+            names = [llama_names[n] for n in targets if n in llama_names]
+            rx = self.patterns[i][0]
+            taken = next((self.words[j] for j in range(i) if any(rx.search(g) and self.patterns[j][0].search(g)
+                                                                  for g in names)), None)
+            if taken is not None:
+                raise InputError(f"--tensor-type {shown(word)}: every tensor it matches is taken by the earlier "
+                                 f"{shown(taken)} (the first match wins); give it first, or narrow the earlier pattern")
+            raise InputError(f"--tensor-type {shown(word)} matches no tensor that is quantized (llama.cpp names, "
                              "e.g. blk.0.attn_v.weight); check the pattern, or --include the tensor")
         return out
+
+
+MAX_TENSOR_TYPE = 1000  # characters of one PATTERN=TYPE word: llama.cpp's names are some 30
+TENSOR_TYPE_FORMATS = ("qkit", "gguf")  # the formats that store llama.cpp's block types
 
 
 def ggml_scheme(type_name: str, what: str) -> Scheme:

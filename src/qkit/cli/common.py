@@ -20,6 +20,7 @@ import typer
 
 from qkit import console, outputs
 from qkit.errors import InputError, QkitError
+from qkit.lists import check_words, numbers, split_list  # noqa: F401 (check_words, numbers: for the commands)
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
 from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
@@ -217,14 +218,20 @@ def parse_size(text: str, what: str = "--max-shard-size") -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
-def int_list(text: str, what: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``."""
-    try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise InputError(f"{what} must be comma-separated integers, e.g. 1,2,4,8 (got {text!r})") from None
+def parse_list(text: str | None, option: str, *, what: str = "name", where: str = "", spaces: bool = False,
+               lower: bool = False) -> tuple[str, ...] | None:
+    """A comma-separated list option: ``None`` (left out: the library's default) -> ``None``; else its
+    entries (``qkit.lists.split_list``: an empty value or an empty entry is refused, naming ``option``)."""
+    if text is None:
+        return None
+    words = split_list(text, option, what=what, where=where, spaces=spaces)
+    return tuple(w.lower() for w in words) if lower else tuple(words)
 
 
-def comma_list(text: str | None) -> list[str]:
-    """``"a, b,,c"`` -> ``["a", "b", "c"]``; ``None`` -> ``[]``."""
-    return [s.strip() for s in text.split(",") if s.strip()] if text else []
+def repeated_list(values: Iterable[str] | None, option: str, *, what: str = "name", where: str = "") -> tuple[str, ...] | None:
+    """An option that is both repeatable and comma-separated (``-s nf4 -s int8-row,int4-g64``): every value
+    through ``split_list``; not given -> ``None``."""
+    values = list(values or [])
+    if not values:
+        return None
+    return tuple(w for v in values for w in split_list(v, option, what=what, where=where))

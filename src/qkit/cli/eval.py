@@ -30,23 +30,24 @@ from qkit.cli.common import (
     ThreadsOpt,
     TrustOpt,
     calibration_options,
-    comma_list,
     engine_options,
     file_inputs,
     handles_errors,
     human_bytes,
     model_inputs,
+    parse_list,
     start,
 )
 from qkit.evaluation import EvalOptions
+from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
 from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
 from qkit.simulate.llm_int8 import LLMInt8Options
 
 # Defaults live in qkit.evaluation.EvalOptions; an option left out keeps the dataclass's default.
-SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).")]
-MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.")]
+SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).", metavar="LIST")]
+MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.", metavar="LIST")]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
 CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (books of the pinned King James Version, e.g. kjv:Luke) (default: the pinned Book of Ruth).")]
 TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score, at least 3 (a standard error needs 2 scored positions; the first token of each window is context only) [default: 2048].")]
@@ -103,8 +104,8 @@ def eval_(
     run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
                                             *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration)])
     given = {
-        "schemes": tuple(comma_list(schemes)) if schemes else None,
-        "methods": tuple(comma_list(methods)) if methods else None,
+        "schemes": parse_list(schemes, "--schemes", what="scheme", where="qkit eval --help lists them"),
+        "methods": parse_list(methods, "--methods", what="method", where=", ".join(method_names())),
         "reference": reference,
         "corpus": corpus,
         "tokens": tokens,
@@ -114,8 +115,8 @@ def eval_(
         "device": device,
         "device_map": device_map,
         "trust_remote_code": trust_remote_code or None,
-        "plan_candidates": tuple(comma_list(candidates)) if candidates else None,
-        "runtimes": tuple(w.lower() for w in comma_list(runtime)) if runtime else None,
+        "plan_candidates": parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k", spaces=True),
+        "runtimes": parse_list(runtime, "--runtime", what="runtime", where=", ".join(runtime_names()), lower=True),
         "dtype": dtype.lower() if dtype else None,
         "engine": engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len),
     }

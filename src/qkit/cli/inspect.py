@@ -22,6 +22,7 @@ from qkit.cli.common import (
     calibration_options,
     handles_errors,
     reads,
+    repeated_list,
     start,
 )
 from qkit.inspect import errors as _ierrors  # defaults come from the library, defined once
@@ -40,12 +41,11 @@ inspect_app = typer.Typer(
     no_args_is_help=True,
 )
 
-SchemesOpt = Annotated[list[str], typer.Option("--scheme", "-s", help="Scheme(s) to measure, repeatable or comma-separated (default: all six).")]
+SchemesOpt = Annotated[list[str], typer.Option("--scheme", "-s", help="Scheme(s) to measure, repeatable or comma-separated (default: all six).", metavar="LIST")]
 
 
 def _split_schemes(values: list[str]) -> tuple[str, ...]:
-    names = tuple(s.strip() for v in values for s in v.split(",") if s.strip())
-    return names or DEFAULT_SCHEMES
+    return repeated_list(values, "--scheme", what="scheme", where="qkit quantize --help lists them") or DEFAULT_SCHEMES
 
 
 @inspect_app.command("errors")
@@ -198,7 +198,7 @@ def inspect_sensitivity_(
 def inspect_next_token_(
     args: Annotated[list[str], typer.Argument(help="[MODEL] TEXT", show_default=False, metavar="[MODEL] TEXT")],
     top: Annotated[int, typer.Option("--top", help="Most likely next tokens to list.")] = _inext.TOP,
-    temperature: Annotated[str, typer.Option("--temperature", help="Comma-separated temperatures.")] = ",".join(f"{t:g}" for t in _inext.TEMPERATURES),
+    temperature: Annotated[str, typer.Option("--temperature", help="Comma-separated temperatures.", metavar="LIST")] = ",".join(f"{t:g}" for t in _inext.TEMPERATURES),
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
     force: ForceOpt = False,

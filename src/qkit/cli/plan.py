@@ -18,9 +18,10 @@ from qkit.cli.common import (
     ScaleDtypeOpt,
     ThreadsOpt,
     TrustOpt,
-    comma_list,
     handles_errors,
+    check_words,
     human_bytes,
+    parse_list,
     parse_size,
     reads,
     start,
@@ -28,6 +29,7 @@ from qkit.cli.common import (
 from qkit.errors import InputError
 from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
 from qkit.methods import RTN
+from qkit.models import DEFAULT_MODEL_NAME
 from qkit.outputs import check_output
 from qkit.plan import (
     PLAN_FORMATS,
@@ -41,6 +43,7 @@ from qkit.plan.planner import (
     DEFAULT_CHECK_WINDOWS,
     DEFAULT_SAMPLES,
     DEFAULT_SEQLEN,
+    lossless_types,
 )
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.threads import check_threads
@@ -97,8 +100,11 @@ def plan(
         raise InputError(f"--method {method}: qkit plan measures candidates by {' or '.join(PLAN_METHODS)}")
     options = PlanOptions(format=fmt, target_bits=target_bits,
                           target_size=parse_size(target_size, "--target-size") if target_size is not None else None,
-                          candidates=tuple(comma_list(candidates)) if candidates is not None else (),
-                          include=tuple(include), exclude=tuple(exclude), scale_dtype=scale_dtype, calibration=calibration,
+                          candidates=parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k,none",
+                                                spaces=True) or (),
+                          include=tuple(check_words(include, "--include", what="glob", where="e.g. '*.mlp.*'")),
+                          exclude=tuple(check_words(exclude, "--exclude", what="glob", where="e.g. '*.layers.0.*'")),
+                          scale_dtype=scale_dtype, calibration=calibration,
                           samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows)
     options.check()
     check_threads(threads)
@@ -130,7 +136,6 @@ def render_plan(p: Plan) -> None:
     target = (f"{t['bits']} bits/w" if "bits" in t else f"the bytes of {t['scheme']}" if "scheme" in t
               else human_bytes(t["size"]))
     measured = chk.get("measured_kl")
-    lossless = sum(x.lossless and x.scheme is not None for x in p.tensors.values())
     rows = [
         ["target", f"{target}: {t['budget_bytes']:,} bytes over {len(p.tensors)} tensors ({t['weights']:,} weights)"],
         ["planned", f"{p.nbytes:,} bytes, {p.bits_per_weight:.3f} bits/w ({p.format})"],
@@ -158,8 +163,24 @@ def render_plan(p: Plan) -> None:
                       [[u["tensor"], u["type"], f"{u['extra_bytes']:,}", f"{u['kl_at_base']:.2e}", f"{u['kl']:.2e}",
                         f"{u['kl_saved_per_mb']:.2e}"] for u in top],
                       title=f"{len(ups)} tensors got more bytes than {base} would take (the {len(top)} most sensitive at {base})")
-    if lossless:
-        console.note(f"{lossless} planned tensors are stored in a type that reproduces their source weights exactly "
-                     "(predicted KL 0): the source was already on that type's grid (the default model was published as "
-                     "Q4_1). Such a plan's gain is the model's history, not the method's: plan again with --candidates "
-                     "without that type to compare methods.")
+    note = lossless_note(p)
+    if note:
+        console.note(note)
+
+
+def lossless_note(p: Plan) -> str | None:
+    """What the lossless planned tensors say, naming the grids found for this model: which planned types
+    reproduce the source weights exactly and how many tensors each (``qkit.plan.planner.lossless_types``);
+    the default model's Q4_1 history only for the default model. None when no tensor is lossless."""
+    found = lossless_types(p)
+    if not found:
+        return None
+    n = sum(found.values())
+    types = ", ".join(f"{t} ({c} tensor{'s' if c != 1 else ''})" for t, c in found.items())
+    them = "that type" if len(found) == 1 else "those types"
+    history = (" (the default model was published as Q4_1)" if p.model == DEFAULT_MODEL_NAME
+               else " (the source is a GGUF file, stored in llama.cpp's types)" if p.model.lower().endswith(".gguf") else "")
+    why = f"the source weights already lie on {'that type' + chr(39) + 's grid' if len(found) == 1 else 'those types' + chr(39) + ' grids'}{history}"
+    return (f"{n} planned tensor{'s are' if n != 1 else ' is'} stored in a type that reproduces the source weights exactly "
+            f"(predicted KL 0): {types}; {why}. Such a plan's gain is the model's history, not the method's: plan "
+            f"again with --candidates without {them} to compare methods.")

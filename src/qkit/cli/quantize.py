@@ -31,11 +31,11 @@ from qkit.cli.common import (
     ThreadsOpt,
     TrustOpt,
     calibration_options,
-    comma_list,
     engine_options,
     handles_errors,
     human_bytes,
     model_inputs,
+    parse_list,
     parse_size,
     reads,
     start,
@@ -178,9 +178,12 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
                  samples: int | None = None, seqlen: int | None = None):
     """``--plan FILE``, or ``--target-bits``/``--target-size`` as the options of a plan made first; None."""
     given = [w for w, v in (("--plan", plan), ("--target-bits", target_bits), ("--target-size", target_size)) if v is not None]
+    allowed = parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k", spaces=True)
     if len(given) > 1:
         raise InputError(f"{' and '.join(given)} both choose the types: give one of them")
     if not given:
+        if allowed is not None:
+            raise InputError("--candidates chooses what --target-bits/--target-size may plan; add one of them, or drop it")
         return None
     if scheme != DEFAULT_SCHEME:
         raise InputError(f"{given[0]} chooses every planned tensor's type; drop --scheme {scheme}")
@@ -191,7 +194,7 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
     size = parse_size(target_size, "--target-size") if target_size is not None else None
     sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen)) if v is not None}
     options = PlanOptions(format=fmt, target_bits=target_bits, target_size=size, scale_dtype=scale_dtype,
-                          calibration=calibration, candidates=tuple(comma_list(candidates)) if candidates else (),
+                          calibration=calibration, candidates=allowed or (),
                           **sizes)
     options.check()
     return options
@@ -271,7 +274,7 @@ def _method_rows(result) -> list[list[str]]:
 
 @handles_errors
 def verify(
-    checkpoint: Annotated[Path, typer.Argument(help="A directory written by qkit quantize --format compressed-tensors|bitsandbytes, or a .gguf file (or directory) of --format gguf.", show_default=False)],
+    checkpoint: Annotated[str, typer.Argument(help="A directory written by qkit quantize --format compressed-tensors|bitsandbytes, or a .gguf file (or directory) of --format gguf.", show_default=False)],
     device: DeviceOpt = None,
     json_path: JsonOpt = None,
     force: ForceOpt = False,
@@ -284,23 +287,25 @@ def verify(
     max_model_len: MaxModelLenOpt = None,
 ) -> None:
     """Load an exported CHECKPOINT with its target library and compare it with qkit, weight by weight and on logits."""
-
+    if not checkpoint.strip():  # Path("") would be the current directory: an empty shell variable, most likely
+        raise InputError("CHECKPOINT is empty; name the directory or .gguf file qkit quantize wrote")
+    path = Path(checkpoint)
     engine = engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len)
     if runtime is not None and runtime.strip().lower() not in ("vllm",):
         raise InputError(f"--runtime for qkit verify is vllm (or leave it out for the target library), got {runtime!r}")
     if runtime is None and engine.parallel:
         raise InputError("--tensor-parallel-size, --pipeline-parallel-size and --distributed-executor-backend are vLLM's; "
                          "add --runtime vllm")
-    run = start(json_path, force, threads, model_inputs(checkpoint, "the checkpoint"))
+    run = start(json_path, force, threads, model_inputs(path, "the checkpoint"))
     run.use_threads()
     if runtime is not None:
         # qkit.evaluation (the engines) is imported only for --runtime: plain verify stays as light as before
         from qkit.evaluation.engines.vllm import verify_in_vllm
 
-        r = verify_in_vllm(checkpoint, engine, trust_remote_code=trust_remote_code)
+        r = verify_in_vllm(path, engine, trust_remote_code=trust_remote_code)
         render_engine_verify(r)
     else:
-        r = verify_checkpoint(checkpoint, device=device, trust_remote_code=trust_remote_code)
+        r = verify_checkpoint(path, device=device, trust_remote_code=trust_remote_code)
         render_verify(r)
     run.write_json(r.to_dict)
     if not r.passed:

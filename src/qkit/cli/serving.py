@@ -14,11 +14,12 @@ from qkit.cli.common import (
     JsonOpt,
     ModelArg,
     ThreadsOpt,
-    comma_list,
+    check_words,
     file_inputs,
     handles_errors,
-    int_list,
     model_inputs,
+    numbers,
+    parse_list,
     reads,
     start,
 )
@@ -116,11 +117,11 @@ def render_kv(r, tokens: int, users: int, dtype: str) -> None:
 @handles_errors
 def budget_(
     models: Annotated[Optional[list[str]], typer.Argument(help="Model directories, hub ids, config.json files or the word default (default: the presets).", show_default=False)] = None,
-    preset: Annotated[Optional[str], typer.Option("--preset", help=f"Comma-separated built-in shapes: {', '.join(_budget.PRESETS)}.")] = None,
+    preset: Annotated[Optional[str], typer.Option("--preset", help=f"Comma-separated built-in shapes: {', '.join(_budget.PRESETS)}.", metavar="LIST")] = None,
     config: Annotated[Optional[list[str]], typer.Option("--config", help="A config.json (repeatable).", metavar="PATH")] = None,
-    gpu: Annotated[str, typer.Option("--gpu", help="Card sizes in GiB, comma-separated.")] = ",".join(f"{g:g}" for g in _budget.DEFAULT_GPUS_GIB),
+    gpu: Annotated[str, typer.Option("--gpu", help="Card sizes in GiB, comma-separated.", metavar="LIST")] = ",".join(f"{g:g}" for g in _budget.DEFAULT_GPUS_GIB),
     reserve: Annotated[float, typer.Option("--reserve", help="GiB kept free for the CUDA context, activations and allocator slack.")] = _budget.DEFAULT_RESERVE_GIB,
-    formats: Annotated[str, typer.Option("--formats", help=f"Weight formats: {', '.join(_budget.FORMATS)}.")] = ",".join(_budget.DEFAULT_FORMATS),
+    formats: Annotated[str, typer.Option("--formats", help=f"Weight formats, comma-separated: {', '.join(_budget.FORMATS)}.", metavar="LIST")] = ",".join(_budget.DEFAULT_FORMATS),
     kv_dtype: Annotated[str, typer.Option("--kv-dtype", help=_KV_DTYPE_HELP)] = _kv.DEFAULT_KV_DTYPE,
     conversation: Annotated[int, typer.Option("--conversation", help="Tokens of one conversation (rows holding fewer are flagged).")] = _budget.DEFAULT_CONVERSATION,
     chapter: Annotated[bool, typer.Option("--chapter", help=f"The chapter's assumptions, stated in the output: nominal 7e9/13e9/70e9 parameters, every weight at the format's bits (int8 = 8, int4 = 4.125), a {_budget.CHAPTER_RESERVE_GIB:g} GiB reserve unless --reserve is given.")] = False,
@@ -129,14 +130,17 @@ def budget_(
     ctx: typer.Context = None,
 ) -> None:
     """Per card size: weight memory per format, KV bytes per token, and the resident tokens that fit."""
-    run = start(json_path, force, inputs=[*(i for m in models or [] for i in model_inputs(None if m == "default" else m)),
-                                          *(i for c in config or [] for i in file_inputs("the config", c))])
-    presets = comma_list(preset)
+    models = check_words(models or [], "MODEL", what="model", where="a directory, hub id, config.json or the word default")
+    config = check_words(config or [], "--config", what="config.json", where="a file, or a directory holding one")
+    run = start(json_path, force, inputs=[*(i for m in models for i in model_inputs(None if m == "default" else m)),
+                                          *(i for c in config for i in file_inputs("the config", c))])
+    presets = list(parse_list(preset, "--preset", what="preset", where=", ".join(_budget.PRESETS)) or [])
     # --chapter has its own reserve unless --reserve is given on the command line.
     reserve_given = ctx is None or ctx.get_parameter_source("reserve").name != "DEFAULT"
     r = _budget.budget(
-        models=models or [], presets=presets, configs=config or [], gpus_gib=_budget.parse_floats(gpu, "--gpu"),
-        reserve_gib=reserve if reserve_given or not chapter else None, formats=comma_list(formats), kv_dtype=kv_dtype,
+        models=models, presets=presets, configs=config, gpus_gib=_budget.parse_floats(gpu, "--gpu"),
+        reserve_gib=reserve if reserve_given or not chapter else None,
+        formats=list(parse_list(formats, "--formats", what="format", where=", ".join(_budget.FORMATS))), kv_dtype=kv_dtype,
         conversation=conversation, chapter=chapter,
     )
     render_budget(r)
@@ -178,14 +182,14 @@ def render_budget(r) -> None:
 def speculate_(
     alpha: Annotated[Optional[list[float]], typer.Option("--alpha", help="Draft acceptance rate in [0, 1] (repeatable).")] = None,
     from_eval: Annotated[Optional[str], typer.Option("--from", help="An eval JSON (qkit eval --json): alpha = each scheme's greedy agreement.", metavar="EVAL.json")] = None,
-    gamma: Annotated[str, typer.Option("--gamma", help="Draft lengths, comma-separated.")] = ",".join(map(str, _spec.DEFAULT_GAMMAS)),
+    gamma: Annotated[str, typer.Option("--gamma", help="Draft lengths, comma-separated.", metavar="LIST")] = ",".join(map(str, _spec.DEFAULT_GAMMAS)),
     cost: Annotated[Optional[float], typer.Option("--cost", help=f"Draft forward cost as a fraction of a target forward (default {_spec.DEFAULT_COST:g}; with --from, the bits/w ratio).")] = None,
     json_path: JsonOpt = None,
     force: ForceOpt = False,
 ) -> None:
     """Expected tokens per verification pass and speedup of speculative decoding with a (quantized) draft."""
     run = start(json_path, force, inputs=file_inputs("the eval JSON", from_eval))
-    r = _spec.speculate(alphas=alpha or [], from_eval=from_eval, gammas=int_list(gamma, "--gamma"), cost=cost)
+    r = _spec.speculate(alphas=alpha or [], from_eval=from_eval, gammas=numbers(gamma, "--gamma", int, "1,2,4,8"), cost=cost)
     render_speculate(r)
     run.write_json(r.to_dict)
 

@@ -12,10 +12,12 @@ from qkit.evaluation.report import Row
 COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the reference's has collapsed
 
 
-def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
+def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_model: bool = False) -> list[str]:
     """What the numbers do and do not support, in words. A statistic that could not be computed (NaN or
     infinite: no standard error, a model that produced NaN log-probabilities) is said to be missing, never
-    called a difference or a match."""
+    called a difference or a match. ``default_model``: the reference is qkit's default model, whose Q4_1
+    history a row that reproduces its weights is explained by (any other model's notes name only the row's
+    own grid)."""
     ref = rows[0]
     notes: list[str] = []
     refused = [r for r in rows[1:] if r.refused is not None]
@@ -27,17 +29,20 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
     finite = math.isfinite
     # A non-finite perplexity (NaN or inf log-probabilities) has collapsed as surely as a 10x one.
     collapsed = [r for r in others if not finite(r.perplexity) or r.perplexity >= COLLAPSE_FACTOR * ref.perplexity]
+    history = " (the default model was published as Q4_1: asymmetric blocks of 32)" if default_model else ""
     for r in others:
         if r.weights_changed == 0 and r.matrices:
-            notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: its grid is the one the reference was "
-                         "published in (the default model is Q4_1: asymmetric blocks of 32), so this row measures nothing "
-                         "about the scheme or method; do not compare it with the others.")
+            notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: they already lie on {r.scheme}'s "
+                         f"grid{history}, so this row measures nothing about the scheme or method; do not compare it "
+                         "with the others.")
         elif r.weights_changed is not None and r.matrices and r.weights_changed < r.matrices:
             kept = r.matrices - r.weights_changed
-            notes.append(f"{r.scheme} reproduces {kept} of its {r.matrices} quantized tensors bit for bit: their grid is the "
-                         "one the reference was published in (the default model is Q4_1; a weighted search can land on "
-                         "that grid, as q5_1 with an importance matrix does), so that share of the row measures the "
-                         "model's provenance, not the scheme or method: do not expect it on other models.")
+            searched = ("; a weighted search can land on that grid, as q5_1 with an importance matrix does"
+                        if default_model else "")
+            notes.append(f"{r.scheme} reproduces {kept} of its {r.matrices} quantized tensors bit for bit: their weights "
+                         f"already lie on the grid {r.scheme} stores them in{history}{searched}, so that share of "
+                         "the row measures the model's provenance, not the scheme or method: do not expect it on "
+                         "other models.")
     for r in collapsed:
         if not finite(r.perplexity):
             notes.append(f"{r.scheme} collapsed: its perplexity is {r.perplexity} (the model's log-probabilities are not "
@@ -89,8 +94,8 @@ def interpret(rows: list[Row], scored_tokens: int | None = None) -> list[str]:
         verdict = ("a real gain" if kl + 2 * se < 0 else "a real loss" if kl - 2 * se > 0
                    else "within two paired SE: not distinguishable")
         if r.weights_changed is not None and r.matrices and r.weights_changed < r.matrices:
-            verdict += (f", but {r.matrices - r.weights_changed} of its tensors reproduce the reference's published grid "
-                        "(above): on this model that share of the gain is the grid, not the method")
+            verdict += (f", but {r.matrices - r.weights_changed} of its tensors reproduce the reference's weights "
+                        "exactly (above): on this model that share of the gain is the grid, not the method")
         notes.append(f"{r.scheme} against {v['against']}: KL {kl:+.4f} (±{2 * se:.4f}, 2 paired SE), perplexity "
                      f"{v['perplexity_change_pct']:+.2f}% (±{2 * v['perplexity_change_se_pct']:.2f}%): {verdict}.")
     notes.extend(engine_notes(others))

