@@ -66,6 +66,68 @@ def test_fisher_predicts_the_kl_of_a_small_change():
     assert abs(predicted / kl - 1) < 0.35, (predicted, kl, se)
 
 
+def _small_llama(layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_the_fisher_holds_one_targets_gradient_at_a_time_and_equals_the_naive_sum():
+    """Memory: each target's squared gradient is added the moment autograd has it, and the gradient freed then,
+    so a backward pass never holds more than one target's gradient (not a second copy of every target). Values:
+    exactly the per-window sum of squares of ``autograd.grad`` with the same sampled labels."""
+    m = _small_llama()
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(2))
+    targets = [n for n, p in m.named_parameters() if p.ndim == 2]
+    params = dict(m.named_parameters())
+    alive: list[int] = []
+
+    def spy(_):  # registered before fisher_diagonal's own hook, so it runs first: the others are freed by now
+        alive.append(sum(params[t].grad is not None for t in targets))
+    spies = [params[t].register_post_accumulate_grad_hook(spy) for t in targets]
+    try:
+        f = fisher_diagonal(m, ids, targets, seed=3)
+    finally:
+        for h in spies:
+            h.remove()
+    assert len(alive) == len(targets) * len(ids) and set(alive) == {1}
+    assert all(p.grad is None for p in m.parameters())
+
+    from qkit.plan.sensitivity import _logprobs
+    g = torch.Generator().manual_seed(3)
+    naive = {t: torch.zeros_like(params[t]) for t in targets}
+    for window in ids:
+        lp = _logprobs(m, window)
+        y = torch.multinomial(lp.detach().exp(), 1, generator=g)
+        grads = torch.autograd.grad(lp.gather(1, y).sum(), [params[t] for t in targets])
+        for t, gr in zip(targets, grads):
+            naive[t] += gr * gr
+    for t in targets:
+        torch.testing.assert_close(f.diag[t], naive[t] / ids.numel(), rtol=1e-5, atol=0)
+
+
+def test_the_check_restores_every_swapped_weight_bit_for_bit_without_a_copy(wide_model, monkeypatch):
+    """``check`` swaps the plan's codes into the table's model and puts the file's tensors back (no clone of
+    the weights): afterwards every parameter equals a fresh load, bit for bit."""
+    from qkit.models import load, resolve
+    from qkit.plan import planner
+
+    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST))
+    (table,) = planner._TABLE.values()
+    clones = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: clones.append(self.shape) or real_clone(self, *a, **k))
+    planner.check(r.plan, table, resolve(str(wide_model)))
+    monkeypatch.undo()
+    assert r.plan.check["measured_kl"] > 0 and not [s for s in clones if len(s) == 2]
+    fresh = dict(load(ref=resolve(str(wide_model))).model.named_parameters())
+    for name, p in table.model.named_parameters():
+        assert torch.equal(p, fresh[name]), name
+
+
 def test_candidate_cost_is_zero_for_weights_on_the_grid():
     from qkit.schemes import get_scheme, quantize_tensor
 

@@ -81,26 +81,33 @@ def fisher_diagonal(
     diag = {t: torch.zeros(params[t].shape, dtype=torch.float32, device=device) for t in targets}
     reference: list[torch.Tensor] = []
     g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def accumulate(p: torch.Tensor, f: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:  # the moment autograd has this parameter's whole gradient
+            with torch.no_grad():
+                f.addcmul_(p.grad, p.grad)
+            p.grad = None  # freed now, not at the end of the backward pass: one target's gradient at a time
+        return hook
+
+    hooks = []
     try:
         for n, p in params.items():
             p.requires_grad_(n in diag)
             p.grad = None
+        hooks = [params[t].register_post_accumulate_grad_hook(accumulate(params[t], f)) for t, f in diag.items()]
         for i, window in enumerate(ids):
             lp = _logprobs(model, window.to(device))
             with torch.no_grad():
                 y = torch.multinomial(lp.detach().exp().cpu(), 1, generator=g).to(device)
             lp.gather(1, y).sum().backward()
-            with torch.no_grad():
-                for t, f in diag.items():
-                    grad = params[t].grad
-                    f.addcmul_(grad, grad)
-                    params[t].grad = None
             if i < check_windows:
                 reference.append(lp.detach().cpu())
             del lp
             if on_window is not None:
                 on_window(i + 1, int(ids.shape[0]))
     finally:
+        for h in hooks:
+            h.remove()
         for n, p in params.items():
             p.grad = None
             p.requires_grad_(was[n])
