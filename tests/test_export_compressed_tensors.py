@@ -208,6 +208,9 @@ def test_half_precision_model_bit_identical(tmp_path, dtype, scale):
         (dict(scheme="int8-tensor"), "use int8-row"),
         (dict(scheme="int4-g48"), "is 256 wide (256 = 5.33333 x 48), so int4-g48 cannot be exported; int4-g32 can"),
         (dict(scheme="int4-g64", include=["model.embed_tokens.weight"]), "model.embed_tokens.weight is not the weight of one"),
+        (dict(scheme="q8_0"), "cannot store q8_0"),  # a llama.cpp block type: was an AttributeError
+        (dict(scheme="q4_k_m"), "write llama.cpp's types with --format gguf"),
+        (dict(scheme="int8-row", keep=["q4_k:*.down_proj.weight"]), "cannot store q4_k (model.layers.0.mlp.down_proj.weight)"),
     ],
 )
 def test_refused_before_any_work(llama128, tmp_path, kwargs, needle):

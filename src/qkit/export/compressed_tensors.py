@@ -144,6 +144,12 @@ class CompressedTensorsFormat(SafetensorsFormat):
                     "compressed-tensors has no NF4 codebook: export nf4 with --format bitsandbytes, "
                     "or choose int4-g64 / int4-row for --format compressed-tensors"
                 )
+            if not isinstance(s, AbsmaxScheme):  # a llama.cpp block type, a recipe: no compressed-tensors layout
+                raise ExportError(
+                    f"--format compressed-tensors cannot store {s.name} ({tensor}): it holds int4/int8 with "
+                    "channel or group scales and MXFP4/NVFP4; write llama.cpp's types with --format gguf, or choose "
+                    "int8-row / int4-g64 for compressed-tensors"
+                )
             if not isinstance(s.granularity, (PerGroup, PerRow)):
                 row = f"int{s.bits}-row"
                 raise ExportError(
