@@ -10,6 +10,7 @@ from qkit import console
 from qkit.cli.common import (
     ForceOpt,
     ThreadsOpt,
+    check_words,
     handles_errors,
     model_inputs,
     use_threads,
@@ -46,7 +47,7 @@ def report(
     threads: ThreadsOpt = None,
 ) -> None:
     """One HTML page, offline and self-contained: the quality table, the frontier, errors, sensitivity, outliers, memory."""
-    files = list(files or [])
+    files = check_words(files or [], "JSON", what="JSON file", where="the --json output of a qkit command")
     if output is None:
         raise InputError("missing -o REPORT.html: the page to write")
     reads = [*(("an input JSON", f) for f in files), *model_inputs(model)]

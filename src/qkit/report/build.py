@@ -30,6 +30,7 @@ from qkit.errors import InputError
 from qkit.inspect import errors as _errors
 from qkit.inspect import outliers as _outliers
 from qkit.inspect import sensitivity as _sensitivity
+from qkit.lists import split_list
 from qkit.models import checked
 from qkit.report import figures as _figures
 from qkit.report.inputs import Inputs, read_inputs, same_model
@@ -62,7 +63,7 @@ def parse_steps(text: str | None) -> tuple[tuple[str, ...], bool]:
     """``--run`` -> ``(steps, explicit)``: None is the default steps; ``none`` is no step; ``all`` every step."""
     if text is None:
         return DEFAULT_STEPS, False
-    words = [w.strip().lower() for w in text.split(",") if w.strip()]
+    words = [w.lower() for w in split_list(text, "--run", what="step", where=f"{', '.join(STEPS)}, all or none")]
     if words == ["none"]:
         return (), True
     if words == ["all"]:
