@@ -151,9 +151,10 @@ def resolve_rows(
     """
     names = check_words(names, "--schemes", what="scheme", where="qkit eval --help lists them")
     methods = [m.strip().lower() for m in check_words(methods, "--methods", what="method")]
-    for option, given in (("--schemes", names), ("--methods", methods)):
-        if not given:  # a script's empty tuple: what an empty --schemes '' would have been
-            raise empty(option, option.removeprefix("--").removesuffix("s"), "qkit eval --help lists them")
+    # No names is the reference row alone (``EvalOptions(schemes=())``); the command line refuses an empty
+    # --schemes where it parses the string. Names with no method to run them by are a mistake.
+    if names and not methods:
+        raise empty("--methods", "method", "qkit eval --help lists them")
     chosen = {m: get_method(m) for m in methods}  # validates the method names
     opts = tuple(sorted((method_options or {}).items()))
     specs: list[RowSpec] = []
