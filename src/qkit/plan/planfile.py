@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qkit.errors import InputError, SchemeError
-from qkit.plan.candidates import KEEP
+from qkit.plan.candidates import KEEP, PLAN_FORMATS, ladder, stored_nbytes
+from qkit.plan.candidates import _native as native
 from qkit.schemes.base import Scheme
 from qkit.schemes.registry import scheme_from_dict
 from qkit.staging import write_text
@@ -125,57 +129,125 @@ class Plan:
                 "lossless": sum(t.lossless and t.scheme is not None for t in self.tensors.values())}
 
 
+MAX_PLAN_BYTES = 256 * 1024**2  # a plan of 50,000 tensors with every candidate is ~50 MB; a larger file is not one
+PLAN_METHODS = ("rtn", "imatrix")  # what ``qkit plan`` measures candidates by (``qkit.api.PLAN_METHODS``)
+_SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the source dtypes a kept tensor's bytes may count
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON's true is not the integer 1
+
+
+def _is_finite(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _load(p: Path) -> Any:
+    """The parsed JSON of ``p``; one line for a missing, oversized, unreadable, non-UTF-8 or too deeply nested file."""
+    try:
+        if p.is_dir():
+            raise InputError(f"--plan {p} is a directory; give the plan file qkit plan -o wrote")
+        size = p.stat().st_size
+        if size > MAX_PLAN_BYTES:  # refused by its size, before a byte is read
+            raise InputError(f"--plan {p} is {size:,} bytes, larger than any plan ({MAX_PLAN_BYTES:,}); give the file qkit plan -o wrote")
+        return json.loads(p.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"--plan {p}: no such file; write one with qkit plan") from None
+    except RecursionError:
+        raise InputError(f"--plan {p}: nested too deeply to be a plan; write one with qkit plan") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or (f"not UTF-8: {exc.reason} at byte {exc.start}" if isinstance(exc, UnicodeDecodeError) else exc)
+        raise InputError(f"--plan {p}: not a readable JSON file ({why})") from None
+
+
 def read_plan(path: str | Path) -> Plan:
     """A plan file back, every field checked; a malformed or foreign file is refused in one line."""
     p = Path(path)
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"--plan {p}: no such file; write one with qkit plan") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"--plan {p}: not a readable JSON file ({getattr(exc, 'strerror', None) or exc})") from None
+    doc = _load(p)
     if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
         raise InputError(f"--plan {p} is not a qkit plan (no \"format\": \"{PLAN_FORMAT}\"); write one with qkit plan")
-    if doc.get("format_version") != PLAN_VERSION:
-        raise InputError(f"--plan {p} has format_version {doc.get('format_version')!r}; this qkit reads {PLAN_VERSION}: re-plan")
+    version = doc.get("format_version")
+    if not _is_int(version) or version != PLAN_VERSION:
+        raise InputError(f"--plan {p} has format_version {version!r}; this qkit reads {PLAN_VERSION}: re-plan")
     tensors = doc.get("tensors")
     if not isinstance(tensors, dict) or not tensors:
         raise InputError(f"--plan {p} names no tensors; re-plan")
-    out: dict[str, TensorChoice] = {}
-    for name, t in tensors.items():
-        out[name] = _choice(p, name, t)
+    for name, t in tensors.items():  # each entry's own fields first, then what they mean in the plan's format
+        _entry_fields(p, name, t)
     for key, kind in (("model", str), ("model_fingerprint", str), ("target_format", str), ("method", str), ("target", dict)):
         if not isinstance(doc.get(key), kind):
             raise InputError(f"--plan {p}: {key!r} is missing or not a {kind.__name__}; re-plan")
-    return Plan(doc["model"], doc["model_fingerprint"], doc["target_format"], doc["method"], doc["target"], out,
+    fmt = doc["target_format"]
+    if fmt not in PLAN_FORMATS:
+        raise InputError(f"--plan {p}: target_format {fmt!r} is not one qkit plans for ({', '.join(PLAN_FORMATS)}); re-plan")
+    if doc["method"] not in PLAN_METHODS:
+        raise InputError(f"--plan {p}: method {doc['method']!r} is not one qkit plans with ({', '.join(PLAN_METHODS)}); re-plan")
+    for key in ("imatrix", "sensitivity", "solver", "check"):
+        if doc.get(key) is not None and not isinstance(doc[key], dict):
+            raise InputError(f"--plan {p}: {key!r} is {type(doc[key]).__name__}, not an object or null; re-plan")
+    if doc.get("imatrix") is not None and not isinstance(doc["imatrix"].get("sha256"), str):
+        raise InputError(f"--plan {p}: its imatrix record has no sha256; re-plan")
+    for key in ("measured_kl", "measured_kl_se"):
+        v = (doc.get("check") or {}).get(key)
+        if v is not None and not (_is_finite(v) and v >= 0):
+            raise InputError(f"--plan {p}: check.{key} is {v!r}, not a finite number >= 0; re-plan")
+    if not isinstance(doc.get("qkit_version", ""), str):
+        raise InputError(f"--plan {p}: qkit_version is not a string; re-plan")
+    out: dict[str, TensorChoice] = {name: _choice(p, fmt, name, t) for name, t in tensors.items()}
+    return Plan(doc["model"], doc["model_fingerprint"], fmt, doc["method"], doc["target"], out,
                 imatrix=doc.get("imatrix"), sensitivity=doc.get("sensitivity") or {}, solver=doc.get("solver") or {},
                 check=doc.get("check") or {}, qkit_version=str(doc.get("qkit_version", "")), path=p)
 
 
-def _choice(path: Path, name: str, t: Any) -> TensorChoice:
+def _entry_fields(path: Path, name: str, t: Any) -> None:
+    """One tensor's entry: every field of the right type and range (``_choice`` reads it in its format)."""
+    if not name or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise InputError(f"--plan {path}: the tensor name {name!r} holds control characters; no model has it: re-plan")
     bad = f"--plan {path}: the entry of {name}"
     if not isinstance(t, dict):
         raise InputError(f"{bad} is not an object; re-plan")
     shape, nbytes, kl, type_ = t.get("shape"), t.get("bytes"), t.get("predicted_kl"), t.get("type")
-    if not (isinstance(shape, list) and shape and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)):
+    if not (isinstance(shape, list) and shape and all(_is_int(d) and d > 0 for d in shape)):
         raise InputError(f"{bad} has shape {shape!r}, not positive integers; re-plan")
-    if not (isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes > 0):
+    if not (_is_int(nbytes) and nbytes > 0):
         raise InputError(f"{bad} has bytes {nbytes!r}, not a positive integer; re-plan")
-    if not (isinstance(kl, (int, float)) and not isinstance(kl, bool) and kl >= 0 and kl == kl and kl != float("inf")):
+    if not (_is_finite(kl) and kl >= 0):
         raise InputError(f"{bad} has predicted_kl {kl!r}, not a finite number >= 0; re-plan")
     if not isinstance(type_, str):
-        raise InputError(f"{bad} has no type; re-plan")
+        raise InputError(f"{bad} has type {type_!r}, not a type name; re-plan")
+    if not isinstance(t.get("lossless", False), bool):
+        raise InputError(f"{bad} has lossless {t.get('lossless')!r}, not true or false; re-plan")
+    cands = t.get("candidates", {})
+    if not (isinstance(cands, dict) and all(
+            isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and v[0] > 0 and _is_finite(v[1]) for v in cands.values())):
+        raise InputError(f"{bad} has candidates that are not {{type: [bytes, predicted_kl]}}; re-plan")
+
+
+def _choice(path: Path, fmt: str, name: str, t: dict) -> TensorChoice:
+    bad = f"--plan {path}: the entry of {name}"
+    shape, nbytes, kl, type_ = t["shape"], t["bytes"], t["predicted_kl"], t["type"]
+    if len(shape) != 2:
+        raise InputError(f"{bad} has shape {shape!r}; a planned tensor is 2-D [out, in]: re-plan")
+    if type_ not in ladder(fmt):
+        raise InputError(f"{bad} has type {type_!r}, which --format {fmt} does not plan ({', '.join(ladder(fmt))}); re-plan")
     scheme = None
     if t.get("scheme") is not None:
         try:
             scheme = scheme_from_dict(t["scheme"])
-        except (SchemeError, InputError, TypeError, KeyError) as exc:
+        except (SchemeError, InputError, TypeError, KeyError, ValueError, AttributeError) as exc:
             raise InputError(f"{bad}: {exc}") from None
         if scheme.name != type_:
             raise InputError(f"{bad} says type {type_} but stores scheme {scheme.name}; re-plan")
     elif type_ != KEEP:
         raise InputError(f"{bad} has type {type_} and no scheme; re-plan")
-    return TensorChoice(type_, scheme, tuple(shape), nbytes, float(kl), bool(t.get("lossless", False)))
+    shape2 = (shape[0], shape[1])
+    if scheme is not None and not native(scheme, shape2):
+        raise InputError(f"{bad}: {type_} does not store a {shape} tensor as itself; re-plan")
+    # the bytes the format writes for it: exact, whatever the source dtype was (only a kept tensor's and
+    # compressed-tensors' scales depend on it)
+    if nbytes not in {stored_nbytes(fmt, scheme, shape2, d) for d in _SOURCE_DTYPES}:
+        raise InputError(f"{bad} has bytes {nbytes:,}, not what --format {fmt} stores for a {shape} {type_} tensor; re-plan")
+    return TensorChoice(type_, scheme, shape2, nbytes, float(kl), t.get("lossless", False))
 
 
 def check_plan_matches(plan: Plan, shapes: Mapping[str, tuple[int, ...]], spec: str) -> None:
@@ -200,10 +272,13 @@ def write_plan(plan: Plan, path: str | Path) -> None:
 def is_plan_file(path: Path) -> bool:
     """Whether ``path`` is a plan qkit wrote (what --force may replace)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8")).get("format") == PLAN_FORMAT
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        p = Path(path)
+        if p.stat().st_size > MAX_PLAN_BYTES:
+            return False
+        return json.loads(p.read_text(encoding="utf-8")).get("format") == PLAN_FORMAT
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
         return False
 
 
-__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
+__all__ = ["MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
            "read_plan", "write_plan"]

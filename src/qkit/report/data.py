@@ -202,7 +202,7 @@ def sensitivity_units(sens_doc: dict) -> list[dict]:
 
 def sensitivity_grid(sens_doc: dict) -> Grid:
     """With ``--by matrix``: each matrix's KL as a layer x matrix grid."""
-    return grid({f"{u['name']}": u.get("kl") for u in sens_doc.get("units") or []})
+    return grid({f"{u.get('name')}": u.get("kl") for u in sens_doc.get("units") or []})
 
 
 # --------------------------------------------------------------------------- outliers
@@ -271,7 +271,7 @@ def plan_types(plan_doc: dict) -> tuple[list[str], list[list[str]]]:
         c[2] += math.prod(t.get("shape") or [0])
     rows = [[k, str(c[0]), f"{c[1]:,}", f"{8 * c[1] / c[2]:.3f}" if c[2] else "-"] for k, c in sorted(by.items())]
     tot = plan_doc.get("totals") or {}
-    rows.append(["total", str(len(plan_doc.get("tensors") or {})), f"{tot.get('bytes', 0):,}",
+    rows.append(["total", str(len(plan_doc.get("tensors") or {})), f"{tot.get('bytes') or 0:,}",
                  f"{_num(tot.get('bits_per_weight')) or 0:.3f}"])
     return ["type", "tensors", "bytes", "bits/w"], rows
 
@@ -313,7 +313,8 @@ def provenance_rows(docs: dict[str, dict], paths: dict[str, str | None], seconds
     rows = []
     for kind, doc in docs.items():
         prov = doc.get("provenance") if kind == "eval" else None
-        model = (prov or {}).get("model") or doc.get("model") or (doc.get("architecture") or {}).get("name") or ""
+        arch = doc.get("architecture") if isinstance(doc.get("architecture"), dict) else {}
+        model = (prov or {}).get("model") or doc.get("model") or arch.get("name") or ""
         if kind == "budget":
             model = ", ".join(str((m.get("architecture") or {}).get("name") or m.get("label")) for m in doc.get("models") or [])
         source = (prov or {}).get("model_source") or {}

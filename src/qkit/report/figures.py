@@ -38,6 +38,7 @@ _RC = {
     "figure.dpi": 100,
     "savefig.dpi": 100,
     "path.simplify": True,
+    "text.parse_math": False,  # a name from a JSON ("$\\foo$", "a$b$") is text, never mathtext to parse
 }
 PNG_DPI = 150
 
@@ -244,7 +245,8 @@ def outlier_persistence(p: dict) -> Figure:
     plt = require_matplotlib()
     f, (ax,) = _new(plt, "outlier-persistence", 7, 3.6)
     for d in p["dims"]:
-        ax.plot(p["layers"][: len(d["values"])], d["values"], marker=".", label=f"dim {d['dim']} ({d['n_layers']} layer{'s' if d['n_layers'] != 1 else ''})")
+        n = min(len(p["layers"]), len(d["values"]))  # a dimension's values per layer, as many as both have
+        ax.plot(p["layers"][:n], d["values"][:n], marker=".", label=f"dim {d['dim']} ({d['n_layers']} layer{'s' if d['n_layers'] != 1 else ''})")
     ax.plot(p["layers"], p["median"], linestyle="--", color="black", label="median dimension")
     ax.set_yscale("log")
     ax.set_xlabel("layer (residual stream after it)")

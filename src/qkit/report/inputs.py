@@ -25,12 +25,14 @@ model is named by what the user passed (``ModelRef.spec``), so a path is compare
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qkit.errors import InputError
+from qkit.jsonfields import BOOL, LIST, NULL, NUMBER, STRING, Kind, check, list_of, obj
 from qkit.plan.planfile import PLAN_FORMAT, PLAN_VERSION
 from qkit.version import __version__
 
@@ -46,6 +48,73 @@ COMMANDS = {
     "budget": "qkit budget default --json BUDGET.json",
 }
 _MAX_BYTES = 256 * 1024**2  # a qkit JSON is far smaller; a larger file is not one
+
+
+# --------------------------------------------------------------------------- the fields the page reads, per kind
+#
+# Every field ``qkit.report.data`` and ``page`` read, with the JSON type it must have (``qkit.jsonfields``):
+# a hand-edited or foreign file of the right kind but the wrong shape is one line naming the field, before
+# any step runs, never a traceback while the page is drawn. Fields the page indexes directly are required
+# (``_needs``); numbers it converts to integers or plots are finite and bounded.
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+FINITE = Kind("a finite number", "finite numbers", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
+COUNT = Kind("a whole number from 0 to 2**53", "whole numbers from 0 to 2**53", lambda v: _is_int(v) and 0 <= v <= 2**53)
+SCALAR = STRING | NUMBER | BOOL | NULL  # shown as text (``str()``): anything but an object or a list
+TEXT = STRING | NULL
+# a standard error (drawn as an error bar) or a measured error or KL (drawn on a log colour scale): never
+# negative, and far from float overflow; NaN (not drawn) and null pass
+MEASURE = Kind("a number from 0 to 1e30, NaN or null", "numbers from 0 to 1e30", lambda v: v is None or (
+    (_is_int(v) or isinstance(v, float)) and not v < 0 and not v > 1e30))
+
+
+def _needs(kind: Kind, *keys: str) -> Kind:
+    """``kind`` (an object) that also has every key of ``keys``."""
+    return Kind(f"{kind.name} with {', '.join(keys)}", kind.plural, lambda v: kind.test(v) and all(k in v for k in keys),
+                kind.fields, kind.values, kind.items)
+
+
+_ARCH = obj({"name": SCALAR}) | NULL
+_ROW = obj({"scheme": SCALAR, "runtime": TEXT, "refused": SCALAR, "spec": obj({"plan": SCALAR, "runtime": LIST | SCALAR}) | NULL,
+            "perplexity_se": MEASURE, "perplexity_change_se_pct": MEASURE, "kld_se": MEASURE,
+            "versus_torch": obj({"against": SCALAR, "perplexity_change_se_pct": MEASURE, "kld_change_se": MEASURE}) | NULL,
+            "engine": obj({"version": SCALAR}) | NULL,
+            "battery_correct": SCALAR, "battery_total": SCALAR, "agreement": SCALAR, "agreement_total": SCALAR})
+_TYPICAL = list_of(_needs(obj({"dim": SCALAR, "levels": SCALAR}), "dim", "levels"))
+_INT8_PART = obj({"levels_used": SCALAR, "levels_total": SCALAR, "typical": _TYPICAL | NULL}) | NULL
+SCHEMAS: dict[str, Kind] = {
+    "eval": obj({"rows": list_of(_ROW), "notes": list_of(SCALAR) | NULL,
+                 "provenance": obj({"model": SCALAR, "qkit_version": TEXT, "torch_version": SCALAR, "window": SCALAR,
+                                    "corpus": obj({"name": SCALAR, "sha256": SCALAR}) | NULL,
+                                    "model_source": obj({"sha256": SCALAR}) | NULL})}),
+    "errors": obj({"model": SCALAR, "matrices": list_of(_needs(obj({"name": STRING, "scheme": SCALAR, "rel_error": MEASURE}), "name", "scheme")),
+                   "schemes": list_of(_needs(obj({"scheme": STRING, "matrices": SCALAR, "worst_matrix": SCALAR}), "scheme"))}),
+    "outliers": obj({"model": SCALAR, "layer": SCALAR, "hidden": SCALAR, "tokens": SCALAR, "source": SCALAR, "threshold": SCALAR,
+                     "histogram": list_of(_needs(obj({"lo": FINITE, "hi": FINITE, "count": COUNT}), "lo", "hi", "count")),
+                     "per_layer": list_of(_needs(obj({"layer": COUNT, "median_dim_max": FINITE}), "layer", "median_dim_max")),
+                     "outlier_dims": list_of(_needs(obj({"dim": COUNT, "values": list_of(FINITE) | NULL, "layers": LIST | NULL,
+                                                         "n_layers": COUNT | NULL, "layer_ranges": SCALAR, "peak_layer": SCALAR,
+                                                         "near_peak_layers": SCALAR}), "dim")),
+                     "int8": obj({"excluded_dims": LIST | NULL, "all": _INT8_PART, "without_top": _INT8_PART}) | NULL}),
+    "sensitivity": obj({"model": SCALAR, "by": TEXT, "scheme": SCALAR, "tokens": SCALAR, "source": SCALAR, "note": SCALAR,
+                        "suggestion": obj({"sentence": SCALAR}) | NULL,
+                        "units": list_of(obj({"name": SCALAR, "kl": MEASURE, "rel_error": MEASURE, "input_outlier_dims": LIST | NULL}))}),
+    "plan": obj({"model": SCALAR, "model_fingerprint": SCALAR, "target_format": SCALAR, "target": obj(values=SCALAR) | NULL,
+                 "tensors": obj(values=_needs(obj({"type": SCALAR, "shape": list_of(COUNT), "bytes": COUNT}), "shape", "bytes")) | NULL,
+                 "totals": obj({"bytes": COUNT | NULL, "predicted_kl": FINITE | NULL}) | NULL}),
+    "kv": obj({"architecture": _ARCH, "tokens": COUNT, "users": SCALAR, "dtype": SCALAR,
+               "variants": list_of(_needs(obj({"attention": STRING, "kv_heads": COUNT, "bytes_per_token": COUNT,
+                                               "total_bytes": COUNT}), "attention", "kv_heads", "bytes_per_token", "total_bytes"))}),
+    "budget": obj({"conversation": COUNT, "reserve_gib": SCALAR, "kv_dtype": SCALAR,
+                   "models": list_of(obj({"label": SCALAR, "architecture": _ARCH})),
+                   "tables": list_of(_needs(obj({"gpu_gib": FINITE, "rows": list_of(_needs(obj({
+                       "model": SCALAR, "format": SCALAR, "status": SCALAR, "max_tokens": COUNT, "weight_bytes": COUNT,
+                       "conversations": COUNT}), "format", "max_tokens", "weight_bytes", "conversations"))}), "gpu_gib"))}),
+}
 
 
 @dataclass
@@ -136,6 +205,8 @@ def read_json(path: str | os.PathLike) -> tuple[str, dict]:
         if p.stat().st_size > _MAX_BYTES:
             raise InputError(f"{p} is larger than any qkit JSON ({p.stat().st_size:,} bytes); give the --json output of a qkit command")
         doc = json.loads(p.read_bytes())
+    except RecursionError:
+        raise InputError(f"{p} is nested too deeply to be a qkit JSON; give the --json output of a qkit command") from None
     except FileNotFoundError:
         raise InputError(f"{p}: no such file; give the --json output of qkit eval, inspect, plan, kv or budget") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -148,6 +219,7 @@ def read_json(path: str | os.PathLike) -> tuple[str, dict]:
     if kind == "plan" and doc.get("format_version") != PLAN_VERSION:
         raise InputError(f"{p} is a plan of format_version {doc.get('format_version')!r}; this qkit reads "
                          f"{PLAN_VERSION}: re-plan with this qkit")
+    check(doc, SCHEMAS[kind], str(p), error=InputError, fix=f"give the file {COMMANDS[kind].split(' --')[0]} wrote")
     version = version_of(kind, doc)
     if version is not None and version != __version__:
         raise InputError(f"{p} was written by qkit {version}, this is qkit {__version__}: its numbers may not mean "
@@ -193,5 +265,5 @@ def _where(inputs: Inputs, kind: str) -> str:
     return p if p else f"the {kind} step this run computed"
 
 
-__all__ = ["COMMANDS", "KINDS", "Inputs", "check_one_model", "detect_kind", "model_names", "read_inputs",
+__all__ = ["COMMANDS", "KINDS", "SCHEMAS", "Inputs", "check_one_model", "detect_kind", "model_names", "read_inputs",
            "read_json", "same_model", "version_of"]

@@ -42,6 +42,11 @@ details{margin:.5em 0}summary{cursor:pointer;color:#335}
 """
 
 
+def _count(x: object) -> str:
+    """An integer with thousands separators; anything else (absent: None) as it is."""
+    return f"{x:,}" if isinstance(x, int) and not isinstance(x, bool) else str(x)
+
+
 def _esc(x: object) -> str:
     return html.escape(str(x), quote=True)
 
@@ -159,7 +164,7 @@ class _Page:
         out = ""
         if kv is not None:
             v = data.kv_variants(kv)
-            t = table(["attention", "kv heads", "bytes/token", f"{kv.get('tokens'):,} tokens x {kv.get('users')}"],
+            t = table(["attention", "kv heads", "bytes/token", f"{_count(kv.get('tokens'))} tokens x {kv.get('users')}"],
                       [[x["attention"], str(x["kv_heads"]), f"{x['bytes_per_token']:,}", f"{x['total_bytes']:,} B"] for x in v],
                       f"{kv.get('dtype')} cache (qkit kv)")
             out += "<h3>KV bytes</h3>" + pair(self.fig(figures.kv_bars(v)), t)
@@ -171,7 +176,7 @@ class _Page:
                       [[f"{b['gpu_gib']:g} GiB", b["format"], f"{b['weight_bytes']:,}", f"{b['max_tokens']:,}",
                         f"{b['conversations']:,}", b["status"]] for b in bars],
                       f"{budget.get('reserve_gib')} GiB reserve, {budget.get('kv_dtype')} cache, "
-                      f"{budget.get('conversation'):,}-token conversations (qkit budget)")
+                      f"{_count(budget.get('conversation'))}-token conversations (qkit budget)")
             out += "<h3>memory budget per card</h3>" + pair(self.fig(figures.budget_bars(bars)), t)
         else:
             out += _absent_note(("budget",))

@@ -63,10 +63,24 @@ def engine_python(python: str | None) -> str:
     return python or os.environ.get(ENGINE_PYTHON) or sys.executable
 
 
+_PROBE_MARK = "qkit-engine-probe"
+# What the interpreter prints: the mark, 6 * 7 computed (so a program that echoes its arguments, such as
+# /bin/echo, never passes for Python), and whether the module is found. Nothing is imported but importlib.
+_PROBE = "import importlib.util; print({mark!r}, 6 * 7, int(importlib.util.find_spec({module!r}) is not None))"
+PROBE_SECONDS = 60
+
+
+def _named(python: str | None) -> str:
+    """Where the interpreter came from, for the line that refuses it."""
+    return "EngineOptions.python" if python else f"${ENGINE_PYTHON}"
+
+
 def check_importable(module: str, python: str | None, *, runtime: str, extra: str, package: str) -> str:
     """Raise ``InputError`` in one line when ``module`` cannot be imported by the worker's interpreter;
     return that interpreter. In qkit's own interpreter this is ``importlib.util.find_spec`` (no import:
-    milliseconds); in another one, a ``python -c`` asking the same (tens of milliseconds)."""
+    milliseconds); in another one, a ``python -c`` asking the same (tens of milliseconds), whose answer must
+    be Python's: a path that is missing, a directory, not executable, or a program that is not Python
+    (``/bin/false``, ``/bin/echo``, a script printing something else) is refused naming the variable."""
     exe = engine_python(python)
     # abspath, not resolve: a virtual environment's python is a symlink to the same binary as qkit's, yet
     # another environment with other packages.
@@ -77,15 +91,32 @@ def check_importable(module: str, python: str | None, *, runtime: str, extra: st
             raise InputError(f"--runtime {runtime} needs {package}, which this Python lacks: {install} "
                              f"(or point ${ENGINE_PYTHON} at an interpreter that has it)")
         return exe
-    if shutil.which(exe) is None and not Path(exe).is_file():
-        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}) does not exist; fix ${ENGINE_PYTHON}")
-    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    where, fix = _named(python), f"point {_named(python)} at a Python that has {package}"
+    if Path(exe).is_dir():
+        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) is a directory, not a Python; {fix}")
+    if shutil.which(exe) is None:
+        why = "is not executable" if Path(exe).is_file() else "does not exist"
+        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) {why}; {fix}")
     try:
-        done = subprocess.run([exe, "-c", probe], capture_output=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}) cannot run: {e}") from None
-    if done.returncode != 0:
-        raise InputError(f"--runtime {runtime} needs {package}, which {exe} lacks: {install} in that environment")
+        # cwd "/": ``python -c`` puts the working directory on sys.path, which must not shadow the module
+        done = subprocess.run([exe, "-c", _PROBE.format(mark=_PROBE_MARK, module=module)], capture_output=True,
+                              timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL, cwd="/")
+    except subprocess.TimeoutExpired:
+        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) did not answer within "
+                         f"{PROBE_SECONDS} s; {fix}") from None
+    except OSError as e:
+        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) cannot run "
+                         f"({e.strerror or e}); {fix}") from None
+    answers = [ln.split() for ln in done.stdout.decode("utf-8", "replace").splitlines()]
+    found = next((a[2] for a in answers if len(a) == 3 and a[0] == _PROBE_MARK and a[1] == "42"), None)
+    if done.returncode != 0 or found not in ("0", "1"):
+        said = (done.stdout or done.stderr).decode("utf-8", "replace").strip().splitlines()
+        shown = f", printing {said[0][:80]!r}" if said else ""
+        raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) is not a Python that "
+                         f"runs (exit {done.returncode}{shown}); {fix}")
+    if found == "0":
+        raise InputError(f"--runtime {runtime} needs {package}, which {exe} (from {where}) lacks: {install} in that "
+                         f"environment, or point {where} at one that has it")
     return exe
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +120,8 @@ def read(path: str | Path) -> Imatrix:
             magic = fh.read(4)
     except OSError as exc:
         raise InputError(f"--imatrix {path}: cannot read it ({exc.strerror or exc})") from None
+    if not magic:
+        raise _bad(p, "the file is empty")
     matrix = _read_gguf(p) if magic == b"GGUF" else _read_legacy(p)
     h = hashlib.sha256()
     with open(p, "rb") as fh:
@@ -171,8 +174,9 @@ def _read_gguf(path: Path) -> Imatrix:
             raise _bad(path, f"mismatched sums and counts for {name}")
         counts = pc[COUNTS].reshape(-1)
         sums = pc[SUMS].reshape(counts.size, -1) if pc[SUMS].size % max(counts.size, 1) == 0 else None
-        if sums is None or counts.size == 0 or not np.isfinite(sums).all() or not np.isfinite(counts).all():
-            raise _bad(path, f"entry {name} has {pc[SUMS].size} sums for {counts.size} counts or non-finite values")
+        if sums is None or counts.size == 0:
+            raise _bad(path, f"entry {name} has {pc[SUMS].size} sums for {counts.size} counts")
+        _check_values(path, name, sums, counts)
         entries[name] = ImatrixEntry(sums, counts)
     record = None
     if text(KEY_QKIT) is not None:
@@ -194,49 +198,71 @@ def is_qkit_imatrix(path: Path) -> bool:
         return False
 
 
+def _check_values(path: Path, name: str, sums: np.ndarray, counts: np.ndarray) -> None:
+    """Sums of squares are finite and never negative, and so are token counts. A count of 0 is read (llama.cpp
+    writes it for a row no token reached, and llama-quantize weights that row by 1s); ``quant_weights_for``
+    refuses it for a tensor it would weight."""
+    if not np.isfinite(sums).all() or not np.isfinite(counts).all():
+        raise _bad(path, f"entry {name} holds non-finite values (NaN or inf)")
+    if (sums < 0).any():
+        raise _bad(path, f"entry {name} holds negative sums of squares")
+    if (counts < 0).any():
+        raise _bad(path, f"entry {name} counts {float(counts.min()):g} tokens, a negative count")
+
+
 def _read_legacy(path: Path) -> Imatrix:
-    data = path.read_bytes()
+    # memory-mapped, never read whole: every length is checked against the file's size before it is used
+    try:
+        with open(path, "rb") as fh:
+            data = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"--imatrix {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        return _parse_legacy(path, data)
+    finally:
+        data.close()
+
+
+def _parse_legacy(path: Path, data: mmap.mmap) -> Imatrix:
     pos = 0
+    size = len(data)
 
     def take(fmt: str) -> tuple:
         nonlocal pos
-        size = struct.calcsize(fmt)
-        if pos + size > len(data):
+        n = struct.calcsize(fmt)
+        if pos + n > size:
             raise _bad(path, "truncated (neither a GGUF nor a complete legacy .dat importance matrix)")
         out = struct.unpack_from(fmt, data, pos)
-        pos += size
+        pos += n
         return out
 
     (n,) = take("<i")
-    if n < 1 or n > 1_000_000:
-        raise _bad(path, f"not an importance matrix (legacy header says {n} entries)")
+    # each entry takes at least 4 + 1 + 8 + 4 bytes: a count the file cannot hold is refused before the loop
+    if n < 1 or n > 1_000_000 or 4 + 17 * n > size:
+        raise _bad(path, f"not an importance matrix (legacy header says {n} entries in {size:,} bytes)")
     entries = {}
     for _ in range(n):
         (length,) = take("<i")
-        if not 0 < length < 4096:
+        if not 0 < length < 4096 or pos + length > size:
             raise _bad(path, f"an entry name of length {length}")
-        pos_name = pos
+        name = bytes(data[pos : pos + length]).decode("utf-8", "replace")
         pos += length
-        if pos > len(data):
-            raise _bad(path, "truncated")
-        name = data[pos_name:pos].decode("utf-8", "replace")
         ncall, nval = take("<ii")
-        if nval < 1:
-            raise _bad(path, f"entry {name} has {nval} values")
-        values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).astype(np.float32) if pos + 4 * nval <= len(data) else None
-        if values is None:
-            raise _bad(path, "truncated")
+        if nval < 1 or pos + 4 * nval > size:
+            raise _bad(path, f"entry {name} declares {nval} values, which the file does not hold")
+        values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).astype(np.float32)
         pos += 4 * nval
-        if not np.isfinite(values).all():
-            raise _bad(path, f"entry {name} has non-finite values")
+        _check_values(path, name, values, np.array([ncall], dtype=np.float64))
+        if name in entries:
+            raise _bad(path, f"entry {name} appears twice")
         entries[name] = ImatrixEntry(values.reshape(1, -1), np.array([ncall], dtype=np.float32))
     chunk_count, datasets = 0, []
-    if pos + 4 <= len(data):
+    if pos + 4 <= size:
         (chunk_count,) = take("<i")
-        if pos + 4 <= len(data):
+        if pos + 4 <= size:
             (length,) = take("<i")
-            if 0 < length <= len(data) - pos:
-                datasets.append(data[pos : pos + length].decode("utf-8", "replace"))
+            if 0 < length <= size - pos:
+                datasets.append(bytes(data[pos : pos + length]).decode("utf-8", "replace"))
     return Imatrix(entries, chunk_count, 0, datasets, True, str(path))
 
 

@@ -9,7 +9,7 @@ weights columns, so it applies unchanged.
 
 * an entry that names no tensor of the model, or whose width differs from the tensor's: a matrix from
   another model (llama-quantize aborts on a width mismatch too);
-* a quantized tensor with no entry. llama-quantize instead logs "did not find weights for ..." and
+* a quantized tensor with no entry, or whose entry counts no token (llama-quantize weights it by 1s). llama-quantize instead logs "did not find weights for ..." and
   quantizes that tensor without weights, so one file silently mixes weighted and unweighted tensors;
   qkit refuses, and ``--exclude`` (or a matrix that covers the tensor) is the way through.
 """
@@ -81,6 +81,9 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
         if qw is None:
             missing.append(g or name)
             continue
+        if (imatrix.entries[g].counts <= 0).any():  # no token reached it: llama-quantize weights it by 1s
+            raise InputError(f"--imatrix {src}: entry {g} counts 0 tokens, so it holds no statistics and {name} would be "
+                             "quantized without weights; collect a matrix whose calibration reaches it, or --exclude it")
         if not np.isfinite(qw).all() or (qw < 0).any():
             raise InputError(f"--imatrix {src}: entry {g} holds negative or non-finite values")
         out[name] = torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32))
