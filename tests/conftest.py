@@ -91,6 +91,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ct_export(tiny_model_dir, tmp_path_factory) -> Path:
+    """A compressed-tensors export (int4-g32) of ``tiny_model_dir``: what ``qkit verify`` reads. Do not modify it."""
+    from typer.testing import CliRunner
+
+    from qkit.cli import app
+
+    out = tmp_path_factory.mktemp("tiny-ct") / "ct"
+    r = CliRunner().invoke(app, ["quantize", str(tiny_model_dir), "-s", "int4-g32", "--format", "compressed-tensors",
+                                 "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+@pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The real default model (SmolLM2-135M-Instruct), fetched and converted once into the qkit cache."""
     from qkit.models import resolve
@@ -120,3 +134,49 @@ def benchmark_module(name: str) -> ModuleType:
         spec.loader.exec_module(mod)
         _BENCHMARKS[name] = mod
     return _BENCHMARKS[name]
+
+
+def f32_gguf(meta: Path, model: Path, out: Path, layers: int) -> Path:
+    """An F32 GGUF of the qwen2 ``model`` at ``out`` for llama-quantize: the metadata (architecture, tokenizer)
+    of the qkit GGUF ``meta``, every tensor F32 under llama.cpp's name (what convert_hf_to_gguf.py --outtype
+    f32 writes for qwen2, whose tensors need no permutation)."""
+    import gguf
+
+    from qkit.checkpoint import iter_tensors
+    from qkit.export.gguf.metadata import copy_fields, read_kv_fields
+    from qkit.llama_names import tensor_names
+
+    fields = read_kv_fields(meta)
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    for prefix in ("general.", "qwen2.", "tokenizer."):
+        copy_fields(w, fields, prefix, skip=("architecture", "file_type") if prefix == "general." else ())
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tensors = dict(iter_tensors(model))
+    names = tensor_names("qwen2", layers, list(tensors), tied=True)
+    for t in gguf.GGUFReader(str(meta)).tensors:
+        hf = next(n for n, g in names.items() if g == t.name)
+        w.add_tensor(t.name, tensors[hf].float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def near_max_importance(seed: int = 21):
+    """``(x, qw)``: a 2500 x 256 float32 matrix and its importance, where per block of 32 one or two columns
+    carry all the importance and the rows' values there sit just below the block maximum (the case where a
+    weighted search's rounding is most fragile)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    rows, cols = 2500, 256
+    qw = np.zeros(cols, np.float32)
+    hot = [b * 32 + rng.choice(32, int(rng.integers(1, 3)), replace=False) for b in range(cols // 32)]
+    for idx in hot:
+        qw[idx] = rng.random(len(idx)) * 10.0 ** rng.integers(-6, 6)
+    x = -np.abs(rng.standard_normal((rows, cols))).astype(np.float32)
+    for b, idx in enumerate(hot):
+        top = x[:, b * 32 : b * 32 + 32].max(axis=1, keepdims=True)
+        x[:, idx] = top - rng.random((rows, len(idx))) * 10.0 ** rng.integers(-8, 0, (rows, 1))
+    return x, qw

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from adversarial import Unchanged, assert_refused, invoke
+from adversarial import Unchanged, assert_refused, invoke, tripwire
 from conftest import make_tiny_llama
 
 from qkit.errors import CheckpointError, ExportError, ModelLoadError
@@ -30,20 +30,20 @@ def base(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def ct_export(base) -> Path:
-    """A compressed-tensors export of the tiny model (what verify reads)."""
-    out = base / "ct"
-    r = invoke("quantize", base / "tiny", "-s", "int4-g32", "--format", "compressed-tensors", "-o", out)
-    assert r.code == 0, r.text
-    return out
-
-
 @pytest.fixture
 def no_load(monkeypatch):
     """Loading the model fails the test: every refusal here comes before it."""
-    monkeypatch.setattr("transformers.modeling_utils.PreTrainedModel.from_pretrained",
-                        classmethod(lambda *a, **k: pytest.fail("the model loaded before the refusal")))
+    tripwire(monkeypatch, "transformers.modeling_utils.PreTrainedModel.from_pretrained", "the model loaded")
+
+
+def _edited_copy(model: Path, tmp_path: Path, name: str, path: tuple[str, ...], value) -> tuple[Path, Path]:
+    """A copy of ``model`` under ``tmp_path`` with ``name``'s field at ``path`` set to ``value``, and an empty
+    work directory beside it: ``(copy, work)``."""
+    copy, work = tmp_path / "model", tmp_path / "work"
+    shutil.copytree(model, copy)
+    _edit(copy, name, path, value)
+    work.mkdir()
+    return copy, work
 
 
 def _edit(directory: Path, name: str, path: tuple[str, ...], value) -> None:
@@ -117,11 +117,7 @@ COMMANDS = {
 @pytest.mark.parametrize("case", list(CONFIG_CASES))
 def test_config_field_of_the_wrong_type(base, tmp_path, no_load, case, command):
     path, value, needles = CONFIG_CASES[case]
-    model = tmp_path / "model"
-    shutil.copytree(base / "tiny", model)
-    _edit(model, "config.json", path, value)
-    work = tmp_path / "work"
-    work.mkdir()
+    model, work = _edited_copy(base / "tiny", tmp_path, "config.json", path, value)
     with Unchanged(inputs=[model], dirs=[work, tmp_path]):
         line = assert_refused(invoke(*COMMANDS[command](model, work)), *needles)
     assert f"{model / 'config.json'}" in line or "model_type" in line  # model_type: its own older line
@@ -130,10 +126,10 @@ def test_config_field_of_the_wrong_type(base, tmp_path, no_load, case, command):
 
 @pytest.mark.parametrize("case", ["quantization_config a string", "quant_method a number", "config_groups a list",
                                   "num_bits a string", "ignore a string", "torch_dtype a number"])
-def test_verify_refuses_a_bad_export_config(ct_export, tmp_path, no_load, case):
+def test_verify_refuses_a_bad_export_config(tiny_ct_export, tmp_path, no_load, case):
     path, value, needles = CONFIG_CASES[case]
     export = tmp_path / "export"
-    shutil.copytree(ct_export, export)
+    shutil.copytree(tiny_ct_export, export)
     _edit(export, "config.json", path, value)
     with Unchanged(inputs=[export], dirs=[tmp_path]):
         line = assert_refused(invoke("verify", export, "--device", "cpu"), *needles)
@@ -195,11 +191,7 @@ def test_tokenizer_config_not_an_object(base, tmp_path, no_load):
 ], ids=["model a string", "model type a number", "pre_tokenizer a list", "use_regex a string"])
 def test_tokenizer_json_field_for_gguf(base, tmp_path, path, value, needles):
     """--format gguf converts tokenizer.json itself: its fields are checked before any tensor is written."""
-    model = tmp_path / "model"
-    shutil.copytree(base / "tiny", model)
-    _edit(model, "tokenizer.json", path, value)
-    work = tmp_path / "work"
-    work.mkdir()
+    model, work = _edited_copy(base / "tiny", tmp_path, "tokenizer.json", path, value)
     with Unchanged(inputs=[model], dirs=[work, tmp_path]):
         line = assert_refused(invoke("quantize", model, "-s", "q8_0", "--format", "gguf", "-o", work / "m.gguf"),
                               *needles)
@@ -296,7 +288,7 @@ def test_field_and_check():
     assert len(long) < 200 and "..." in long  # a long value is cut: the line stays short
 
 
-def test_schemas_accept_what_libraries_write(base, ct_export):
+def test_schemas_accept_what_libraries_write(base, tiny_ct_export):
     """No false refusals: transformers' default config of every causal LM, its quantization configs, a
     compressed-tensors export qkit wrote, the tiny model's own files."""
     import warnings
@@ -311,7 +303,7 @@ def test_schemas_accept_what_libraries_write(base, ct_export):
 
     read_config(base / "tiny")
     read_tokenizer_config(base / "tiny")
-    assert read_config(ct_export)["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert read_config(tiny_ct_export)["quantization_config"]["quant_method"] == "compressed-tensors"
     checked = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -89,15 +89,6 @@ def untrusted_tokenizer(base, marker) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ct_export(base) -> Path:
-    """A compressed-tensors export of the tiny model (what verify reads)."""
-    out = base / "ct"
-    r = invoke("quantize", base / "tiny", "-s", "int4-g32", "--format", "compressed-tensors", "-o", out)
-    assert r.code == 0, r.text
-    return out
-
-
-@pytest.fixture(scope="module")
 def gguf_export(base) -> Path:
     out = base / "tiny.gguf"
     r = invoke("quantize", base / "tiny", "-s", "q8_0", "--format", "gguf", "-o", out)
@@ -130,9 +121,9 @@ def test_quantize_export_refuses_custom_code_with_y_on_stdin(untrusted, tmp_path
     assert "Do you wish" not in r.text and str(untrusted) in line
 
 
-def test_verify_refuses_custom_code_with_y_on_stdin(ct_export, base, marker, tmp_path, no_marker, spawn_env):
+def test_verify_refuses_custom_code_with_y_on_stdin(tiny_ct_export, base, marker, tmp_path, no_marker, spawn_env):
     """An export whose config.json asks for its own code (its model's auto_map): refused, never prompted."""
-    export = _make_untrusted(ct_export, tmp_path / "export", marker)
+    export = _make_untrusted(tiny_ct_export, tmp_path / "export", marker)
     with Unchanged(inputs=[export], dirs=[tmp_path]):
         r = spawn("verify", export, "--device", "cpu", input="y\n", env=spawn_env)
         assert_refused(r, "custom code", "--trust-remote-code")
@@ -489,9 +480,9 @@ def _first(record: dict) -> dict:
     (lambda r: (_first(r).pop("dtype"), r)[1], ["has no dtype"]),
 ], ids=["json", "list", "no-tensors", "tensors-list", "format", "no-format", "version", "shape", "scheme", "sha",
         "no-dtype"])
-def test_verify_refuses_a_corrupt_export_record(ct_export, tmp_path, edit, needles):
+def test_verify_refuses_a_corrupt_export_record(tiny_ct_export, tmp_path, edit, needles):
     export = tmp_path / "export"
-    shutil.copytree(ct_export, export)
+    shutil.copytree(tiny_ct_export, export)
     _edit_record(export / "qkit-export.json", edit)
     with Unchanged(inputs=[export], dirs=[tmp_path]):
         assert_refused(invoke("verify", export, "--device", "cpu"), "qkit-export.json", *needles)
@@ -536,14 +527,14 @@ def _paths(node, prefix=()):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(data=st.data())
-def test_fuzzed_export_record_is_a_qkit_error(ct_export, tmp_path_factory, data):
+def test_fuzzed_export_record_is_a_qkit_error(tiny_ct_export, tmp_path_factory, data):
     """Any mutation of a real qkit-export.json (a value replaced by other JSON, a key deleted or added) is
     read back either as before or refused with a QkitError: never another exception."""
     from qkit.export.common import read_export_manifest
     from qkit.export.verify import iter_decoded
 
     export = tmp_path_factory.mktemp("fuzz") / "export"
-    shutil.copytree(ct_export, export)
+    shutil.copytree(tiny_ct_export, export)
     record = json.loads((export / "qkit-export.json").read_text())
     for _ in range(data.draw(st.integers(1, 3))):
         paths = list(_paths(record))

@@ -223,17 +223,23 @@ def test_a_2gb_plan_is_refused_by_its_size_before_a_byte_is_read(tiny, tmp_path,
         assert_refused(invoke("quantize", tiny, "--plan", f, "--format", "gguf", "-o", tmp_path / "q.gguf"), "larger than any plan")
 
 
-def test_a_directory_or_unreadable_file_as_the_plan_is_one_line(tiny, plan_doc, tmp_path):
+def test_a_directory_or_unreadable_file_as_the_plan_is_one_line(tiny, plan_doc, tmp_path, monkeypatch):
     d = tmp_path / "plan-dir"
     d.mkdir()
     with Unchanged(inputs=[tiny], dirs=[tmp_path]):
         assert_refused(invoke("quantize", tiny, "--plan", d, "--format", "gguf", "-o", tmp_path / "q.gguf"), "is a directory")
         assert_refused(invoke("quantize", tiny, "--plan", tmp_path / "absent.json", "--format", "gguf", "-o", tmp_path / "q.gguf"),
                        "no such file")
-    if os.geteuid() == 0:
-        pytest.skip("root reads a chmod 000 file")
     f = _plan_file(tmp_path, plan_doc, lambda p: p)
     f.chmod(0)
+    if os.geteuid() == 0:  # root reads a chmod 000 file: the read fails as it would for anyone else
+        real = Path.read_bytes
+
+        def denied(self):
+            if self == f:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real(self)
+        monkeypatch.setattr(Path, "read_bytes", denied)
     try:
         with Unchanged(dirs=[tmp_path]):
             assert_refused(invoke("quantize", tiny, "--plan", f, "--format", "gguf", "-o", tmp_path / "q.gguf"), "permission denied")
@@ -540,17 +546,20 @@ def _engine_pythons(d: Path) -> dict[str, tuple[str, str]]:
     bare = d / "python-without-site"  # a real Python that sees no site-packages: no engine installed
     bare.write_text(f"#!/bin/sh\nexec {sys.executable} -S \"$@\"\n")
     bare.chmod(0o755)
+    false, echo = d / "false", d / "echo"  # what /bin/false and /bin/echo do, on any machine
+    false.write_text("#!/bin/sh\nexit 1\n")
+    echo.write_text('#!/bin/sh\necho "$@"\n')
+    false.chmod(0o755)
+    echo.chmod(0o755)
     return {"missing": (str(d / "no" / "python"), "does not exist"), "directory": (str(d), "directory"),
-            "not-executable": (str(noexec), "not executable"), "false": ("/bin/false", "not a python"),
-            "echo": ("/bin/echo", "not a python"), "garbage": (str(garbage), "not a python"),
+            "not-executable": (str(noexec), "not executable"), "false": (str(false), "not a python"),
+            "echo": (str(echo), "not a python"), "garbage": (str(garbage), "not a python"),
             "no-engine": (str(bare), "lacks")}
 
 
 @pytest.mark.parametrize("runtime", ["llama.cpp", "vllm"])
 @pytest.mark.parametrize("which", ["missing", "directory", "not-executable", "false", "echo", "garbage", "no-engine"])
 def test_an_engine_python_that_is_not_one_is_refused_before_the_model(tiny, tmp_path, monkeypatch, runtime, which):
-    if which == "echo" and not Path("/bin/echo").exists() or which == "false" and not Path("/bin/false").exists():
-        pytest.skip("no /bin/echo or /bin/false here")
     exe, needle = _engine_pythons(tmp_path / "py")[which]
     scratch = tmp_path / "tmp"
     scratch.mkdir()

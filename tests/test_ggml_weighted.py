@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import benchmark_module
+from conftest import benchmark_module, near_max_importance
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -541,16 +541,7 @@ def test_qkx_codes_beyond_nearest_int_range(nmax, monkeypatch):
 def test_near_max_blocks_equal_llama_cpp(ref, name):
     """The same situation through the importance matrix: per block one or two columns carry all the
     importance and the rows' values there sit just below the block maximum."""
-    rng = np.random.default_rng(21)
-    rows, cols = 2500, 256
-    qw = np.zeros(cols, np.float32)
-    hot = [b * 32 + rng.choice(32, int(rng.integers(1, 3)), replace=False) for b in range(cols // 32)]
-    for idx in hot:
-        qw[idx] = rng.random(len(idx)) * 10.0 ** rng.integers(-6, 6)
-    x = -np.abs(rng.standard_normal((rows, cols))).astype(np.float32)
-    for b, idx in enumerate(hot):
-        top = x[:, b * 32 : b * 32 + 32].max(axis=1, keepdims=True)
-        x[:, idx] = top - rng.random((rows, len(idx))) * 10.0 ** rng.integers(-8, 0, (rows, 1))
+    x, qw = near_max_importance(21)
     want = ref.quantize(x, TYPES[name], qw)
     size = gguf.GGML_QUANT_SIZES[TYPES[name]][1]
     for compiled in (True, False):

@@ -29,7 +29,7 @@ import torch
 import test_iquants as iq
 import test_kquants_low as kl
 import test_kquants_weighted as kw
-from conftest import benchmark_module
+from conftest import benchmark_module, near_max_importance
 
 from qkit.schemes import get_scheme, kernels, quantize_tensor
 
@@ -52,19 +52,8 @@ def _random_matrix(kind: int) -> np.ndarray:
 
 
 def _near_max(seed: int = 21) -> tuple[np.ndarray, np.ndarray]:
-    """test_ggml_weighted.test_near_max_blocks_equal_llama_cpp's input: per block one or two columns carry all
-    the importance and the rows' values there sit just below the block maximum."""
-    rng = np.random.default_rng(seed)
-    rows, cols = 2500, 256
-    qw = np.zeros(cols, np.float32)
-    hot = [b * 32 + rng.choice(32, int(rng.integers(1, 3)), replace=False) for b in range(cols // 32)]
-    for idx in hot:
-        qw[idx] = rng.random(len(idx)) * 10.0 ** rng.integers(-6, 6)
-    x = -np.abs(rng.standard_normal((rows, cols))).astype(np.float32)
-    for b, idx in enumerate(hot):
-        top = x[:, b * 32 : b * 32 + 32].max(axis=1, keepdims=True)
-        x[:, idx] = top - rng.random((rows, len(idx))) * 10.0 ** rng.integers(-8, 0, (rows, 1))
-    return x, qw
+    """test_ggml_weighted.test_near_max_blocks_equal_llama_cpp's input (``conftest.near_max_importance``)."""
+    return near_max_importance(seed)
 
 
 def cases():

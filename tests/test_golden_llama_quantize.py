@@ -39,7 +39,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import benchmark_module, make_tokenizer
+from conftest import benchmark_module, f32_gguf, make_tokenizer
 
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.methods.imatrix import Imatrix, ImatrixEntry, write_gguf
@@ -177,30 +177,9 @@ def _qkit_file(model: Path, im: Path, scheme: str, weighted: bool, out: Path) ->
 
 
 def _f32_gguf(model: Path, work: Path) -> Path:
-    """An F32 GGUF of ``model`` for llama-quantize: qkit's GGUF metadata (architecture, tokenizer), every
-    tensor F32 under llama.cpp's name (what convert_hf_to_gguf.py --outtype f32 writes for qwen2, whose
-    tensors need no permutation)."""
-    from qkit.checkpoint import iter_tensors
-    from qkit.export.gguf.metadata import copy_fields, read_kv_fields
-    from qkit.llama_names import tensor_names
-
+    """An F32 GGUF of ``model`` for llama-quantize (``conftest.f32_gguf``), with qkit's GGUF metadata."""
     meta = _qkit_file(model, work / "none", "q8_0", False, work / "meta.gguf")
-    fields = read_kv_fields(meta)
-    out = work / "f32.gguf"
-    w = gguf.GGUFWriter(str(out), "qwen2")
-    for prefix in ("general.", "qwen2.", "tokenizer."):
-        copy_fields(w, fields, prefix, skip=("architecture", "file_type") if prefix == "general." else ())
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tensors = dict(iter_tensors(model))
-    names = tensor_names("qwen2", LAYERS, list(tensors), tied=True)
-    for t in gguf.GGUFReader(str(meta)).tensors:
-        hf = next(n for n, g in names.items() if g == t.name)
-        w.add_tensor(t.name, tensors[hf].float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out
+    return f32_gguf(meta, model, work / "f32.gguf", LAYERS)
 
 
 def record(model: Path, im: Path, inputs_sha256: str, work: Path) -> dict:

@@ -18,7 +18,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import benchmark_module
+from conftest import benchmark_module, f32_gguf
 from typer.testing import CliRunner
 
 from qkit.cli import app
@@ -393,30 +393,11 @@ def _random_qwen2(directory: Path, tokenizer_dir: Path) -> Path:
 
 
 def _f32_gguf(src: Path, tmp_path: Path) -> Path:
-    """An F32 GGUF of ``src`` for llama-quantize: qkit's GGUF metadata (architecture, tokenizer: llama.cpp's
-    converter does not recognise this tokenizer under qwen2) with every tensor in F32 (qwen2 has no q/k
-    permutation)."""
-    from qkit.checkpoint import iter_tensors
-    from qkit.export.gguf.metadata import copy_fields, read_kv_fields
-    from qkit.llama_names import tensor_names
-
+    """An F32 GGUF of ``src`` for llama-quantize, with qkit's GGUF metadata (llama.cpp's converter does not
+    recognise this tokenizer under qwen2)."""
     meta = tmp_path / "meta.gguf"
     assert runner.invoke(app, ["quantize", str(src), "-s", "q8_0", "--format", "gguf", "-o", str(meta)]).exit_code == 0
-    fields = read_kv_fields(meta)
-    w = gguf.GGUFWriter(str(tmp_path / "f32.gguf"), "qwen2")
-    for prefix in ("general.", "qwen2.", "tokenizer."):
-        copy_fields(w, fields, prefix, skip=("architecture", "file_type") if prefix == "general." else ())
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    tensors = dict(iter_tensors(src))
-    names = tensor_names("qwen2", 2, list(tensors), tied=True)
-    for t in gguf.GGUFReader(str(meta)).tensors:
-        hf = next(n for n, g in names.items() if g == t.name)
-        w.add_tensor(t.name, tensors[hf].float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return tmp_path / "f32.gguf"
+    return f32_gguf(meta, src, tmp_path / "f32.gguf", 2)
 
 
 @pytest.mark.slow
