@@ -6,8 +6,9 @@ times, in this order:
 
 - peer: ``forward``, one plain forward pass and log-softmax over the window (``position_logprobs`` as it
   stood when this benchmark was written, frozen below so that speeding up qkit's copy cannot move the peer);
-- ``build``: ``runner.build_row_model``: ``qkit.api.quantize_model`` writing the row's checkpoint to a
-  temporary directory, then its tensors streamed into the model (``Swapper.apply``);
+- ``build``: ``runner.quantize_row`` (``qkit.api.quantize_model``, as the torch engine's row is written)
+  writing the row's checkpoint to a temporary directory, then its tensors streamed into the model
+  (``Swapper.apply``, as ``TorchSession.measure`` does);
 - ``perplexity+KL``: ``CorpusReference.score`` (forward, NLL, KL against the stored reference, top-1);
 - ``prefill``: ``agreement.prefill_prompts``, the 16 battery prompts' KV cache (shared by the next two);
 - ``agreement``: one cached forward of ``--agree-tokens`` positions per prompt, on a copy of that cache;
@@ -32,9 +33,11 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from qkit.checkpoint import iter_quantized
 from qkit.evaluation.agreement import agreement, prefill_prompts, reference_continuation
 from qkit.evaluation.battery import (
     build_prompts,
@@ -42,11 +45,13 @@ from qkit.evaluation.battery import (
     load_battery,
     model_repetition_penalty,
 )
+from qkit.evaluation.engines.torch_engine import ENGINE as TORCH_ENGINE
 from qkit.evaluation.perplexity import CorpusReference
-from qkit.evaluation.runner import EvalOptions, build_row_model, evaluate
+from qkit.evaluation.runner import TMP_PREFIX, EvalOptions, evaluate, quantize_row
 from qkit.evaluation.specs import resolve_rows
 from qkit.evaluation.swap import Swapper
 from qkit.models import load, resolve
+from qkit.staging import temporary_directory
 from qkit.texts import load_corpus
 
 
@@ -105,7 +110,10 @@ def main() -> None:
     state: dict = {}
 
     def build():
-        build_row_model(spec, ref, swapper, options, lambda _m: None)
+        with temporary_directory(TMP_PREFIX) as tmp:
+            out = Path(tmp) / "row"
+            quantize_row(TORCH_ENGINE, spec, ref, options.rows, out, spec.name, lambda _m: None)
+            swapper.apply(iter_quantized(out))
 
     def prefill():
         state["cache"] = prefill_prompts(lm, *continuation.prompts)

@@ -24,6 +24,7 @@ from adversarial import (
     Unchanged,
     assert_refused,
     invoke,
+    make_untrusted,
     spawn,
     spawn_and_signal,
     tripwire,
@@ -92,12 +93,10 @@ def test_a_sigkilled_inspect_errors_method_leaves_a_dir_the_next_run_removes(tin
     assert sorted(tmp.glob("qkit-inspect-*")) == [mine]
 
 
-def test_eval_and_inspect_share_one_scratch_helper(tmp_path):
+def test_eval_and_inspect_share_one_scratch_helper(tmp_path, dead_pid):
     from qkit.evaluation.runner import TMP_PREFIX, remove_stale_row_dirs
     from qkit.staging import remove_stale_temporary, temporary_directory
 
-    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                                  capture_output=True, text=True).stdout)
     dead = tmp_path / f"{TMP_PREFIX}{dead_pid}-zz99_abc"
     other = tmp_path / f"qkit-inspect-{dead_pid}-zz99_abc"
     dead.mkdir(), other.mkdir()
@@ -148,7 +147,7 @@ def test_eval_calibration_chooses_the_static_rows_text(tiny, tmp_path, calibrati
                               *FAST), "calibration text cal.txt overlaps the evaluation text c.txt")
     opts = EvalOptions(method_options=(("calibration", str(calibration)),))
     (spec,) = resolve_rows(["w8a8-static"])
-    assert opts.runtime_options_for(spec)["calibration"] == str(calibration)
+    assert opts.simulation_options_for(spec)["calibration"] == str(calibration)
 
 
 # --------------------------------------------------------------------------- d. calibration bounds
@@ -245,10 +244,8 @@ def test_the_interrupt_message_says_what_was_written(tmp_path, monkeypatch, caps
 
 
 def test_a_trusted_export_of_custom_code_verifies(tiny, tmp_path):
-    from test_adversarial_models import _make_untrusted
-
     marker = tmp_path / "MARKER"
-    model = _make_untrusted(tiny, tmp_path / "untrusted", marker)
+    model = make_untrusted(tiny, tmp_path / "untrusted", marker)
     (model / "unrelated.py").write_text("raise SystemExit('not named by any auto_map')\n")
     env = {"HF_MODULES_CACHE": str(tmp_path / "hf-modules"), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "out"

@@ -439,7 +439,7 @@ def test_w8a8_export_scored_by_vllm(vllm_tiny, tmp_path):
 
     from qkit.api import QuantizeOptions, quantize_model
     from qkit.schemes import dequantize
-    from qkit.simulate import apply_runtime
+    from qkit.simulate import apply_simulation
 
     out = tmp_path / "w8a8"
     quantize_model(vllm_tiny, output=out, scheme="int8-row", format="compressed-tensors",
@@ -452,7 +452,7 @@ def test_w8a8_export_scored_by_vllm(vllm_tiny, tmp_path):
     with torch.no_grad():
         for name, qt in result.quantized.items():
             model.get_parameter(name).copy_(dequantize(qt, torch.float32))
-    with apply_runtime(model, ["act-int8-token"]):
+    with apply_simulation(model, ["act-int8-token"]):
         target, _ = _torch_target(model, ids)
     diff = (s.target_logprobs[0] - target).abs()
     assert diff.max().item() < 5e-2, diff.max().item()

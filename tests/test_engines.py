@@ -22,20 +22,19 @@ import torch
 
 from qkit.errors import InputError
 from qkit.evaluation import EvalOptions, evaluate
-from qkit.evaluation.engine_rows import (
-    check_engine_lengths,
-    engine_scores,
-    refused_row,
-    row_name,
-)
+from qkit.evaluation.engine_rows import row_name
 from qkit.evaluation.engines import (
     ENGINES,
     EngineOptions,
     EngineRefused,
     EngineScores,
+    check_engine_lengths,
     get_engine,
+    runtime_names,
 )
 from qkit.evaluation.engines.llama_cpp import LlamaCppEngine
+from qkit.evaluation.engines.scoring import WorkerEngine, engine_scores
+from qkit.evaluation.engines.torch_engine import TorchEngine as QkitTorchEngine
 from qkit.evaluation.engines.worker import (
     ENGINE_PYTHON,
     WORKER_IO,
@@ -43,6 +42,7 @@ from qkit.evaluation.engines.worker import (
     engine_python,
     run_worker,
 )
+from qkit.evaluation.measuring import refused_row
 from qkit.evaluation.report import EvalReport
 
 FAST = dict(tokens=96, battery_tokens=6, agree_tokens=3)
@@ -268,8 +268,8 @@ def test_a_refused_row_has_no_numbers_and_serialises_to_nulls():
 # --------------------------------------------------------------------------- the runner with a stand-in engine
 
 
-class TorchEngine:
-    """An engine that is qkit's own torch code, run in-process on the row's written qkit checkpoint."""
+class TorchEngine(WorkerEngine):
+    """A worker engine that is qkit's own torch code, run in-process on the row's written qkit checkpoint."""
 
     name = "torch-oracle"
     extra = "none"
@@ -332,13 +332,13 @@ def _left_pad(seqs, pad):
 
 
 @pytest.fixture
-def fake_engine(monkeypatch, tiny_model_dir):
+def fake_engine(tiny_model_dir):
     from qkit.models import load_tokenizer
 
     engine = TorchEngine(load_tokenizer(tiny_model_dir).pad_token_id)
-    monkeypatch.setitem(ENGINES._entries, engine.name, engine)
-    monkeypatch.setitem(ENGINES._keys, engine.name, engine.name)
-    return engine
+    with ENGINES.temporarily(engine.name, engine):
+        yield engine
+    assert engine.name not in ENGINES  # the registry is as it was
 
 
 @pytest.fixture
@@ -425,6 +425,29 @@ def test_an_engine_refusal_while_running_is_a_row_not_a_crash(fake_engine, tiny_
     rows = {r.scheme: r for r in report.rows}
     assert rows["int8-row [torch-oracle]"].refused == "torch-oracle: no kernel for this row"
     assert rows["int4-tensor [torch-oracle]"].refused is None and math.isfinite(rows["int4-tensor [torch-oracle]"].kld)
+
+
+def test_torch_is_an_engine_registered_first():
+    torch_engine = get_engine("torch")
+    assert isinstance(torch_engine, QkitTorchEngine) and get_engine(" TORCH ") is torch_engine
+    assert runtime_names()[0] == "torch" and set(runtime_names()) >= {"torch", "vllm", "llama.cpp"}
+    assert (torch_engine.format, torch_engine.full_distribution) == ("qkit", True)
+    # it runs every scheme and every simulation; its rows are qkit checkpoints in small shards
+    assert torch_engine.cannot_run("nf4", ("act-int8-static", "kv-int4-channel")) is None
+    assert torch_engine.export_options(())["format"] == "qkit"
+
+
+def test_a_stand_in_is_registered_only_for_its_block():
+    stand_in = TorchEngine(0)
+    with pytest.raises(ZeroDivisionError):
+        with ENGINES.temporarily(stand_in.name, stand_in):
+            assert get_engine("torch-oracle") is stand_in and "torch-oracle" in runtime_names()
+            1 / 0
+    assert "torch-oracle" not in ENGINES and "torch-oracle" not in runtime_names()
+    with pytest.raises(ValueError, match="registered already"):  # never shadows a real engine
+        with ENGINES.temporarily("llama.cpp", stand_in):
+            pass
+    assert get_engine("llama.cpp") is not stand_in
 
 
 def test_an_unknown_runtime_lists_every_runtime_torch_included():

@@ -7,18 +7,18 @@ import dataclasses
 import math
 
 import pytest
+from helpers_eval import make_row
 
 from qkit.errors import InputError
 from qkit.evaluation import specs
 from qkit.evaluation.notes import interpret
-from qkit.evaluation.runner import Row
 from qkit.evaluation.specs import RowSpec, register_preset, resolve_rows
 
 
 def test_scheme_names_give_one_row_per_method_in_order():
     specs = resolve_rows(["int8-row", "nf4"], ["rtn"])
     assert [s.name for s in specs] == ["int8-row", "nf4"]
-    assert [(s.scheme, s.method, s.runtime) for s in specs] == [("int8-row", "rtn", ()), ("nf4", "rtn", ())]
+    assert [(s.scheme, s.method, s.simulation) for s in specs] == [("int8-row", "rtn", ()), ("nf4", "rtn", ())]
 
 
 def test_duplicates_are_dropped_and_names_normalised():
@@ -28,15 +28,18 @@ def test_duplicates_are_dropped_and_names_normalised():
 def test_spec_names_are_derived_from_their_parts():
     assert RowSpec("int4-g64").name == "int4-g64"
     assert RowSpec("int4-g64", "gptq").name == "int4-g64+gptq"
-    assert RowSpec("int8-row", runtime=("act-int8-token",)).name == "int8-row+act-int8-token"
-    assert RowSpec(None, runtime=("kv-int8-token",)).name == "fp+kv-int8-token"
+    assert RowSpec("int8-row", simulation=("act-int8-token",)).name == "int8-row+act-int8-token"
+    assert RowSpec(None, simulation=("kv-int8-token",)).name == "fp+kv-int8-token"
     assert RowSpec("int8-row", label="w8a8").name == "w8a8"
     assert RowSpec(None, plan="gguf@q4_k_m").name == "plan:gguf@q4_k_m"
     assert RowSpec(None, "imatrix", plan="gguf@4.5").name == "plan:gguf@4.5+imatrix"
     assert RowSpec("int4-g64", "gptq").to_dict() == {
-        "name": "int4-g64+gptq", "scheme": "int4-g64", "method": "gptq", "runtime": [],
-        "method_options": {}, "runtime_options": {}, "plan": None,
+        "name": "int4-g64+gptq", "scheme": "int4-g64", "method": "gptq", "simulation": [],
+        "method_options": {}, "simulation_options": {}, "plan": None,
     }
+    # "runtime" names only where a row runs (an engine, not part of the spec); a spec names its simulations
+    spec = RowSpec("int8-row", simulation=("act-int8-token",))
+    assert spec.simulation == ("act-int8-token",) and not hasattr(spec, "runtime")
 
 
 @pytest.mark.parametrize(
@@ -64,34 +67,24 @@ def test_presets_expand_and_an_unknown_member_is_refused_when_used(monkeypatch):
         resolve_rows(["test-broken"])
 
 
-def _row(name: str, ppl: float, change: float, se: float, changed: int | None, matrices: int = 14) -> Row:
-    return Row(
-        scheme=name, bits_per_weight=4.5, size_bytes=1, perplexity=ppl, perplexity_se=0.1,
-        perplexity_change_pct=change, perplexity_change_se_pct=se, kld=0.0, kld_se=0.0, top1_match=1.0,
-        battery_correct=8, battery_total=16, battery_ci95=(0.28, 0.72), battery_answers=[True] * 8 + [False] * 8,
-        battery_outputs=[""] * 16, mcnemar_only_reference=0, mcnemar_only_row=0, mcnemar_p=1.0, agreement=9,
-        agreement_total=9, agreement_ci95=(0.7, 1.0), seconds=1.0, matrices=matrices, weights_changed=changed,
-    )
-
-
 def test_a_row_that_reproduces_the_reference_is_flagged_and_others_are_not():
-    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
-    same = _row("q4_1", 17.0, 0.0, 0.0, 0)
-    other = _row("q4_0", 18.0, 5.0, 1.0, 14)
+    ref = make_row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    same = make_row("q4_1", 17.0, 0.0, 0.0, 0)
+    other = make_row("q4_0", 18.0, 5.0, 1.0, 14)
     notes = interpret([ref, same, other])
     flagged = [n for n in notes if "bit for bit" in n]
     assert len(flagged) == 1 and flagged[0].startswith("q4_1 reproduces the reference's weights")
     assert not any(n.startswith("q4_0 reproduces") for n in notes)
-    # a runtime-only row (no quantized matrices) is never flagged
-    kv = dataclasses.replace(_row("kv-int8", 17.1, 0.5, 0.2, None, matrices=0))
+    # a simulation-only row (no quantized matrices) is never flagged
+    kv = dataclasses.replace(make_row("kv-int8", 17.1, 0.5, 0.2, None, matrices=0))
     assert not any("bit for bit" in n for n in interpret([ref, kv]))
 
 
 def test_ranking_names_the_bits_when_a_row_is_not_4_bit():
-    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
-    a, b = _row("nf4", 21.5, 26.0, 2.0, 14), _row("int4-g128", 27.7, 62.0, 4.0, 14)
+    ref = make_row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    a, b = make_row("nf4", 21.5, 26.0, 2.0, 14), make_row("int4-g128", 27.7, 62.0, 4.0, 14)
     assert "4-bit rows from best to worst perplexity: nf4 (21.50) < int4-g128 (27.70)." in interpret([ref, b, a])
-    mixed = dataclasses.replace(_row("q4_k_m", 18.08, 6.0, 0.9, 14), bits_per_weight=5.534)
+    mixed = dataclasses.replace(make_row("q4_k_m", 18.08, 6.0, 0.9, 14), bits_per_weight=5.534)
     notes = interpret([ref, b, a, mixed])
     assert not any(n.startswith("4-bit rows") for n in notes)
     assert ("rows below 6 bits per weight from best to worst perplexity (bits/w): q4_k_m (18.08, 5.53) < "
@@ -103,8 +96,8 @@ def test_a_calibrated_row_is_compared_with_its_rtn_row_per_token():
     positions (hand-computed), and the note says whether the gain is beyond two paired SE."""
     import torch
 
+    from qkit.evaluation.pairing import compare_methods
     from qkit.evaluation.perplexity import TokenScores
-    from qkit.evaluation.runner import compare_methods
     from qkit.evaluation.specs import RowSpec
 
     kl_rtn = torch.tensor([0.10, 0.20, 0.30, 0.40], dtype=torch.float64)
@@ -113,8 +106,8 @@ def test_a_calibrated_row_is_compared_with_its_rtn_row_per_token():
     top = torch.ones(4, dtype=torch.bool)
     scores = {"q4_k_m": TokenScores(nll, kl_rtn, top), "q4_k_m+imatrix": TokenScores(nll - 0.01, kl_im, top)}
     specs = [RowSpec("q4_k_m"), RowSpec("q4_k_m", "imatrix")]
-    rows = [_row("reference", 17.0, 0.0, 0.0, None, matrices=0), _row("q4_k_m", 18.0, 5.0, 1.0, 14),
-            _row("q4_k_m+imatrix", 17.9, 4.0, 1.0, 14)]
+    rows = [make_row("reference", 17.0, 0.0, 0.0, None, matrices=0), make_row("q4_k_m", 18.0, 5.0, 1.0, 14),
+            make_row("q4_k_m+imatrix", 17.9, 4.0, 1.0, 14)]
     compare_methods(rows[1:], specs, scores)
     v = rows[2].versus
     d = torch.tensor([-0.05, -0.06, -0.05, -0.04], dtype=torch.float64)
@@ -131,14 +124,14 @@ def test_a_calibrated_row_is_compared_with_its_rtn_row_per_token():
 def test_a_row_reproducing_some_tensors_is_qualified():
     """q5_1 with an importance matrix lands on the default model's Q4_1 grid: a row that reproduces some of its
     tensors bit for bit says so, and its gain over rtn is qualified."""
-    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
-    part = _row("q5_k_s+imatrix", 17.1, 0.3, 0.1, 32, matrices=210)
+    ref = make_row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    part = make_row("q5_k_s+imatrix", 17.1, 0.3, 0.1, 32, matrices=210)
     part.versus = {"against": "q5_k_s", "kld_change": -0.1, "kld_change_se": 0.002,
                    "perplexity_change_pct": -12.0, "perplexity_change_se_pct": 1.0}
     notes = interpret([ref, part])
     assert any(n.startswith("q5_k_s+imatrix reproduces 178 of its 210 quantized tensors bit for bit") for n in notes)
     assert any("a real gain, but 178 of its tensors reproduce" in n for n in notes)
-    whole = _row("q4_k_m", 18.0, 5.0, 1.0, 210, matrices=210)
+    whole = make_row("q4_k_m", 18.0, 5.0, 1.0, 210, matrices=210)
     assert not any("reproduces" in n for n in interpret([ref, whole]))
 
 

@@ -99,7 +99,7 @@ def test_no_battery_skips_the_answers_and_keeps_everything_else(tiny_model_dir, 
     from typer.testing import CliRunner
 
     from qkit.cli import app
-    from qkit.evaluation.engine_rows import build_job
+    from qkit.evaluation.engines.scoring import build_job
 
     full = evaluate(tiny_model_dir, options=EvalOptions(schemes=("int8-row",), corpus=corpus_file, **FAST))
     lean = evaluate(tiny_model_dir, options=EvalOptions(schemes=("int8-row",), corpus=corpus_file, battery=False, **FAST))
@@ -116,7 +116,7 @@ def test_no_battery_skips_the_answers_and_keeps_everything_else(tiny_model_dir, 
 
     loaded = load(tiny_model_dir, device="cpu")
 
-    class Side:  # what build_job reads of the runner's torch side
+    class Side:  # what build_job reads of the Reference
         tokenizer = loaded.tokenizer
         prompts = build_prompts(tokenizer, [q.question for q in load_battery()])
         corpus = type("C", (), {"windows": []})()

@@ -8,11 +8,11 @@ import torch
 
 from qkit.errors import QkitError
 from qkit.models import load
-from qkit.simulate import RuntimeContext, apply_runtime, get_runtime, runtime_bits
+from qkit.simulate import SimulationContext, apply_simulation, get_simulation, simulation_bits
 from qkit.simulate.kv_cache import (
     KVCacheOptions,
-    KVCacheRuntime,
-    make_kv_runtime,
+    KVCacheSimulation,
+    make_kv_simulation,
     mixed_attention,
     quantize_per_channel,
     quantize_per_token,
@@ -105,8 +105,8 @@ def test_identity_quantizer_changes_nothing_bit_for_bit(lm):
     with torch.no_grad():
         ref = lm(x, use_cache=False).logits
         ref_gen = lm.generate(x[:, :8], max_new_tokens=6, do_sample=False)
-        rt = KVCacheRuntime("kv-identity", 8, "token", quantizer=identity)
-        handle = rt.install(lm, RuntimeContext())
+        sim = KVCacheSimulation("kv-identity", 8, "token", quantizer=identity)
+        handle = sim.install(lm, SimulationContext())
         try:
             out = lm(x, use_cache=False).logits
             gen = lm.generate(x[:, :8], max_new_tokens=6, do_sample=False)
@@ -122,8 +122,8 @@ def test_identity_on_the_run_and_mixed_paths_changes_nothing_but_rounding(lm, la
     x = ids()
     with torch.no_grad():
         ref = lm(x, use_cache=False).logits
-        rt = KVCacheRuntime("kv-identity", 4, layout, KVCacheOptions(kv_residual=residual), quantizer=identity)
-        handle = rt.install(lm, RuntimeContext())
+        sim = KVCacheSimulation("kv-identity", 4, layout, KVCacheOptions(kv_residual=residual), quantizer=identity)
+        handle = sim.install(lm, SimulationContext())
         try:
             out = lm(x, use_cache=False).logits
             calls = handle.stats()
@@ -135,9 +135,9 @@ def test_identity_on_the_run_and_mixed_paths_changes_nothing_but_rounding(lm, la
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-@pytest.mark.parametrize("runtime", ["kv-int8-token", "kv-int8-channel", "kv-int4-token", "kv-int4-channel"])
+@pytest.mark.parametrize("simulation", ["kv-int8-token", "kv-int8-channel", "kv-int4-token", "kv-int4-channel"])
 @pytest.mark.parametrize("residual", [0, 3])
-def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, runtime, residual):
+def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, simulation, residual):
     """The perplexity pass (one forward, no cache) and generation (the cache filled one token at a time)
     see the same quantized cache: logits at every position agree to fp32 rounding (on every path: the
     original kernel on a fully quantized cache, runs of queries, mixed attention)."""
@@ -145,7 +145,7 @@ def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, runtime, residual
     opts = {"kv_group": 8, "kv_residual": residual}
     with torch.no_grad():
         ref = lm(x, use_cache=False).logits
-        with apply_runtime(lm, [runtime], options=opts) as stats:
+        with apply_simulation(lm, [simulation], options=opts) as stats:
             full = lm(x, use_cache=False).logits
             from transformers import DynamicCache
 
@@ -158,9 +158,9 @@ def test_no_cache_pass_equals_step_by_step_cached_decoding(lm, runtime, residual
     assert torch.allclose(full, stepwise, atol=2e-5)
     assert not torch.allclose(full, ref, atol=1e-4)  # quantization changed what attention saw
     assert torch.equal(after, ref)  # removed: bit-identical again
-    s = stats[runtime]
+    s = stats[simulation]
     assert s["calls_no_cache"] == 2 and s["calls_decode"] == 2 * 40
-    expected = "calls_runs" if runtime.endswith("channel") and residual == 0 else "calls_mixed" if residual else None
+    expected = "calls_runs" if simulation.endswith("channel") and residual == 0 else "calls_mixed" if residual else None
     assert s["calls_runs"] + s["calls_mixed"] == (2 if expected else 0) and (expected is None or s[expected] == 2)
 
 
@@ -182,27 +182,27 @@ def test_left_padding_is_quantized_as_the_unpadded_prompt(lm):
     batch = torch.cat([torch.cat([torch.zeros(1, 8, dtype=torch.long), short], 1), long])
     mask = torch.cat([torch.cat([torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 12, dtype=torch.long)], 1), torch.ones(1, 20, dtype=torch.long)])
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    with torch.no_grad(), apply_runtime(lm, ["kv-int4-channel"], options={"kv_group": 4}):
+    with torch.no_grad(), apply_simulation(lm, ["kv-int4-channel"], options={"kv_group": 4}):
         alone = lm(short, use_cache=False).logits
         padded = lm(batch, attention_mask=mask, position_ids=pos, use_cache=False).logits
     assert torch.allclose(padded[0, 8:], alone[0], atol=1e-4)
 
 
-def test_runtime_bits_and_named_runtimes():
-    assert runtime_bits(["kv-int8-token"]) == (None, 8)
-    assert runtime_bits(["kv-int4-channel"]) == (None, 4)
-    r = get_runtime("kv-int4-channel", {"kv_group": 16, "threshold": 6.0})  # other families' keys are ignored
+def test_simulation_bits_and_named_simulations():
+    assert simulation_bits(["kv-int8-token"]) == (None, 8)
+    assert simulation_bits(["kv-int4-channel"]) == (None, 4)
+    r = get_simulation("kv-int4-channel", {"kv_group": 16, "threshold": 6.0})  # other families' keys are ignored
     assert (r.bits, r.key_layout, r.options.kv_group, r.options.kv_residual) == (4, "channel", 16, 0)
 
 
 @pytest.mark.parametrize("call,match", [
-    (lambda: make_kv_runtime(3, "token"), "bits must be 8 or 4"),
-    (lambda: make_kv_runtime(16, "token"), "bits must be 8 or 4"),
-    (lambda: make_kv_runtime(8, "row"), "unknown KV-cache layout 'row'"),
-    (lambda: get_runtime("kv-int8-token", {"kv_residual": -1}), "--kv-residual must be an integer >= 0"),
-    (lambda: get_runtime("kv-int8-channel", {"kv_group": 0}), "--kv-group must be an integer >= 1"),
-    (lambda: get_runtime("kv-int8-channel", {"kv_groups": 8}), "no run-time simulation takes the option kv_groups"),
-    (lambda: get_runtime("kv-int3-token"), "unknown run-time simulation"),
+    (lambda: make_kv_simulation(3, "token"), "bits must be 8 or 4"),
+    (lambda: make_kv_simulation(16, "token"), "bits must be 8 or 4"),
+    (lambda: make_kv_simulation(8, "row"), "unknown KV-cache layout 'row'"),
+    (lambda: get_simulation("kv-int8-token", {"kv_residual": -1}), "--kv-residual must be an integer >= 0"),
+    (lambda: get_simulation("kv-int8-channel", {"kv_group": 0}), "--kv-group must be an integer >= 1"),
+    (lambda: get_simulation("kv-int8-channel", {"kv_groups": 8}), "no run-time simulation takes the option kv_groups"),
+    (lambda: get_simulation("kv-int3-token"), "unknown run-time simulation"),
 ])
 def test_bad_inputs_one_line(call, match):
     with pytest.raises(QkitError, match=match) as exc:
@@ -212,6 +212,6 @@ def test_bad_inputs_one_line(call, match):
 
 def test_two_kv_layouts_on_one_model_are_refused(lm):
     with pytest.raises(QkitError, match="already installed"):
-        with apply_runtime(lm, ["kv-int8-token", "kv-int4-token"]):
+        with apply_simulation(lm, ["kv-int8-token", "kv-int4-token"]):
             pass
     assert lm.config._attn_implementation == "sdpa"

@@ -9,7 +9,7 @@ import torch
 
 from qkit.errors import QkitError
 from qkit.models import load
-from qkit.simulate import apply_runtime, get_runtime, runtime_bits
+from qkit.simulate import apply_simulation, get_simulation, simulation_bits
 from qkit.granularity import PerTensor
 from qkit.simulate.activations import quantize_activations
 from qkit.simulate.llm_int8 import CHUNK, EXACT_FP32_TERMS, Int8Weight, LLMInt8Options, exact_int_matmul, llm_int8_matmul, rowwise_int8
@@ -97,7 +97,7 @@ def test_bitsandbytes_linear8bitlt_is_the_oracle():
     assert bool(((y - y_bnb).abs() <= 3 * 2**-11 * magnitude + 1e-6).all())
 
 
-def test_runtime_matches_the_function_and_reports_statistics(tiny_model_dir):
+def test_simulation_matches_the_function_and_reports_statistics(tiny_model_dir):
     lm = load(tiny_model_dir, device="cpu").model
     ids = torch.randint(3, 300, (2, 10), generator=torch.Generator().manual_seed(0))
     lin = dict(lm.named_modules())["model.layers.0.mlp.down_proj"]
@@ -105,7 +105,7 @@ def test_runtime_matches_the_function_and_reports_statistics(tiny_model_dir):
     h = lin.register_forward_pre_hook(lambda _m, a: seen.setdefault("x", a[0].detach().clone()))
     with torch.no_grad():
         ref = lm(ids, use_cache=False).logits
-        with apply_runtime(lm, ["llm-int8"], options={"threshold": 2.0}) as stats:
+        with apply_simulation(lm, ["llm-int8"], options={"threshold": 2.0}) as stats:
             hook_out = {}
             h2 = lin.register_forward_hook(lambda _m, _a, out: hook_out.setdefault("y", out.detach().clone()))
             out = lm(ids, use_cache=False).logits
@@ -121,12 +121,12 @@ def test_runtime_matches_the_function_and_reports_statistics(tiny_model_dir):
     assert layer["columns_16bit"] == len(layer["outlier_columns"]) >= int(cols.sum())
     assert 0 <= layer["mac_fraction"] <= layer["column_fraction"] <= 1
     assert 0 < s["mac_fraction"] < 1
-    assert runtime_bits(["llm-int8"]) == (8, None)
+    assert simulation_bits(["llm-int8"]) == (8, None)
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "6", True])
 def test_threshold_must_be_positive_one_line(bad):
     with pytest.raises(QkitError) as exc:
-        get_runtime("llm-int8", {"threshold": bad})
+        get_simulation("llm-int8", {"threshold": bad})
     assert "--threshold must be a positive number" in str(exc.value) and "\n" not in str(exc.value)
     assert LLMInt8Options().threshold == 6.0

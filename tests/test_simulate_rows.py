@@ -29,22 +29,22 @@ def test_named_rows_and_the_activations_preset():
     specs = {s.name: s for s in resolve_rows(["activations"])}
     assert list(specs) == list(ACTIVATIONS_PRESET)
     assert specs["w8a8-tensor"] == RowSpec("int8-row", "rtn", ("act-int8-tensor",), "w8a8-tensor")
-    assert specs["w8a8-token"].runtime == ("act-int8-token",) and specs["w8a8-token"].scheme == "int8-row"
+    assert specs["w8a8-token"].simulation == ("act-int8-token",) and specs["w8a8-token"].scheme == "int8-row"
     assert specs["llm-int8"] == RowSpec("int8-row", "rtn", ("llm-int8",), "llm-int8")
     assert specs["smoothquant-w8a8"] == RowSpec("int8-row", "smoothquant", ("act-int8-token",), "smoothquant-w8a8")
     assert specs["kv-int8"] == RowSpec(None, "rtn", ("kv-int8-token",), "kv-int8")
-    assert specs["kv-int4"].runtime == ("kv-int4-channel",) and specs["kv-int4"].scheme is None
-    assert specs["kv-int8-channel"].runtime == ("kv-int8-channel",) and specs["kv-int4-token"].runtime == ("kv-int4-token",)
+    assert specs["kv-int4"].simulation == ("kv-int4-channel",) and specs["kv-int4"].scheme is None
+    assert specs["kv-int8-channel"].simulation == ("kv-int8-channel",) and specs["kv-int4-token"].simulation == ("kv-int4-token",)
     assert [s.name for s in resolve_rows(["w8a8-static", "kv-int4-channel"])] == ["w8a8-static", "kv-int4-channel"]
 
 
 ROWS = ("int8-row", "w8a8-tensor", "w8a8-token", "llm-int8", "kv-int8", "kv-int4")
-RUNTIME_OPTIONS = (("kv_group", 16), ("threshold", 2.0))
+SIMULATION_OPTIONS = (("kv_group", 16), ("threshold", 2.0))
 
 
 @pytest.fixture(scope="module")
 def report(tiny_model_dir, corpus_file):
-    return evaluate(tiny_model_dir, options=EvalOptions(schemes=ROWS, corpus=corpus_file, runtime_options=RUNTIME_OPTIONS, **FAST))
+    return evaluate(tiny_model_dir, options=EvalOptions(schemes=ROWS, corpus=corpus_file, simulation_options=SIMULATION_OPTIONS, **FAST))
 
 
 def test_simulation_rows_through_evaluate(report):
@@ -59,14 +59,14 @@ def test_simulation_rows_through_evaluate(report):
     assert by["kv-int4"].bits_per_weight == by["reference"].bits_per_weight == 32.0
     # quantizing activations on top of int8 weights moves the distribution further than the weights alone
     assert by["w8a8-tensor"].kld > by["int8-row"].kld
-    assert by["llm-int8"].runtime_stats["llm-int8"]["threshold"] == 2.0
-    assert 0 < by["llm-int8"].runtime_stats["llm-int8"]["mac_fraction"] < 1
-    kv = by["kv-int4"].runtime_stats["kv-int4-channel"]
+    assert by["llm-int8"].simulation_stats["llm-int8"]["threshold"] == 2.0
+    assert 0 < by["llm-int8"].simulation_stats["llm-int8"]["mac_fraction"] < 1
+    kv = by["kv-int4"].simulation_stats["kv-int4-channel"]
     assert kv["calls_no_cache"] > 0 and kv["calls_decode"] > 0 and kv["group"] == 16
     assert by["kv-int4"].kld > 0
 
 
-def test_cli_passes_runtime_options_and_adds_a_bits_column_only_for_simulation_rows(report, monkeypatch):
+def test_cli_passes_simulation_options_and_adds_a_bits_column_only_for_simulation_rows(report, monkeypatch):
     import dataclasses
 
     import qkit.evaluation
@@ -81,13 +81,13 @@ def test_cli_passes_runtime_options_and_adds_a_bits_column_only_for_simulation_r
     runner = CliRunner()
     sim = runner.invoke(app, ["eval", "--schemes", ",".join(ROWS), "--threshold", "2", "--kv-group", "16"])
     assert sim.exit_code == 0, sim.output
-    assert seen["options"].runtime_options == RUNTIME_OPTIONS
+    assert seen["options"].simulation_options == SIMULATION_OPTIONS
     assert "A/KV bits" in sim.output and "A8" in sim.output and "KV4" in sim.output
-    assert "groups of 16 tokens" in sim.output and "threshold 2:" in sim.output  # the runtimes' summary notes
+    assert "groups of 16 tokens" in sim.output and "threshold 2:" in sim.output  # the simulations' summary notes
     seen["report"] = dataclasses.replace(report, rows=report.rows[:2])  # reference + int8-row only
     plain = runner.invoke(app, ["eval", "--schemes", "int8-row"])
     assert plain.exit_code == 0, plain.output
-    assert "A/KV bits" not in plain.output and seen["options"].runtime_options == ()
+    assert "A/KV bits" not in plain.output and seen["options"].simulation_options == ()
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -115,6 +115,6 @@ def test_default_model_simulation_rows(default_model_dir):
     assert by["w8a8-tensor"].act_bits == by["llm-int8"].act_bits == 8 and by["kv-int4"].kv_bits == 4
     # the outlier features of this model: LLM.int8 sends some columns to 16-bit and recovers most of
     # what per-tensor W8A8 loses
-    assert by["llm-int8"].runtime_stats["llm-int8"]["linears_with_outliers"] > 0
+    assert by["llm-int8"].simulation_stats["llm-int8"]["linears_with_outliers"] > 0
     assert by["llm-int8"].kld < by["w8a8-tensor"].kld
     assert ref.perplexity < by["w8a8-tensor"].perplexity

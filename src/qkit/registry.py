@@ -12,10 +12,15 @@ Names are matched after ``normalize`` (by default: stripped, lower case, ``_`` r
 factory for names that are too many to list (``int4-g64``, ``int8-g128``): ``get`` tries the listed
 names first, then each family in registration order. ``names()`` lists registered names in
 registration order (families are not enumerated); that order is what help texts and docs tables show.
+
+``unregister`` takes a name (and its aliases) out again, and ``temporarily(name, value)`` registers a value
+for the length of a ``with`` block: how a test puts a stand-in (a fake engine) beside the real entries
+without touching the registry's insides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import re
 from collections.abc import Callable, Iterator
@@ -60,6 +65,26 @@ class Registry(Generic[T]):
             self._keys[k] = name
         self._entries[name] = value
         return value
+
+    def unregister(self, name: str) -> T:
+        """Take ``name`` (a registered name, not an alias) and its aliases out; returns its value. An
+        unknown name is a programming error (``KeyError``)."""
+        value = self._entries.pop(name)
+        for key in [k for k, canonical in self._keys.items() if canonical == name]:
+            del self._keys[key]
+        return value
+
+    @contextlib.contextmanager
+    def temporarily(self, name: str, value: T, *, aliases: tuple[str, ...] = ()) -> Iterator[T]:
+        """Register ``value`` under ``name`` for the ``with`` block, then unregister it: the registry is as
+        it was afterwards, even on an exception. A name already taken is refused as ``register`` refuses it."""
+        if self.canonical(name) is not None:
+            raise ValueError(f"{self.kind} {name!r} is registered already; temporarily registers a new name")
+        self.register(name, value, aliases=aliases)
+        try:
+            yield value
+        finally:
+            self.unregister(name)
 
     def decorator(self, name: str, *, aliases: tuple[str, ...] = ()) -> Callable[[T], T]:
         """``@REGISTRY.decorator("name")`` over a class or function registers it under ``name``."""

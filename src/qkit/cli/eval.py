@@ -121,8 +121,8 @@ def eval_(
         "engine": engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len),
     }
     options = dataclasses.replace(EvalOptions(), **{k: v for k, v in given.items() if v is not None})
-    runtime = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
-    options = _with_pairs(options, "runtime_options", runtime)
+    simulation = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}
+    options = _with_pairs(options, "simulation_options", simulation)
     options = _with_pairs(options, "method_options", calibration_options(calibration, calibration_samples, calibration_seqlen))
     if no_repetition_penalty:
         options = dataclasses.replace(options, repetition_penalty=False)
@@ -175,22 +175,22 @@ def render_eval(report) -> None:
     ref = report.rows[0]
     headers = ["scheme", "bits/w", "size", "perplexity", "Δ ppl", "KL (nats)", "top-1", "battery (95% CI)", "agreement"]
     # Rows that simulate run-time quantization get one more column: bits/w stays a weight figure.
-    runtime_bits = any(r.act_bits is not None or r.kv_bits is not None for r in report.rows)
-    if runtime_bits:
+    simulated = any(r.act_bits is not None or r.kv_bits is not None for r in report.rows)
+    if simulated:
         headers.insert(2, "A/KV bits")
     rows, styles = [], []
     for r in report.rows:
         is_ref = r is ref
         if r.refused is not None:  # an engine could not run it: one line, its reason in the notes below
-            rows.append([_literal(r.scheme), "-", *([""] if runtime_bits else []), "-", "not run (see below)"]
-                        + [""] * (len(headers) - 4 - runtime_bits))
+            rows.append([_literal(r.scheme), "-", *([""] if simulated else []), "-", "not run (see below)"]
+                        + [""] * (len(headers) - 4 - simulated))
             styles.append("dim")
             continue
         collapsed = not is_ref and not (r.perplexity < 10 * ref.perplexity)  # NaN / inf count as collapsed
         rows.append([
             _literal(r.scheme),
             _fmt_number(r.bits_per_weight, ".3f"),  # "-": a model with no block projection to count bits of
-            *([_fmt_runtime_bits(r.act_bits, r.kv_bits)] if runtime_bits else []),
+            *([_fmt_simulated_bits(r.act_bits, r.kv_bits)] if simulated else []),
             human_bytes(r.size_bytes),
             _fmt_estimate(r.perplexity, r.perplexity_se, report.provenance["scored_tokens"]),
             "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
@@ -221,7 +221,7 @@ def render_eval(report) -> None:
     for line in report.notes:
         console.note(_literal(f"- {line}"))
     for r in report.rows:  # what each run-time simulation did (e.g. LLM.int8's share of 16-bit multiply-adds)
-        for stats in r.runtime_stats.values():
+        for stats in r.simulation_stats.values():
             if isinstance(stats, dict) and stats.get("summary"):
                 console.note(_literal(f"- {r.scheme}: {stats['summary']}"))
 
@@ -252,6 +252,6 @@ def render_versus_torch(report) -> None:
                           "row: everything, writing the file included.")
 
 
-def _fmt_runtime_bits(act_bits: int | None, kv_bits: int | None) -> str:
+def _fmt_simulated_bits(act_bits: int | None, kv_bits: int | None) -> str:
     """"A8", "KV4", "A8 KV8" or "" (the row quantizes neither at run time)."""
     return " ".join(p for p in (f"A{act_bits}" if act_bits else "", f"KV{kv_bits}" if kv_bits else "") if p)

@@ -1,8 +1,8 @@
-"""``qkit eval``'s checks that need no model loaded: window, corpus tokens, calibration texts, a checkpoint
-against its reference (from headers only).
+"""``qkit eval``'s checks that need no model loaded: calibration texts, a checkpoint against its reference
+(from headers only); the window and corpus tokens are ``perplexity``'s (re-exported here).
 
-Layer 6 (``evaluation``). ``runner.evaluate`` calls each of these before the reference model is loaded,
-so every refusal costs milliseconds, not a model load.
+Layer 6 (``evaluation``). ``inputs.check_inputs`` calls these before the reference model is loaded, so
+every refusal costs milliseconds, not a model load.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import CheckpointError, InputError
-from qkit.evaluation.perplexity import MIN_SCORED, check_scored, scored_positions
+from qkit.evaluation.perplexity import check_corpus_tokens, choose_window
+from qkit.evaluation.specs import RowSpec
 from qkit.methods import get_method, make_options
 from qkit.methods.calibration import calibration_ids, check_fits
-from qkit.evaluation.specs import RowSpec
 from qkit.models import ModelRef
-from qkit.simulate import get_runtime
+from qkit.simulate import get_simulation
 from qkit.transform import entry_to_spec
 
 
@@ -29,50 +29,29 @@ def read_config(ref: ModelRef):
 
     try:
         return AutoConfig.from_pretrained(str(ref.directory), trust_remote_code=ref.trust_remote_code)
-    except Exception:  # noqa: BLE001 - any failure here is reported by ``load``, which reads the same file
+    except Exception:
         return None
 
 
-def choose_window(window: int | None, tokens: int, config) -> int:
-    """The window (``--window`` or min(2048, the model's context)), checked against the context and the tokens."""
-    max_ctx = int(getattr(config, "max_position_embeddings", 2048) or 2048)
-    window = window or min(2048, max_ctx)
-    if window > max_ctx:
-        raise InputError(f"--window {window} exceeds the model's maximum context {max_ctx}; pass --window {max_ctx} or less")
-    check_scored(tokens, window)
-    return window
-
-
-def check_corpus_tokens(corpus, n: int, window: int) -> None:
-    """A corpus shorter than ``--tokens`` must still score ``MIN_SCORED`` positions."""
-    scored = scored_positions(n, window)
-    if scored < MIN_SCORED:
-        raise InputError(
-            f"the corpus {corpus.name} has only {n} token(s), which score {scored} position(s) in windows of {window} "
-            f"(the first token of each window has no context); a standard error needs {MIN_SCORED}: pass a longer --corpus"
-        )
-
-
 def check_calibrations(specs: list[RowSpec], tokenizer, corpus, config=None,
-                       runtime_options: Callable[[RowSpec], dict] | None = None) -> list[dict]:
-    """Every calibrated row's calibration text (a calibrated method's, and a runtime's such as
+                       simulation_options: Callable[[RowSpec], dict] | None = None) -> list[dict]:
+    """Every calibrated row's calibration text (a calibrated method's, and a simulation's such as
     ``act-int8-static``'s scales), read, checked disjoint from the eval ``corpus`` and sampled
     (``qkit.methods.calibration.calibration_ids``) before the model is loaded, so an unreadable, overlapping
     or too short text, or windows beyond the model's context (``config``), is refused in one line before
-    the reference row. ``runtime_options(spec)``: the options each row's runtimes are built with. Returns
+    the reference row. ``simulation_options(spec)``: the options each row's simulations are built with. Returns
     each distinct text's provenance (the row reads and samples it again when it is built: milliseconds
     next to a row)."""
     seen: dict[Any, dict] = {}
     for spec in specs:
-        chosen = []
         method = get_method(spec.method)
-        if method is not None and method.calibrated:
-            chosen.append(make_options(method, dict(spec.method_options)).calibration_options())
-        for name in spec.runtime:  # a runtime that calibrates (static activation scales) says with what
-            runtime = get_runtime(name, runtime_options(spec) if runtime_options else dict(spec.runtime_options))
-            wants = getattr(runtime, "calibration_options", None)
+        calibrated = method is not None and method.calibrated
+        chosen = [make_options(method, dict(spec.method_options)).calibration_options()] if calibrated else []
+        for name in spec.simulation:  # a simulation that calibrates (static activation scales) says with what
+            simulation = get_simulation(name, simulation_options(spec) if simulation_options else dict(spec.simulation_options))
+            wants = getattr(simulation, "calibration_options", None)
             if callable(wants) and wants() is not None:
-                chosen.append(wants())
+                chosen += [wants()]
         for options in chosen:
             if options not in seen:
                 check_fits(options, config)
@@ -134,4 +113,5 @@ def check_checkpoint_matches(checkpoint: ModelRef, ref: ModelRef, config=None) -
     )
 
 
-__all__ = ["check_calibrations", "check_checkpoint_matches", "check_corpus_tokens", "choose_window", "read_config", "stored_weights"]
+__all__ = ["check_calibrations", "check_checkpoint_matches", "check_corpus_tokens", "choose_window", "read_config",
+           "stored_weights"]

@@ -76,12 +76,20 @@ class TokenScores:
         ratio = _exp(d.mean().item())
         return 100 * (ratio - 1), 100 * ratio * _se(d)
 
-
     def kl_change_against(self, other: TokenScores) -> tuple[float, float]:
         """Mean KL to the reference minus ``other``'s, with its paired standard error: both rows score the
         same positions against the same reference, so ``d = kl - kl_other`` per position."""
         d = self.kl - other.kl
         return d.mean().item(), _se(d)
+
+    def paired(self, other: TokenScores, kl: bool = True) -> dict[str, float]:
+        """This row minus ``other`` on the same positions, as ``Row.versus`` holds it: the perplexity change
+        (``change_against``) and, with ``kl`` (both have the full distribution), the KL difference."""
+        pct, pct_se = self.change_against(other)
+        out = {"perplexity_change_pct": pct, "perplexity_change_se_pct": pct_se}
+        if kl:
+            out["kld_change"], out["kld_change_se"] = self.kl_change_against(other)
+        return out
 
 
 def _exp(x: float) -> float:
@@ -121,6 +129,26 @@ def check_scored(tokens: int, window: int | None) -> None:
             f"--tokens must be at least {least}" + (f" with --window {window}" if window else "")
             + f", got {tokens}: that scores {scored} (the first token of each window has no context), and a "
             f"standard error needs {MIN_SCORED}; pass --tokens {least} or more"
+        )
+
+
+def choose_window(window: int | None, tokens: int, config) -> int:
+    """The window (``--window`` or min(2048, the model's context)), checked against the context and the tokens."""
+    max_ctx = int(getattr(config, "max_position_embeddings", 2048) or 2048)
+    window = window or min(2048, max_ctx)
+    if window > max_ctx:
+        raise InputError(f"--window {window} exceeds the model's maximum context {max_ctx}; pass --window {max_ctx} or less")
+    check_scored(tokens, window)
+    return window
+
+
+def check_corpus_tokens(corpus, n: int, window: int) -> None:
+    """A corpus shorter than ``--tokens`` must still score ``MIN_SCORED`` positions."""
+    scored = scored_positions(n, window)
+    if scored < MIN_SCORED:
+        raise InputError(
+            f"the corpus {corpus.name} has only {n} token(s), which score {scored} position(s) in windows of {window} "
+            f"(the first token of each window has no context); a standard error needs {MIN_SCORED}: pass a longer --corpus"
         )
 
 

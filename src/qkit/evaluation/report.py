@@ -35,10 +35,10 @@ class Row:
     agreement_ci95: tuple[float, float]
     seconds: float
     matrices: int
-    spec: dict = field(default_factory=dict)  # RowSpec.to_dict(): storage scheme, method, runtime
+    spec: dict = field(default_factory=dict)  # RowSpec.to_dict(): storage scheme, method, simulation
     act_bits: int | None = None  # activation bits simulated at run time (None: unquantized)
     kv_bits: int | None = None  # KV-cache bits simulated at run time (None: the model's dtype)
-    runtime_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
+    simulation_stats: dict = field(default_factory=dict)  # e.g. LLM.int8's share of 16-bit columns per layer
     weights_changed: int | None = None  # quantized tensors whose values differ from the reference's
     method_record: dict = field(default_factory=dict)  # what the method did (calibration, per-layer errors)
     llama_kl: dict = field(default_factory=dict)  # llama-perplexity --kl-divergence's statistics (klstats)
@@ -59,6 +59,7 @@ class Row:
     # rest is measuring. None for a row that writes nothing (the torch reference, a saved checkpoint).
     build_seconds: float | None = None
 
+
 @dataclass
 class EvalReport:
     rows: list[Row]
@@ -69,6 +70,7 @@ class EvalReport:
         """JSON-able; a number that could not be computed (NaN, inf) is ``None`` (``null``: JSON has no NaN, and
         a reader must not take it for a value)."""
         return _finite({"rows": [asdict(r) for r in self.rows], "provenance": self.provenance, "notes": self.notes})
+
 
 def _finite(value: Any) -> Any:
     if isinstance(value, float):

@@ -1,7 +1,7 @@
 """The named eval rows and presets: every name ``qkit eval --schemes`` knows besides a scheme's.
 
 Layer 6 (``evaluation``): rows are values (``RowSpec``), registered here into ``specs.ROWS`` and
-``specs.PRESETS``; adding a row adds an entry, never an ``if`` in the runner. The runtimes they name
+``specs.PRESETS``; adding a row adds an entry, never an ``if`` in the runner. The simulations they name
 are registered in ``qkit.simulate`` (layer 5, below), the methods in ``qkit.methods``.
 
 Rows for the run-time simulations, and the ``activations`` preset:
@@ -44,17 +44,17 @@ from qkit.evaluation.specs import RowSpec, register_preset, register_row
 INT8_ROW = "int8-row"
 
 SIMULATION_ROWS: dict[str, tuple[RowSpec, str]] = {
-    "w8a8-tensor": (RowSpec(INT8_ROW, runtime=("act-int8-tensor",)), "int8-row weights, int8 activations with one dynamic scale per forward"),
-    "w8a8-token": (RowSpec(INT8_ROW, runtime=("act-int8-token",)), "int8-row weights, int8 activations with one dynamic scale per token"),
-    "w8a8-static": (RowSpec(INT8_ROW, runtime=("act-int8-static",)), "int8-row weights, int8 activations with one calibrated scale per linear"),
-    "llm-int8": (RowSpec(INT8_ROW, runtime=("llm-int8",)), "LLM.int8: int8-row weights, int8 per-token activations, outlier columns in 16-bit"),
+    "w8a8-tensor": (RowSpec(INT8_ROW, simulation=("act-int8-tensor",)), "int8-row weights, int8 activations with one dynamic scale per forward"),
+    "w8a8-token": (RowSpec(INT8_ROW, simulation=("act-int8-token",)), "int8-row weights, int8 activations with one dynamic scale per token"),
+    "w8a8-static": (RowSpec(INT8_ROW, simulation=("act-int8-static",)), "int8-row weights, int8 activations with one calibrated scale per linear"),
+    "llm-int8": (RowSpec(INT8_ROW, simulation=("llm-int8",)), "LLM.int8: int8-row weights, int8 per-token activations, outlier columns in 16-bit"),
     "smoothquant-w8a8": (RowSpec(INT8_ROW, "smoothquant", ("act-int8-token",)), "SmoothQuant folding, int8-row weights, int8 per-token activations"),
-    "kv-int8": (RowSpec(None, runtime=("kv-int8-token",)), "full-precision weights, int8 KV cache, one scale per token and head"),
-    "kv-int8-channel": (RowSpec(None, runtime=("kv-int8-channel",)), "full-precision weights, int8 KV cache, keys per channel (KIVI), values per token"),
-    "kv-int4": (RowSpec(None, runtime=("kv-int4-channel",)), "full-precision weights, int4 KV cache, keys per channel (KIVI), values per token"),
-    "kv-int4-token": (RowSpec(None, runtime=("kv-int4-token",)), "full-precision weights, int4 KV cache, one scale per token and head"),
-    "kv-int8-token": (RowSpec(None, runtime=("kv-int8-token",)), "the same as kv-int8"),
-    "kv-int4-channel": (RowSpec(None, runtime=("kv-int4-channel",)), "the same as kv-int4"),
+    "kv-int8": (RowSpec(None, simulation=("kv-int8-token",)), "full-precision weights, int8 KV cache, one scale per token and head"),
+    "kv-int8-channel": (RowSpec(None, simulation=("kv-int8-channel",)), "full-precision weights, int8 KV cache, keys per channel (KIVI), values per token"),
+    "kv-int4": (RowSpec(None, simulation=("kv-int4-channel",)), "full-precision weights, int4 KV cache, keys per channel (KIVI), values per token"),
+    "kv-int4-token": (RowSpec(None, simulation=("kv-int4-token",)), "full-precision weights, int4 KV cache, one scale per token and head"),
+    "kv-int8-token": (RowSpec(None, simulation=("kv-int8-token",)), "the same as kv-int8"),
+    "kv-int4-channel": (RowSpec(None, simulation=("kv-int4-channel",)), "the same as kv-int4"),
 }
 
 ACTIVATIONS_PRESET = (

@@ -1,15 +1,17 @@
 """What one row of the quality table is: a value, not a branch in the runner.
 
 Layer 6 (``evaluation``), above ``methods`` and ``schemes`` (whose names it resolves) and ``simulate``
-(whose runtimes a row names). The named rows and presets live in ``qkit.evaluation.rows``, which
+(whose simulations a row names). The named rows and presets live in ``qkit.evaluation.rows``, which
 registers them into ``ROWS`` and ``PRESETS`` here (``qkit.evaluation`` imports it).
 
 A row names its storage ``scheme`` (or ``None``: the reference's full-precision weights), the
 ``method`` that chose the integers (``rtn``, ``gptq``, ``awq``, ``smoothquant``; see ``qkit.methods``)
-and the run-time simulations applied while the model runs (``runtime``: activation quantization,
-LLM.int8, a quantized KV cache; see ``qkit.simulate``). ``qkit.evaluation.runner.build_row_model``
-turns a spec into a model through the same ``quantize_model`` that writes checkpoints, then installs
-the simulation hooks; the runner only loops over specs and measures.
+and the run-time simulations applied while the model runs (``simulation``: activation quantization,
+LLM.int8, a quantized KV cache; see ``qkit.simulate``). Where a row *runs* (torch, vLLM, llama.cpp) is
+its runtime, an engine (``qkit.evaluation.engines``), not part of the spec: the same spec is measured in
+every engine ``--runtime`` names. ``qkit.evaluation.runner.write_row`` writes a spec's file through the
+same ``quantize_model`` that writes checkpoints; the engine loads it (torch: into the reference model, with
+the simulation hooks installed); the runner only loops over specs and engines and measures.
 
 Names on the command line (``qkit eval --schemes ...``) are resolved here:
 
@@ -29,26 +31,27 @@ from typing import Any
 from qkit.errors import InputError
 from qkit.lists import check_words, empty, split_list
 from qkit.methods import RTN, get_method
-from qkit.plan import PlanOptions, check_format, ladder
+from qkit.plan import PlanOptions, check_format, ladder, parse_allowed, read_plan
 from qkit.registry import Registry
 from qkit.schemes import get_scheme, scheme_names
+from qkit.simulate import get_simulation
 
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One row: weights stored in ``scheme`` (None: unquantized), chosen by ``method``, run with ``runtime``.
+    """One row: weights stored in ``scheme`` (None: unquantized), chosen by ``method``, run with ``simulation``.
 
-    ``runtime``: names registered in ``qkit.simulate`` (applied in order). ``runtime_options`` and
+    ``simulation``: names registered in ``qkit.simulate`` (applied in order). ``simulation_options`` and
     ``method_options``: per-row overrides as sorted ``(key, value)`` pairs (hashable, JSON-able).
     ``label``: the row's name in the table (default: derived, e.g. ``int4-g64`` / ``int4-g64+gptq``).
     """
 
     scheme: str | None
     method: str = RTN
-    runtime: tuple[str, ...] = ()
+    simulation: tuple[str, ...] = ()
     label: str | None = None
     method_options: tuple[tuple[str, Any], ...] = ()
-    runtime_options: tuple[tuple[str, Any], ...] = ()
+    simulation_options: tuple[tuple[str, Any], ...] = ()
     plan: str | None = None  # a planned mix instead of one scheme: "FORMAT@TARGET" (PLAN_PREFIX) or a plan file
 
     @property
@@ -58,18 +61,48 @@ class RowSpec:
         base = f"{PLAN_PREFIX}{self.plan}" if self.plan else (self.scheme or "fp")
         if self.method != RTN:
             base += f"+{self.method}"
-        return "+".join([base, *self.runtime]) if self.runtime else base
+        return "+".join([base, *self.simulation]) if self.simulation else base
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the row stores weights of its own (a scheme or a plan); else the reference's are used."""
+        return self.scheme is not None or self.plan is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "scheme": self.scheme,
             "method": self.method,
-            "runtime": list(self.runtime),
+            "simulation": list(self.simulation),
             "method_options": dict(self.method_options),
-            "runtime_options": dict(self.runtime_options),
+            "simulation_options": dict(self.simulation_options),
             "plan": self.plan,
         }
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    """What a row's simulations are built with, from eval's options: ``options`` (``--threshold``,
+    ``--kv-residual``, ``--kv-group``), which a row's own ``simulation_options`` replace, and ``calibration``
+    (``--calibration``, ``--calibration-samples``, ``--calibration-seqlen``), which choose a static
+    activation row's calibration too: the same text a calibrated method's row uses."""
+
+    options: tuple[tuple[str, Any], ...] = ()
+    calibration: tuple[tuple[str, Any], ...] = ()
+
+    def for_row(self, spec: RowSpec) -> dict[str, Any]:
+        return {**dict(self.calibration), **dict(spec.simulation_options or self.options)}
+
+
+@dataclass(frozen=True)
+class RowSettings:
+    """What writing a row's weights and running its simulations read of eval's options: the scales' dtype,
+    the types plan rows may choose (``--candidates``; empty: the format's whole ladder), and what the
+    simulations are built with."""
+
+    scale_dtype: str
+    plan_candidates: tuple[str, ...] = ()
+    simulations: SimulationSettings = SimulationSettings()
 
 
 PLAN_PREFIX = "plan:"
@@ -113,7 +146,7 @@ def _check_free(kind: str, name: str) -> None:
 def register_row(name: str, spec: RowSpec, description: str = "") -> RowSpec:
     """A named row for ``--schemes`` (its label is ``name``)."""
     _check_free("row", name)
-    spec = RowSpec(spec.scheme, spec.method, spec.runtime, name, spec.method_options, spec.runtime_options, spec.plan)
+    spec = RowSpec(spec.scheme, spec.method, spec.simulation, name, spec.method_options, spec.simulation_options, spec.plan)
     ROWS.register(name, spec)
     _DESCRIPTIONS[name] = description
     return spec
@@ -210,15 +243,53 @@ def resolve_rows(
     return list(unique.values())
 
 
-def row_plan(spec: RowSpec, options):
+def row_plan(spec: RowSpec, options: RowSettings):
     """A plan row's plan: its file, or ``PlanOptions`` for ``FORMAT@TARGET`` with eval's ``--candidates``
-    (measured once for every row of the same format and method: ``qkit.plan.planner``). ``options``: the
-    ``EvalOptions`` (``plan_candidates``, ``scale_dtype``)."""
+    (measured once for every row of the same format and method: ``qkit.plan.planner``). ``options``: a
+    ``RowSettings`` (or anything with its ``plan_candidates`` and ``scale_dtype``, as ``EvalOptions``)."""
     if spec.plan.endswith(".json"):
         return spec.plan
     fmt, bits, scheme = parse_plan_word(spec.plan)
     return PlanOptions(format=fmt, target_bits=bits, target_scheme=scheme,
                        candidates=for_format(fmt, options.plan_candidates), scale_dtype=options.scale_dtype)
+
+
+def check_rows(names: Iterable[str], methods: Iterable[str], method_options: Mapping[str, Any],
+               settings: RowSettings) -> list[RowSpec]:
+    """The rows ``--schemes`` and ``--methods`` name (``resolve_rows``), each checked before any model:
+    its simulations built with their options (an unknown one, ``--threshold 0``, ``--kv-residual -1``),
+    its plan (``check_plan_rows``)."""
+    specs = resolve_rows(names, methods, method_options)
+    check_plan_rows(specs, settings)
+    for spec in specs:
+        for name in spec.simulation:
+            get_simulation(name, settings.simulations.for_row(spec))
+    return specs
+
+
+def check_plan_rows(specs: list[RowSpec], writing: RowSettings) -> None:
+    """Refuse, before the reference loads, a plan row that cannot be planned: a missing or malformed plan
+    file, a target scheme that is no scheme, ``--candidates`` that name no type a plan row's format offers
+    (or a table with no plan row to choose for)."""
+    for spec in specs:
+        if spec.plan is not None and spec.plan.endswith(".json"):
+            read_plan(spec.plan)  # a missing or malformed plan file
+        elif spec.plan is not None:
+            planned = row_plan(spec, writing)
+            planned.check()  # a target scheme that is no scheme
+            if writing.plan_candidates and not planned.candidates:
+                raise InputError(f"--candidates names no type that {spec.name}'s format {planned.format} offers "
+                                 f"({', '.join(ladder(planned.format))})")
+    if not writing.plan_candidates:
+        return
+    formats = {parse_plan_word(s.plan)[0] for s in specs if s.plan is not None and not s.plan.endswith(".json")}
+    if not formats:
+        raise InputError("--candidates chooses the types of plan rows (plan:FORMAT@TARGET); the table has none")
+    offered = {w for f in formats for w in ladder(f)}
+    unknown = [w for w in comma_words(writing.plan_candidates) if w not in offered]
+    if unknown:  # a typo, or a type no planned format offers
+        parse_allowed(sorted(formats)[0], unknown)
+        raise InputError(f"--candidates {unknown[0]}: not a type the plan rows' formats ({', '.join(sorted(formats))}) offer")
 
 
 def comma_words(words) -> list[str]:
@@ -235,4 +306,4 @@ def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(w for w in comma_words(words) if w in offered)
 
 
-__all__ = ["PLAN_PREFIX", "PRESETS", "ROWS", "RowSpec", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+__all__ = ["PLAN_PREFIX", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

@@ -79,7 +79,9 @@ def _needs(kind: Kind, *keys: str) -> Kind:
 
 
 _ARCH = obj({"name": SCALAR}) | NULL
-_ROW = obj({"scheme": SCALAR, "runtime": TEXT, "refused": SCALAR, "spec": obj({"plan": SCALAR, "runtime": LIST | SCALAR}) | NULL,
+# a row's spec names its simulations ``simulation``; an eval JSON written before they had that word, ``runtime``
+_SPEC = obj({"plan": SCALAR, "simulation": LIST | SCALAR, "runtime": LIST | SCALAR}) | NULL
+_ROW = obj({"scheme": SCALAR, "runtime": TEXT, "refused": SCALAR, "spec": _SPEC,
             "perplexity_se": MEASURE, "perplexity_change_se_pct": MEASURE, "kld_se": MEASURE,
             "versus_torch": obj({"against": SCALAR, "perplexity_change_se_pct": MEASURE, "kld_change_se": MEASURE}) | NULL,
             "engine": obj({"version": SCALAR}) | NULL,

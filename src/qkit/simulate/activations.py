@@ -41,7 +41,7 @@ import torch
 from qkit.errors import InputError
 from qkit.granularity import PerRow, PerTensor
 from qkit.methods.calibration import CalibrationOptions, calibration_ids
-from qkit.simulate.base import RuntimeContext, register_runtime
+from qkit.simulate.base import SimulationContext, register_simulation
 from qkit.simulate.options import build, register_options
 from qkit.transform import is_block_projection
 
@@ -131,7 +131,7 @@ class _Handle:
 
 
 @dataclass(frozen=True)
-class ActivationRuntime:
+class ActivationSimulation:
     """Fake-quantize the input of every block projection (forward pre-hooks; see the module doc)."""
 
     name: str
@@ -151,7 +151,7 @@ class ActivationRuntime:
         checks it against its corpus before the model loads."""
         return self.options.calibration_options() if self.static else None
 
-    def install(self, model: torch.nn.Module, context: RuntimeContext) -> _Handle:
+    def install(self, model: torch.nn.Module, context: SimulationContext) -> _Handle:
         linears = target_linears(model)
         facts: dict[str, Any] = {"linears": len(linears), "granularity": "token" if isinstance(self.granularity, PerRow) else "tensor",
                                  "scales": "static" if self.static else "dynamic", "bits": self.bits}
@@ -183,7 +183,7 @@ def _static_hook(scale: torch.Tensor, bits: int):
 def calibrate_static(
     model: torch.nn.Module,
     linears: Mapping[str, torch.nn.Linear],
-    context: RuntimeContext,
+    context: SimulationContext,
     options: StaticOptions,
     bits: int = ACT_BITS,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -219,21 +219,21 @@ def calibrate_static(
 
 
 def _factory(name: str, granularity: PerTensor | PerRow, static: bool = False):
-    def make(given: Mapping[str, Any]) -> ActivationRuntime:
+    def make(given: Mapping[str, Any]) -> ActivationSimulation:
         options = build(StaticOptions, given)
         if static:
             options.calibration_options()  # malformed calibration numbers fail here, before any model is loaded
-        return ActivationRuntime(name, granularity, static, ACT_BITS, options)
+        return ActivationSimulation(name, granularity, static, ACT_BITS, options)
 
     return make
 
 
 ACT_TENSOR, ACT_TOKEN, ACT_STATIC = "act-int8-tensor", "act-int8-token", "act-int8-static"
-register_runtime(ACT_TENSOR, _factory(ACT_TENSOR, PerTensor()))
-register_runtime(ACT_TOKEN, _factory(ACT_TOKEN, PerRow()))
-register_runtime(ACT_STATIC, _factory(ACT_STATIC, PerTensor(), static=True))
+register_simulation(ACT_TENSOR, _factory(ACT_TENSOR, PerTensor()))
+register_simulation(ACT_TOKEN, _factory(ACT_TOKEN, PerRow()))
+register_simulation(ACT_STATIC, _factory(ACT_STATIC, PerTensor(), static=True))
 
 __all__ = [
-    "ACT_STATIC", "ACT_TENSOR", "ACT_TOKEN", "ActivationRuntime", "StaticOptions", "absmax_scale", "calibrate_static",
+    "ACT_STATIC", "ACT_TENSOR", "ACT_TOKEN", "ActivationSimulation", "StaticOptions", "absmax_scale", "calibrate_static",
     "fake_quantize", "qmax_for", "quantize_activations", "target_linears",
 ]

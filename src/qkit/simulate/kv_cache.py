@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.simulate.base import RuntimeContext, register_runtime
+from qkit.simulate.base import SimulationContext, register_simulation
 from qkit.simulate.activations import fake_quantize, qmax_for
 from qkit.simulate.options import build, register_options
 
@@ -191,7 +191,7 @@ def _allowed_mask(mask: torch.Tensor | None, b: int, q: int, s: int, device) -> 
     return m[..., -s:].expand(b, m.shape[1], q, s)[:, :1]
 
 
-# --------------------------------------------------------------------------- the runtime
+# --------------------------------------------------------------------------- the simulation
 
 
 @dataclass
@@ -341,7 +341,7 @@ class _Handle:
 
 
 @dataclass(frozen=True)
-class KVCacheRuntime:
+class KVCacheSimulation:
     """Fake-quantize the keys and values every attention layer reads (see the module doc).
 
     ``quantizer``: replaces the fake quantization (``(x, layout, positions, valid) -> x``); tests use an
@@ -361,7 +361,7 @@ class KVCacheRuntime:
     def kv_bits(self) -> int:
         return self.bits
 
-    def install(self, model: torch.nn.Module, context: RuntimeContext) -> _Handle:
+    def install(self, model: torch.nn.Module, context: SimulationContext) -> _Handle:
         configs = {id(model.config): model.config}
         for m in model.modules():
             c = getattr(m, "config", None)
@@ -385,17 +385,17 @@ class KVCacheRuntime:
         return _Handle(saved, modules, stats, facts)
 
 
-def make_kv_runtime(bits: int, layout: str, given: Mapping[str, Any] | None = None) -> KVCacheRuntime:
-    """The runtime ``kv-int{bits}-{layout}`` with options from ``given`` (``kv_residual``, ``kv_group``)."""
+def make_kv_simulation(bits: int, layout: str, given: Mapping[str, Any] | None = None) -> KVCacheSimulation:
+    """The simulation ``kv-int{bits}-{layout}`` with options from ``given`` (``kv_residual``, ``kv_group``)."""
     check_layout(bits, layout)
-    return KVCacheRuntime(f"kv-int{bits}-{layout}", bits, layout, build(KVCacheOptions, given))
+    return KVCacheSimulation(f"kv-int{bits}-{layout}", bits, layout, build(KVCacheOptions, given))
 
 
 for _bits in KV_BITS:
     for _layout in LAYOUTS:
-        register_runtime(f"kv-int{_bits}-{_layout}", lambda given, b=_bits, l=_layout: make_kv_runtime(b, l, given))
+        register_simulation(f"kv-int{_bits}-{_layout}", lambda given, b=_bits, l=_layout: make_kv_simulation(b, l, given))
 
 __all__ = [
-    "DEFAULT_GROUP", "KVCacheOptions", "KVCacheRuntime", "LAYOUTS", "attention_modules", "check_layout",
-    "make_kv_runtime", "mixed_attention", "quantize_per_channel", "quantize_per_token", "quantized_bound", "repeat_kv",
+    "DEFAULT_GROUP", "KVCacheOptions", "KVCacheSimulation", "LAYOUTS", "attention_modules", "check_layout",
+    "make_kv_simulation", "mixed_attention", "quantize_per_channel", "quantize_per_token", "quantized_bound", "repeat_kv",
 ]

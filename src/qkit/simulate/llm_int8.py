@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.simulate.base import RuntimeContext, register_runtime
+from qkit.simulate.base import SimulationContext, register_simulation
 from qkit.simulate.activations import target_linears
 from qkit.simulate.options import build, register_options
 
@@ -220,7 +220,7 @@ class _Handle:
 
 
 @dataclass(frozen=True)
-class LLMInt8Runtime:
+class LLMInt8Simulation:
     """Replace the forward of every block projection by ``llm_int8_matmul`` (restored on ``remove``)."""
 
     options: LLMInt8Options = LLMInt8Options()
@@ -228,7 +228,7 @@ class LLMInt8Runtime:
     act_bits: int = 8
     kv_bits: None = None
 
-    def install(self, model: torch.nn.Module, context: RuntimeContext) -> _Handle:
+    def install(self, model: torch.nn.Module, context: SimulationContext) -> _Handle:
         linears = target_linears(model)
         handle = _Handle([], {}, float(self.options.threshold))
         for name, module in linears.items():
@@ -253,13 +253,13 @@ def _forward(module: torch.nn.Linear, weight: Int8Weight, stats: _LayerStats, th
     return forward
 
 
-def _factory(given: Mapping[str, Any]) -> LLMInt8Runtime:
-    return LLMInt8Runtime(build(LLMInt8Options, given))
+def _factory(given: Mapping[str, Any]) -> LLMInt8Simulation:
+    return LLMInt8Simulation(build(LLMInt8Options, given))
 
 
-register_runtime("llm-int8", _factory)
+register_simulation("llm-int8", _factory)
 
 __all__ = [
-    "CHUNK", "DEFAULT_THRESHOLD", "EXACT_FP32_TERMS", "Int8Weight", "LLMInt8Options", "LLMInt8Runtime",
+    "CHUNK", "DEFAULT_THRESHOLD", "EXACT_FP32_TERMS", "Int8Weight", "LLMInt8Options", "LLMInt8Simulation",
     "exact_int_matmul", "llm_int8_matmul", "rowwise_int8",
 ]

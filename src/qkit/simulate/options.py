@@ -1,6 +1,6 @@
-"""Run-time options: one frozen dataclass per simulation family, one shared ``{key: value}`` mapping.
+"""Simulation options: one frozen dataclass per simulation family, one shared ``{key: value}`` mapping.
 
-``qkit eval`` passes the same runtime options (``--threshold``, ``--kv-residual``, ...) to every runtime
+``qkit eval`` passes the same simulation options (``--threshold``, ``--kv-residual``, ...) to every simulation
 of a row, so each family takes the keys its dataclass defines and ignores the others' keys; a key that
 *no* family defines is refused in one line (a misspelt option must never be silently dropped). The
 defaults live in the dataclasses, once; the CLI reads them from there.
@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 def register_options(family: str, options_type: type) -> None:
-    """Declare the options dataclass of a runtime family (``activations``, ``llm-int8``, ``kv-cache``)."""
+    """Declare the options dataclass of a simulation family (``activations``, ``llm-int8``, ``kv-cache``)."""
     _FAMILIES[family] = options_type
 
 
@@ -29,7 +29,7 @@ def known_keys() -> dict[str, str]:
 
 
 def check_keys(given: Mapping[str, Any] | None) -> None:
-    """Refuse keys that no runtime family defines."""
+    """Refuse keys that no simulation family defines."""
     known = known_keys()
     unknown = sorted(k for k in (given or {}) if k not in known)
     if unknown:

@@ -1,29 +1,35 @@
-"""Where a row is measured: qkit's own torch forward pass, or an inference engine loading the row's file.
+"""Where a row is measured, a *runtime*: an ``Engine`` that loads the row's written file and measures it.
 
-Layer 6 (``evaluation``). An engine (vLLM, llama.cpp) is registered in ``ENGINES`` with the ``Engine``
-protocol below. It never runs in qkit's process: ``Engine.run`` starts a worker subprocess (its process
-model, memory and logging stay out of qkit's), hands it the row's written file and an ``EngineJob`` (the
-same token ids every runtime scores), and reads back ``EngineScores``. The engine's Python package is an
-optional install (``qkit[llama-cpp]``; vLLM in an environment of its own, docs/vllm.md), imported only
-inside the worker.
+Layer 6 (``evaluation``). Every runtime is an ``Engine`` registered in ``ENGINES`` (``--runtime`` names
+them): ``torch`` (qkit's own forward pass, in this process, on the reference model itself; the default,
+``engines.torch_engine``), ``vllm`` and ``llama.cpp``. The runner measures every row the same way, through
+this protocol: ``cannot_run`` refuses what the engine cannot do before anything is written; the row's
+file is written by the same ``quantize_model`` path as every checkpoint, in the format the engine reads
+(``Engine.format``: qkit's own for torch, compressed-tensors for vLLM, GGUF for llama.cpp, with
+``export_options``); ``open(reference, ...)`` gives a ``Session`` whose ``measure(row_file)`` returns the
+row's ``Measured`` scores against the reference.
 
-A row's file is written by the same ``quantize_model`` path as every checkpoint, in the format the
-engine reads (``Engine.format``): compressed-tensors for vLLM, GGUF for llama.cpp.
+vLLM and llama.cpp never run in qkit's process (``engines.scoring.WorkerEngine``): ``run`` starts a worker
+subprocess (its process model, memory and logging stay out of qkit's), hands it the row's written file and
+an ``EngineJob`` (the same token ids every runtime scores), and reads back ``EngineScores``. Their Python
+packages are optional installs (``qkit[llama-cpp]``; vLLM in an environment of its own, docs/vllm.md),
+imported only inside the worker.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from qkit.errors import InputError, QkitError
+from qkit.evaluation.measuring import Measured, Reference, RowFile
 from qkit.registry import Registry
 
-TORCH = "torch"  # qkit's own forward pass (dequantized weights, simulation hooks): today's rows
+TORCH = "torch"  # qkit's own forward pass (dequantized weights, simulation hooks): the default runtime
 
 # --dtype: the torch runtime's model dtype, and the reference's.
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,12 +120,25 @@ class EngineRefused(QkitError):
     message is the engine's reason in one line; the runner turns it into a row that says so."""
 
 
-class Engine(Protocol):
-    """One inference engine as an eval runtime (registered in ``ENGINES``)."""
+class Session(Protocol):
+    """An engine opened on one eval's reference: it measures one row's file after another."""
 
-    name: str  # "vllm", "llama.cpp": the --runtime word
-    extra: str  # the pip extra that installs it: qkit[<extra>]
-    format: str  # the qkit export format it reads: "compressed-tensors" or "gguf"
+    def measure(self, row: RowFile, label: str) -> Measured:
+        """Load ``row`` (its file, and its simulations where the engine runs them) and measure it against the
+        reference; ``label``: the row's name in the table. ``EngineRefused``: the engine could not."""
+        ...
+
+    def close(self) -> None:
+        """Leave nothing of the rows behind (torch: the reference's own weights back in place)."""
+        ...
+
+
+class Engine(Protocol):
+    """One runtime: where eval rows are measured (registered in ``ENGINES``)."""
+
+    name: str  # "torch", "vllm", "llama.cpp": the --runtime word
+    extra: str  # the pip extra that installs it: qkit[<extra>] ("": part of qkit)
+    format: str  # the qkit export format it reads: "qkit", "compressed-tensors" or "gguf"
     full_distribution: bool  # True: it returns every vocabulary entry's log-probability (KL computable)
 
     def check_available(self, options: EngineOptions) -> None:
@@ -133,14 +152,14 @@ class Engine(Protocol):
         None. A reason only the engine can tell comes later, from ``run``, as ``EngineRefused``."""
         ...
 
-    def export_options(self, simulations: tuple[str, ...]) -> dict[str, str]:
+    def export_options(self, simulations: tuple[str, ...]) -> dict[str, Any]:
         """The ``QuantizeOptions`` fields a row's file is written with: at least ``{"format": self.format}``,
         plus what the file must declare for the row's run-time simulations (vLLM's W8A8 rows:
-        ``{"activations": "int8-token"}``)."""
+        ``{"activations": "int8-token"}``) or how it is best written for this engine (torch: small shards)."""
         ...
 
-    def run(self, path: Path, job: EngineJob, options: EngineOptions) -> EngineScores:
-        """Load ``path`` (a file or directory in ``format``) in a worker subprocess and measure ``job``."""
+    def open(self, reference: Reference, options: EngineOptions, say: Callable[[str], None]) -> Session:
+        """A session measuring rows against ``reference`` with ``options``; ``say``: status lines."""
         ...
 
 
@@ -152,7 +171,34 @@ def get_engine(name: str) -> Engine:
 
 
 def runtime_names() -> list[str]:
-    return [TORCH, *ENGINES.names()]
+    """Every ``--runtime`` word, torch first (the order the engines registered in)."""
+    return ENGINES.names()
+
+
+def engines_named(runtimes: tuple[str, ...]) -> list[Engine]:
+    """The engines ``--runtime`` names, torch first (its rows are measured on the reference model, which the
+    other engines release before loading their own copy), the others in the order given, each once."""
+    engines = list(dict.fromkeys(get_engine(r) for r in runtimes))
+    return sorted(engines, key=lambda e: e.name != TORCH)
+
+
+def check_engine_lengths(engines: list[Engine], options: EngineOptions, window: int, prompt_lengths: list[int],
+                         battery_tokens: int, agree_tokens: int) -> None:
+    """Refuse, before any model is loaded, an eval whose sequences exceed ``--max-model-len``: the window,
+    the longest battery prompt plus its new tokens, or plus the agreement tokens. It is the context of the
+    engines that load their own copy of the weights (torch runs the model's own, which the window is checked
+    against from the model's config)."""
+    engines = [e for e in engines if e.name != TORCH]
+    if not engines or options.max_model_len is None:
+        return
+    longest = max(prompt_lengths, default=0)
+    need = max(window, longest + battery_tokens, longest + agree_tokens)
+    if options.max_model_len < need:
+        what = (f"the eval window is {window} tokens" if need == window else
+                f"the longest battery prompt ({longest} tokens) with {max(battery_tokens, agree_tokens)} more is {need}")
+        raise InputError(f"--max-model-len {options.max_model_len} is too short for --runtime "
+                         f"{', '.join(e.name for e in engines)}: {what}; pass --max-model-len {need} or more"
+                         + (", or a smaller --window" if need == window else ""))
 
 
 def check_runtimes(runtimes: tuple[str, ...], dtype: str, options: EngineOptions) -> None:
@@ -168,7 +214,7 @@ def check_runtimes(runtimes: tuple[str, ...], dtype: str, options: EngineOptions
         if key in seen:
             raise InputError(f"--runtime names {key} twice")
         seen.add(key)
-        if key != TORCH and ENGINES.find(key) is None:  # the registry knows only the engines: torch is named here
+        if ENGINES.find(key) is None:
             close = difflib.get_close_matches(key, runtime_names(), n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise InputError(f"unknown runtime {key!r}{hint}; use one of: {', '.join(runtime_names())}")
@@ -176,9 +222,10 @@ def check_runtimes(runtimes: tuple[str, ...], dtype: str, options: EngineOptions
     if options.parallel and seen == {TORCH}:
         raise InputError("--tensor-parallel-size, --pipeline-parallel-size and --distributed-executor-backend are "
                          "vLLM's; add --runtime vllm (the torch runtime spreads a model with --device-map)")
-    for key in sorted(seen - {TORCH}):
+    for key in sorted(seen):
         ENGINES.get(key).check_available(options)
 
 
 __all__ = ["DTYPES", "ENGINES", "EXECUTOR_BACKENDS", "Engine", "EngineJob", "EngineOptions", "EngineRefused",
-           "EngineScores", "TORCH", "check_runtimes", "get_engine", "runtime_names"]
+           "EngineScores", "Session", "TORCH", "check_engine_lengths", "check_runtimes", "engines_named", "get_engine",
+           "runtime_names"]

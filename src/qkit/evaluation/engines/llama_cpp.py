@@ -29,6 +29,7 @@ from qkit.evaluation.engines.base import (
     EngineRefused,
     EngineScores,
 )
+from qkit.evaluation.engines.scoring import WorkerEngine
 from qkit.evaluation.engines.worker import check_importable, run_worker
 from qkit.export.gguf.metadata import FILE as GGUF_FILE
 from qkit.export.gguf.types import ggml_scheme_names, is_ggml
@@ -42,7 +43,7 @@ NOTE = ("llama.cpp computes with the GGUF's stored weights: its quantized matmul
         "their own order; these, not the weights, are what differ from the torch row")
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(WorkerEngine):
     """llama.cpp as an eval runtime (``ENGINES["llama.cpp"]``)."""
 
     name = "llama.cpp"

@@ -15,10 +15,11 @@ there and of the ``k`` most likely tokens (not the whole vocabulary), so ``full_
   truncated sum over the reference's top ``k`` would be neither a bound nor an estimate one can trust).
 
 ``cannot_run`` refuses, before anything is written, a scheme with no compressed-tensors form (nf4, the
-llama.cpp types, per-tensor scales) and a run-time simulation vLLM does not run from such a file. The
-one simulation vLLM does run is ``act-int8-token`` on ``int8-row`` weights: the row is then written as a
-W8A8 ``int-quantized`` checkpoint (``export_options`` says with which ``QuantizeOptions`` fields) and
-vLLM quantizes activations per token itself. A reason only vLLM can tell (no W4A16 kernel on this CPU
+llama.cpp types, per-tensor scales: the format's own ``refusal``, which ``qkit quantize`` and the planner
+ask too) and a run-time simulation vLLM does not run from such a file. The one simulation vLLM does run
+is ``act-int8-token`` on ``int8-row`` weights: the row is then written as a W8A8 ``int-quantized``
+checkpoint (``export_options`` says with which ``QuantizeOptions`` fields) and vLLM quantizes activations
+per token itself. A reason only vLLM can tell (no W4A16 kernel on this CPU
 build, an unsupported weight type) comes back from ``run`` as ``EngineRefused`` with vLLM's one line.
 """
 
@@ -47,16 +48,16 @@ from qkit.evaluation.engines.base import (
     EngineRefused,
     EngineScores,
 )
+from qkit.evaluation.engines.scoring import WorkerEngine
 from qkit.evaluation.engines.worker import ENGINE_PYTHON as PYTHON_ENV
 from qkit.evaluation.engines.worker import engine_python as _engine_python
 from qkit.evaluation.engines.worker import run_worker
-from qkit.export.compressed_tensors_fp4 import is_fp4
+from qkit.export.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
 from qkit.export.verify.vllm import EngineLogprobs, EngineVerifyResult, verify_engine
-from qkit.granularity import PerGroup, PerRow
 from qkit.models import check_config
 from qkit.plan.candidates import FUSED_MODULES
-from qkit.schemes import AbsmaxScheme, get_scheme
+from qkit.schemes import get_scheme
 
 NAME = "vllm"
 EXTRA = "vllm"
@@ -264,7 +265,7 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class VllmEngine:
+class VllmEngine(WorkerEngine):
     """The ``vllm`` runtime (see the module docstring). ``timeout_s``: one row's limit, load included."""
 
     name: str = NAME
@@ -304,11 +305,9 @@ class VllmEngine:
                 s = get_scheme(scheme)
             except InputError as exc:
                 return str(exc)
-            if s.kind == "nf4":
-                return f"{scheme} has no compressed-tensors form (no NF4 codebook); vLLM cannot load it"
-            if not (is_fp4(s) or (isinstance(s, AbsmaxScheme) and isinstance(s.granularity, (PerGroup, PerRow)))):
-                return (f"{scheme} has no compressed-tensors form (it stores int4/int8 with channel or group scales, "
-                        "and FP4); vLLM cannot load it")
+            refusal = COMPRESSED_TENSORS.refusal(s)  # the format's one answer (quantize and plan ask it too)
+            if refusal is not None:
+                return f"{scheme} has no compressed-tensors form ({refusal}); vLLM cannot load it"
         for sim in sims:
             if sim == W8A8_SIMULATION:
                 if scheme != W8A8_SCHEME:

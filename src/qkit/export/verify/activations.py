@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
-from qkit.simulate import apply_runtime
+from qkit.simulate import apply_simulation
 
-# The runtime of qkit.simulate that models what a serving engine does with each declared activation rule.
+# The simulation of qkit.simulate that models what a serving engine does with each declared activation rule.
 SIMULATION = {INT8_TOKEN: "act-int8-token"}
 
 # A stated tolerance: qkit's simulation and the library's rule put activations on grids of steps
@@ -30,13 +30,13 @@ def simulation_report(model: torch.nn.Module, ids: torch.Tensor, lib_logits: tor
     Returns ``{"simulation", "max_abs_diff", "activation_effect", "tolerance", "ok"}``: ``max_abs_diff`` =
     ``max |library - simulation|``; ``activation_effect`` = ``max |simulation - weights only|``; ``ok`` when
     ``max_abs_diff <= SIMULATION_FACTOR * activation_effect`` (see the constant's comment)."""
-    runtime = SIMULATION[activations]
+    simulation = SIMULATION[activations]
     weights_only = model(ids).logits.float()
-    with apply_runtime(model, [runtime]):
+    with apply_simulation(model, [simulation]):
         simulated = model(ids).logits.float()
     diff = float((lib_logits - simulated).abs().max())
     effect = float((simulated - weights_only).abs().max())
-    return {"simulation": runtime, "max_abs_diff": diff, "activation_effect": effect,
+    return {"simulation": simulation, "max_abs_diff": diff, "activation_effect": effect,
             "tolerance": SIMULATION_FACTOR * effect, "ok": diff <= SIMULATION_FACTOR * effect}
 
 

@@ -38,7 +38,7 @@ from qkit.export.verify.result import LOGITS_RTOL, load_weights, no_init, quiet
 from qkit.export.verify.safetensors import _prompt_ids, iter_decoded, read_format
 from qkit.models import check_remote_code
 from qkit.schemes import QuantizedTensor
-from qkit.simulate import apply_runtime
+from qkit.simulate import apply_simulation
 
 
 @dataclass
@@ -133,7 +133,7 @@ def verify_engine(checkpoint: str | Path, score: Score, *, engine: str = "vLLM",
     with torch.no_grad():
         logits = model(ids[None]).logits[0, :-1].float()
         if acts:
-            with apply_runtime(model, [SIMULATION[acts]]):
+            with apply_simulation(model, [SIMULATION[acts]]):
                 simulated = model(ids[None]).logits[0, :-1].float()
     lp_weights = torch.log_softmax(logits.double(), -1)
     lp = torch.log_softmax(simulated.double(), -1) if acts else lp_weights
