@@ -14,12 +14,17 @@ Two ways to run a command:
 * ``invoke(*args)``: in-process through typer's ``CliRunner`` (fast; most cases);
 * ``spawn(*args)``: ``python -m qkit`` in a subprocess (the real entry point: faults such as SIGKILL,
   SIGINT, a read-only or full file system, stdin prompts, environment variables).
+
+And the models that ask for their own code (``make_untrusted``: an ``auto_map`` to a file that writes a
+marker if it is ever imported).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -204,3 +209,26 @@ def tripwire(monkeypatch, target: str, what: str) -> None:
         raise AssertionError(f"{what} before the refusal")
 
     monkeypatch.setattr(target, refuse)
+
+
+# --------------------------------------------------------------------------- models that ask for their own code
+
+
+def evil_module(marker: Path, cls: str) -> str:
+    """A module that, if ever imported, writes ``marker`` (then defines what the auto_map names)."""
+    return (f"open({str(marker)!r}, 'w').write('model code ran')\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast\n"
+            "class EvilConfig(LlamaConfig):\n    model_type = 'qkit-untrusted'\n"
+            "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n"
+            f"class {cls}(PreTrainedTokenizerFast):\n    pass\n")
+
+
+def make_untrusted(src: Path, dst: Path, marker: Path) -> Path:
+    """A copy of ``src`` whose config needs its own code: unknown model_type + auto_map to evil_code.py."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["model_type"] = "qkit-untrusted"
+    cfg["auto_map"] = {"AutoConfig": "evil_code.EvilConfig", "AutoModelForCausalLM": "evil_code.EvilModel"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "evil_code.py").write_text(evil_module(marker, "EvilTokenizer"))
+    return dst

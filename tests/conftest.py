@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny llama models built from a config (never downloaded) and the real default model."""
+"""Shared fixtures: tiny llama models built from a config (never downloaded), the real default model, a
+perturbed pair of the tiny model (the eval's oracles), a dead process's PID; and the builders the test
+modules import (``make_tiny_llama``, ``make_llama``, ``benchmark_module``, ...). Plain shared helpers that
+are not fixtures live in ``tests/helpers_*.py``: no test module imports another (``tests/test_house.py``)."""
 
 from __future__ import annotations
 
@@ -82,6 +85,21 @@ def make_tiny_llama(
     return model
 
 
+def make_llama(directory: Path, *, hidden: int = 128, intermediate: int = 256, layers: int = 2,
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """A tiny llama at ``directory`` whose input widths (128, 256) every group size up to 128 divides; returns
+    ``directory`` (the exporters' tests: compressed-tensors, bitsandbytes, verify)."""
+    make_tiny_llama(directory, seed=seed, layers=layers, hidden=hidden, intermediate=intermediate, dtype=dtype)
+    return directory
+
+
+def prompt_ids(directory: Path) -> torch.Tensor:
+    """The token ids of one short prompt, by the tokenizer at ``directory`` (the exporters' logits checks)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))("Paris is the capital of France.", return_tensors="pt")["input_ids"]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny llama model directory (2 layers, hidden 64, 14 projection matrices). Do not modify it."""
@@ -102,6 +120,47 @@ def tiny_ct_export(tiny_model_dir, tmp_path_factory) -> Path:
                                  "-o", str(out)])
     assert r.exit_code == 0, r.output
     return out
+
+
+@pytest.fixture(scope="session")
+def llama128(tmp_path_factory) -> Path:
+    """A :func:`make_llama` model directory (fp32, 2 layers, hidden 128, intermediate 256). Do not modify it."""
+    return make_llama(tmp_path_factory.mktemp("llama128") / "llama128")
+
+
+@pytest.fixture(scope="module")
+def perturbed(tiny_model_dir):
+    """``(ref_model, row, tokenizer)``: ``tiny_model_dir`` loaded twice, every matrix times 8 (the tiny random
+    model's next-token distributions are nearly uniform otherwise, its greedy tokens all alike): the
+    reference, and a copy with every matrix perturbed too (a 'row'), and the tokenizer. One per module."""
+    from qkit.models import load
+
+    ref = load(tiny_model_dir, device="cpu")
+    row = load(tiny_model_dir, device="cpu").model
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for model in (ref.model, row):
+            for p in model.parameters():
+                if p.ndim == 2:
+                    p.mul_(8)
+        for p in row.parameters():
+            if p.ndim == 2:
+                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return ref.model, row, ref.tokenizer
+
+
+@pytest.fixture
+def dead_pid() -> int:
+    """The PID of a process that has exited (and been reaped): what a killed writer leaves in its names."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    pid = int(proc.stdout)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from adversarial import Outcome, Unchanged, assert_refused, invoke, spawn
+from adversarial import Outcome, Unchanged, assert_refused, evil_module, invoke, make_untrusted, spawn
 from conftest import make_tiny_llama
 
 from qkit.errors import ModelLoadError, QkitError
@@ -36,26 +36,6 @@ EVAL_FAST = ["--tokens", "64", "--agree-tokens", "1", "--schemes", "int8-row"]
 
 
 # --------------------------------------------------------------------------- fixtures
-
-
-def _evil_module(marker: Path, cls: str) -> str:
-    """A module that, if ever imported, writes ``marker`` (then defines what the auto_map names)."""
-    return (f"open({str(marker)!r}, 'w').write('model code ran')\n"
-            "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast\n"
-            "class EvilConfig(LlamaConfig):\n    model_type = 'qkit-untrusted'\n"
-            "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n"
-            f"class {cls}(PreTrainedTokenizerFast):\n    pass\n")
-
-
-def _make_untrusted(src: Path, dst: Path, marker: Path) -> Path:
-    """A copy of ``src`` whose config needs its own code: unknown model_type + auto_map to evil_code.py."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["model_type"] = "qkit-untrusted"
-    cfg["auto_map"] = {"AutoConfig": "evil_code.EvilConfig", "AutoModelForCausalLM": "evil_code.EvilModel"}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    (dst / "evil_code.py").write_text(_evil_module(marker, "EvilTokenizer"))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +52,7 @@ def marker(base) -> Path:
 
 @pytest.fixture(scope="module")
 def untrusted(base, marker) -> Path:
-    return _make_untrusted(base / "tiny", base / "untrusted", marker)
+    return make_untrusted(base / "tiny", base / "untrusted", marker)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +64,7 @@ def untrusted_tokenizer(base, marker) -> Path:
     tc["tokenizer_class"] = "EvilTokenizer"
     tc["auto_map"] = {"AutoTokenizer": ["evil_code.EvilTokenizer", None]}
     (d / "tokenizer_config.json").write_text(json.dumps(tc))
-    (d / "evil_code.py").write_text(_evil_module(marker, "EvilTokenizer"))
+    (d / "evil_code.py").write_text(evil_module(marker, "EvilTokenizer"))
     return d
 
 
@@ -123,7 +103,7 @@ def test_quantize_export_refuses_custom_code_with_y_on_stdin(untrusted, tmp_path
 
 def test_verify_refuses_custom_code_with_y_on_stdin(tiny_ct_export, base, marker, tmp_path, no_marker, spawn_env):
     """An export whose config.json asks for its own code (its model's auto_map): refused, never prompted."""
-    export = _make_untrusted(tiny_ct_export, tmp_path / "export", marker)
+    export = make_untrusted(tiny_ct_export, tmp_path / "export", marker)
     with Unchanged(inputs=[export], dirs=[tmp_path]):
         r = spawn("verify", export, "--device", "cpu", input="y\n", env=spawn_env)
         assert_refused(r, "custom code", "--trust-remote-code")
@@ -201,7 +181,7 @@ def test_built_in_architecture_with_auto_map_runs_built_in_code(base, marker, tm
     cfg = json.loads((d / "config.json").read_text())
     cfg["auto_map"] = {"AutoModelForCausalLM": "evil_code.EvilModel"}
     (d / "config.json").write_text(json.dumps(cfg))
-    (d / "evil_code.py").write_text(_evil_module(marker, "EvilTokenizer"))
+    (d / "evil_code.py").write_text(evil_module(marker, "EvilTokenizer"))
     r = invoke("quantize", d, "-s", "int8-row", "--format", "compressed-tensors", "-o", tmp_path / "out", input="y\n")
     assert r.code == 0, r.text
     assert "Do you wish" not in r.text

@@ -7,26 +7,15 @@ import signal
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-import pytest
 from typer.testing import CliRunner
 
 from qkit.checkpoint import TMP_MARK, atomic_directory, remove_stale_siblings, stale_siblings
 from qkit.cli import app
 
 
-def dead_pid() -> int:
-    """The PID of a process that has exited (and been reaped)."""
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
-    pid = int(proc.stdout)
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
-    return pid
-
-
-def test_only_dead_writers_siblings_are_stale(tmp_path):
-    gone = dead_pid()
+def test_only_dead_writers_siblings_are_stale(tmp_path, dead_pid):
+    gone = dead_pid
     stale = tmp_path / f".out{TMP_MARK}{gone}-0123abcd"
     stale_old = tmp_path / f".other.qkit-old-{gone}-89abcdef"  # any NAME in the same parent counts
     live = tmp_path / f".out{TMP_MARK}{os.getpid()}-0123abcd"  # this process: alive
@@ -40,8 +29,8 @@ def test_only_dead_writers_siblings_are_stale(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (live, legacy, unrelated))
 
 
-def test_atomic_directory_names_its_sibling_with_its_pid_and_cleans_first(tmp_path):
-    gone = dead_pid()
+def test_atomic_directory_names_its_sibling_with_its_pid_and_cleans_first(tmp_path, dead_pid):
+    gone = dead_pid
     (tmp_path / f".out{TMP_MARK}{gone}-0123abcd").mkdir()
     seen = []
     with atomic_directory(tmp_path / "out", on_stale=seen.append) as tmp:

@@ -2,7 +2,7 @@
 
 - ``CorpusReference`` (logits a chunk of positions at a time from the final hidden states, the
   reference's log-probabilities in an unnamed temporary file) against the whole-window implementation it
-  replaced, frozen below, bit for bit: tiny model here, the default model in fp32 (slow);
+  replaced, frozen in ``tests/helpers_eval.py``, bit for bit: tiny model here, the default model in fp32 (slow);
 - nothing it keeps is a ``[tokens, V]`` tensor, and its temporary file has no name;
 - ``Swapper.restore`` re-reads the replaced tensors from the source files: every parameter bit-identical
   to a fresh load, fp32 and bf16, tied and untied heads; clones only where the source lacks a tensor;
@@ -28,68 +28,18 @@ from qkit.evaluation.perplexity import (
     CorpusReference,
     TokenScores,
     chunk_positions,
-    position_logprobs,
     split_head,
 )
 from qkit.evaluation.swap import Swapper
 from qkit.models import load
-
-
-def whole_window_reference(model, windows):
-    """The reference as ``CorpusReference`` computed it before: one forward pass and one log-softmax
-    per window, every window's ``[w-1, V]`` kept in memory."""
-    lps = [position_logprobs(model, w) for w in windows]
-    return lps, [lp.argmax(-1) for lp in lps]
-
-
-def whole_window_score(ref_lps, ref_tops, windows, model, chunk: int = 512) -> TokenScores:
-    """``CorpusReference.score`` before: the row's whole-window log-probs, KL in 512-row blocks."""
-    nll, kl, top1 = [], [], []
-    for w, ref_lp, ref_top in zip(windows, ref_lps, ref_tops):
-        lp = position_logprobs(model, w)
-        nll.append(-lp.gather(1, w[1:, None]).squeeze(1).double())
-        for s in range(0, lp.shape[0], chunk):
-            p_lp, q_lp = ref_lp[s : s + chunk], lp[s : s + chunk]
-            kl.append((p_lp.exp() * (p_lp - q_lp)).sum(-1).double())
-        top1.append(lp.argmax(-1) == ref_top)
-    return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1))
-
-
-def assert_same_scores(got: TokenScores, expected: TokenScores) -> None:
-    assert torch.equal(got.nll, expected.nll)
-    assert torch.equal(got.kl, expected.kl)
-    assert torch.equal(got.top1, expected.top1)
-
-
-def perturbed_pair(directory):
-    """The model at ``directory`` loaded twice, every matrix times 8 (the tiny random model's next-token
-    distributions are nearly uniform otherwise, its greedy tokens all alike): the reference (the loaded
-    model, with its tokenizer), and a copy with every matrix perturbed too (a 'row')."""
-    ref = load(directory, device="cpu")
-    row = load(directory, device="cpu").model
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for model in (ref.model, row):
-            for p in model.parameters():
-                if p.ndim == 2:
-                    p.mul_(8)
-        for p in row.parameters():
-            if p.ndim == 2:
-                p.add_(0.3 * p.abs().mean() * torch.randn(p.shape, generator=gen))
-    return ref, row
-
-
-@pytest.fixture(scope="module")
-def perturbed(tiny_model_dir):
-    ref, row = perturbed_pair(tiny_model_dir)
-    return ref.model, row
+from helpers_eval import assert_same_scores, whole_window_reference, whole_window_score  # the implementations replaced
 
 
 # window, chunk: one window per chunk, several chunks per window (spans of 12-18 rows, never fewer
 # than MIN_CHUNK), a short last window, and the default chunk (every window one span).
 @pytest.mark.parametrize("window,chunk", [(16, None), (37, 16), (72, 16), (72, 20), (40, 13), (37, None)])
 def test_chunked_reference_and_rows_equal_the_whole_window_implementation(perturbed, window, chunk):
-    ref_model, row = perturbed
+    ref_model, row, _ = perturbed
     ids = torch.randint(3, 300, (72,), generator=torch.Generator().manual_seed(window))
     ref = CorpusReference(ref_model, ids, window, chunk=chunk)
     assert ref.split  # the tiny llama's logits are lm_head(final hidden states): the chunked path is tested
@@ -109,7 +59,7 @@ def test_chunked_reference_and_rows_equal_the_whole_window_implementation(pertur
 def test_a_model_whose_logits_are_not_the_head_of_its_hidden_states_is_scored_whole(perturbed):
     """A forward hook that scales the logits (as gemma soft-caps or cohere scales them): the split
     would miss it; ``split_head`` sees that and the whole-window path gives the model's own values."""
-    ref_model, row = perturbed
+    ref_model, row, _ = perturbed
     ids = torch.randint(3, 300, (60,), generator=torch.Generator().manual_seed(1))
     handle = ref_model.register_forward_hook(lambda _m, _i, out: out.__class__(**{**out, "logits": out.logits * 0.5}))
     try:
@@ -134,7 +84,7 @@ def test_chunk_positions_golden():
 
 
 def test_nothing_held_is_tokens_by_vocabulary_and_the_file_has_no_name(perturbed):
-    ref_model, _ = perturbed
+    ref_model, _, _ = perturbed
     ids = torch.randint(3, 300, (200,), generator=torch.Generator().manual_seed(2))
     before = {n for n in os.listdir(tempfile.gettempdir()) if "qkit-logprobs" in n}
     ref = CorpusReference(ref_model, ids, 50, chunk=16)

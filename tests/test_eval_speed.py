@@ -36,7 +36,7 @@ from qkit.evaluation.perplexity import (
     TokenScores,
     kl_per_position,
 )
-from test_eval_memory import perturbed_pair, whole_window_score  # the scoring before chunking; the model pair
+from helpers_eval import assert_same_scores, whole_window_score  # the scoring before chunking
 
 
 def naive_score(ref: CorpusReference, model, chunk: int = 512) -> TokenScores:
@@ -47,13 +47,6 @@ def naive_score(ref: CorpusReference, model, chunk: int = 512) -> TokenScores:
 def naive_kl(ref_lp: torch.Tensor, lp: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat([(ref_lp[s : s + chunk].exp() * (ref_lp[s : s + chunk] - lp[s : s + chunk])).sum(-1).double()
                       for s in range(0, lp.shape[0], chunk)])
-
-
-@pytest.fixture(scope="module")
-def perturbed(tiny_model_dir):
-    """The reference (every matrix of the tiny model times 8), a perturbed copy (a 'row'), the tokenizer."""
-    ref, row = perturbed_pair(tiny_model_dir)
-    return ref.model, row, ref.tokenizer
 
 
 def test_kl_hand_computed():
@@ -95,10 +88,7 @@ def test_score_equals_the_naive_implementation_bit_for_bit(perturbed, window):
     for model in (row, ref_model):
         expected = naive_score(whole, model, chunk=5)
         for ref in (whole, chunked):
-            got = ref.score(model)
-            assert torch.equal(got.nll, expected.nll)
-            assert torch.equal(got.kl, expected.kl)
-            assert torch.equal(got.top1, expected.top1)
+            assert_same_scores(ref.score(model), expected)
     s = whole.score(row)
     assert s.kld > 1e-3 and s.top1_match < 1.0  # the perturbed row really differs: the comparison can fail
     assert whole.score(ref_model).kld == 0.0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_llama, prompt_ids
 from safetensors.torch import load_file
 
 from qkit.api import QuantizeOptions, quantize_model
@@ -16,14 +17,8 @@ from qkit.models import load
 from qkit.schemes import get_scheme, quantize_tensor
 
 bnb = pytest.importorskip("bitsandbytes")
-from test_export_compressed_tensors import make_llama, prompt_ids  # noqa: E402
 
 LOGITS_RTOL = 1e-4  # fp32, bitsandbytes' generic CPU path (qkit.export.verify); measured: 0
-
-
-@pytest.fixture(scope="module")
-def llama128(tmp_path_factory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("bnb") / "llama128")
 
 
 def load_with_transformers(directory: Path):

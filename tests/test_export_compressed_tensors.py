@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_llama, prompt_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -26,20 +27,6 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 LOGITS_RTOL = 1e-4  # the stated tolerance for fp32 (qkit.export.verify.LOGITS_RTOL); measured: 0
 
 
-def make_llama(directory: Path, *, hidden: int = 128, intermediate: int = 256, layers: int = 2,
-               dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
-    """A tiny llama whose input widths (128, 256) every group size up to 128 divides."""
-    from conftest import make_tiny_llama
-
-    make_tiny_llama(directory, seed=seed, layers=layers, hidden=hidden, intermediate=intermediate, dtype=dtype)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def llama128(tmp_path_factory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("ct") / "llama128")
-
-
 def source_weights(directory: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -51,12 +38,6 @@ def load_with_transformers(directory: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(directory), device_map="cpu").eval()
-
-
-def prompt_ids(directory: Path) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(directory))("Paris is the capital of France.", return_tensors="pt")["input_ids"]
 
 
 # --------------------------------------------------------------------------- the packing itself

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,14 +16,8 @@ from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("bitsandbytes")
-from test_export_compressed_tensors import make_llama  # noqa: E402
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def llama128(tmp_path_factory) -> Path:
-    return make_llama(tmp_path_factory.mktemp("verify") / "llama128")
 
 
 @pytest.mark.parametrize("fmt,scheme", [("compressed-tensors", "int4-g64"), ("compressed-tensors", "int8-row"), ("bitsandbytes", "nf4")])

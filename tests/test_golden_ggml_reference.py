@@ -23,12 +23,12 @@ import os
 from pathlib import Path
 
 import gguf
+import helpers_iquants as iq
+import helpers_kquants_low as kl
+import helpers_kquants_weighted as kw
 import numpy as np
 import pytest
 import torch
-import test_iquants as iq
-import test_kquants_low as kl
-import test_kquants_weighted as kw
 from conftest import benchmark_module, near_max_importance
 
 from qkit.schemes import get_scheme, kernels, quantize_tensor

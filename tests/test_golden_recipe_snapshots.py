@@ -22,7 +22,16 @@ from pathlib import Path
 
 import pytest
 from conftest import benchmark_module
-from test_recipes_ladder import DEFAULT_TYPES, GGUF_PROJ, SNAPSHOT_MODELS, SNAPSHOTS, _types, read_snapshot, recipe
+from helpers_recipes import (
+    GGUF_PROJ,
+    SNAPSHOT_MODELS,
+    SNAPSHOTS,
+    read_snapshot,
+    recipe,
+    type_names,
+)
+
+from qkit.schemes.recipes import DEFAULT_TYPES
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "recipe_snapshots.json"
 RECORD_COMMAND = "QKIT_RECORD_SNAPSHOTS=1 python -m pytest tests/test_golden_recipe_snapshots.py"
@@ -68,6 +77,6 @@ def test_equals_recorded_llama_cpp_snapshot(model, ftype):
     n = config["num_hidden_layers"]
     shapes = [("token_embd.weight", (1000, widths[0]))] + ([] if config["tie_word_embeddings"] else [("output.weight", (1000, widths[0]))])
     shapes += [(f"blk.{i}.{p}.weight", (64, widths[w])) for i in range(n) for p, w in GGUF_PROJ.items()]
-    got = _types(recipe(ftype, config), shapes)
+    got = type_names(recipe(ftype, config), shapes)
     assert set(overrides) <= set(got)
     assert got == {name: overrides.get(name, default) for name in got}

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import benchmark_module
+from helpers_ggml import edge_matrix
+from helpers_kquants_weighted import IMATRICES, K_TYPES, KINDS, importance, matrix
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +23,6 @@ from qkit.schemes import get_scheme, kernels, quantize_tensor
 from qkit.schemes.ggml import uses_importance
 
 T = gguf.GGMLQuantizationType
-K_TYPES = {"q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
 SIZES = {n: gguf.GGML_QUANT_SIZES[t][1] for n, t in K_TYPES.items()}
 PROPS = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -51,44 +52,6 @@ def assert_blocks_equal(got: np.ndarray, want: np.ndarray, size: int, what: obje
 
 
 # --------------------------------------------------------------------------- inputs
-
-
-def matrix(kind: str, rows: int = 6, cols: int = 1024, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, cols))
-    if kind == "heavy_tailed":
-        x = x / (rng.random(x.shape) + 0.01)
-    elif kind == "all_zero":
-        x = np.zeros((rows, cols))
-    elif kind == "ties":  # small integers and halves: rounding ties everywhere
-        x = rng.integers(-16, 17, x.shape) / 2
-    elif kind == "sparse":
-        x = np.where(rng.random(x.shape) < 0.9, 0.0, x)
-    elif kind == "one_outlier":
-        x = x * 0.01
-        x[rows // 2, cols // 3] = 40.0
-    elif kind == "negative_rows":  # every sub-block below zero: min < 0 = max never holds
-        x = -np.abs(x) - 1.0
-    elif kind == "constant":
-        x = np.full((rows, cols), -0.75)
-    return (x * 0.05).astype(np.float32)
-
-
-def importance(kind: str | None, cols: int, seed: int = 1) -> np.ndarray | None:
-    if kind is None:
-        return None
-    rng = np.random.default_rng(seed)
-    qw = (rng.random(cols) * 2.0 + 1e-3).astype(np.float32)
-    if kind == "zeros":  # scattered zeros and one whole super-block's worth (its d and dmin come out 0)
-        qw[rng.random(cols) < 0.3] = 0.0
-        qw[256:512] = 0.0
-    elif kind == "heavy":
-        qw = (qw ** 4 * 1e3).astype(np.float32)
-    return qw
-
-
-KINDS = ["random", "heavy_tailed", "all_zero", "ties", "sparse", "one_outlier", "negative_rows", "constant"]
-IMATRICES = [None, "random", "zeros", "heavy"]
 
 
 def default_model_rows(width: int) -> np.ndarray:
@@ -169,22 +132,6 @@ def test_q5_k_falls_back_to_q5_1_on_a_576_wide_matrix(imatrix):
 
 
 # --------------------------------------------------------------------------- kernel == torch
-
-
-def edge_matrix(seed: int, scale_exp: int, zeros: float, kind: int, rows: int, blocks: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, 256 * blocks, generator=gen)
-    if kind == 1:
-        w = torch.randint(-16, 17, w.shape, generator=gen).float() / 2
-    elif kind == 2:
-        w = w / (torch.rand(w.shape, generator=gen) + 0.01)
-    elif kind == 3:
-        w = torch.randint(-3, 4, w.shape, generator=gen).float()
-    w = w * torch.tensor(2.0**scale_exp)
-    mask = torch.rand(w.shape, generator=gen)
-    w[mask < zeros] = 0.0
-    w[mask < zeros / 2] = -0.0
-    return w
 
 
 @pytest.mark.parametrize("name", list(K_TYPES))

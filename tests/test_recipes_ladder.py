@@ -14,12 +14,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from pathlib import Path
 
 import gguf
 import pytest
 import torch
-from conftest import benchmark_module
+from helpers_recipes import (
+    GGUF_PROJ,
+    LLAMA70_CONFIG,
+    SNAPSHOT_MODELS,
+    SNAPSHOTS,
+    read_snapshot,
+    recipe,
+    type_names,
+)
 
 from qkit.errors import SchemeError
 from qkit.schemes import get_scheme, quantize_tensor
@@ -38,7 +45,6 @@ from qkit.schemes.recipes import (
 from qkit.schemes.registry import REGISTRY, scheme_from_dict
 
 T = gguf.GGMLQuantizationType
-SNAPSHOTS = benchmark_module("build_llama_ref").ref_dir() / "src" / "tests" / "snapshots"  # llama.cpp's, when fetched
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
         "mlp.down_proj")
 SHORT = {p: p.split(".")[1] for p in PROJ}  # q_proj, ..., down_proj
@@ -61,13 +67,7 @@ DEFAULT_SHAPES = model_shapes(30, 576, 1536, 9, 3, 64, 49152, tied=True)
 QWEN2_CONFIG = {"model_type": "qwen2", "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
                 "tie_word_embeddings": True}
 QWEN2_SHAPES = model_shapes(24, 896, 4864, 14, 2, 64, 151936, tied=True)
-LLAMA70_CONFIG = {"model_type": "llama", "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-                  "tie_word_embeddings": False}
 LLAMA70_SHAPES = model_shapes(80, 8192, 28672, 64, 8, 128, 128256, tied=False)
-
-
-def recipe(ftype: str, config: dict, imatrix: bool = False) -> LlamaRecipe:
-    return LlamaRecipe(f"test-{ftype}", ftype).bind(config).with_imatrix(imatrix)
 
 
 def expand(table: dict, n_layers: int) -> dict[str, str]:
@@ -125,13 +125,9 @@ DEFAULT_COUNTS = {
 }
 
 
-def _types(r: LlamaRecipe, shapes) -> dict[str, str]:
-    return {n: t.name for n, t in llama_types(r, shapes).items()}
-
-
 @pytest.mark.parametrize("ftype", list(DEFAULT_TABLE))
 def test_default_model_every_projection_by_hand(ftype):
-    got = _types(recipe(ftype, DEFAULT_CONFIG), DEFAULT_SHAPES)
+    got = type_names(recipe(ftype, DEFAULT_CONFIG), DEFAULT_SHAPES)
     want = expand(DEFAULT_TABLE[ftype], 30)
     assert {n: got[n] for n in want} == want
     assert dict(Counter(want.values())) == DEFAULT_COUNTS[ftype] and sum(DEFAULT_COUNTS[ftype].values()) == 210
@@ -167,16 +163,16 @@ def test_default_model_real_checkpoint_names_and_shapes():
     real = [(n, s) for n, s in tensor_shapes(ref.directory) if len(s) == 2]
     assert sorted(real) == sorted(DEFAULT_SHAPES)
     r = get_scheme("q4_k_m").bind(config)
-    assert _types(r, real) == _types(recipe("Q4_K_M", DEFAULT_CONFIG), DEFAULT_SHAPES)
+    assert type_names(r, real) == type_names(recipe("Q4_K_M", DEFAULT_CONFIG), DEFAULT_SHAPES)
 
 
 @pytest.mark.parametrize("ftype", ["IQ4_NL", "IQ4_XS"])
 def test_iq4_ffn_down_rule_reads_the_imatrix_flag(ftype):
-    got = Counter(_types(recipe(ftype, DEFAULT_CONFIG, imatrix=True), DEFAULT_SHAPES[1:]).values())
+    got = Counter(type_names(recipe(ftype, DEFAULT_CONFIG, imatrix=True), DEFAULT_SHAPES[1:]).values())
     assert got == ({"IQ4_NL": 210} if ftype == "IQ4_NL" else {"IQ4_NL": 180, "IQ4_XS": 30})
     # no other ftype reads it
     for other in ("Q4_K_M", "Q3_K_M", "Q5_K_S"):
-        assert _types(recipe(other, DEFAULT_CONFIG, True), DEFAULT_SHAPES) == _types(recipe(other, DEFAULT_CONFIG), DEFAULT_SHAPES)
+        assert type_names(recipe(other, DEFAULT_CONFIG, True), DEFAULT_SHAPES) == type_names(recipe(other, DEFAULT_CONFIG), DEFAULT_SHAPES)
 
 
 # ------------------------------------------------------------------ qwen2 (n_gqa 7), by hand
@@ -213,7 +209,7 @@ QWEN2_COUNTS = {
 
 @pytest.mark.parametrize("ftype", list(QWEN2_TABLE))
 def test_qwen2_gqa7_every_projection_by_hand(ftype):
-    got = _types(recipe(ftype, QWEN2_CONFIG), QWEN2_SHAPES)
+    got = type_names(recipe(ftype, QWEN2_CONFIG), QWEN2_SHAPES)
     want = expand(QWEN2_TABLE[ftype], 24)
     assert {n: got[n] for n in want} == want
     assert dict(Counter(want.values())) == QWEN2_COUNTS[ftype] and sum(QWEN2_COUNTS[ftype].values()) == 168
@@ -237,7 +233,7 @@ def test_use_more_bits_for_80_layers_by_hand():
     ("Q5_K_M", (MORE80, "Q6_K", "Q5_K"), (MORE80, "Q6_K", "Q5_K")),
 ])
 def test_llama_70b_attn_v_by_hand(ftype, v, down):
-    got = _types(recipe(ftype, LLAMA70_CONFIG), LLAMA70_SHAPES)
+    got = type_names(recipe(ftype, LLAMA70_CONFIG), LLAMA70_SHAPES)
     for n, t in expand({"q_proj": "-", "k_proj": "-", "o_proj": "-", "gate_proj": "-", "up_proj": "-", "v_proj": v,
                         "down_proj": down}, 80).items():
         assert t == "-" or got[n] == t, n
@@ -255,37 +251,6 @@ def test_65b_and_qwen2_80_layers():
 
 # ------------------------------------------------------------------ llama.cpp's own snapshots
 
-# (snapshot, config as qkit binds it, ne[0] of q/k/v/gate/up, of attn_output, of ffn_down). Qwen3 is bound
-# as qwen2 and Gemma-3 as llama: no rule of these ftypes depends on the architecture beyond Falcon and the
-# 70B type (80 layers), and their tensors are the same seven projections per layer.
-SNAPSHOT_MODELS = {
-    "meta-llama-3.1-70b-instruct": (LLAMA70_CONFIG, 8192, 64 * 128, 28672),
-    "qwen3-0.6b": ({"model_type": "qwen2", "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-                    "tie_word_embeddings": False}, 1024, 16 * 128, 3072),
-    "qwen3-14b": ({"model_type": "qwen2", "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 8,
-                   "tie_word_embeddings": False}, 5120, 40 * 128, 17408),
-    "gemma-3-4b-it": ({"model_type": "llama", "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
-                       "tie_word_embeddings": True}, 2560, 8 * 256, 10240),
-}
-GGUF_PROJ = {"attn_q": 0, "attn_k": 0, "attn_v": 0, "attn_output": 1, "ffn_gate": 0, "ffn_up": 0, "ffn_down": 2}
-
-
-def read_snapshot(path: Path) -> dict[str, tuple[str, dict[str, str]]]:
-    """``{ftype: (default type, {gguf name: type where not the default})}`` (test-quant-type-selection's format)."""
-    sections: dict[str, tuple[str, dict[str, str]]] = {}
-    cur = None
-    for line in path.read_text().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        if line.startswith("["):
-            ftype, default = line[1:].split("] ")
-            cur = sections[ftype] = (default.upper(), {})
-        else:
-            name, t = line.rsplit(" ", 1)
-            cur[1][name] = t.upper()
-    return sections
-
-
 @pytest.mark.parametrize("ftype", list(DEFAULT_TYPES))
 @pytest.mark.parametrize("model", list(SNAPSHOT_MODELS))
 def test_equals_llama_cpp_snapshot(model, ftype):
@@ -298,7 +263,7 @@ def test_equals_llama_cpp_snapshot(model, ftype):
     n = config["num_hidden_layers"]
     shapes = [("token_embd.weight", (1000, widths[0]))] + ([] if config["tie_word_embeddings"] else [("output.weight", (1000, widths[0]))])
     shapes += [(f"blk.{i}.{p}.weight", (64, widths[w])) for i in range(n) for p, w in GGUF_PROJ.items()]
-    got = _types(recipe(ftype, config), shapes)
+    got = type_names(recipe(ftype, config), shapes)
     assert set(overrides) <= set(got)  # the snapshot's tensors are these
     want = {name: overrides.get(name, default) for name in got}
     assert got == want

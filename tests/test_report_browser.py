@@ -1,6 +1,6 @@
 """qkit report in a real browser: headless Chromium (Debian's ``chromium``) driven by Selenium.
 
-The page is built from the small JSON fixtures of ``test_report`` (no model runs). The browser opens it
+The page is built from the small JSON fixtures of ``helpers_report`` (no model runs). The browser opens it
 from ``file://``, finds every section by id, reads the console log (no error), takes a screenshot that is
 not blank, and opens it again with networking disabled (a proxy to a closed port and DevTools' offline
 emulation): it must render the same, and load no resource at all either time (the Resource Timing API).
@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("matplotlib", reason="qkit report needs the report extra (matplotlib)")
 webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test drives Chromium with selenium (pip install selenium)")
 
-from test_report import write_docs  # noqa: E402  (the fixtures, in the shapes the commands write)
+from helpers_report import write_docs  # noqa: E402  (the fixtures, in the shapes the commands write)
 
 from qkit.report import SECTION_IDS, build_report, write_report  # noqa: E402
 

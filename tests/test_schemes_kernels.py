@@ -16,13 +16,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers_ggml import CASES, GOLDEN, NAME_OF, TYPES, edge_matrix
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import get_scheme, kernels, quantize_tensor
-from test_schemes_ggml import CASES, TYPES
-from test_schemes_kquants import GOLDEN, NAME_OF
 
 ALL = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q6_k", "mxfp4", "nvfp4")
 PROPS = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -69,22 +68,6 @@ def test_both_paths_equal_llama_cpp_recorded(case):
         for compiled in (True, False):
             got = encode(NAME_OF[type_name], torch.from_numpy(x), compiled=compiled).numpy().reshape(-1)
             assert np.array_equal(got, expected), (type_name, compiled)
-
-
-def edge_matrix(seed: int, scale_exp: int, zeros: float, kind: int, rows: int, blocks: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(rows, 256 * blocks, generator=gen)
-    if kind == 1:  # small integers and halves: rounding ties everywhere
-        w = torch.randint(-16, 17, w.shape, generator=gen).float() / 2
-    elif kind == 2:  # heavy tails
-        w = w / (torch.rand(w.shape, generator=gen) + 0.01)
-    elif kind == 3:  # +a and -a both the block's extreme (q4_0 / q5_0 / q6_k take the first)
-        w = torch.randint(-3, 4, w.shape, generator=gen).float()
-    w = w * torch.tensor(2.0**scale_exp)
-    mask = torch.rand(w.shape, generator=gen)
-    w[mask < zeros] = 0.0
-    w[mask < zeros / 2] = -0.0
-    return w
 
 
 @pytest.mark.parametrize("name", ALL)

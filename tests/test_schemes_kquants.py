@@ -9,15 +9,14 @@ qkit cache (the same script), the slow tests also compare fresh random and real-
 from __future__ import annotations
 
 import base64
-import json
 import math
-from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from conftest import benchmark_module
+from helpers_ggml import ALL_TYPES, GOLDEN, K_TYPES, NAME_OF
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,10 +27,6 @@ from qkit.schemes.recipes import Q4KMRecipe, use_more_bits
 from qkit.schemes.registry import scheme_from_dict
 
 T = gguf.GGMLQuantizationType
-K_TYPES = {"q4_k": T.Q4_K, "q6_k": T.Q6_K}
-ALL_TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1, **K_TYPES}
-NAME_OF = {t.name: n for n, t in ALL_TYPES.items()}
-GOLDEN = json.loads((Path(__file__).parent / "golden" / "kquants.json").read_text())
 PROPS = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -4,8 +4,8 @@
 Read :mod:`qkit.schemes.kernels` first (what the kernels compute, why they are exact) and
 :mod:`qkit.schemes.kquants` (the formulas and layouts). The sub-block searches run in the 64-lane
 searches of :mod:`qkit.schemes._kernels_lanes` (``make_qkx3_quants`` with weights, the weights filled
-here, eight super-blocks a tile; q6_k's ``make_qx_quants`` with ``qw`` is that module's ``run_qx``); the
-per-super-block rest of ``quantize_row_q{4,5}_K_impl`` (``make_qp_quants`` of
+here, eight super-blocks a tile; q6_k's ``make_qx_quants`` with ``qw`` is ``run_qx`` of
+:mod:`qkit.schemes._kernels_rows`); the per-super-block rest of ``quantize_row_q{4,5}_K_impl`` (``make_qp_quants`` of
 :mod:`qkit.schemes._kernels_search` on the eight scales and the eight minimums, the packing, the fp16
 ``d`` / ``dmin`` and the final codes) is scalar, as the C. Every constant is ``np.float32``, every sum
 sequential in the C order, no fast-math. ``d`` and ``dmin`` are rounded to fp16 here

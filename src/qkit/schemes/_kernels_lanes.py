@@ -1,8 +1,8 @@
 """llama.cpp's scale searches (``ggml-quants.c`` at ``qkit.schemes.kquants.LLAMA_CPP_COMMIT``) run across 64
 sub-blocks at once: the one implementation every compiled encoder uses (q2_k / q3_k in
-:mod:`qkit.schemes._kernels_low`, q4_k / q5_k / q6_k through :mod:`qkit.schemes.kernels` and
-:mod:`qkit.schemes._kernels_kquants`, the 32-element types with an importance matrix through
-:mod:`qkit.schemes.ggml_weighted`). Imported on first use: numba is heavy.
+:mod:`qkit.schemes._kernels_low`, q4_k / q5_k / q6_k through the row drivers of
+:mod:`qkit.schemes._kernels_rows` and :mod:`qkit.schemes._kernels_kquants`, the 32-element types with an
+importance matrix through :mod:`qkit.schemes.ggml_weighted`). Imported on first use: numba is heavy.
 
 The C searches one sub-block at a time, scalar (:mod:`qkit.schemes._kernels_search` ports it so). Here 64
 sub-blocks of ``n`` (16 or 32; or, for the second-level searches over a super-block's 16 scales, 64
@@ -21,7 +21,6 @@ nstep, use_mad, L, S)``                         ``make_qkx3_quants``            
 ``q3_lanes(X, n, nmax, L, S)``                  ``make_q3_quants(.., true)``     ``S[0]``, ``L = l + nmax``
 ``qx_lanes(X, Q, n, nmax, L, S)``               ``make_qx_quants(.., 1, qw)``    ``S[0]``, ``L = l + nmax``
 ``qp_lanes(X, Q, n, nmax, L, S)``               ``make_qp_quants``               ``S[0]``, ``L`` (uint8 wrap)
-``run_qx`` / ``run_qkx(x, w, first, mode, ..)``  the two over rows of ``[S, n]``  ``scale``, ``the_min``, ``L``
 ==============================================  ===============================  =============================
 
 ``X``, ``W``, ``Q`` fp32 ``[n * 64]`` (element-major), ``L`` int32 ``[n * 64]``, ``S`` the lane rows of
@@ -40,9 +39,9 @@ slx`` can be). The ``(uint8_t)`` codes of ``make_qp_quants`` wrap (``& 0xFF``) a
 wrapped, as the C reads its array.
 
 numba's on-disk cache keys a compiled function by its own source file only: the kernels of the modules
-above compile these functions into themselves, so after editing this module (or
-:mod:`qkit.schemes._kernels_search`) remove the ``__pycache__`` index files (``*.nbi`` / ``*.nbc``), or
-they keep the old code.
+above (and the row drivers of :mod:`qkit.schemes._kernels_rows`) compile these functions into themselves,
+so after editing this module (or :mod:`qkit.schemes._kernels_search`) remove the ``__pycache__`` index
+files (``*.nbi`` / ``*.nbc``), or they keep the old code.
 """
 from __future__ import annotations
 
@@ -412,92 +411,3 @@ def qp_lanes(X, Q, n, nmax, L, S):
     for k in range(LANES):
         scale[k] = (sumlx[k] / suml2[k] if suml2[k] > _F0 else _F0) if mx[k] >= _EPS else _F0
 
-
-# --------------------------------------------------------------------------- drivers over rows of [S, n]
-
-W_GIVEN, W_SQUARE, W_REF = 0, 1, 2  # the weights of run_qx / run_qkx: see _load_weights
-
-
-@_inline
-def _load_rows(x, s0, t, n, X):
-    """Rows ``s0..s0+t`` of ``x`` ``[S, n]`` into the element-major lanes ``X`` (lanes past ``t`` zero)."""
-    for k in range(LANES):
-        for i in range(n):
-            X[i * LANES + k] = x[s0 + k, i] if k < t else _F0
-
-
-@_inline
-def _load_weights(X, w, first, mode, s0, t, n, W, acc):
-    """The weights of the tile ``X`` into ``W``: ``W_GIVEN``, row ``(first + s) % P`` of ``w`` ``[P, n]`` for
-    sub-block ``s`` (0 past ``t``); ``W_SQUARE``, ``x*x`` (``make_qx_quants``' weights for ``qw == NULL``);
-    ``W_REF``, ``av_x + |x|`` with ``av_x = sqrtf(sum x*x / n)`` (``quantize_row_q4_K_ref`` /
-    ``quantize_row_q5_K_ref``). ``acc``: a scratch lane row."""
-    if mode == W_SQUARE:
-        for i in range(n * LANES):
-            W[i] = X[i] * X[i]
-    elif mode == W_REF:
-        for k in range(LANES):
-            acc[k] = _F0
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                acc[k] += X[b + k] * X[b + k]
-        for k in range(LANES):
-            acc[k] = np.sqrt(acc[k] / np.float32(n))
-        for i in range(n):
-            b = i * LANES
-            for k in range(LANES):
-                W[b + k] = acc[k] + abs(X[b + k])
-    else:
-        P = w.shape[0]
-        for k in range(LANES):
-            q = (first + s0 + k) % P
-            for i in range(n):
-                W[i * LANES + k] = w[q, i] if k < t else _F0
-
-
-@_inline
-def _store_codes(La, s0, t, n, L):
-    """The lanes' codes ``La`` back into rows ``s0..s0+t`` of ``L`` ``[S, n]`` (uint8)."""
-    for k in range(t):
-        for i in range(n):
-            L[s0 + k, i] = np.uint8(La[i * LANES + k])
-
-
-@_compiled
-def run_qx(x, w, first, mode, lo, hi, nmax, scale, L):
-    """``make_qx_quants(n, nmax, x, L, 1, qw)`` on rows ``lo..hi`` of ``x`` fp32 ``[S, n]`` (a sub-block a row),
-    the weights as :func:`_load_weights` (``w`` fp32 ``[P, n]``; any 2-D fp32 array for ``W_SQUARE``):
-    ``scale`` fp32 ``[S]``, ``L`` uint8 ``[S, n]`` the stored codes ``l + nmax`` (0 for an all-zero row)."""
-    n = x.shape[1]
-    X, W = np.zeros(n * LANES, np.float32), np.zeros(n * LANES, np.float32)
-    La = np.zeros(n * LANES, np.int32)
-    S = scratch()
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load_rows(x, s0, t, n, X)
-        _load_weights(X, w, first, mode, s0, t, n, W, S[17])
-        qx_lanes(X, W, n, nmax, La, S)
-        for k in range(t):
-            scale[s0 + k] = S[0][k]
-        _store_codes(La, s0, t, n, L)
-
-
-@_compiled
-def run_qkx(x, w, first, mode, lo, hi, nmax, rmin, rdelta, nstep, use_mad, scale, the_min, L):
-    """``make_qkx2_quants`` / ``make_qkx3_quants(n, nmax, x, weights, L, &the_min, Laux, rmin, rdelta, nstep,
-    use_mad)`` on rows ``lo..hi`` of ``x`` fp32 ``[S, n]``, the weights as :func:`_load_weights`:
-    ``scale``, ``the_min`` fp32 ``[S]``, ``L`` uint8 ``[S, n]``."""
-    n = x.shape[1]
-    X, W = np.zeros(n * LANES, np.float32), np.zeros(n * LANES, np.float32)
-    La = np.zeros(n * LANES, np.int32)
-    S = scratch()
-    for s0 in range(lo, hi, LANES):
-        t = min(LANES, hi - s0)
-        _load_rows(x, s0, t, n, X)
-        _load_weights(X, w, first, mode, s0, t, n, W, S[17])
-        qkx_lanes(X, W, n, nmax, rmin, rdelta, nstep, use_mad, La, S)
-        for k in range(t):
-            scale[s0 + k] = S[0][k]
-            the_min[s0 + k] = S[1][k]
-        _store_codes(La, s0, t, n, L)

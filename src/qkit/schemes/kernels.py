@@ -126,10 +126,10 @@ def _split(run, S: int, unit: int) -> None:  # noqa: ANN001
 
 
 def _lanes() -> ModuleType:
-    """The 64-lane scale searches and their row drivers (after :func:`_jit`, as :func:`_kq`)."""
-    from qkit.schemes import _kernels_lanes  # local: imports numba, as _jit
+    """The row drivers of the 64-lane scale searches (after :func:`_jit`, as :func:`_kq`)."""
+    from qkit.schemes import _kernels_rows  # local: imports numba, as _jit
 
-    return _kernels_lanes
+    return _kernels_rows
 
 
 _NO_WEIGHTS = np.zeros((1, 1), np.float32)  # the ``w`` argument of the drivers where they make the weights
@@ -137,7 +137,7 @@ _NO_WEIGHTS = np.zeros((1, 1), np.float32)  # the ``w`` argument of the drivers 
 
 def _qkx(x: torch.Tensor, w: torch.Tensor | None, first: int, nmax: int, rmin: float, rdelta: float, nstep: int,
          use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`qkit.schemes._kernels_lanes.run_qkx` on every row of ``x`` ``[S, n]``, split over the threads:
+    """:func:`qkit.schemes._kernels_rows.run_qkx` on every row of ``x`` ``[S, n]``, split over the threads:
     with ``w`` ``None`` the _ref paths' weights, else row ``(first + s) % P`` of ``w`` ``[P, n]``."""
     lanes = _lanes()
     S, n = x.shape
@@ -153,7 +153,7 @@ def _qkx(x: torch.Tensor, w: torch.Tensor | None, first: int, nmax: int, rmin: f
 
 
 def _qx(x: torch.Tensor, w: torch.Tensor | None, first: int, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`qkit.schemes._kernels_lanes.run_qx` on every row of ``x`` ``[S, n]``, split over the threads:
+    """:func:`qkit.schemes._kernels_rows.run_qx` on every row of ``x`` ``[S, n]``, split over the threads:
     with ``w`` ``None`` the weights ``x*x``, else row ``(first + s) % P`` of ``w`` ``[P, n]``."""
     lanes = _lanes()
     S, n = x.shape
