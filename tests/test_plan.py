@@ -181,6 +181,31 @@ def test_the_same_inputs_give_the_same_plan(wide_model, gguf_plan, tmp_path):
     assert again.plan.sha256() and read_plan(tmp_path / "p.json").schemes().keys() == again.plan.schemes().keys()
 
 
+def test_a_plan_measured_in_groups_under_max_memory_is_the_same_plan(wide_model, gguf_plan, tmp_path):
+    """``--max-memory`` at the least the plan can take (one tensor's Fisher at a time, a pass over the
+    calibration windows per group): the same tensors, types, bytes and predicted costs as the plan in one
+    group, and the summary says how it was measured."""
+    from qkit.models import resolve
+    from qkit.plan import planner
+
+    ref = resolve(str(wide_model))
+    least = planner.memory_plan(ref, PlanOptions(format="gguf", target_bits=4.6, max_memory=1 << 40, **FAST)).estimate.minimum
+    planner._TABLE.clear()
+    planner._FISHER.clear()
+    out = tmp_path / "grouped.json"
+    r = runner.invoke(app, ["plan", str(wide_model), "-o", str(out), "--format", "gguf", "--target-bits", "4.6",
+                            "--calibration-samples", "2", "--calibration-seqlen", "32", "--check-windows", "2",
+                            "--max-memory", str(least)])
+    assert r.exit_code == 0, r.output
+    assert "Fisher in" in r.output and "groups" in r.output
+    grouped, whole = json.loads(out.read_text()), json.loads(gguf_plan[1].read_text())
+    assert grouped["sensitivity"]["memory"]["groups"] > 1 == whole["sensitivity"]["memory"]["groups"]
+    assert grouped["tensors"] == whole["tensors"] and grouped["totals"] == whole["totals"]
+    assert grouped["check"]["measured_kl"] == whole["check"]["measured_kl"]
+    planner._TABLE.clear()
+    planner._FISHER.clear()
+
+
 def test_a_planned_row_is_the_plans_checkpoint(wide_model, gguf_plan, tmp_path):
     """plan:FILE as an eval row and the checkpoint quantize --plan writes, evaluated against the model: the same row."""
     from qkit.evaluation.runner import EvalOptions, evaluate

@@ -56,6 +56,7 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow custo
 # Eval runtimes and the engines' settings (qkit.evaluation.engines.EngineOptions holds the defaults).
 RuntimeOpt = Annotated[Optional[str], typer.Option("--runtime", help="Where rows are measured, comma-separated: torch (qkit's forward pass), vllm, llama.cpp (the engine loads the row's written file) [default: torch].", metavar="LIST")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="The torch runtime's model dtype: fp32, bf16, fp16; the reference is scored in it too [default: fp32].")]
+MaxMemoryOpt = Annotated[Optional[str], typer.Option("--max-memory", help="The most memory the command may peak at: 8GiB, 512MiB, 20G (binary), 1500MB; refused before the model loads when too small (default: the memory available, less a tenth).", metavar="SIZE")]
 TensorParallelOpt = Annotated[Optional[int], typer.Option("--tensor-parallel-size", help="vLLM: shard each layer over this many devices [default: 1].")]
 PipelineParallelOpt = Annotated[Optional[int], typer.Option("--pipeline-parallel-size", help="vLLM: split the layers over this many devices or nodes [default: 1].")]
 ExecutorBackendOpt = Annotated[Optional[str], typer.Option("--distributed-executor-backend", help="vLLM: mp (one node) or ray (several nodes) [default: vLLM's choice].")]

@@ -20,6 +20,10 @@ Steps (``make_plan``), each a function a script can call:
 The sensitivity table (steps 1-3) is kept for the last model, format, candidates and calibration
 (``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the Fisher is kept
 for the last model and calibration (``_FISHER``), so plans for another format or candidate set reuse it.
+
+Memory: the model, one group of targets' float32 Fisher and one window's backward pass at a time
+(``memory_plan``, ``qkit.plan.memory``); ``PlanOptions.max_memory`` (``--max-memory``) bounds it, and a
+budget too small even for one tensor's group is refused before the model loads.
 """
 
 from __future__ import annotations
@@ -31,23 +35,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_shapes
+from qkit.checkpoint import (
+    iter_tensors,
+    open_safetensors,
+    tensor_dtypes,
+    tensor_shapes,
+    weight_files,
+)
 from qkit.errors import InputError
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
-from qkit.models import ModelRef, load, load_tokenizer
+from qkit.models import ModelRef, load, load_tokenizer, read_config
 from qkit.plan.candidates import (
     KEEP,
     Candidate,
     candidates,
     check_format,
-    fused_groups,
     ladder,
     parse_allowed,
     stored_nbytes,
 )
-from qkit.plan.planfile import Plan, TensorChoice, fingerprint
-from qkit.plan.sensitivity import candidate_cost, fisher_diagonal, measured_kl
-from qkit.plan.solve import smallest, solve
+from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
+from qkit.plan.planfile import Plan, TensorChoice, base_type, fingerprint, lossless_types, upgrades  # the last three re-exported
+from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal, measured_kl
+from qkit.plan.solve import smallest, solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme, quantize_tensor
 from qkit.schemes.ggml import GGMLScheme, uses_importance
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
@@ -60,6 +70,9 @@ DEFAULT_SAMPLES = 8
 DEFAULT_SEQLEN = 512
 DEFAULT_CHECK_WINDOWS = 4
 ESTIMATOR = "fisher-diagonal"
+# The dtypes the model may be loaded in for the Fisher (--dtype); its diagonal is float32 whatever this is.
+LOAD_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_DTYPE = "fp32"
 
 
 @dataclass(frozen=True)
@@ -68,7 +81,10 @@ class PlanOptions:
     ``target_bits`` (bits per weight over the planned tensors) and ``target_size`` (their bytes);
     ``candidates`` the types allowed (default: the format's whole ladder); ``include``/``exclude``
     which tensors (``qkit.transform.Rules``); ``calibration`` the text, ``samples`` windows of
-    ``seqlen`` tokens chosen with ``seed``, ``check_windows`` of them measured for the check."""
+    ``seqlen`` tokens chosen with ``seed``, ``check_windows`` of them measured for the check; ``dtype``
+    the model is loaded in for the Fisher (fp32, bf16, fp16; the diagonal is float32 either way);
+    ``max_memory`` the bytes the plan may peak at (None: a default from the memory available), which
+    decides only how many groups the Fisher is measured in, never the plan."""
 
     format: str = "qkit"
     target_bits: float | None = None
@@ -83,9 +99,16 @@ class PlanOptions:
     seqlen: int = DEFAULT_SEQLEN
     seed: int = 0
     check_windows: int = DEFAULT_CHECK_WINDOWS
+    dtype: str = DEFAULT_DTYPE
+    max_memory: int | None = None
 
     def check(self) -> None:
         check_format(self.format)
+        if self.dtype not in LOAD_DTYPES:
+            raise InputError(f"--dtype {self.dtype!r}: the model is loaded in one of {', '.join(LOAD_DTYPES)}")
+        if self.max_memory is not None and not (isinstance(self.max_memory, int) and not isinstance(self.max_memory, bool)
+                                                and self.max_memory > 0):
+            raise InputError(f"--max-memory must be a positive number of bytes, got {self.max_memory!r}")
         if sum(t is not None for t in (self.target_bits, self.target_size, self.target_scheme)) != 1:
             raise InputError("give exactly one of --target-bits B (bits per weight) and --target-size SIZE (bytes, e.g. 100MB)")
         if self.target_bits is not None and not (isinstance(self.target_bits, (int, float)) and math.isfinite(self.target_bits)
@@ -124,6 +147,7 @@ class Table:
     model: object = field(repr=False, default=None)  # the loaded reference, for the check
     dtypes: dict = field(default_factory=dict)  # each planned tensor's source dtype
     seconds: dict = field(default_factory=dict)
+    memory: dict = field(default_factory=dict)  # the memory plan: budget, groups, estimated peak (MemoryPlan.to_dict)
 
     @property
     def weights(self) -> int:
@@ -131,7 +155,7 @@ class Table:
 
 
 _TABLE: dict[tuple, Table] = {}
-_FISHER: dict[tuple, tuple] = {}  # the last model's Fisher (with its model and calibration record): one entry
+_FISHER: dict[tuple, _Measured] = {}  # the last model's Fisher (with its model and calibration record): one entry
 
 
 def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int, ...]]:
@@ -170,6 +194,45 @@ def budget_bytes(options: PlanOptions, weights: int, shapes: Mapping[str, tuple[
     return int(math.floor(options.target_bits * weights / 8))
 
 
+def _fisher_key(ref: ModelRef, options: PlanOptions, targets: Mapping[str, tuple[int, ...]], device) -> tuple:
+    return (str(ref.directory), tuple(targets), options.calibration_options(), options.check_windows, str(device),
+            options.dtype)
+
+
+def memory_plan(ref: ModelRef, options: PlanOptions, device: torch.device | str | None = None) -> MemoryPlan:
+    """The plan's memory, from the headers and config alone (before the model loads): its estimated peak
+    (``qkit.plan.memory``) and the Fisher's groups for ``options.max_memory``, else for a default budget
+    from the memory available on ``device`` (None: the CPU). Refuses, in one line, a budget below what the
+    largest tensor's group alone needs. For a model already loaded by an earlier plan (same targets,
+    calibration, dtype, device) without ``max_memory``, the groups chosen then."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    targets = planned_targets(ref, options)
+    cached = _FISHER.get(_fisher_key(ref, options, targets, dev))
+    if cached is not None and options.max_memory is None:
+        return cached.memory
+    est = estimate(dict(tensor_shapes(ref.directory)), tensor_dtypes(ref.directory), read_config(ref.directory), targets,
+                   dtype=LOAD_DTYPES[options.dtype], seqlen=options.seqlen, check_windows=options.check_windows,
+                   on_cpu=dev.type == "cpu")
+    if options.max_memory is not None:
+        return plan_memory(est, options.max_memory, given=True, dtype=options.dtype)
+    budget, available = default_budget(dev)
+    if budget is None:  # nothing tells the memory available: one group, as if it all fits
+        return MemoryPlan(est.peak(list(est.fisher)), False, est, groups(est, est.peak(list(est.fisher))))
+    return plan_memory(est, budget, given=False, available=available, dtype=options.dtype)
+
+
+@dataclass
+class _Measured:
+    """The cached Fisher of the last model: its first pass (check windows, labels; the diagonal only when
+    one group held every target), the loaded model, the calibration record and ids, the memory plan."""
+
+    fisher: Fisher
+    model: object
+    provenance: dict
+    ids: torch.Tensor
+    memory: MemoryPlan
+
+
 def sensitivity_table(
     ref: ModelRef,
     options: PlanOptions,
@@ -180,50 +243,94 @@ def sensitivity_table(
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> Table:
     """Steps 1-3 of the module docstring (kept for the same inputs). ``quant_weights``: per tensor, the
-    importance weights llama.cpp's types quantize with (``--imatrix``), identified by ``imatrix_key``."""
+    importance weights llama.cpp's types quantize with (``--imatrix``), identified by ``imatrix_key``.
+
+    Memory (``memory_plan``): the targets are measured in groups whose float32 Fisher fits the budget. Per
+    group, one pass over the calibration windows (the labels sampled in the first pass, reused: every
+    target gets exactly the value one pass over all would give), then that group's candidates are costed
+    and its diagonal freed before the next. With one group (everything fits) the diagonal is kept for the
+    next format or candidate set of the same model; with several, such a plan measures again."""
     fmt = check_format(options.format)
     targets = planned_targets(ref, options)
     allowed = parse_allowed(fmt, options.candidates) if options.candidates else None
     key = (str(ref.directory), fmt, allowed, tuple(options.include), tuple(options.exclude), options.scale_dtype,
-           options.calibration_options(), options.check_windows, imatrix_key, str(device))
+           options.calibration_options(), options.check_windows, imatrix_key, str(device), options.dtype)
     if key in _TABLE:
         return _TABLE[key]
     opts = candidate_sets(ref, options)
     cal = options.calibration_options()
     say = on_step or (lambda *_: None)
-    fkey = (str(ref.directory), tuple(targets), cal, options.check_windows, str(device))
+    fkey = _fisher_key(ref, options, targets, device)
+    mem = memory_plan(ref, options, device)  # refused here, before the model loads, when nothing fits
     t0 = time.perf_counter()
-    if fkey in _FISHER:  # another format or candidate set of the same model: the Fisher does not depend on them
-        fisher, model, provenance = _FISHER[fkey]
-    else:
+    measured = _FISHER.get(fkey)
+    if measured is None:
         # the text (overlap with the eval text, too short) is refused before the model loads
         ids, provenance = calibration_ids(load_tokenizer(ref.directory), cal)
-        loaded = load(ref=ref, device=device)
+        _FISHER.clear()  # an earlier model is let go before this one loads: never two models at once
+        _TABLE.clear()
+        loaded = load(ref=ref, device=device, dtype=LOAD_DTYPES[options.dtype])
         check_fits(cal, loaded.model.config)
         model = loaded.model
-        fisher = fisher_diagonal(model, ids, list(targets), seed=options.seed, check_windows=options.check_windows,
-                                 on_window=lambda i, n: say("fisher", i, n))
-        _FISHER.clear()
-        _FISHER[fkey] = (fisher, model, provenance)
-    t1 = time.perf_counter()
-    names = list(targets)
-    by_name: dict[str, tuple[list[float], list[bool]]] = {}
+        del loaded
+        first = None
+    else:  # another format or candidate set of the same model: the Fisher does not depend on them
+        model, provenance, ids, first = measured.model, measured.provenance, measured.ids, measured.fisher
+    whole = first is not None and set(first.diag) == set(targets)
+    plan_groups = [list(targets)] if whole else mem.groups
+    n, passes = int(ids.shape[0]), len(plan_groups)
     weights = dict(quant_weights or {})
-    for name, w in iter_tensors(ref.directory, device=str(device)):
-        if name not in targets:
-            continue
-        costed = [candidate_cost(w, fisher.diag[name], c.scheme, name=name, quant_weights=_qw(weights, name, c))
-                  for c in opts[name]]
-        by_name[name] = ([c for c, _ in costed], [k for _, k in costed])
-        say("candidates", len(by_name), len(targets))
-    costs = [by_name[n][0] for n in names]
-    lossless = [by_name[n][1] for n in names]
-    table = Table(names, targets, [opts[n] for n in names], costs, lossless, provenance, fisher.positions, fisher,
-                  model, dtypes={n: d for n, d in tensor_dtypes(ref.directory).items() if n in targets},
-                  seconds={"fisher": round(t1 - t0, 3), "candidates": round(time.perf_counter() - t1, 3)})
-    _TABLE.clear()
+    by_name: dict[str, tuple[list[float], list[bool]]] = {}
+    t_fisher = 0.0
+    for k, group in enumerate(plan_groups):
+        t1 = time.perf_counter()
+        if whole:
+            fisher = first
+        else:
+            fisher = fisher_diagonal(model, ids, group, seed=options.seed,
+                                     check_windows=options.check_windows if first is None else 0,
+                                     labels=None if first is None else first.labels,
+                                     on_window=lambda i, _n, k=k: say("fisher", k * n + i, passes * n))
+            first = first or fisher
+        t_fisher += time.perf_counter() - t1
+        for name, w in _file_tensors(ref.directory, set(group), str(device), whole=passes == 1):
+            costed = [candidate_cost(w, fisher.diag[name], c.scheme, name=name, quant_weights=_qw(weights, name, c))
+                      for c in opts[name]]
+            by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
+            del w
+            say("candidates", len(by_name), len(targets))
+        if passes > 1:
+            fisher.diag.clear()  # this group's diagonal freed before the next group's is allocated
+    assert first is not None
+    if measured is None:
+        _FISHER[fkey] = _Measured(first, model, provenance, ids, mem)
+    names = list(targets)
+    table = Table(names, targets, [opts[n] for n in names], [by_name[n][0] for n in names],
+                  [by_name[n][1] for n in names], provenance, first.positions, first, model,
+                  dtypes={n: d for n, d in tensor_dtypes(ref.directory).items() if n in targets},
+                  seconds={"fisher": round(t_fisher, 3), "candidates": round(time.perf_counter() - t0 - t_fisher, 3)},
+                  memory={**mem.to_dict(), "groups": passes, "dtype": options.dtype})
     _TABLE[key] = table
     return table
+
+
+def _file_tensors(directory, names: set[str], device: str, *, whole: bool):
+    """``(name, tensor)`` of the file's tensors named ``names`` (what quantize reads: the source weights, not
+    the loaded model's), one at a time. ``whole`` (every target in one group): ``iter_tensors``' one
+    streaming pass over the file. Otherwise only the group's tensors are read, each by itself from its
+    shard (``open_safetensors``: a private mapping of that tensor, released when it is dropped), so that
+    a plan in many groups reads the checkpoint about once in all, not once per group."""
+    if whole:
+        yield from ((n, w) for n, w in iter_tensors(directory, device=device) if n in names)
+        return
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            keys = sorted(names.intersection(f.keys()))
+        for key in keys:
+            with open_safetensors(path) as f:
+                w = f.get_tensor(key)
+            yield key, (w if device == "cpu" else w.to(device))
+            del w
 
 
 def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candidate]]:
@@ -250,13 +357,17 @@ def check_budget(budget: int, options: Sequence[Sequence[Candidate]], weights: i
             f"tensors, {unquantized:,} bytes ({8 * unquantized / weights:.3f} bits/w): nothing needs quantizing")
 
 
-def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None) -> int:
-    """Everything about the budget that the headers decide, before any model work: returns the budget."""
+def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
+             device: torch.device | str | None = None) -> int:
+    """Everything the headers decide, before any model work: the byte budget against the smallest and the
+    unquantized mix, and the memory (``memory_plan`` on ``device``, None: the CPU; a ``--max-memory`` too
+    small for one tensor's group refused). Returns the byte budget."""
     sets = candidate_sets(ref, options)
     shapes = planned_targets(ref, options)
     weights = sum(math.prod(s) for s in shapes.values())
     budget = budget_bytes(options, weights, shapes, config, tensor_dtypes(ref.directory))
     check_budget(budget, tied_items(list(sets), list(sets.values()), options.format)[1], weights)
+    memory_plan(ref, options, device)
     return budget
 
 
@@ -280,30 +391,10 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
         f"the stored bytes of the {len(table.names)} planned tensors (codes, scales, minimums, as the format writes "
         "them); embeddings, norms and unplanned tensors are outside the budget")}
     sensitivity = {"estimator": ESTIMATOR, "calibration": table.calibration, "positions": table.positions,
-                   "seconds": table.seconds}
+                   "seconds": table.seconds, "dtype": table.memory.get("dtype", DEFAULT_DTYPE), "memory": table.memory}
     solver = {**sol.to_dict(), "items": len(groups), "tied": [[table.names[i] for i in g] for g in groups if len(g) > 1]}
     return Plan(model_spec, fingerprint(shapes_all.items()), check_format(options.format), method, target, tensors,
                 imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
-
-
-def tied_items(names: Sequence[str], options: Sequence[Sequence[Candidate]], format: str,
-               costs: Sequence[Sequence[float]] | None = None) -> tuple[list[list[int]], list[list[Candidate]], list[list[float]]]:
-    """The solver's items: each group of ``candidates.fused_groups`` (tensors that must share one type)
-    is one item whose options are the types every member offers, with the members' bytes and predicted
-    ``costs`` summed (so the knapsack over items is exact for the tied problem). Returns the groups
-    (indices into ``names``), each item's merged candidates (``scheme`` None) and their costs."""
-    groups = fused_groups(format, names)
-    items, merged = [], []
-    for g in groups:
-        by_name = [{c.name: k for k, c in enumerate(options[i])} for i in g]
-        common = [c.name for c in options[g[0]] if all(c.name in m for m in by_name)]
-        if not common:
-            raise InputError(f"{', '.join(names[i] for i in g)} must share one type (vLLM fuses them) but "
-                             "have no candidate in common; widen --candidates")
-        items.append([Candidate(n, None, sum(options[i][m[n]].nbytes for i, m in zip(g, by_name))) for n in common])
-        if costs is not None:
-            merged.append([sum(costs[i][m[n]] for i, m in zip(g, by_name)) for n in common])
-    return groups, items, merged
 
 
 def _qw(weights: Mapping[str, torch.Tensor], name: str, cand: Candidate) -> torch.Tensor | None:
@@ -372,39 +463,6 @@ def _restore(params: Mapping[str, torch.Tensor], names: Sequence[str], copies: M
             _TABLE.clear()
 
 
-def base_type(plan: Plan) -> str:
-    """The type that holds the most planned weights (the plan's "base")."""
-    weights: dict[str, int] = {}
-    for t in plan.tensors.values():
-        weights[t.type] = weights.get(t.type, 0) + math.prod(t.shape)
-    return max(sorted(weights), key=lambda k: weights[k])
-
-
-def lossless_types(plan: Plan) -> dict[str, int]:
-    """``{type: tensors}``: the planned types that reproduce their tensors' source weights exactly (predicted
-    KL 0: the source already lies on that type's grid, e.g. a model published in it), and how many planned
-    tensors each holds so; by count, most first (ties by name). Tensors kept unquantized are not counted."""
-    counts: dict[str, int] = {}
-    for t in plan.tensors.values():
-        if t.lossless and t.scheme is not None:
-            counts[t.type] = counts.get(t.type, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def upgrades(plan: Plan) -> list[dict]:
-    """Tensors stored in more bytes than the base type would take for them, with why: the predicted KL
-    the base type would cost them against what the chosen type costs, per extra byte."""
-    base = base_type(plan)
-    out = []
-    for name, t in sorted(plan.tensors.items()):
-        at_base = t.candidates.get(base)
-        if at_base is None or t.nbytes <= at_base[0]:
-            continue
-        out.append({"tensor": name, "type": t.type, "base": base, "extra_bytes": t.nbytes - at_base[0],
-                    "kl_at_base": at_base[1], "kl": t.predicted_kl,
-                    "kl_saved_per_mb": (at_base[1] - t.predicted_kl) / ((t.nbytes - at_base[0]) / 1e6)})
-    return out
-
-
-__all__ = ["DEFAULT_CHECK_WINDOWS", "DEFAULT_SAMPLES", "DEFAULT_SEQLEN", "ESTIMATOR", "PlanOptions", "Table", "base_type",
-           "budget_bytes", "check", "choose", "lossless_types", "planned_targets", "sensitivity_table", "upgrades"]
+__all__ = ["DEFAULT_CHECK_WINDOWS", "DEFAULT_DTYPE", "DEFAULT_SAMPLES", "DEFAULT_SEQLEN", "ESTIMATOR", "LOAD_DTYPES",
+           "PlanOptions", "Table", "base_type", "budget_bytes", "check", "choose", "default_budget", "lossless_types",
+           "memory_plan", "planned_targets", "precheck", "sensitivity_table", "upgrades"]

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from qkit.errors import InputError
+from qkit.plan.candidates import Candidate, fused_groups
 
 
 @dataclass(frozen=True)
@@ -272,3 +273,23 @@ def _repair(choice: list[int], kc: list[np.ndarray], ks: list[np.ndarray], budge
         _, i, m = best
         left -= int(ks[i][m] - ks[i][choice[i]])
         choice[i] = m
+
+
+def tied_items(names: Sequence[str], options: Sequence[Sequence[Candidate]], format: str,
+               costs: Sequence[Sequence[float]] | None = None) -> tuple[list[list[int]], list[list[Candidate]], list[list[float]]]:
+    """The solver's items: each group of ``candidates.fused_groups`` (tensors that must share one type)
+    is one item whose options are the types every member offers, with the members' bytes and predicted
+    ``costs`` summed (so the knapsack over items is exact for the tied problem). Returns the groups
+    (indices into ``names``), each item's merged candidates (``scheme`` None) and their costs."""
+    groups = fused_groups(format, names)
+    items, merged = [], []
+    for g in groups:
+        by_name = [{c.name: k for k, c in enumerate(options[i])} for i in g]
+        common = [c.name for c in options[g[0]] if all(c.name in m for m in by_name)]
+        if not common:
+            raise InputError(f"{', '.join(names[i] for i in g)} must share one type (vLLM fuses them) but "
+                             "have no candidate in common; widen --candidates")
+        items.append([Candidate(n, None, sum(options[i][m[n]].nbytes for i, m in zip(g, by_name))) for n in common])
+        if costs is not None:
+            merged.append([sum(costs[i][m[n]] for i, m in zip(g, by_name)) for n in common])
+    return groups, items, merged

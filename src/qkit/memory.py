@@ -1,0 +1,82 @@
+"""Memory sizes: the one parser of a size a user writes (``--max-memory 20GiB``), the memory this process
+may still take, and sizes printed back.
+
+Layer 1 (beside ``threads.py``, whose ``available_memory`` it uses): no torch, no model, no printing.
+
+Units, case-insensitive: ``B``; ``KB``/``MB``/``GB``/``TB`` are powers of 1000; ``KiB``/``MiB``/``GiB``/``TiB``
+powers of 1024; a bare ``K``/``M``/``G``/``T`` is a power of 1024, as ``docker --memory``, ``ulimit``
+and Slurm's ``--mem`` read it (memory is sold in binary units). A plain number is bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from qkit.errors import InputError
+from qkit.threads import available_memory
+
+GIB = 1 << 30
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
+}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str, what: str = "--max-memory") -> int:
+    """Bytes of a size written ``8GiB``, ``512MiB``, ``20G``, ``1.5GB``, ``100MB`` or ``1048576`` (see the
+    module's units); ``InputError`` naming ``what`` for anything else (a negative, zero, a fraction of a
+    byte, an unknown unit, an empty string)."""
+    m = _SIZE.fullmatch(text) if isinstance(text, str) else None
+    unit = m.group(2).upper() if m else ""
+    if not m or unit not in _UNITS:
+        raise InputError(f"{what} {text!r} is not a size; write e.g. 8GiB, 512MiB, 20G or 1500MB")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise InputError(f"{what} {text!r} is less than one byte; write e.g. 8GiB, 512MiB, 20G or 1500MB")
+    return n
+
+
+def gib(n: float) -> str:
+    """``n`` bytes as ``12.34 GiB`` (what every memory message prints)."""
+    return f"{n / GIB:.2f} GiB"
+
+
+def process_rss() -> int | None:
+    """This process's resident memory now (``VmRSS``), or None where it cannot be told."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # optional: macOS and other systems without /proc
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().memory_info().rss)
+
+
+def available_ram() -> int | None:
+    """Bytes of RAM this process can still take: psutil's ``available`` when psutil is installed, else
+    ``MemAvailable`` (``/proc/meminfo``); either capped by a cgroup v2 limit (``threads.available_memory``).
+    None where nothing can tell."""
+    found = []
+    try:  # optional: where /proc is missing it is the only source
+        import psutil
+
+        found.append(int(psutil.virtual_memory().available))
+    except ImportError:
+        pass
+    proc = available_memory()
+    if proc is not None:
+        found.append(proc)
+    return min(found) if found else None
+
+
+__all__ = ["GIB", "available_ram", "gib", "parse_size", "process_rss"]

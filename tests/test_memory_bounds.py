@@ -1,0 +1,296 @@
+"""``qkit plan`` in bounded memory: the size parser, the grouped Fisher against the all-at-once one (bit for
+bit), the plan unchanged by its memory budget, ``--max-memory`` refused before the model loads, and the
+plan's measured peak held below a bound computed from the model's shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import qkit.plan.memory as plan_memory_module
+import torch
+from conftest import make_tiny_llama
+from typer.testing import CliRunner
+
+from qkit.api import plan_model
+from qkit.cli import app
+from qkit.errors import InputError
+from qkit.memory import GIB, parse_size
+from qkit.models import resolve
+from qkit.plan import PlanOptions, planner
+from qkit.plan.memory import Estimate, groups, layer_order, plan_memory
+from qkit.plan.sensitivity import fisher_diagonal
+
+runner = CliRunner()
+FAST = dict(samples=2, seqlen=32, check_windows=2)
+CANDIDATES = ("q4_0", "q4_k", "q6_k", "q8_0", "none")
+
+
+# --------------------------------------------------------------------------- the size parser
+
+
+@pytest.mark.parametrize("text, value", [
+    ("8GiB", 8 * 2**30), ("512MiB", 512 * 2**20), ("20G", 20 * 2**30), ("20g", 20 * 2**30), ("1.5GB", 1_500_000_000),
+    ("100MB", 100_000_000), ("1048576", 1_048_576), (" 2 gib ", 2 * 2**30), ("1k", 1024), ("64KiB", 65536),
+    ("3kb", 3000), ("1T", 2**40), ("2TB", 2 * 10**12), (".5GiB", 2**29), ("7B", 7), ("1.", 1),
+])
+def test_sizes_parse_to_golden_bytes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "abc", "-1G", "0", "0GiB", "0.1B", "1.2.3G", "10 XB", "1e9", "5 G B", "1,000MB"])
+def test_bad_sizes_are_refused_naming_the_option(text):
+    with pytest.raises(InputError, match="--max-memory"):
+        parse_size(text, "--max-memory")
+
+
+def test_a_bad_max_memory_is_one_line_on_the_command_line(tiny_model_dir, tmp_path):
+    r = runner.invoke(app, ["plan", str(tiny_model_dir), "-o", str(tmp_path / "p.json"), "--target-bits", "5",
+                            "--max-memory", "lots"])
+    assert r.exit_code == 2 and "--max-memory 'lots' is not a size" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) <= 3, r.output
+
+
+# --------------------------------------------------------------------------- the grouped Fisher
+
+
+def _llama(layers: int = 3, dtype: torch.dtype = torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_fisher_is_the_all_at_once_fisher_bit_for_bit(dtype):
+    """Groups of targets measured one pass each, the labels of the first pass given to the others, in any
+    order (here the last layers first): every target's diagonal equal to the one pass over all, bit for
+    bit, and float32 for a bf16 model. The first pass samples the labels the single pass samples."""
+    m = _llama(dtype=dtype)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    targets = [n for n, p in m.named_parameters() if p.ndim == 2 and ".layers." in n]
+    whole = fisher_diagonal(m, ids, targets, seed=3, check_windows=2)
+    parts = [targets[i:i + 4] for i in range(0, len(targets), 4)][::-1]
+    first = None
+    for part in parts:
+        f = fisher_diagonal(m, ids, part, seed=3, check_windows=2 if first is None else 0,
+                            labels=None if first is None else first.labels)
+        first = first or f
+        assert set(f.diag) == set(part)
+        for t in part:
+            assert f.diag[t].dtype == torch.float32
+            assert torch.equal(f.diag[t], whole.diag[t]), t
+    assert torch.equal(first.labels, whole.labels) and first.labels.shape == ids.shape
+    assert all(torch.equal(a, b) for a, b in zip(first.reference, whole.reference))
+    assert all(p.requires_grad and p.grad is None for p in m.parameters())
+
+
+def test_labels_of_another_shape_are_a_callers_bug():
+    m = _llama(layers=1)
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(ValueError, match="labels of shape"):
+        fisher_diagonal(m, ids, ["model.layers.0.mlp.up_proj.weight"], labels=torch.zeros(2, 7, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------- the estimate and its groups
+
+
+def _estimate(fisher: dict[str, int], **kw) -> Estimate:
+    parts = dict(baseline=100, weights=1000, reference=10, load=50, backward=200, gradient=20, candidates=150)
+    return Estimate(**{**parts, **kw}, fisher=fisher)
+
+
+def test_groups_pack_in_layer_order_within_the_budget():
+    fisher = {f"model.layers.{i}.mlp.{k}.weight": 40 for i in (10, 2, 1) for k in ("up_proj", "down_proj")}
+    est = _estimate(fisher)
+    assert est.fixed == 1110 and est.transient == 275 and est.minimum == 1425  # 1.25 x (backward + gradient)
+    assert groups(est, 10**9) == [sorted(fisher, key=layer_order)]  # everything fits: one group
+    g = groups(est, est.fixed + est.transient + 80)  # two tensors' diagonals at a time
+    assert [len(x) for x in g] == [2, 2, 2]
+    assert [n.split(".")[2] for x in g for n in x] == ["1", "1", "2", "2", "10", "10"]
+    assert all(est.peak(x) <= est.fixed + est.transient + 80 for x in g)
+    assert [len(x) for x in groups(est, est.minimum)] == [1] * 6
+    with pytest.raises(InputError, match=r"--max-memory .* is below the .* this plan needs with one tensor's Fisher"):
+        plan_memory(est, est.minimum - 1, given=True)
+    with pytest.raises(InputError, match="only .* is available"):
+        plan_memory(est, est.minimum - 1, given=False, available=5)
+    assert len(plan_memory(est, est.minimum, given=True).groups) == 6
+
+
+def test_the_estimate_is_read_from_the_headers_and_config(tiny_model_dir):
+    """Hand-computed terms for the tiny model (2 layers, hidden 64, intermediate 160, kv 32, vocab 304)."""
+    ref = resolve(str(tiny_model_dir))
+    opts = PlanOptions(format="gguf", target_bits=5.0, samples=2, seqlen=32, check_windows=1, max_memory=GIB)
+    m = planner.memory_plan(ref, opts)
+    e = m.estimate
+    assert len(m.groups) == 1 and m.given and m.budget == GIB
+    assert e.fisher["model.layers.0.mlp.up_proj.weight"] == 4 * 160 * 64
+    assert sum(e.fisher.values()) == 4 * 2 * (64 * 64 * 2 + 32 * 64 * 2 + 160 * 64 * 3)
+    params = 304 * 64 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 160 * 64 * 3 + 2 * 64) + 64
+    assert e.weights == 4 * params  # tied: the file holds the embedding once, as the model does
+    assert e.reference == 4 * 1 * 32 * 304
+    assert e.backward == 2 * 32 * (16 * 64 + 2 * 32 + 5 * 160) * 4 + 2 * 4 * 32 * 32 * 4 + 32 * 304 * (4 + 14)
+    assert e.candidates == 5 * 4 * 160 * 64 and e.gradient == 2 * 4 * 160 * 64
+    bf16 = planner.memory_plan(ref, PlanOptions(format="gguf", target_bits=5.0, dtype="bf16", max_memory=GIB, **FAST))
+    assert bf16.estimate.weights == e.weights // 2 and bf16.estimate.fisher == e.fisher  # the Fisher stays float32
+
+
+# --------------------------------------------------------------------------- the plan, whatever the budget
+
+
+@pytest.fixture(scope="module")
+def model4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("m4")
+    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
+    return d
+
+
+def _doc(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    doc["sensitivity"].pop("seconds")
+    doc["sensitivity"].pop("memory")
+    doc["check"].pop("seconds")
+    doc["solver"].pop("seconds")
+    return doc
+
+
+def _fresh():
+    planner._TABLE.clear()
+    planner._FISHER.clear()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_plan_is_the_same_with_a_tiny_budget_and_without(model4, tmp_path, dtype):
+    """The budget decides how many groups the Fisher is measured in, never the plan: with the smallest
+    budget (every tensor its own group, a pass each) the plan JSON is the one of a single group, bit for bit
+    (every predicted cost, the check's measured KL), beside the seconds and the memory record."""
+    ref = resolve(str(model4))
+    opts = PlanOptions(format="gguf", target_bits=4.6, dtype=dtype, candidates=CANDIDATES, **FAST)
+    minimum = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=GIB)).estimate.minimum
+    _fresh()
+    one = plan_model(str(model4), options=dataclasses.replace(opts, max_memory=64 * GIB), output=tmp_path / "one.json")
+    _fresh()
+    many = plan_model(str(model4), options=dataclasses.replace(opts, max_memory=minimum), output=tmp_path / "many.json")
+    assert one.plan.sensitivity["memory"]["groups"] == 1
+    groups_of_minimum = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=minimum)).groups
+    assert many.plan.sensitivity["memory"]["groups"] == len(groups_of_minimum) >= len(many.plan.tensors) // 2 == 7
+    assert many.plan.sensitivity["dtype"] == dtype and many.plan.sensitivity["memory"]["budget_bytes"] == minimum
+    assert _doc(tmp_path / "one.json") == _doc(tmp_path / "many.json")
+    # the cached grouped measurement (no diagonal kept) serves another format: measured again, the same costs
+    other = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit", max_memory=minimum))
+    _fresh()
+    again = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit"))
+    assert {n: t.candidates for n, t in other.plan.tensors.items()} == {n: t.candidates for n, t in again.plan.tensors.items()}
+    _fresh()
+
+
+def test_the_bf16_plan_loads_the_model_in_bf16(model4):
+    _fresh()
+    plan_model(str(model4), options=PlanOptions(format="gguf", target_bits=4.6, dtype="bf16", candidates=CANDIDATES, **FAST))
+    (table,) = planner._TABLE.values()
+    assert {p.dtype for p in table.model.parameters()} == {torch.bfloat16}
+    _fresh()
+
+
+# --------------------------------------------------------------------------- refused before the model loads
+
+
+@pytest.mark.parametrize("extra", [[], ["--method", "imatrix"]])
+def test_a_max_memory_too_small_is_refused_in_one_line_before_the_model_loads(model4, tmp_path, monkeypatch, extra):
+    def tripwire(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(planner, "load", tripwire)
+    monkeypatch.setattr(planner, "load_tokenizer", tripwire)
+    monkeypatch.setattr("qkit.api.matrix_for", tripwire)  # --method imatrix loads the model to collect its matrix
+    _fresh()
+    out = tmp_path / "p.json"
+    r = runner.invoke(app, ["plan", str(model4), "-o", str(out), "--format", "gguf", "--target-bits", "4.6",
+                            "--calibration-samples", "2", "--calibration-seqlen", "32", "--check-windows", "1",
+                            "--max-memory", "100MiB", *extra])
+    assert r.exit_code == 2, r.output
+    assert "--max-memory 0.10 GiB is below the" in r.output and "Traceback" not in r.output
+    assert len(r.output.strip().splitlines()) <= 3, r.output
+    assert not out.exists()
+
+
+def test_without_max_memory_too_little_available_memory_is_refused(model4, tmp_path, monkeypatch):
+    monkeypatch.setattr(plan_memory_module, "available_ram", lambda: 1 << 20)
+    monkeypatch.setattr(plan_memory_module, "process_rss", lambda: 1 << 20)
+    monkeypatch.setattr(planner, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    _fresh()
+    with pytest.raises(InputError, match=r"only 0.00 GiB is available; .*--max-memory SIZE overrides"):
+        plan_model(str(model4), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=tmp_path / "p.json")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_plan_options_refuse_a_bad_dtype_and_memory():
+    for kw, message in ((dict(dtype="int8"), "--dtype 'int8'"), (dict(max_memory=0), "--max-memory must be"),
+                        (dict(max_memory=1.5), "--max-memory must be"), (dict(max_memory=True), "--max-memory must be")):
+        with pytest.raises(InputError, match=message):
+            PlanOptions(format="gguf", target_bits=4.0, **kw).check()
+
+
+# --------------------------------------------------------------------------- the measured peak
+
+
+# ``python -c PEAK MODULE ARGS...``: the module run as ``python -m`` would, then its own peak resident memory
+# (VmHWM) printed last. Not wait4's ru_maxrss: Linux carries the parent's peak (this pytest process's) into
+# a child across fork and exec.
+PEAK = """
+import atexit, runpy, sys
+def hwm():
+    with open("/proc/self/status") as fh:
+        print("VmHWM", [int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:")][0], flush=True)
+atexit.register(hwm)
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
+
+def _peak_rss(module_args: list[str]) -> int:
+    """Peak RSS of ``python -m MODULE ARGS`` in a child of its own."""
+    r = subprocess.run([sys.executable, "-c", PEAK, *module_args], capture_output=True, text=True, check=False,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    return int(r.stdout.split("VmHWM")[-1].split()[0])
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """Weights large enough to be seen over the baseline: 4 layers of 1024 x 2816, 0.18 GiB in fp32."""
+    d = tmp_path_factory.mktemp("big")
+    make_tiny_llama(d, hidden=1024, intermediate=2816, layers=4)
+    return d
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc")
+def test_the_plans_peak_is_held_below_its_budget_and_the_bound_from_its_shapes(big, tmp_path):
+    """The plan in a child, with a ``--max-memory`` that leaves a quarter of the Fisher: its measured peak
+    RSS within that budget and within the estimate computed from the shapes for the groups it chose
+    (weights, the largest group's Fisher, one step's working set, the baseline); and below the same plan's
+    peak in one group by most of the Fisher it no longer holds at once."""
+    ref = resolve(str(big))
+    args = ["--format", "gguf", "--target-bits", "4.5", "--calibration-samples", "2", "--calibration-seqlen", "64",
+            "--check-windows", "1", "--candidates", "q4_0,q8_0,none", "--threads", "1"]
+    opts = PlanOptions(format="gguf", target_bits=4.5, samples=2, seqlen=64, check_windows=1, max_memory=64 * GIB)
+    est = planner.memory_plan(ref, opts).estimate
+    fisher_all = sum(est.fisher.values())
+    budget = est.fixed + est.transient + fisher_all // 4
+    grouped = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=budget))
+    assert len(grouped.groups) >= 4
+    largest_group = max(sum(est.fisher[t] for t in g) for g in grouped.groups)
+    bound = est.baseline + est.weights + est.reference + est.transient + largest_group  # from the shapes alone
+    peak = _peak_rss(["qkit", "plan", str(big), "-o", str(tmp_path / "p.json"), *args, "--max-memory", str(budget)])
+    assert json.loads((tmp_path / "p.json").read_text())["sensitivity"]["memory"]["groups"] == len(grouped.groups)
+    assert peak <= bound <= budget, (peak / GIB, bound / GIB, budget / GIB)
+    whole = _peak_rss(["qkit", "plan", str(big), "-o", str(tmp_path / "q.json"), *args, "--max-memory", "64GiB"])
+    assert json.loads((tmp_path / "q.json").read_text())["sensitivity"]["memory"]["groups"] == 1
+    assert peak + (fisher_all - largest_group) // 2 < whole, (peak / GIB, whole / GIB)
