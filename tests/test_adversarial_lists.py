@@ -248,7 +248,7 @@ def test_the_note_names_the_default_models_history_only_for_it():
     from qkit.cli.plan import lossless_note
     from qkit.models import DEFAULT_MODEL_NAME
     from qkit.plan import Plan, TensorChoice
-    from qkit.plan.planner import lossless_types
+    from qkit.plan.planfile import lossless_types
     from qkit.schemes import get_scheme
 
     def plan(model):
@@ -271,11 +271,12 @@ def test_the_note_names_the_default_models_history_only_for_it():
 
 
 def test_eval_notes_mention_q4_1_only_for_the_default_model():
-    from qkit.evaluation.notes import interpret
-    from test_eval_specs import _row
+    from helpers_eval import make_row
 
-    ref = _row("reference", 17.0, 0.0, 0.0, None, matrices=0)
-    rows = [ref, _row("q4_k", 17.0, 0.0, 0.0, 0), _row("q5_1", 17.1, 0.3, 0.1, 4, matrices=14)]
+    from qkit.evaluation.notes import interpret
+
+    ref = make_row("reference", 17.0, 0.0, 0.0, None, matrices=0)
+    rows = [ref, make_row("q4_k", 17.0, 0.0, 0.0, 0), make_row("q5_1", 17.1, 0.3, 0.1, 4, matrices=14)]
     other, default = interpret(rows), interpret(rows, default_model=True)
     assert any(n.startswith("q4_k reproduces the reference's weights bit for bit: they already lie on q4_k's grid")
                for n in other)

@@ -59,6 +59,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 def no_work(monkeypatch):
     """Fail the test if the model is resolved: every output refusal comes before any work."""
     tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
+    tripwire(monkeypatch, "qkit.models.inputs.resolve", "the model was resolved")
 
 
 # --------------------------------------------------------------------------- the source is never destroyed
@@ -276,6 +277,7 @@ def test_a_bad_json_target_is_refused_before_any_work(src, side_inputs, tmp_path
     argv, holder = _commands(src, *side_inputs, tmp_path / "q-out")[command]
     monkeypatch.setattr("qkit.models.resolve", _tripwire)
     monkeypatch.setattr("qkit.api.resolve", _tripwire)
+    monkeypatch.setattr("qkit.models.inputs.resolve", _tripwire)
     old = tmp_path / "old.json"
     old.write_text('{"kept": true}\n')
     blob = tmp_path / "weights.bin"
@@ -338,12 +340,10 @@ def test_a_failed_json_write_removes_its_temporary_file(tmp_path, monkeypatch):
     assert not (tmp_path / "deep").exists()  # the parent it created is gone too
 
 
-def test_json_force_replaces_a_json_file_and_a_killed_writers_file_is_cleaned(tmp_path):
-    from test_checkpoint_recovery import dead_pid
-
+def test_json_force_replaces_a_json_file_and_a_killed_writers_file_is_cleaned(tmp_path, dead_pid):
     target = tmp_path / "r.json"
     target.write_text('{"old": true}\n')
-    stale = tmp_path / f".r.json{staging.TMP_MARK}{dead_pid()}-0123abcd"  # what a SIGKILLed write leaves
+    stale = tmp_path / f".r.json{staging.TMP_MARK}{dead_pid}-0123abcd"  # what a SIGKILLed write leaves
     stale.write_text('{"half')
     live = tmp_path / f".r.json{staging.TMP_MARK}{os.getpid()}-89abcdef"  # a live writer's: kept
     live.write_text("{")

@@ -176,6 +176,7 @@ def _plan_file(tmp_path: Path, plan_doc: dict, change) -> Path:
 def test_a_hostile_plan_file_is_refused_before_the_model_is_resolved(tiny, plan_doc, tmp_path, monkeypatch, case, change, needle):
     f = _plan_file(tmp_path, plan_doc, change)
     tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
+    tripwire(monkeypatch, "qkit.models.inputs.resolve", "the model was resolved")
     with Unchanged(inputs=[tiny, f], dirs=[tmp_path]):
         line = assert_refused(invoke("quantize", tiny, "--plan", f, "--format", "gguf", "-o", tmp_path / "q.gguf"), "--plan", needle)
     assert "\x1b" not in line
@@ -387,6 +388,7 @@ def _imatrix_inputs(matrix, tmp_path, build) -> tuple[Path, Path]:
 def test_a_hostile_imatrix_is_refused_before_the_model_is_resolved(tiny, matrix, tmp_path, monkeypatch, case, build, needle):
     src, f = _imatrix_inputs(matrix, tmp_path, build)
     tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
+    tripwire(monkeypatch, "qkit.models.inputs.resolve", "the model was resolved")
     with Unchanged(inputs=[tiny, src], dirs=[tmp_path, src]):
         assert_refused(invoke("quantize", tiny, "-s", "q4_0", "--imatrix", f, "-o", tmp_path / "q"), "--imatrix", needle)
         assert_refused(invoke("plan", tiny, "--imatrix", f, "--format", "gguf", "--target-bits", "6", "-o", tmp_path / "p.json",
@@ -455,7 +457,7 @@ def _taint(x, payload: str, key: str | None = None):
 
 def _report_docs():
     pytest.importorskip("matplotlib", reason="qkit report needs the report extra (matplotlib)")
-    from test_report import make_docs
+    from helpers_report import make_docs
 
     return make_docs()
 

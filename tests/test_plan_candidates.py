@@ -24,7 +24,7 @@ from qkit.export import compressed_tensors
 from qkit.export.gguf import types as gguf_types
 from qkit.plan.candidates import (
     KEEP,
-    PLAN_FORMATS,
+    plan_formats,
     Candidate,
     candidates,
     check_format,
@@ -59,7 +59,7 @@ BY_HAND = {
 }
 
 
-@pytest.mark.parametrize("fmt", PLAN_FORMATS)
+@pytest.mark.parametrize("fmt", plan_formats())
 @pytest.mark.parametrize("shape", DEFAULT_SHAPES)
 def test_default_model_candidate_names(fmt, shape):
     got = candidates(fmt, shape, F32)
@@ -133,7 +133,7 @@ def test_nbytes_equal_schemes_own_count(fmt, shape):
 
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(rows=st.integers(1, 300), cols=st.one_of(st.integers(1, 1200), st.integers(1, 40).map(lambda k: 16 * k)),
-       fmt=st.sampled_from(PLAN_FORMATS),
+       fmt=st.sampled_from(plan_formats()),
        dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
 def test_native_only_property(rows, cols, fmt, dtype):
     """Only native fits: every candidate's ``resolve`` is itself and its blocks / groups divide the width;
@@ -197,8 +197,8 @@ def test_nothing_allowed_fits():
 def test_bitsandbytes_refused(word):
     with pytest.raises(InputError) as exc:
         check_format(word)
-    assert _one_line(exc) == ("--format bitsandbytes stores one type (nf4) and cannot mix types; "
-                              "plan for gguf, compressed-tensors or qkit")
+    assert _one_line(exc) == ("--format bitsandbytes stores one type (nf4: transformers) and cannot mix types; "
+                              "plan for qkit, compressed-tensors, gguf")
 
 
 def test_formats():
@@ -207,7 +207,7 @@ def test_formats():
     with pytest.raises(InputError) as exc:
         candidates("ggfu", O, F32)
     msg = _one_line(exc)
-    assert "'ggfu'" in msg and "did you mean gguf?" in msg and "gguf, compressed-tensors, qkit" in msg
+    assert "'ggfu'" in msg and "did you mean gguf?" in msg and "qkit, compressed-tensors, gguf" in msg
 
 
 @pytest.mark.parametrize(("fmt", "word", "expect"), [
@@ -317,7 +317,7 @@ PARTS = {  # what each kind of candidate stores per module, by format
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", PLAN_FORMATS)
+@pytest.mark.parametrize("fmt", plan_formats())
 def test_candidate_bytes_equal_written_files(fmt, mixed_model, tmp_path):
     """THE check: every candidate of every format, on every tensor whose shape takes it, mixed with the other
     candidates in one checkpoint, stores exactly ``Candidate.nbytes`` bytes in the file ``quantize_model`` writes."""

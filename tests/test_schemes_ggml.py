@@ -16,16 +16,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers_ggml import CASES, TYPES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import get_scheme, quantize_tensor, scheme_names
-from qkit.schemes.ggml import HALF_BELOW, round_half_away
+from qkit.schemes.ggml_blocks import HALF_BELOW, round_half_away
 from qkit.schemes.registry import scheme_from_dict
 
-T = gguf.GGMLQuantizationType
-TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q5_0": T.Q5_0, "q5_1": T.Q5_1}
 BPW = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0}
 PROPS = settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
@@ -41,39 +40,6 @@ def gguf_bytes(name: str, x: np.ndarray) -> np.ndarray:
 def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal as bit patterns (tells -0.0 from 0.0)."""
     return a.shape == b.shape and bool((a.view(np.uint32) == b.view(np.uint32)).all())
-
-
-def cases() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(0)
-    f = np.float32
-    heavy = rng.standard_normal((16, 256)) / (rng.random((16, 256)) + 0.01)
-    ints = rng.integers(-8, 9, (16, 256)).astype(f)
-    halves = (rng.integers(-40, 41, (16, 256)) / 2).astype(f)
-    # Ties: a block whose extreme fixes d = 1 (q8_0: 127; q4_0: -8; q5_0: -16) and whose other values
-    # are exactly on the rounding boundaries x/d + offset = k + 1/2 or on integers.
-    tie = np.tile((np.arange(32) - 15.5).astype(f), (4, 1))
-    tie[0, 0], tie[1, 0], tie[2, 0], tie[3, 0] = 127, -8, -16, 31
-    return {
-        "normal": rng.standard_normal((32, 512)).astype(f),
-        "weight_like": (rng.standard_normal((32, 576)) * 0.02).astype(f),
-        "heavy_tailed": heavy.astype(f),
-        "small_integers": ints,
-        "halves": halves,
-        "ties": tie,
-        "positive": rng.random((8, 256)).astype(f),
-        "constant_rows": np.repeat(np.array([[3.0], [-2.5], [1e-3], [0.0]], f), 64, axis=1),
-        "all_zero": np.zeros((4, 256), f),
-        "sparse": np.where(rng.random((16, 256)) < 0.7, 0.0, rng.standard_normal((16, 256))).astype(f),
-        "large": (rng.standard_normal((8, 256)) * 4e3).astype(f),
-        "tiny_normal": (rng.standard_normal((8, 256)) * 1e-30).astype(f),
-        # subnormal weights (fp16 scales underflow to 0): the gguf package and C agree on these
-        "subnormal_2e-130": (rng.standard_normal((8, 256)) * 2.0**-130).astype(f),
-        "subnormal_2e-145": (rng.standard_normal((8, 256)) * 2.0**-145).astype(f),
-        "subnormal_ulps": (rng.integers(-3, 4, (8, 256)) * 2.0**-149).astype(f),
-    }
-
-
-CASES = cases()
 
 
 @pytest.mark.parametrize("name", list(TYPES))

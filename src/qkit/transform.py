@@ -15,7 +15,7 @@ import torch
 
 from qkit.errors import CheckpointError, InputError, SchemeError
 from qkit.lists import check_words, empty, shown
-from qkit.schemes import QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
+from qkit.schemes import GGMLScheme, QuantizedTensor, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import scheme_from_dict
 from qkit.version import __version__
 
@@ -201,7 +201,7 @@ def ggml_scheme(type_name: str, what: str) -> Scheme:
         scheme = get_scheme(word)
     except SchemeError:
         scheme = None
-    if scheme is None or scheme.kind != "ggml" or isinstance(scheme, Recipe):
+    if not isinstance(scheme, GGMLScheme):  # None, another family, or a recipe (a mix, not one type)
         raise InputError(f"{what}: {type_name!r} is not a ggml block type qkit writes (q8_0, q4_0, q4_1, q5_0, q5_1, "
                          "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs)")
     return scheme

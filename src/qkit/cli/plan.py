@@ -13,13 +13,14 @@ from qkit.cli.common import (
     DeviceOpt,
     ForceOpt,
     JsonOpt,
+    MaxMemoryOpt,
     ModelArg,
     PickleOpt,
     ScaleDtypeOpt,
     ThreadsOpt,
     TrustOpt,
-    handles_errors,
     check_words,
+    handles_errors,
     human_bytes,
     parse_list,
     parse_size,
@@ -28,21 +29,25 @@ from qkit.cli.common import (
 )
 from qkit.errors import InputError
 from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
+from qkit.memory import gib
+from qkit.memory import parse_size as parse_memory
 from qkit.methods import RTN
 from qkit.models import DEFAULT_MODEL_NAME
 from qkit.outputs import check_output
 from qkit.plan import (
-    PLAN_FORMATS,
     Plan,
     PlanOptions,
     base_type,
     is_plan_file,
+    plan_formats,
     upgrades,
 )
 from qkit.plan.planner import (
     DEFAULT_CHECK_WINDOWS,
+    DEFAULT_DTYPE,
     DEFAULT_SAMPLES,
     DEFAULT_SEQLEN,
+    LOAD_DTYPES,
     lossless_types,
 )
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
@@ -51,7 +56,7 @@ from qkit.threads import check_threads
 PlanOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="The plan to write (JSON): per tensor its type, exact bytes and predicted KL.", metavar="PLAN.json")]
 TargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Budget in bits per weight over the planned tensors (the block projections), scales included.", metavar="B")]
 TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget in bytes of the planned tensors: 105454208, 100MB, 1GiB.", metavar="SIZE")]
-PlanFormatOpt = Annotated[str, typer.Option("--format", help=f"What the plan is written as, which decides its candidates and byte counts: {', '.join(PLAN_FORMATS)}.")]
+PlanFormatOpt = Annotated[str, typer.Option("--format", help=f"What the plan is written as, which decides its candidates and byte counts: {', '.join(plan_formats())}.")]
 CandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="Only these types (comma-separated; default: the format's whole ladder; 'none' keeps a tensor unquantized).", metavar="LIST")]
 PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn, or imatrix (collect the importance matrix and measure llama.cpp's types through their weighted searches).")]
 PlanImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix file (qkit imatrix, llama-imatrix) that llama.cpp's types are measured and written with.", metavar="FILE")]
@@ -61,6 +66,7 @@ SeqlenOpt = Annotated[int, typer.Option("--calibration-seqlen", help="Tokens per
 CheckOpt = Annotated[int, typer.Option("--check-windows", help="Calibration windows the chosen mix's KL is measured on, beside the prediction.", metavar="N")]
 IncludePlanOpt = Annotated[list[str], typer.Option("--include", help="Also plan tensors matching this glob (repeatable).")]
 ExcludePlanOpt = Annotated[list[str], typer.Option("--exclude", help="Never plan (nor quantize) tensors matching this glob (repeatable).")]
+PlanDtypeOpt = Annotated[str, typer.Option("--dtype", help=f"The dtype the model is loaded in for the Fisher ({', '.join(LOAD_DTYPES)}; bf16 halves the model's memory; the Fisher is float32 either way).")]
 
 
 @handles_errors
@@ -80,6 +86,8 @@ def plan(
     calibration_samples: SamplesOpt = DEFAULT_SAMPLES,
     calibration_seqlen: SeqlenOpt = DEFAULT_SEQLEN,
     check_windows: CheckOpt = DEFAULT_CHECK_WINDOWS,
+    dtype: PlanDtypeOpt = DEFAULT_DTYPE,
+    max_memory: MaxMemoryOpt = None,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,
     device: DeviceOpt = None,
     force: ForceOpt = False,
@@ -105,7 +113,9 @@ def plan(
                           include=tuple(check_words(include, "--include", what="glob", where="e.g. '*.mlp.*'")),
                           exclude=tuple(check_words(exclude, "--exclude", what="glob", where="e.g. '*.layers.0.*'")),
                           scale_dtype=scale_dtype, calibration=calibration,
-                          samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows)
+                          samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows,
+                          dtype=dtype.lower(),
+                          max_memory=parse_memory(max_memory, "--max-memory") if max_memory is not None else None)
     options.check()
     check_threads(threads)
     run.use_threads()
@@ -114,7 +124,7 @@ def plan(
 
         def progress(name: str, done: int, total: int) -> None:
             if stage[0] != name:
-                bar.start({"fisher": f"sensitivity: Fisher over {total} calibration windows",
+                bar.start({"fisher": f"sensitivity: Fisher, {total} forward and backward passes",
                            "candidates": f"sensitivity: every candidate of {total} tensors"}[name], total)
                 stage[0], stage[1] = name, 0
             bar.advance(done - stage[1])
@@ -149,6 +159,7 @@ def render_plan(p: Plan) -> None:
         ["sensitivity", f"{p.sensitivity.get('positions', 0):,} positions of {p.sensitivity.get('calibration', {}).get('name')}, "
                         + ", ".join(f"{k} {v:.1f} s" for k, v in (p.sensitivity.get('seconds') or {}).items())],
         *([["importance matrix", f"{p.imatrix.get('file')} (sha256 {str(p.imatrix.get('sha256'))[:12]}...)"]] if p.imatrix else []),
+        *([["memory", memory_line(p.sensitivity["memory"])]] if isinstance(p.sensitivity.get("memory"), dict) else []),
     ]
     console.table(["", ""], rows, title=f"qkit plan: {p.model}", show_header=False)
     kinds = types_by_kind({n: x.type for n, x in p.tensors.items()})
@@ -168,9 +179,16 @@ def render_plan(p: Plan) -> None:
         console.note(note)
 
 
+def memory_line(m: dict) -> str:
+    """The sensitivity's memory record in one line: the Fisher's groups, the budget and the estimated peak."""
+    groups = m.get("groups", 1)
+    return (f"{m.get('dtype', DEFAULT_DTYPE)} model, the Fisher in {groups} group{'s' if groups != 1 else ''}: estimated "
+            f"peak {gib(m.get('estimated_peak_bytes', 0))} of a {gib(m.get('budget_bytes', 0))} budget ({m.get('budget_from')})")
+
+
 def lossless_note(p: Plan) -> str | None:
     """What the lossless planned tensors say, naming the grids found for this model: which planned types
-    reproduce the source weights exactly and how many tensors each (``qkit.plan.planner.lossless_types``);
+    reproduce the source weights exactly and how many tensors each (``qkit.plan.planfile.lossless_types``);
     the default model's Q4_1 history only for the default model. None when no tensor is lossless."""
     found = lossless_types(p)
     if not found:

@@ -41,7 +41,7 @@ from qkit.cli.common import (
     start,
 )
 from qkit.errors import InputError
-from qkit.export import QKIT, check_output, get_format
+from qkit.export import QKIT, check_output, format_help, get_format
 from qkit.export.gguf.tensor_types import (
     is_tensor_type_file,
     read_tensor_type_file,
@@ -63,7 +63,7 @@ OutputOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Output
 IncludeOpt = Annotated[list[str], typer.Option("--include", help="Also quantize tensors matching this glob (repeatable).")]
 ExcludeOpt = Annotated[list[str], typer.Option("--exclude", help="Never quantize tensors matching this glob (repeatable).")]
 KeepOpt = Annotated[list[str], typer.Option("--keep", help="SCHEME:GLOB, e.g. int8:'*.down_proj.weight' or none:GLOB (repeatable).")]
-FormatOpt = Annotated[str, typer.Option("--format", help="qkit; compressed-tensors (int4-gN, int8-gN, int4-row, int8-row, nvfp4, mxfp4: vLLM, transformers); bitsandbytes (nf4: transformers); gguf (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q6_k, q4_k_m, mxfp4: llama.cpp; -o FILE.gguf, or a directory for model.gguf).")]
+FormatOpt = Annotated[str, typer.Option("--format", help=format_help())]
 ActivationsOpt = Annotated[Optional[str], typer.Option("--activations", help="int8-token: with --format compressed-tensors and int8-row weights, a W8A8 checkpoint (dynamic per-token int8 activations, the layout vLLM serves); use after --method smoothquant.", show_default=False)]
 MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and scales are chosen: {', '.join(method_names())} (rtn: round to nearest, no calibration; gptq/awq: calibrated, see --calibration).")]
 ActOrderOpt = Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help=f"gptq: quantize columns by descending Hessian diagonal, scales as static groups; the checkpoint keeps the original column order (default: {'on' if GPTQOptions.act_order else 'off'}; off: the reference's order, group scales from the error-updated weights).", show_default=False)]

@@ -25,24 +25,50 @@ from qkit.export.common import EXPORT_MANIFEST, ExportPlan, Format, PreparedExpo
 from qkit.models import ModelRef
 from qkit.outputs import Input
 from qkit.registry import Registry
-from qkit.schemes import Scheme
+from qkit.schemes import Scheme, get_scheme, scheme_names
+from qkit.schemes.base import Recipe
 
 QKIT = "qkit"  # qkit's own checkpoint (``checkpoint.ShardWriter``): a safetensors directory, no export Format
+# Group sizes qkit's own format offers a plan beside the registered schemes (int4-g128 is one of those).
+QKIT_PLAN_GROUPS = ("int4-g32", "int4-g64", "int8-g32", "int8-g64", "int8-g128")
 
 REGISTRY: Registry[Format] = Registry("format", error=InputError)
 REGISTRY.register(compressed_tensors.NAME, compressed_tensors.FORMAT, aliases=("ct",))
 REGISTRY.register(bitsandbytes.NAME, bitsandbytes.FORMAT, aliases=("bnb",))
 REGISTRY.register(gguf.NAME, gguf.FORMAT)
-FORMATS = (QKIT, *REGISTRY.names())
+FORMATS = (QKIT, *REGISTRY.names())  # the built-in ones; ``format_names()`` also lists any registered later
 
 
-class _QkitContainer(SafetensorsFormat):
-    """The container of qkit's own format (and of any name that is not an export format): a directory."""
+class QkitFormat(SafetensorsFormat):
+    """qkit's own format: the container of ``checkpoint.ShardWriter`` (and of any name that is not an export
+    format), and what it holds: every scheme, stored as its parts (``part_layout``)."""
 
     name = QKIT
+    library = "qkit"
+    help = "every scheme, as qkit's own safetensors directory"
+
+    def plan_types(self) -> tuple[str, ...]:
+        return (*(n for n in scheme_names() if not isinstance(get_scheme(n), Recipe)), *QKIT_PLAN_GROUPS)
 
 
-_DIRECTORY = _QkitContainer()
+_DIRECTORY = QkitFormat()
+
+
+def format_names() -> tuple[str, ...]:
+    """Every format ``--format`` takes: qkit's own first, then the registered export formats in order."""
+    return (QKIT, *REGISTRY.names())
+
+
+def find_format(name: str) -> Format | None:
+    """The format called ``name`` (an alias such as ``ct`` too), qkit's own included; None for no format."""
+    key = str(name).strip().lower()
+    return _DIRECTORY if key == QKIT else REGISTRY.find(key)
+
+
+def format_help() -> str:
+    """The ``--format`` help: each format with what it stores and what loads it (``Format.help``)."""
+    return "; ".join(f"{n} ({fmt.help})" if (fmt := find_format(n)) is not None and fmt.help else n
+                     for n in format_names()) + "."
 
 
 def get_format(name: str) -> Format:
@@ -114,5 +140,5 @@ def output_bytes(out: Path) -> int:
     return (recognise(out) or _DIRECTORY).output_bytes(Path(out))
 
 
-__all__ = ["EXPORT_MANIFEST", "FORMATS", "QKIT", "REGISTRY", "ExportPlan", "Format", "PreparedExport", "atomic_output",
-           "check_output", "get_format", "output_bytes", "prepare_export", "recognise"]
+__all__ = ["EXPORT_MANIFEST", "FORMATS", "QKIT", "QKIT_PLAN_GROUPS", "REGISTRY", "ExportPlan", "Format", "PreparedExport",
+           "QkitFormat", "atomic_output", "check_output", "find_format", "format_help", "format_names", "get_format", "output_bytes", "prepare_export", "recognise"]

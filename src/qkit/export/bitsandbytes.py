@@ -31,6 +31,7 @@ from qkit.errors import ExportError
 from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, dtype_name
 from qkit.granularity import PerGroup, PerRow
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
+from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.nf4 import NF4_LEVELS
 
 NAME = "bitsandbytes"
@@ -50,6 +51,7 @@ class BitsAndBytesFormat(SafetensorsFormat):
 
     name = NAME
     library = "bitsandbytes"
+    help = "nf4: transformers"
     compares_before_forward = True  # a forward on CPU may repack the weight (library_setup)
 
     def reader(self, quantization_config: dict) -> SafetensorsFormat | None:
@@ -91,24 +93,29 @@ class BitsAndBytesFormat(SafetensorsFormat):
         m = model.get_submodule(module)
         return bnbf.dequantize_4bit(m.weight.data, m.weight.quant_state)
 
+    def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
+        """None for NF4 with a block size bitsandbytes takes; else the one-line reason and what would work."""
+        s = scheme
+        if isinstance(s, NF4Scheme):
+            if s.block_size in BLOCK_SIZES:
+                return None
+            return (f"bitsandbytes takes NF4 block sizes {', '.join(map(str, BLOCK_SIZES))}, not "
+                    f"{s.block_size}; quantize with nf4 (block 64)")
+        granularity = s.granularity if isinstance(s, AbsmaxScheme) else None  # block formats have none
+        if isinstance(s, GGMLScheme):
+            fix = f"use nf4 here, or --format gguf for {s.name}"
+        elif granularity is None or isinstance(granularity, (PerGroup, PerRow)):
+            fix = f"use nf4 here, or --format compressed-tensors for {s.name}"
+        else:
+            fix = f"use nf4 here, or --format compressed-tensors with int{s.bits}-row"
+        return f"--format bitsandbytes writes nf4 only, not {s.name}; {fix}"
+
     def check(self, plan: ExportPlan) -> None:
         check_linear_targets(plan, NAME)
-        for _, s in sorted(plan.targets.items()):
-            if isinstance(s, NF4Scheme):
-                if s.block_size not in BLOCK_SIZES:
-                    raise ExportError(
-                        f"bitsandbytes takes NF4 block sizes {', '.join(map(str, BLOCK_SIZES))}, not "
-                        f"{s.block_size}; quantize with nf4 (block 64)"
-                    )
-                continue
-            granularity = s.granularity if isinstance(s, AbsmaxScheme) else None  # block formats have none
-            if s.kind == "ggml":
-                fix = f"use nf4 here, or --format gguf for {s.name}"
-            elif granularity is None or isinstance(granularity, (PerGroup, PerRow)):
-                fix = f"use nf4 here, or --format compressed-tensors for {s.name}"
-            else:
-                fix = f"use nf4 here, or --format compressed-tensors with int{s.bits}-row"
-            raise ExportError(f"--format bitsandbytes writes nf4 only, not {s.name}; {fix}")
+        for tensor, s in sorted(plan.targets.items()):
+            why = self.refusal(s, tensor)
+            if why is not None:
+                raise ExportError(why)
         # The format itself lets a block cross a row, and bitsandbytes' own quantizer makes such blocks, but
         # its CPU dequantize kernel (0.50.2) restarts the blocks at each row and silently misreads them
         # (measured: 0.029 max error on a 160-wide matrix). Refuse rather than write a file that loads wrong.

@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +42,7 @@ from qkit.models import ModelRef, read_config
 from qkit.models import linear_modules as _model_linears
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
+from qkit.schemes.base import layout_nbytes, stores_natively
 from qkit.transform import entry_to_spec, manifest_entry
 from qkit.version import __version__
 
@@ -84,6 +85,26 @@ class Format(Protocol):
     name: str
     container: str
     library: str
+    help: str  # what it stores and what loads it, for ``--format`` help: "nf4: transformers"
+    ties_fused: bool  # whether vLLM's fused layers (q/k/v, gate/up) must share one type (``plan.fused_groups``)
+
+    # ---- what it holds (the planner, the engines and the checks ask the format, never compare its name)
+    def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
+        """Why the format cannot store weights of ``scheme`` at all (one line naming ``tensor`` when given, and
+        what would work), or None."""
+
+    def plan_types(self) -> tuple[str, ...]:
+        """The scheme names a plan may mix in this format (any order); empty for a format of one type."""
+
+    def supports(self, scheme: Scheme, shape: tuple[int, int]) -> bool:
+        """Whether a ``[out, in]`` weight is stored as ``scheme`` itself (no refusal, no width fallback, whole
+        groups and blocks: ``schemes.base.stores_natively``)."""
+
+    def stored_nbytes(self, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """Exact bytes the writer stores for a ``shape`` weight of source ``dtype`` as ``scheme`` (None: kept)."""
+
+    def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+        """Refuse (``InputError``, one line) plan candidates the format could not store for a ``dtype`` model."""
 
     # ---- before any work
     def check(self, plan: ExportPlan) -> None:
@@ -306,8 +327,28 @@ class SafetensorsFormat:
     container = "safetensors"
     name: str
     library: str  # the pip package transformers loads the directory with ("compressed-tensors")
+    help: str
+    ties_fused = False
     # Compare the library's weights before its first forward (bitsandbytes: a forward may repack them).
     compares_before_forward = False
+
+    # ---- what it holds
+    def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
+        return None
+
+    def plan_types(self) -> tuple[str, ...]:
+        return ()
+
+    def supports(self, scheme: Scheme, shape: tuple[int, int]) -> bool:
+        return self.refusal(scheme) is None and stores_natively(scheme, shape)
+
+    def stored_nbytes(self, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """Kept: ``dense_nbytes``; quantized: the bytes of ``scheme.part_layout(shape)`` (what ``ShardWriter``
+        stores, the sum of ``qt.tensors(name)``)."""
+        return dense_nbytes(shape, dtype) if scheme is None else layout_nbytes(scheme.part_layout(shape))
+
+    def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+        return None
 
     # ---- before any work
     def check(self, plan: ExportPlan) -> None:

@@ -30,21 +30,34 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 
 import torch
 
-from qkit.errors import ExportError
+from qkit.errors import ExportError, InputError
 from qkit.export import compressed_tensors_fp4 as fp4
 from qkit.export import compressed_tensors_w8a8 as w8a8
-from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, check_scale_in_weight_dtype
+from qkit.export.common import (
+    EXACT_IN,
+    ExportPlan,
+    SafetensorsFormat,
+    check_linear_targets,
+    check_scale_in_weight_dtype,
+    dense_nbytes,
+    dtype_name,
+)
 from qkit.granularity import PerGroup, PerRow
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, get_scheme
+from qkit.schemes.base import DTYPE_NAMES
 from qkit.schemes.packing import pack_nibbles, unpack_nibbles
 
 NAME = "compressed-tensors"
 STORED = ("weight_packed", "weight_scale", "weight_shape", "weight_global_scale")
 # The top-level ``format`` values of the checkpoints this module writes (``qkit verify`` reads these).
 CT_FORMATS = (fp4.INT_FORMAT, *fp4.FORMATS.values(), fp4.MIXED)
+# What a plan mixes: vLLM's weight-only kernels (Marlin) serve these group sizes; compressed-tensors takes any.
+PLAN_GROUPS = (32, 64, 128)
+PLAN_TYPES = (*(f"int4-g{g}" for g in PLAN_GROUPS), "int4-row", "int8-row", "nvfp4", "mxfp4")
 
 
 def _pack_int32(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -97,7 +110,7 @@ def stored_nbytes(scheme: Scheme, shape: tuple[int, int], dtype: torch.dtype) ->
     (nf4, per-tensor scales)."""
     if fp4.is_fp4(scheme):
         return fp4.stored_nbytes(scheme, shape)
-    if not isinstance(scheme, AbsmaxScheme) or not isinstance(scheme.granularity, (PerGroup, PerRow)):
+    if FORMAT.refusal(scheme) is not None:
         raise ExportError(f"compressed-tensors stores int4/int8 with channel or group scales and FP4, not {scheme.name}; "
                           "use int4-g64, int4-row or int8-row")
     rows, cols = (int(d) for d in shape)
@@ -111,6 +124,43 @@ class CompressedTensorsFormat(SafetensorsFormat):
 
     name = NAME
     library = "compressed-tensors"
+    help = "int4-gN, int8-gN, int4-row, int8-row, nvfp4, mxfp4: vLLM, transformers"
+    ties_fused = True  # vLLM refuses one fused layer (qkv_proj, gate_up_proj) whose shards differ in scheme
+
+    # ---- what it holds: the one answer (the checks, the planner and the vLLM engine ask it)
+    def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
+        """None for int4/int8 with channel or group scales and FP4; else the one-line reason (naming ``tensor``)."""
+        if fp4.is_fp4(scheme):
+            return None
+        if isinstance(scheme, NF4Scheme):
+            return ("compressed-tensors has no NF4 codebook: export nf4 with --format bitsandbytes, "
+                    "or choose int4-g64 / int4-row for --format compressed-tensors")
+        if not isinstance(scheme, AbsmaxScheme):  # a llama.cpp block type, a recipe: no compressed-tensors layout
+            where = f" ({tensor})" if tensor else ""
+            return (f"--format compressed-tensors cannot store {scheme.name}{where}: it holds int4/int8 with "
+                    "channel or group scales and MXFP4/NVFP4; write llama.cpp's types with --format gguf, or choose "
+                    "int8-row / int4-g64 for compressed-tensors")
+        if not isinstance(scheme.granularity, (PerGroup, PerRow)):
+            return (f"--format compressed-tensors cannot express {scheme.name} (one scale per matrix: vLLM's "
+                    f"weight-only kernels take channel or group scales); use int{scheme.bits}-row or int{scheme.bits}-g64")
+        return None
+
+    def plan_types(self) -> tuple[str, ...]:
+        return PLAN_TYPES
+
+    def stored_nbytes(self, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        return dense_nbytes(shape, dtype) if scheme is None else stored_nbytes(scheme, shape, dtype)
+
+    def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+        """An int candidate stores ``weight_scale`` in the weights' dtype: refuse scales ``dtype`` cannot hold."""
+        ints = [s.name for s in schemes if not fp4.is_fp4(s)]
+        if ints and scale_dtype not in EXACT_IN[dtype]:
+            fix = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+            raise InputError(
+                f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(dtype)}), which cannot "
+                f"hold {DTYPE_NAMES[scale_dtype]} scales exactly, so {ints[0]} cannot be planned; plan with "
+                f"--scale-dtype {fix}, or leave the int candidates out of --candidates"
+            )
 
     def for_activations(self, activations: str) -> w8a8.W8A8Format:
         """W8A8 (``int-quantized``): int8 per-channel weights with ``activations`` quantized at run time."""
@@ -137,25 +187,11 @@ class CompressedTensorsFormat(SafetensorsFormat):
         for tensor, s in plan.targets.items():
             by_scheme.setdefault(s.name, []).append(tensor)
         for tensor, s in sorted(plan.targets.items()):
+            why = self.refusal(s, tensor)
+            if why is not None:
+                raise ExportError(why)
             if fp4.is_fp4(s):
                 continue  # checked by fp4.check below
-            if isinstance(s, NF4Scheme):
-                raise ExportError(
-                    "compressed-tensors has no NF4 codebook: export nf4 with --format bitsandbytes, "
-                    "or choose int4-g64 / int4-row for --format compressed-tensors"
-                )
-            if not isinstance(s, AbsmaxScheme):  # a llama.cpp block type, a recipe: no compressed-tensors layout
-                raise ExportError(
-                    f"--format compressed-tensors cannot store {s.name} ({tensor}): it holds int4/int8 with "
-                    "channel or group scales and MXFP4/NVFP4; write llama.cpp's types with --format gguf, or choose "
-                    "int8-row / int4-g64 for compressed-tensors"
-                )
-            if not isinstance(s.granularity, (PerGroup, PerRow)):
-                row = f"int{s.bits}-row"
-                raise ExportError(
-                    f"--format compressed-tensors cannot express {s.name} (one scale per matrix: vLLM's "
-                    f"weight-only kernels take channel or group scales); use {row} or int{s.bits}-g64"
-                )
             check_scale_in_weight_dtype(plan, tensor, s.scale_dtype)
         for name, tensors in sorted(by_scheme.items()):
             s = plan.targets[tensors[0]]

@@ -36,6 +36,7 @@ import torch
 from qkit.errors import ExportError
 from qkit.export.common import ExportPlan
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme
+from qkit.schemes import is_fp4 as _is_fp4
 
 FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 # The tensors each module stores (compressed-tensors' ``compression_param_names`` for a W4A16 scheme).
@@ -46,7 +47,7 @@ RUNTIME_DTYPE = torch.bfloat16  # what compressed-tensors 0.20.1 decompresses FP
 
 
 def is_fp4(scheme: Scheme) -> bool:
-    return scheme.kind == "fp4"
+    return _is_fp4(scheme)
 
 
 def check(plan: ExportPlan) -> None:

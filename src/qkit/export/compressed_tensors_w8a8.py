@@ -81,6 +81,7 @@ class W8A8Format(SafetensorsFormat):
 
     name = NAME
     library = "compressed-tensors"
+    help = "int8-row weights with int8 per-token activations (W8A8): vLLM"
 
     def __init__(self, activations: str = INT8_TOKEN) -> None:
         self.activations = check_activations(activations)

@@ -40,7 +40,7 @@ from qkit.granularity import PerGroup, PerRow, PerTensor
 from qkit.inspect.matrix_stats import MatrixStats, int4_tensor_levels, matrix_stats, reconstruct, relative_error, sumsq64
 from qkit.models import ModelRef, check_complete, read_config, resolve
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme
+from qkit.schemes import DEFAULT_SCHEMES, AbsmaxScheme, NF4Scheme, Scheme, get_scheme, is_fp4
 from qkit.transform import is_block_projection
 
 TOP_MATRICES = 10
@@ -237,7 +237,7 @@ def _fp4_sentence(means: dict[str, float]) -> str:
     nf4 = [s for s in schemes.values() if isinstance(s, NF4Scheme)]
     words = []
     for name, s in schemes.items():
-        if s.kind != "fp4":
+        if not is_fp4(s):
             continue
         same = [t for t in int4 if isinstance(t.granularity, PerGroup) and t.granularity.size == s.block_size]
         peers = sorted((means[p.name], p.name) for p in (same or sorted(int4, key=_fineness)[-1:]) + nf4)

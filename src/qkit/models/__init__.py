@@ -53,6 +53,7 @@ from qkit.models.loading import (
     parse_device,
 )
 from qkit.models.resolving import resolve
+from qkit.models.inputs import resolve_clear_of, resolved_inputs
 
 __all__ = [
     "AUX_FILES",
@@ -78,5 +79,7 @@ __all__ = [
     "quiet_progress",
     "read_config",
     "read_tokenizer_config",
+    "resolve_clear_of",
+    "resolved_inputs",
     "resolve",
 ]

@@ -13,12 +13,12 @@ not part of ``methods``, because it reads the formats' layouts: ``export`` (thro
 
 from qkit.plan.candidates import (
     KEEP,
-    PLAN_FORMATS,
     Candidate,
     candidates,
     check_format,
     ladder,
     parse_allowed,
+    plan_formats,
 )
 from qkit.plan.planfile import (
     Plan,
@@ -43,6 +43,6 @@ from qkit.plan.planner import (
 )
 from qkit.plan.solve import Solution, solve
 
-__all__ = ["KEEP", "PLAN_FORMATS", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
+__all__ = ["KEEP", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
            "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "fingerprint", "is_plan_file",
-           "ladder", "parse_allowed", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]
+           "ladder", "parse_allowed", "plan_formats", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]

@@ -62,27 +62,19 @@ from dataclasses import dataclass
 import torch
 
 from qkit.errors import InputError, SchemeError
-from qkit.export import compressed_tensors, compressed_tensors_fp4
-from qkit.export.common import EXACT_IN, dense_nbytes, dtype_name
-from qkit.export.gguf import types as gguf_types
+from qkit.export import QKIT_PLAN_GROUPS, Format, find_format, format_names
+from qkit.export.common import dtype_name
+from qkit.export.compressed_tensors import PLAN_GROUPS as CT_GROUPS
+from qkit.export.compressed_tensors import PLAN_TYPES as CT_TYPES
+from qkit.export.gguf.types import PLAN_TYPES as GGUF_TYPES
 from qkit.granularity import PerGroup
 from qkit.schemes import AbsmaxScheme, get_scheme, scheme_names
-from qkit.schemes.base import DTYPE_NAMES, Recipe, Scheme, layout_nbytes
+from qkit.schemes.base import Recipe, Scheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.transform import KEEP_ORIGINAL
 
 KEEP = KEEP_ORIGINAL  # "none": the candidate that keeps a tensor unquantized in the source dtype
-PLAN_FORMATS = ("gguf", "compressed-tensors", "qkit")
-_ALIASES = {"ct": "compressed-tensors"}
-_SINGLE_TYPE = ("bitsandbytes", "bnb")
-
-# llama-quantize's types that qkit writes: the 256-blocks (k-quants, iq4_xs), then the 32-blocks.
-GGUF_TYPES = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0")
-# vLLM's weight-only kernels (Marlin) serve these group sizes; compressed-tensors takes any.
-CT_GROUPS = (32, 64, 128)
-CT_TYPES = (*(f"int4-g{g}" for g in CT_GROUPS), "int4-row", "int8-row", "nvfp4", "mxfp4")
-# Group sizes qkit's own format offers beside the registered schemes (int4-g128 is one of those).
-QKIT_GROUPS = ("int4-g32", "int4-g64", "int8-g32", "int8-g64", "int8-g128")
+QKIT_GROUPS = QKIT_PLAN_GROUPS
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LADDER_SHAPE = (4096, 4096)  # the shape ``ladder`` orders by: every candidate fits it natively
 _FLOAT_WORDS = ("f32", "f16", "bf16", "fp32", "fp16", "float32", "float16", "bfloat16", "keep")
@@ -98,19 +90,31 @@ class Candidate:
     nbytes: int
 
 
+def plan_formats() -> tuple[str, ...]:
+    """The formats a plan can be written for: every format (``export.format_names``) that mixes types."""
+    return tuple(n for n in format_names() if (fmt := find_format(n)) is not None and fmt.plan_types())
+
+
 def check_format(format: str) -> str:
     """The canonical name of a format the planner plans for (``ct`` -> ``compressed-tensors``); ``InputError``
-    (one line) for bitsandbytes, which stores one type, and for an unknown name (with "did you mean")."""
+    (one line) for a format that stores one type (bitsandbytes) and for an unknown name (with "did you mean")."""
+    fmt = find_format(format)
+    planned = plan_formats()
+    if fmt is not None and fmt.plan_types():
+        return fmt.name
+    if fmt is not None:
+        raise InputError(f"--format {fmt.name} stores one type ({fmt.help}) and cannot mix types; "
+                         f"plan for {', '.join(planned)}")
     key = str(format).strip().lower()
-    key = _ALIASES.get(key, key)
-    if key in PLAN_FORMATS:
-        return key
-    if key in _SINGLE_TYPE:
-        raise InputError("--format bitsandbytes stores one type (nf4) and cannot mix types; "
-                         "plan for gguf, compressed-tensors or qkit")
-    close = difflib.get_close_matches(key, [*PLAN_FORMATS, *_ALIASES], n=1, cutoff=0.6)
-    guess = f"did you mean {_ALIASES.get(close[0], close[0])}? " if close else ""
-    raise InputError(f"unknown format {format!r} to plan for; {guess}use one of: {', '.join(PLAN_FORMATS)}")
+    close = difflib.get_close_matches(key, planned, n=1, cutoff=0.6)
+    guess = f"did you mean {close[0]}? " if close else ""
+    raise InputError(f"unknown format {format!r} to plan for; {guess}use one of: {', '.join(planned)}")
+
+
+def _format(name: str) -> Format:
+    fmt = find_format(check_format(name))
+    assert fmt is not None  # check_format returned a format's own name
+    return fmt
 
 
 @functools.cache
@@ -118,47 +122,19 @@ def _scheme(name: str, scale_dtype: torch.dtype) -> Scheme:
     return get_scheme(name, scale_dtype)
 
 
-def _names(fmt: str) -> tuple[str, ...]:
-    """The format's candidate names, unordered (``ladder`` orders them)."""
-    if fmt == "gguf":
-        return GGUF_TYPES
-    if fmt == "compressed-tensors":
-        return CT_TYPES
-    return (*(n for n in scheme_names() if not isinstance(get_scheme(n), Recipe)), *QKIT_GROUPS)
-
-
-def _native(scheme: Scheme, shape: tuple[int, int]) -> bool:
-    """Whether ``scheme`` stores a ``shape`` weight as itself: no width fallback (``resolve`` gives it back),
-    whole blocks along each row, and no short last group."""
-    try:
-        if scheme.resolve(shape, "<tensor>") != scheme:
-            return False  # a k-quant written as its fallback type
-    except SchemeError:
-        return False  # a width the type cannot take at all
-    cols = shape[1]
-    if isinstance(scheme, AbsmaxScheme):
-        g = scheme.granularity
-        return not isinstance(g, PerGroup) or cols % g.size == 0
-    if scheme.kind in ("ggml", "fp4"):
-        return cols % scheme.block_size == 0  # type: ignore[attr-defined]  # every block type has one
-    return True  # nf4: flat blocks of the flattened tensor, bitsandbytes' layout for any shape
+def native(format: str, scheme: Scheme, shape: tuple[int, int]) -> bool:
+    """Whether ``format`` stores a ``shape`` weight as ``scheme`` itself (``Format.supports``): no width
+    fallback, whole blocks along each row, and no short last group."""
+    return _format(format).supports(scheme, shape)
 
 
 def stored_nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Exact stored bytes of a ``shape`` tensor of source ``dtype`` in format ``fmt`` (``scheme`` None: KEEP)."""
-    if fmt == "gguf":
-        t = gguf_types.float_type(dtype) if scheme is None else scheme.ggml_type  # type: ignore[attr-defined]
-        return gguf_types.tensor_nbytes(t, shape)
-    if scheme is None:
-        return dense_nbytes(shape, dtype)
-    if fmt == "compressed-tensors":
-        return compressed_tensors.stored_nbytes(scheme, shape, dtype)
-    return layout_nbytes(scheme.part_layout(shape))  # what ShardWriter stores: sum of qt.tensors(name)
+    return _format(fmt).stored_nbytes(scheme, shape, dtype)
 
 
 # vLLM's ``packed_modules_mapping`` for llama-style models: the fused module and its shards.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_TIES_FUSED = ("compressed-tensors",)
 _SHARD = re.compile(r"(?:^|\.)(" + "|".join(s for shards in FUSED_MODULES.values() for s in shards) + r")\.weight$")
 _FUSED_OF = {shard: fused for fused, shards in FUSED_MODULES.items() for shard in shards}
 
@@ -167,7 +143,7 @@ def fused_groups(format: str, names: Sequence[str]) -> list[list[int]]:
     """Indices into ``names`` that must share one type in ``format``, in order of first appearance: for
     compressed-tensors, the shards of one fused vLLM layer (``...self_attn.{q,k,v}_proj.weight`` of one
     layer; ``...mlp.{gate,up}_proj.weight``); every other tensor, and every tensor of other formats, alone."""
-    if check_format(format) not in _TIES_FUSED:
+    if not _format(format).ties_fused:
         return [[i] for i in range(len(names))]
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
@@ -183,7 +159,7 @@ def ladder(format: str) -> tuple[str, ...]:
     ``[4096, 4096]`` fp16 tensor with fp16 scales (ties by name), ``KEEP`` last."""
     fmt = check_format(format)
     fp16 = parse_scale_dtype(DEFAULT_SCALE_DTYPE)
-    size = {n: stored_nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in _names(fmt)}
+    size = {n: stored_nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in _format(fmt).plan_types()}
     return (*sorted(size, key=lambda n: (size[n], n)), KEEP)
 
 
@@ -247,22 +223,15 @@ def candidates(
         raise InputError(f"a planned tensor's source dtype must be float32, float16 or bfloat16, not {dtype_name(dtype)}")
     sdtype = parse_scale_dtype(scale_dtype)
     wanted = set(ladder(fmt) if allowed is None else parse_allowed(fmt, allowed))
+    holder = _format(fmt)
     fits: list[Candidate] = []
     for name in ladder(fmt):
         scheme = None if name == KEEP else _scheme(name, sdtype)
-        if scheme is not None and not _native(scheme, shape):
+        if scheme is not None and not holder.supports(scheme, shape):
             continue
-        fits.append(Candidate(name, scheme, stored_nbytes(fmt, scheme, shape, dtype)))
+        fits.append(Candidate(name, scheme, holder.stored_nbytes(scheme, shape, dtype)))
     out = sorted((c for c in fits if c.name in wanted), key=lambda c: (c.nbytes, c.name))
-    if fmt == "compressed-tensors" and sdtype not in EXACT_IN[dtype]:
-        ints = [c.name for c in out if c.scheme is not None and not compressed_tensors_fp4.is_fp4(c.scheme)]
-        if ints:
-            fix = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-            raise InputError(
-                f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(dtype)}), which cannot "
-                f"hold {DTYPE_NAMES[sdtype]} scales exactly, so {ints[0]} cannot be planned; plan with "
-                f"--scale-dtype {fix}, or leave the int candidates out of --candidates"
-            )
+    holder.check_candidates([c.scheme for c in out if c.scheme is not None], dtype, sdtype)
     if not out:
         what = ", ".join(c.name for c in sorted(fits, key=lambda c: (c.nbytes, c.name)))
         raise InputError(
@@ -272,5 +241,5 @@ def candidates(
     return out
 
 
-__all__ = ["CT_GROUPS", "CT_TYPES", "FUSED_MODULES", "fused_groups", "GGUF_TYPES", "KEEP", "PLAN_FORMATS", "QKIT_GROUPS", "Candidate",
-           "candidates", "check_format", "ladder", "parse_allowed", "stored_nbytes"]
+__all__ = ["CT_GROUPS", "CT_TYPES", "FUSED_MODULES", "fused_groups", "GGUF_TYPES", "KEEP", "QKIT_GROUPS", "Candidate",
+           "candidates", "check_format", "ladder", "native", "parse_allowed", "plan_formats", "stored_nbytes"]

@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError, SchemeError
-from qkit.plan.candidates import KEEP, PLAN_FORMATS, ladder, stored_nbytes
-from qkit.plan.candidates import _native as native
+from qkit.plan.candidates import KEEP, ladder, native, plan_formats, stored_nbytes
 from qkit.schemes.base import Scheme
 from qkit.schemes.registry import scheme_from_dict
 from qkit.staging import write_text
@@ -178,8 +177,8 @@ def read_plan(path: str | Path) -> Plan:
         if not isinstance(doc.get(key), kind):
             raise InputError(f"--plan {p}: {key!r} is missing or not a {kind.__name__}; re-plan")
     fmt = doc["target_format"]
-    if fmt not in PLAN_FORMATS:
-        raise InputError(f"--plan {p}: target_format {fmt!r} is not one qkit plans for ({', '.join(PLAN_FORMATS)}); re-plan")
+    if fmt not in plan_formats():
+        raise InputError(f"--plan {p}: target_format {fmt!r} is not one qkit plans for ({', '.join(plan_formats())}); re-plan")
     if doc["method"] not in PLAN_METHODS:
         raise InputError(f"--plan {p}: method {doc['method']!r} is not one qkit plans with ({', '.join(PLAN_METHODS)}); re-plan")
     for key in ("imatrix", "sensitivity", "solver", "check"):
@@ -241,7 +240,7 @@ def _choice(path: Path, fmt: str, name: str, t: dict) -> TensorChoice:
     elif type_ != KEEP:
         raise InputError(f"{bad} has type {type_} and no scheme; re-plan")
     shape2 = (shape[0], shape[1])
-    if scheme is not None and not native(scheme, shape2):
+    if scheme is not None and not native(fmt, scheme, shape2):
         raise InputError(f"{bad}: {type_} does not store a {shape} tensor as itself; re-plan")
     # the bytes the format writes for it: exact, whatever the source dtype was (only a kept tensor's and
     # compressed-tensors' scales depend on it)
@@ -280,5 +279,39 @@ def is_plan_file(path: Path) -> bool:
         return False
 
 
-__all__ = ["MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
+def base_type(plan: Plan) -> str:
+    """The type that holds the most planned weights (the plan's "base")."""
+    weights: dict[str, int] = {}
+    for t in plan.tensors.values():
+        weights[t.type] = weights.get(t.type, 0) + math.prod(t.shape)
+    return max(sorted(weights), key=lambda k: weights[k])
+
+
+def lossless_types(plan: Plan) -> dict[str, int]:
+    """``{type: tensors}``: the planned types that reproduce their tensors' source weights exactly (predicted
+    KL 0: the source already lies on that type's grid, e.g. a model published in it), and how many planned
+    tensors each holds so; by count, most first (ties by name). Tensors kept unquantized are not counted."""
+    counts: dict[str, int] = {}
+    for t in plan.tensors.values():
+        if t.lossless and t.scheme is not None:
+            counts[t.type] = counts.get(t.type, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def upgrades(plan: Plan) -> list[dict]:
+    """Tensors stored in more bytes than the base type would take for them, with why: the predicted KL
+    the base type would cost them against what the chosen type costs, per extra byte."""
+    base = base_type(plan)
+    out = []
+    for name, t in sorted(plan.tensors.items()):
+        at_base = t.candidates.get(base)
+        if at_base is None or t.nbytes <= at_base[0]:
+            continue
+        out.append({"tensor": name, "type": t.type, "base": base, "extra_bytes": t.nbytes - at_base[0],
+                    "kl_at_base": at_base[1], "kl": t.predicted_kl,
+                    "kl_saved_per_mb": (at_base[1] - t.predicted_kl) / ((t.nbytes - at_base[0]) / 1e6)})
+    return out
+
+
+__all__ = ["base_type", "lossless_types", "upgrades", "MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
            "read_plan", "write_plan"]

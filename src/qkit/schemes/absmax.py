@@ -101,6 +101,10 @@ class AbsmaxScheme(SchemeDefaults):
         return self.bits == 4
 
     @property
+    def row_block(self) -> int:  # type: ignore[override]  # a group's width; per-row and per-tensor scales: 1
+        return self.granularity.size if isinstance(self.granularity, PerGroup) else 1
+
+    @property
     def description(self) -> str:
         g = self.granularity
         if isinstance(g, PerGroup):

@@ -24,6 +24,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
+from qkit.errors import SchemeError
+
 # A ``qkit.schemes.quantized.QuantizedTensor`` (quantized.py imports this module, so it is named, not imported).
 QuantizedTensor = Any
 
@@ -125,9 +127,14 @@ class ImportanceWeighted(Protocol):
 
 class SchemeDefaults:
     """The members most schemes share: no per-tensor choice, nothing to bind, a free scale dtype, and
-    ``nbytes_for`` from ``part_layout``. A scheme class lists this as its base and overrides what differs."""
+    ``nbytes_for`` from ``part_layout``. A scheme class lists this as its base and overrides what differs.
+
+    ``row_block``: the columns of a row one stored unit spans (a group, a block); a weight is stored as the
+    scheme itself, with no short last unit, only when its width is a multiple of it (``stores_natively``).
+    1 for schemes whose units need no whole count (per-row, per-tensor scales; nf4's flat blocks)."""
 
     fixed_scale_dtype: ClassVar[bool] = False
+    row_block: ClassVar[int] = 1
 
     def resolve(self, shape: tuple[int, ...], name: str = "<tensor>") -> Any:
         return self
@@ -138,6 +145,17 @@ class SchemeDefaults:
     def nbytes_for(self, shape: tuple[int, ...]) -> int:
         """Stored bytes of a weight of ``shape``: the bytes of ``part_layout(shape)``."""
         return layout_nbytes(self.part_layout(tuple(shape)))  # type: ignore[attr-defined]
+
+
+def stores_natively(scheme: Any, shape: tuple[int, int]) -> bool:
+    """Whether ``scheme`` stores a ``[out, in]`` weight as itself: ``resolve`` gives it back (no width
+    fallback, no recipe choice), and the width is whole units of ``row_block`` (no short last group)."""
+    try:
+        if scheme.resolve(tuple(shape), "<tensor>") != scheme:
+            return False  # a k-quant written as its fallback type, a recipe's choice
+    except SchemeError:
+        return False  # a width the type cannot take at all
+    return int(shape[1]) % scheme.row_block == 0
 
 
 __all__ = [
@@ -151,4 +169,5 @@ __all__ = [
     "SchemeDefaults",
     "as_2d",
     "layout_nbytes",
+    "stores_natively",
 ]

@@ -271,6 +271,7 @@ class MXFP4Scheme(SchemeDefaults):
     bits = 4
     packed = True
     block_size = MXFP4_BLOCK
+    row_block = MXFP4_BLOCK  # blocks lie inside one row
     scale_dtype = torch.uint8  # E8M0 bytes
     fixed_scale_dtype = True  # the scale format is part of the format: --scale-dtype does not apply
     parts = ("qweight", "scales")
@@ -333,6 +334,7 @@ class NVFP4Scheme(SchemeDefaults):
     bits = 4
     packed = True
     block_size = NVFP4_BLOCK
+    row_block = NVFP4_BLOCK  # blocks lie inside one row
     scale_dtype = torch.float8_e4m3fn  # stored as its uint8 bit patterns (module docstring)
     fixed_scale_dtype = True
     parts = ("qweight", "scales", "global_scale")
@@ -394,3 +396,11 @@ def from_gguf_mxfp4_blocks(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     qs = b[:, :, 1:]
     codes = torch.stack((qs & 0x0F, qs >> 4), dim=2)  # [rows, nb, 2, 16]: elements j and j + 16
     return pack_fp4(codes.reshape(rows, -1)), exps
+
+
+FP4_SCHEMES = (MXFP4Scheme, NVFP4Scheme)
+
+
+def is_fp4(scheme: object) -> bool:
+    """Whether ``scheme`` is one of the FP4 block schemes (mxfp4, nvfp4): E2M1 codes in blocks along a row."""
+    return isinstance(scheme, FP4_SCHEMES)

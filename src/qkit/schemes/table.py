@@ -13,6 +13,8 @@ weight's sizes (``rows``, ``cols``, ``n = rows * cols``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import math
 import sys
 from fractions import Fraction
@@ -105,27 +107,35 @@ def scheme_help() -> str:
     return f"{', '.join(scheme_names())}{families} (docs/schemes.md describes each)."
 
 
-def replace_table(text: str, table: str) -> str:
-    """``text`` with what lies between the markers replaced by ``table``."""
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+def replace_table(text: str, table: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """``text`` with what lies between the ``markers`` replaced by ``table``."""
+    begin, end_marker = markers
+    start, end = text.index(begin) + len(begin), text.index(end_marker)
     return text[:start] + "\n" + table + text[end:]
 
 
-def table_in(text: str) -> str:
-    """What lies between the markers of ``text``."""
-    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].lstrip("\n")
+def table_in(text: str, markers: tuple[str, str] = (BEGIN, END)) -> str:
+    """What lies between the ``markers`` of ``text``."""
+    begin, end = markers
+    return text[text.index(begin) + len(begin) : text.index(end)].lstrip("\n")
+
+
+def table_command(argv: list[str], make: Callable[[], str], markers: tuple[str, str], usage: str) -> int:
+    """A docs-table module's command line: ``--write PAGE`` puts ``make()`` between the page's ``markers``;
+    no argument prints it."""
+    if argv[:1] == ["--write"] and len(argv) == 2:
+        path = Path(argv[1])
+        path.write_text(replace_table(path.read_text(), make(), markers))
+        return 0
+    if argv:
+        print(f"usage: {usage}", file=sys.stderr)
+        return 2
+    sys.stdout.write(make())
+    return 0
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["--write"] and len(argv) == 2:
-        path = Path(argv[1])
-        path.write_text(replace_table(path.read_text(), markdown()))
-        return 0
-    if argv:
-        print("usage: python -m qkit.schemes.table [--write docs/schemes.md]", file=sys.stderr)
-        return 2
-    sys.stdout.write(markdown())
-    return 0
+    return table_command(argv, markdown, (BEGIN, END), "python -m qkit.schemes.table [--write docs/schemes.md]")
 
 
 if __name__ == "__main__":

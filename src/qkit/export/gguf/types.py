@@ -14,8 +14,13 @@ import gguf
 import torch
 
 from qkit.errors import ExportError
-from qkit.schemes import QuantizedTensor, Scheme, get_scheme, scheme_names
+from qkit.schemes import GGMLScheme, QuantizedTensor, Scheme, get_scheme, scheme_names
 from qkit.schemes.base import GGMLCodable, Recipe
+
+
+# What a plan mixes: llama-quantize's types that qkit writes, the 256-blocks (k-quants, iq4_xs), then the
+# 32-blocks. Not mxfp4 (qkit writes it; llama-quantize offers it only as the MoE-expert ftype MXFP4_MOE).
+PLAN_TYPES = ("q2_k", "q3_k", "iq4_xs", "q4_k", "q5_k", "q6_k", "q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
 def is_ggml(scheme: Scheme) -> bool:
@@ -45,7 +50,7 @@ def ggml_scheme_names() -> list[str]:
     """The registered schemes GGUF can store (for messages): llama.cpp's own block schemes in registry order,
     then those that convert to a ggml type (``mxfp4``)."""
     names = [n for n in scheme_names() if is_ggml(get_scheme(n))]
-    return sorted(names, key=lambda n: get_scheme(n).kind != "ggml")
+    return sorted(names, key=lambda n: not isinstance(get_scheme(n), (GGMLScheme, Recipe)))
 
 
 def scheme_for_type(ggml_type) -> Scheme:
@@ -148,5 +153,5 @@ def float_array(t: torch.Tensor, ggml_type):
     return t.to(torch.float32).contiguous().numpy()
 
 
-__all__ = ["block_bytes", "check_block_width", "file_type", "float_array", "float_type", "decode_blocks", "ggml_blocks",
+__all__ = ["PLAN_TYPES", "block_bytes", "check_block_width", "file_type", "float_array", "float_type", "decode_blocks", "ggml_blocks",
            "ggml_scheme_names", "is_ggml", "resolve_scheme", "scheme_for_type", "tensor_nbytes"]

@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,19 +57,24 @@ from qkit.llama_names import (
 )
 from qkit.export.gguf.tokenizer import add_tokenizer, hf_tokenizer
 from qkit.export.gguf.types import (
+    PLAN_TYPES,
     block_bytes,
     check_block_width,
     decode_blocks,
     file_type,
     float_array,
+    float_type,
     ggml_blocks,
     ggml_scheme_names,
     is_ggml,
     resolve_scheme,
+    tensor_nbytes,
 )
 from qkit.models import ModelRef, read_config
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
+from qkit.schemes.base import Recipe, stores_natively
+from qkit.schemes.ggml import GGMLScheme
 from qkit.transform import manifest_entry
 from qkit.version import __version__
 
@@ -89,6 +94,31 @@ class GGUFFormat:
     name = NAME
     container = "gguf"
     library = "gguf"
+    help = "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k, iq4_nl, iq4_xs, q4_k_m, mxfp4: llama.cpp; -o FILE.gguf, or a directory for model.gguf"
+    ties_fused = False  # llama.cpp keeps every tensor separate
+
+    # ---- what it holds
+    def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
+        if is_ggml(scheme):
+            return None
+        works = ggml_scheme_names()
+        where = f" ({tensor})" if tensor else ""
+        return (f"--format gguf stores llama.cpp's block types, and {scheme.name}{where} is not one of them; "
+                f"use {', '.join(works) if works else 'a ggml scheme (q8_0, q4_0, q4_k, ...)'} "
+                f"(or --format qkit for {scheme.name})")
+
+    def plan_types(self) -> tuple[str, ...]:
+        return PLAN_TYPES
+
+    def supports(self, scheme: Scheme, shape: tuple[int, int]) -> bool:
+        return self.refusal(scheme) is None and stores_natively(scheme, shape)
+
+    def stored_nbytes(self, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
+        """``tensor_nbytes`` of the scheme's ggml type, or of the source's float type for a kept tensor."""
+        return tensor_nbytes(float_type(dtype) if scheme is None else scheme.ggml_type, shape)  # type: ignore[attr-defined]
+
+    def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
+        return None
 
     # ---- before any work
     def check(self, plan: ExportPlan) -> None:
@@ -230,13 +260,7 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
         raise ExportError(f"--format gguf: the {kind!r} RoPE of {directory} is not one this writer stores; use --format qkit")
     bad = sorted(n for n, s in targets.items() if not is_ggml(s))
     if bad:
-        s = targets[bad[0]]
-        works = ggml_scheme_names()
-        raise ExportError(
-            f"--format gguf stores llama.cpp's block types, and {s.name} is not one of them; "
-            f"use {', '.join(works) if works else 'a ggml scheme (q8_0, q4_0, q4_k, ...)'} "
-            f"(or --format qkit for {s.name})"
-        )
+        raise ExportError(FORMAT.refusal(targets[bad[0]]) or "")
     tied = bool(config.get("tie_word_embeddings", False))
     names = tensor_names(arch, config["num_hidden_layers"], list(shapes), tied)
     dtypes = tensor_dtypes(directory, floating_only=True)
@@ -264,7 +288,7 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
                 f"--format gguf keeps norms and 1-D tensors in F32 (llama.cpp reads them only so); "
                 f"{name} cannot be quantized, drop it from --include"
             )
-        if s.kind != "ggml":
+        if not isinstance(s, (GGMLScheme, Recipe)):
             # A converting scheme (mxfp4) has no fallback type for a width it cannot take: refuse here, in GGUF's
             # words, before its own refusal suggests schemes that GGUF cannot store.
             check_block_width(name, shape, s)

@@ -1,0 +1,235 @@
+"""One place decides each tensor's type: every way of choosing it compiled, once, before any work.
+
+Layer 7 (beside ``api``, which consumes it). A user picks a tensor's type five ways: the default scheme
+with ``--include``/``--exclude``/``--keep`` rules (``transform.Rules``), ``--tensor-type`` overrides in
+llama.cpp's terms (``transform.TensorTypes``), a recipe (``q4_k_m``, bound to the model's config), a plan
+(``--plan FILE`` or ``--target-bits``: ``qkit.plan``), and ``--imatrix`` (which weights llama.cpp's
+searches and turns a recipe's IQ4 choices). Beside the types, the method that chooses the codes and its
+typed options. Two steps compile all of it:
+
+1. ``request(options)``: what the options ask, each part parsed and checked in one line before any file
+   of the model is read (scheme, rules, method and its typed options, overrides against the format, the
+   plan file, the importance-matrix file, activations), and the combinations that cannot go together;
+2. ``compile_choice(request, ref, shapes, config, plan)``: with the model's headers and config, one
+   ``Choice``: tensor -> scheme (in the order the mechanisms apply: rules, then a plan instead of them,
+   then ``--tensor-type``), the importance vectors, and the manifest's record of how the types were chosen.
+
+``api.quantize_model`` is then a pipeline over the ``Choice``: prepare the output, run the method, write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES
+from qkit.errors import InputError, QkitError
+from qkit.export import QKIT, get_format
+from qkit.export.compressed_tensors_w8a8 import check_activations
+from qkit.methods import RTN, Method, get_method, make_options
+from qkit.methods.calibration import check_fits
+from qkit.methods.imatrix import gguf_names, imatrix_record, quant_weights_for
+from qkit.methods.imatrix import read as read_imatrix
+from qkit.methods.imatrix.method import ImatrixMethod
+from qkit.models import ModelRef
+from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
+from qkit.schemes import GGMLScheme, Recipe, Scheme, get_scheme
+from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
+from qkit.transform import Rules, TensorTypes, new_manifest, plan
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """What ``quantize_model`` writes and how; every default defined here, once.
+
+    ``scheme`` the default scheme of the block projections (``qkit.schemes``), ``scale_dtype`` its scale
+    type; ``include`` / ``exclude`` globs and ``keep`` ``SCHEME:GLOB`` overrides (``qkit.transform.Rules``);
+    ``format`` ``qkit`` or an export format (``qkit.export.format_names()``) and ``activations`` what it
+    declares for run-time activation quantization (``int8-token``: W8A8 compressed-tensors); ``method`` how
+    the codes are chosen (``qkit.methods``) with ``method_options`` (its options dataclass's fields, or the
+    dataclass itself); ``max_shard_bytes`` the largest output shard; ``device`` where the weights are
+    quantized; ``allow_pickle`` / ``trust_remote_code`` what the model may run; ``force`` replace an output
+    qkit wrote. ``imatrix``: an importance-matrix file (llama-imatrix's GGUF or legacy ``.dat``, or
+    ``qkit imatrix``'s) that llama.cpp's block types quantize through (``quantize_row_*_impl``);
+    ``tensor_types``: ``PATTERN=TYPE`` overrides in ``llama-quantize --tensor-type``'s terms
+    (``qkit.transform.TensorTypes``). ``plan``: a plan file or ``Plan`` to write, or ``PlanOptions`` to plan
+    first (``quantize --target-bits``).
+    """
+
+    scheme: str = DEFAULT_SCHEME
+    scale_dtype: str = DEFAULT_SCALE_DTYPE
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    keep: Sequence[str] = ()
+    format: str = QKIT
+    activations: str | None = None
+    method: str = RTN
+    method_options: Mapping[str, Any] | Any | None = None
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    device: str | None = "cpu"
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    force: bool = False
+    imatrix: str | None = None
+    tensor_types: Sequence[str] = ()
+    plan: str | Path | Plan | PlanOptions | None = None
+
+    def calibration(self) -> str | None:
+        """The calibration file the method options name (an input the output must stay clear of), or None."""
+        given = self.method_options
+        cal = given.get("calibration") if isinstance(given, Mapping) else getattr(given, "calibration", None)
+        return None if cal is None else str(cal)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What ``QuantizeOptions`` ask, parsed and checked before the model is read (``request``)."""
+
+    default: Scheme  # the default scheme, not yet bound to the model's config
+    rules: Rules
+    method: Method | None  # None: rtn (streamed)
+    method_options: Any  # the method's options dataclass, validated; None for rtn
+    overrides: TensorTypes
+    plan: Plan | PlanOptions | None  # a plan read and checked, or options to plan first with
+    matrix: Any  # the importance matrix read (``qkit.methods.imatrix``), or None
+    format: str
+    activations: str | None
+
+    @property
+    def weighted(self) -> bool:
+        """Whether llama.cpp's types are quantized through an importance matrix (a file, or collected)."""
+        return self.matrix is not None or isinstance(self.method, ImatrixMethod)
+
+
+@dataclass
+class Choice:
+    """Every quantized tensor's scheme and how it was chosen: what ``quantize_model`` writes."""
+
+    default: Scheme  # bound to the model's config (a recipe's layer count), or a plan's base type
+    rules: Rules
+    targets: dict[str, Scheme]  # tensor -> scheme (a recipe resolves per tensor when it is written)
+    llama_names: dict[str, str]  # Hugging Face name -> llama.cpp's ({} for a model llama.cpp does not name)
+    weights: dict[str, torch.Tensor]  # tensor -> importance vector (``--imatrix``)
+    plan: Plan | None
+    manifest: dict = field(default_factory=dict)  # the record the writers store (rules, plan, imatrix)
+
+
+def request(opts: QuantizeOptions) -> Request:
+    """Parse and check ``opts`` before any file of the model is read; ``InputError`` (one line) for a bad
+    part or a combination that cannot go together."""
+    default = get_scheme(opts.scheme, opts.scale_dtype)
+    rules = Rules.parse(opts.include, opts.exclude, opts.keep, opts.scale_dtype)
+    fmt = opts.format
+    if opts.activations is not None:  # only an export format can declare them
+        check_activations(opts.activations)
+        if fmt == QKIT:
+            raise InputError("--activations declares run-time activation quantization for --format compressed-tensors "
+                             "(W8A8); a qkit checkpoint stores weights only: simulate it with qkit eval --schemes smoothquant-w8a8")
+    method = get_method(opts.method)
+    given = opts.method_options
+    typed = None
+    if method is not None:
+        typed = given if isinstance(given, method.options_type) else make_options(method, given)
+    overrides = TensorTypes.parse(opts.tensor_types)
+    overrides.check_format(QKIT if fmt == QKIT else get_format(fmt).name)
+    planned = _plan_request(opts)
+    matrix = read_imatrix(opts.imatrix) if opts.imatrix is not None else None  # a malformed file: refused now
+    if matrix is not None and method is not None and method.name != "gptq":  # gptq: the matrix weights its scale search
+        raise InputError(f"--imatrix weights llama.cpp's own searches (--method rtn or gptq); {method.name} chooses the codes "
+                         "itself: drop one of them")
+    if method is None and given:
+        raise InputError(f"options {', '.join(sorted(given))} need a calibrated --method (gptq, awq, ...)")
+    return Request(default, rules, method, typed, overrides, planned, matrix, fmt, opts.activations)
+
+
+def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
+    planned = opts.plan
+    if planned is None:
+        return None
+    if opts.keep or opts.tensor_types or opts.include or opts.exclude:
+        raise InputError("a plan sets every planned tensor's type; drop --keep/--tensor-type/--include/--exclude "
+                         "(plan with --include/--exclude instead)")
+    if isinstance(planned, (str, Path)):
+        planned = read_plan(planned)  # a malformed file: refused now
+    if isinstance(planned, Plan) and opts.format != QKIT and check_format(opts.format) != planned.format:
+        raise InputError(f"the plan was made for --format {planned.format}: its types and byte counts are that format's; "
+                         f"write it with --format {planned.format} (or re-plan for {opts.format})")
+    if isinstance(planned, PlanOptions):
+        planned.check()
+    return planned
+
+
+def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...]], config: dict,
+                   planned: Plan | None) -> Choice:
+    """The ``Choice`` for ``ref`` (its headers' ``shapes`` and ``config``): the rules' targets, or ``planned``'s
+    types instead of them, then ``--tensor-type`` overrides; each refused in one line before any work
+    (a glob that matches nothing, a plan for another model or measured another way, an importance matrix
+    with no llama.cpp type to weight, a scheme the method cannot serve, calibration beyond the context)."""
+    # A recipe (q4_k_m) needs facts of the model (layer count, tied embeddings): bound here, once.
+    default = req.default.bind(config)
+    if req.weighted and isinstance(default, Recipe):  # llama.cpp's choice reads has_imatrix (IQ4 recipes)
+        default = default.with_imatrix(True)
+    rules = Rules(req.rules.include, req.rules.exclude, tuple((g, s and s.bind(config)) for g, s in req.rules.overrides))
+    rules.check_matches(shapes, ref.spec)  # a glob that matches no tensor: a typo, refused
+    targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
+    if not targets:
+        raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
+    if planned is not None:
+        check_plan_matches(planned, shapes, ref.spec)
+        check_plan_method(planned, req.matrix, req.method)
+        targets = {n: s for n, s in planned.schemes().items() if s is not None}
+        default = get_scheme(base_type(planned)) if base_type(planned) != KEEP else default
+    llama_names = llama_names_of(config, shapes)  # {} for a model llama.cpp does not name
+    if req.overrides:
+        if not llama_names:
+            raise InputError(f"--tensor-type matches llama.cpp tensor names; {ref.spec} is not a llama/qwen2 model qkit names")
+        targets = req.overrides.apply(targets, llama_names)
+    if req.matrix is not None and not any(isinstance(s, (GGMLScheme, Recipe)) for s in targets.values()):
+        raise InputError(f"--imatrix weights llama.cpp's block types' searches; {default.name} is not one (use q2_k ... q8_0, "
+                         "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
+    weights = quant_weights_for(req.matrix, config, shapes, targets) if req.matrix is not None else {}
+    if req.method is not None:
+        for s in {s.name: s for s in targets.values()}.values():
+            req.method.check(s)
+        if req.method.calibrated:  # windows beyond the model's context, activations beyond memory: refused now
+            check_fits(req.method_options.calibration_options(), config)
+    manifest = new_manifest(default, rules)
+    if req.overrides:
+        manifest["rules"]["tensor_types"] = list(req.overrides.words)
+    if planned is not None:
+        manifest["plan"] = planned.record()
+    if req.matrix is not None:
+        manifest["imatrix"] = imatrix_record(req.matrix, len(weights))
+    return Choice(default, rules, targets, llama_names, weights, planned, manifest)
+
+
+def check_plan_method(plan: Plan, matrix: Any, method: Method | None) -> None:
+    """A plan's costs were measured with one matrix or none: its quantize must use the same."""
+    if method is not None and not isinstance(method, ImatrixMethod):
+        raise InputError(f"the plan's costs were measured with {plan.method}; {method.name} chooses other codes for the same "
+                         "types: quantize the plan with its own method (drop --method)")
+    if plan.imatrix is None and (matrix is not None or method is not None):
+        raise InputError("the plan was measured without an importance matrix; re-plan with --imatrix/--method imatrix, "
+                         "or quantize it without one")
+    if plan.imatrix is not None and method is None:
+        if matrix is None:
+            raise InputError(f"the plan was measured with the importance matrix {plan.imatrix.get('file') or ''} "
+                             f"(sha256 {str(plan.imatrix.get('sha256'))[:12]}...): pass it with --imatrix (or --method imatrix)")
+        if matrix.sha256 != plan.imatrix.get("sha256"):
+            raise InputError(f"--imatrix {matrix.source}: not the matrix the plan was measured with (sha256 "
+                             f"{matrix.sha256[:12]}... against {str(plan.imatrix.get('sha256'))[:12]}...); re-plan with it")
+
+
+def llama_names_of(config: dict, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """Hugging Face name -> llama.cpp's for every weight, or ``{}`` for a model llama.cpp does not name here."""
+    try:
+        return gguf_names(config, [n for n in shapes if n.endswith(".weight")])
+    except QkitError:
+        return {}
+
+
+__all__ = ["Choice", "QuantizeOptions", "Request", "check_plan_method", "compile_choice", "llama_names_of", "request"]
