@@ -280,16 +280,26 @@ def test_nf4_needs_whole_blocks_per_row():
         gptq_solve(torch.randn(4, 96), torch.eye(96), get_scheme("nf4"))
 
 
-@pytest.mark.parametrize("refused", ["q4_0", "q8_0", "q4_k"])
-def test_method_refuses_schemes_it_cannot_serve(refused):
+def test_method_serves_every_registered_scheme_and_refuses_an_unknown_kind():
+    """Every registered scheme has an observer (llama.cpp's types and recipes too: tests/test_gptq_ggml.py);
+    a scheme of a kind no observer serves is refused in one line naming what is served."""
+    import dataclasses
+
+    from qkit.schemes import scheme_names
+
     method = get_method("gptq")
-    for name in ("int4-g64", "int8-row", "nf4", "mxfp4", "nvfp4"):
+    for name in scheme_names():
         method.check(get_scheme(name))
-    other = get_scheme(refused)  # the llama.cpp block schemes are always registered
+
+    @dataclasses.dataclass(frozen=True)
+    class Odd:
+        name: str = "odd-4"
+        kind: str = "odd"
+
     with pytest.raises(SchemeError) as err:
-        method.check(other)
+        method.check(Odd())
     assert "\n" not in str(err.value) and "int4-gN" in str(err.value) and "--method rtn" in str(err.value)
-    assert refused in str(err.value) and "mxfp4" in str(err.value)
+    assert "odd-4" in str(err.value) and "mxfp4" in str(err.value) and "q4_k_m" in str(err.value)
 
 
 @pytest.mark.parametrize("kwargs,match", [({"dampening": 0.0}, "--dampening"), ({"dampening": -1.0}, "--dampening"),
@@ -488,11 +498,11 @@ def test_cli_scheme_the_method_cannot_take(tiny_model_dir, cal_file, tmp_path):
 
 
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
-def test_cli_llama_cpp_scheme_the_method_cannot_take(tiny64, cal_file, tmp_path, scheme):
+def test_cli_scale_rule_the_llama_cpp_types_cannot_take(tiny64, cal_file, tmp_path, scheme):
     out = tmp_path / "o"
     result, text = cli("quantize", str(tiny64), "-o", str(out), "--scheme", scheme, "--method", "gptq",
-                       "--calibration", cal_file)
-    assert_one_line_error(result, text, f"GPTQ cannot choose the codes of scheme '{scheme}'", "--method rtn")
+                       "--calibration", cal_file, "--scale-rule", "full-range")
+    assert_one_line_error(result, text, "--scale-rule full-range applies to absmax schemes", "drop --scale-rule")
     assert not out.exists()
 
 

@@ -270,7 +270,8 @@ def test_quantize_refusals_of_imatrix_and_tensor_types(tiny_model_dir, tmp_path)
     im = tmp_path / "im.gguf"
     assert runner.invoke(app, ["imatrix", str(tiny_model_dir), "-o", str(im), "--chunks", "2", "--chunk-size", "32"]).exit_code == 0
     cases = [
-        (["--method", "gptq", "-s", "int4-g32"], "--method rtn"),
+        (["--method", "awq", "-s", "q4_k"], "--method rtn or gptq"),  # gptq takes the matrix for llama.cpp's types
+        (["--method", "gptq", "-s", "int4-g32"], "int4-g32 is not one"),
         (["--tensor-type", "attn_v"], "PATTERN=TYPE"),
         (["--tensor-type", "attn_v=q9_k"], "not a ggml block type"),
         (["--tensor-type", "attn_v=f16"], "--keep none"),

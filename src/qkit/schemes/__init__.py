@@ -10,14 +10,17 @@ from qkit.schemes.quantized import QuantizedTensor, dequantize, quantize_tensor
 from qkit.schemes.registry import DEFAULT_SCHEMES, get_scheme, register, scheme_names
 from qkit.schemes.absmax import AbsmaxScheme  # registers int8-tensor ... int4-g128, int{4,8}-gN
 from qkit.schemes.nf4 import NF4Scheme  # registers nf4
-from qkit.schemes import fp4 as _fp4  # noqa: F401  registers mxfp4, nvfp4
-from qkit.schemes import ggml as _ggml, kquants as _kquants  # noqa: F401  q8_0 ... q5_1, q4_k, q5_k, q6_k
+from qkit.schemes.fp4 import is_fp4  # registers mxfp4, nvfp4
+from qkit.schemes.ggml import GGMLScheme  # registers q8_0 ... q5_1
+from qkit.schemes import kquants as _kquants  # noqa: F401  q4_k, q5_k, q6_k
 from qkit.schemes import ggml_weighted as _ggml_weighted  # noqa: F401  q4_0 ... q5_1 with an importance matrix
 from qkit.schemes import kquants_low as _kquants_low  # noqa: F401  q2_k, q3_k
 from qkit.schemes import iquants as _iquants  # noqa: F401  iq4_nl, iq4_xs
 from qkit.schemes import recipes as _recipes  # noqa: F401  q4_k_m and llama.cpp's other recipes
+from qkit.schemes import ggml_observer as _ggml_observer  # noqa: F401  the GPTQ observer of the llama.cpp types
 
 __all__ = [
+    "GGMLScheme",
     "DEFAULT_SCHEMES",
     "AbsmaxScheme",
     "GGMLCodable",
@@ -27,6 +30,7 @@ __all__ = [
     "Scheme",
     "dequantize",
     "get_scheme",
+    "is_fp4",
     "quantize_tensor",
     "register",
     "scheme_names",

@@ -27,17 +27,8 @@ from typing import Any
 import torch
 
 from qkit.schemes import kernels
-from qkit.schemes.ggml import (
-    QK,
-    T,
-    check_finite,
-    fp16_bytes,
-    fp16_scale,
-    high_bits,
-    pack_low_high,
-    pack_nibbles_or,
-    register_weighted,
-)
+from qkit.schemes.ggml import QK, T, register_weighted
+from qkit.schemes.ggml_blocks import check_finite, fp16_bytes, fp16_scale, high_bits, pack_low_high, pack_nibbles_or
 from qkit.schemes.kquant_search import make_qkx3_quants, make_qx_quants, seq_sum, sqrtf
 
 

@@ -66,7 +66,8 @@ import torch
 
 from qkit.errors import SchemeError
 from qkit.schemes import kernels
-from qkit.schemes.ggml import GGMLScheme, T, check_finite, check_importance, fp16_bytes, fp16_scale, read_fp16, register_codec
+from qkit.schemes.ggml import GGMLScheme, T, check_importance, register_codec
+from qkit.schemes.ggml_blocks import check_finite, fp16_bytes, fp16_scale, read_fp16
 from qkit.schemes.kquant_search import GROUP_MAX_EPS, fdiv, first_max_abs, seq_sum, sqrtf
 from qkit.schemes.kquants import QK_K, KQuantScheme
 from qkit.schemes.registry import register
@@ -196,6 +197,13 @@ def _pack(codes: torch.Tensor, ls: torch.Tensor | None, out: torch.Tensor) -> No
 def _encode(x: torch.Tensor, qw: torch.Tensor | None, S: int) -> torch.Tensor:
     """fp32 ``x`` ``[rows, cols]`` (``cols`` a multiple of ``S``), ``qw`` fp32 ``[cols]`` or ``None`` ->
     the blocks of every row, uint8 ``[rows, cols / S * size]``."""
+    return encode_with_scales(x, qw, S)[0]
+
+
+def encode_with_scales(x: torch.Tensor, qw: torch.Tensor | None, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``_encode``, and the fp32 ``d`` of every super-block ``[rows * cols / S]`` that the codes were
+    rounded with (iq4_nl: the sub-block's scale; iq4_xs: ``D``; stored as fp16): GPTQ rounds by it
+    (``qkit.schemes.ggml_observer``). ``qw`` is checked by the callers (``weighted_iq4_*``)."""
     rows, cols = x.shape
     size, per_row = SIZES[S], cols // S
     n = rows * per_row
@@ -203,7 +211,7 @@ def _encode(x: torch.Tensor, qw: torch.Tensor | None, S: int) -> torch.Tensor:
     if qw is not None and qw.numel() != cols:  # the kernel reads qw[(s % per_row) * S + j] unchecked
         raise SchemeError(f"an importance vector of {qw.numel()} values for rows of {cols}")
     if n == 0:
-        return out.view(rows, -1)
+        return out.view(rows, -1), torch.zeros(0, device=x.device)
     use_kernel = kernels.available(x)
     # The torch path is many small operations: on the CPU one thread is faster than a pool that pays a
     # barrier per operation (a 48x1536 matrix 0.25 s on one thread, 3.6 s on two busy cores).
@@ -233,7 +241,7 @@ def _encode(x: torch.Tensor, qw: torch.Tensor | None, S: int) -> torch.Tensor:
         if bool(bad.any()):  # a sub-block scale overflowed fp32: refuse as a scale beyond fp16
             d = torch.where(bad, torch.full_like(d, float("inf")), d)
         out[:, :2] = fp16_bytes(fp16_scale(d, "scale", x))
-    return out.view(rows, -1)
+    return out.view(rows, -1), d
 
 
 def encode_iq4_nl(x: torch.Tensor) -> torch.Tensor:
@@ -302,5 +310,5 @@ IQ4_XS = register(KQuantScheme(
 
 __all__ = [
     "IQ4_NL", "IQ4_XS", "KVALUES_IQ4NL", "best_index_int8", "decode_iq4_nl", "decode_iq4_xs",
-    "encode_iq4_nl", "encode_iq4_xs", "quantize_iq4_torch", "weighted_iq4_nl", "weighted_iq4_xs",
+    "encode_iq4_nl", "encode_iq4_xs", "encode_with_scales", "quantize_iq4_torch", "weighted_iq4_nl", "weighted_iq4_xs",
 ]

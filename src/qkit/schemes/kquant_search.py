@@ -177,7 +177,7 @@ def make_qkx2_quants(
     squared errors. The large intermediates live in preallocated buffers (fresh multi-megabyte tensors
     per step cost more than the arithmetic).
     """
-    return _qkx(x, w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), use_mad)
+    return _qkx(x, w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), use_mad)[:3]
 
 
 def make_qkx3_quants(
@@ -187,10 +187,19 @@ def make_qkx3_quants(
     :func:`make_qkx2_quants` (same returns), with weights ``x*x`` when ``w`` is ``None`` (C ``NULL``);
     its early return tests ``max <= min``, which after ``if (min > 0) min = 0`` is ``max == min``.
     q4_1 / q5_1 with an importance matrix: ``nmax`` 15 / 31 and the defaults."""
-    return _qkx(x, x * x if w is None else w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), use_mad)
+    return _qkx(x, x * x if w is None else w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), use_mad)[:3]
 
 
-def _qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, steps: list[float], use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def make_qkx3_rule(
+    x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float = -0.9, rdelta: float = 0.05, nstep: int = 36
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`make_qkx3_quants` (squared errors) and the rule its kept codes came from: ``(scale, the_min, L,
+    iscale [S], shift [S])`` with ``L = clamp(nearest_int(iscale * (x - shift)), 0, nmax)`` (0 where
+    ``max == min``). GPTQ rounds error-updated weights by the same rule (``qkit.schemes.ggml_observer``)."""
+    return _qkx(x, w, nmax, qkx_steps(nmax, rmin, rdelta, nstep), False)
+
+
+def _qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, steps: list[float], use_mad: bool) -> tuple[torch.Tensor, ...]:
     n, S = x.shape
     mn = first_min(x)
     mn = torch.where(mn > 0, torch.zeros_like(mn), mn)  # if (min > 0) min = 0;  (a zero min keeps its sign)
@@ -246,7 +255,7 @@ def _qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, steps: list[float], use_ma
         L.mul_((~same).to(L.dtype))
         best_scale = torch.where(same, torch.zeros_like(best_scale), best_scale)
         best_min = torch.where(same, mn, best_min)
-    return best_scale, best_min.neg(), L
+    return best_scale, best_min.neg(), L, best_iscale, best_shift
 
 
 _ROUND_BOUND = 4.0e6  # under nearest_int's exact range (|v| <= 4194303), with room for the bound's own rounding
@@ -287,6 +296,18 @@ def make_qx_quants(x: torch.Tensor, nmax: int = 32, rmse_type: int = 1, qw: torc
     Returns ``(scale [S], L [n, S])`` with ``L`` the stored codes ``l + nmax`` in ``0..2*nmax-1`` (fp32);
     a column with ``max|x| < GROUP_MAX_EPS`` gets scale 0 and codes 0.
     """
+    return _qx(x, nmax, rmse_type, qw)[:2]
+
+
+def make_qx_rule(x: torch.Tensor, nmax: int, qw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`make_qx_quants` with ``rmse_type`` 1 and weights ``qw``, and the inverse scale its codes came
+    from: ``(scale, L, iscale [S])``, ``L = clamp(nearest_int(iscale * x), -nmax, nmax - 1) + nmax`` (0 in an
+    all-zero column). GPTQ rounds error-updated weights by the same rule (``qkit.schemes.ggml_observer``)."""
+    return _qx(x, nmax, 1, qw)
+
+
+def _qx(x: torch.Tensor, nmax: int, rmse_type: int, qw: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """:func:`make_qx_quants`; with ``rmse_type`` 1 also the inverse scale of the kept codes (``make_qx_rule``)."""
     n, S = x.shape
     amax, mx = first_max_abs(x, 0)
     zero = amax < GROUP_MAX_EPS
@@ -325,7 +346,7 @@ def make_qx_quants(x: torch.Tensor, nmax: int = 32, rmse_type: int = 1, qw: torc
         best = torch.where(better, scale * sumlx, best)
         best_iscale = torch.where(better, iscale, best_iscale)
     codes_into(L, x, None, best_iscale, -nmax, nmax - 1).add_(nmax)
-    return _zeroed(zero, scale, L)
+    return (*_zeroed(zero, scale, L), best_iscale)
 
 
 def _zeroed(zero: torch.Tensor, scale: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

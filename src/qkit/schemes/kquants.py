@@ -67,19 +67,8 @@ import torch
 
 from qkit.errors import SchemeError
 from qkit.schemes import kernels
-from qkit.schemes.ggml import (
-    Q5_0,
-    Q5_1,
-    Q8_0,
-    GGMLScheme,
-    T,
-    check_finite,
-    check_importance,
-    fp16_bytes,
-    fp16_scale,
-    read_fp16,
-    register_codec,
-)
+from qkit.schemes.ggml import Q5_0, Q5_1, Q8_0, GGMLScheme, T, check_importance, register_codec
+from qkit.schemes.ggml_blocks import check_finite, fp16_bytes, fp16_scale, read_fp16
 from qkit.schemes.kquant_search import (
     GROUP_MAX_EPS,
     fdiv,
@@ -346,25 +335,38 @@ def _encode_q6_k(x: torch.Tensor, qw: torch.Tensor | None = None, first: int = 0
         safe = torch.where(keep, torch.ones_like(dd), dd)
         q = nearest_int(x.view(nb, 16, 16).div(safe.unsqueeze(2))).clamp_(-32, 31).add_(32)
         q = torch.where(keep.unsqueeze(2), L.to(torch.int32), q).to(torch.uint8)
-        q = torch.where(zero.view(nb, 1, 1), torch.zeros_like(q), q).reshape(nb, 2, 4, 32)  # [half, quarter, l]
-        ql = out[:, :128].view(nb, 2, 2, 32)
-        ql.copy_((q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4))
-        qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
-        out[:, 128:192].view(nb, 2, 32).copy_(qh)
+        pack_q6_codes(torch.where(zero.view(nb, 1, 1), torch.zeros_like(q), q), out)
     out[:, 192:208] = sc.view(torch.uint8)
     out[:, 208:210] = fp16_bytes(d)
     return out
 
 
-def decode_q6_k(b: torch.Tensor) -> torch.Tensor:
-    """``block_q6_K`` bytes ``[nb, 210]`` -> fp32 ``[nb, 256]``: ``(d * sc) * (q - 32)`` per sub-block of 16."""
+def pack_q6_codes(q: torch.Tensor, out: torch.Tensor) -> None:
+    """uint8 codes ``0..63`` (any shape of ``nb * 256``) into ``ql`` / ``qh`` of ``block_q6_K`` bytes ``out``
+    ``[nb, 210]`` (``out[:, :192]``): element ``128h + 32k + l`` has its low nibble in ``ql[64h + 32(k % 2) +
+    l]`` (high nibble for ``k >= 2``) and its top two bits at bit ``2k`` of ``qh[32h + l]``."""
+    nb = out.shape[0]
+    q = q.reshape(nb, 2, 4, 32)  # [half, quarter, l]
+    out[:, :128].view(nb, 2, 2, 32).copy_((q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4))
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    out[:, 128:192].view(nb, 2, 32).copy_(qh)
+
+
+def q6_codes(b: torch.Tensor) -> torch.Tensor:
+    """``block_q6_K`` bytes ``[nb, 210]`` -> the stored codes ``0..63`` uint8 ``[nb, 256]`` (the inverse of
+    :func:`pack_q6_codes`)."""
     nb = b.shape[0]
     ql = b[:, :128].reshape(nb, 2, 1, 64)
     ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(nb, 2, 4, 32)
     qh = b[:, 128:192].reshape(nb, 2, 1, 32)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
-    qh = (qh >> shifts) & 0x03
-    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(nb, 16, 16).float()
+    return (ql | (((qh >> shifts) & 0x03) << 4)).reshape(nb, QK_K)
+
+
+def decode_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """``block_q6_K`` bytes ``[nb, 210]`` -> fp32 ``[nb, 256]``: ``(d * sc) * (q - 32)`` per sub-block of 16."""
+    nb = b.shape[0]
+    q = (q6_codes(b).to(torch.int8) - 32).reshape(nb, 16, 16).float()
     sc = b[:, 192:208].contiguous().view(torch.int8).float()
     d = read_fp16(b, 208)
     return ((d * sc).unsqueeze(2) * q).reshape(nb, QK_K)

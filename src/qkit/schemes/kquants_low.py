@@ -65,16 +65,8 @@ import torch
 from qkit.errors import SchemeError
 from qkit.schemes import kernels
 from qkit.schemes import kquant_search as ks
-from qkit.schemes.ggml import (
-    Q4_0,
-    T,
-    check_finite,
-    check_importance,
-    fp16_bytes,
-    fp16_scale,
-    read_fp16,
-    register_codec,
-)
+from qkit.schemes.ggml import Q4_0, T, check_importance, register_codec
+from qkit.schemes.ggml_blocks import check_finite, fp16_bytes, fp16_scale, read_fp16
 from qkit.schemes.kquant_search import fdiv, first_max_abs, nearest_int, seq_sum, sqrtf
 from qkit.schemes.kquants import QK_K, KQuantScheme
 from qkit.schemes.registry import register
@@ -218,13 +210,28 @@ def _q3_finish(x: torch.Tensor, L: torch.Tensor, d: torch.Tensor, l: torch.Tenso
     dd = d.float().unsqueeze(1) * _q3_unpack_scales(out[:, 96:108]).float()
     keep = dd == 0
     q = nearest_int(x.view(nb, 16, 16) / torch.where(keep, torch.ones_like(dd), dd).unsqueeze(2)).clamp_(-4, 3).add_(4)
-    q = torch.where(keep.unsqueeze(2), L.view(nb, 16, 16).to(torch.int32), q).view(nb, 8, 32)  # [nb, j / 32, j % 32]
-    high = q > 3
-    bits = high.to(torch.int32) << torch.arange(8, dtype=torch.int32, device=x.device).view(1, 8, 1)
-    out[:, :32] = bits.sum(dim=1).to(torch.uint8)
-    pack_2bit((q - 4 * high.to(torch.int32)).reshape(nb, QK_K), out[:, 32:96])
+    pack_q3_codes(torch.where(keep.unsqueeze(2), L.view(nb, 16, 16).to(torch.int32), q), out)
     out[:, 108:110] = fp16_bytes(d)
     return out
+
+
+def pack_q3_codes(q: torch.Tensor, out: torch.Tensor) -> None:
+    """Codes ``0..7`` (int, any shape of ``nb * 256``) into ``hmask`` and ``qs`` of ``block_q3_K`` bytes ``out``
+    ``[nb, 110]`` (``out[:, :96]``): bit ``k`` of ``hmask[m]`` is bit 2 of code ``32k + m``, the low two bits
+    packed by :func:`pack_2bit`."""
+    nb = out.shape[0]
+    q = q.reshape(nb, 8, 32).to(torch.int32)  # [nb, j / 32, j % 32]
+    high = q > 3
+    bits = high.to(torch.int32) << torch.arange(8, dtype=torch.int32, device=q.device).view(1, 8, 1)
+    out[:, :32] = bits.sum(dim=1).to(torch.uint8)
+    pack_2bit((q - 4 * high.to(torch.int32)).reshape(nb, QK_K), out[:, 32:96])
+
+
+def q3_codes(b: torch.Tensor) -> torch.Tensor:
+    """``block_q3_K`` bytes ``[nb, 110]`` -> the codes ``0..7`` int32 ``[nb, 256]`` (``q - 4`` is the level)."""
+    nb = b.shape[0]
+    hbit = (b[:, :32].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    return unpack_2bit(b[:, 32:96]).to(torch.int32) + 4 * hbit.reshape(nb, QK_K).to(torch.int32)
 
 
 def _q3_ref_torch(x: torch.Tensor) -> torch.Tensor:
@@ -255,8 +262,7 @@ def decode_q3_k(b: torch.Tensor) -> torch.Tensor:
     from ``hmask``."""
     nb = b.shape[0]
     dl = read_fp16(b, 108) * _q3_unpack_scales(b[:, 96:108]).float()
-    hbit = (b[:, :32].unsqueeze(1) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
-    q = unpack_2bit(b[:, 32:96]).to(torch.int32) - 4 + 4 * hbit.reshape(nb, QK_K).to(torch.int32)
+    q = q3_codes(b) - 4
     return (dl.unsqueeze(2) * q.view(nb, 16, 16).float()).reshape(nb, QK_K)
 
 

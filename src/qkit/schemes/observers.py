@@ -29,7 +29,10 @@ the kind. The grids, each bit for bit the scheme's RTN:
   that rounds to 0), ``Ŵ = E2M1 * 2**(e - 127)``;
 * nvfp4: the fp32 global scale ``gs`` once from the whole weight (``nvfp4_global_scale``), per block of
   16 the E4M3 scale ``s`` of the block's absmax (``nvfp4_block_scales``), codes the ties-to-even rounding
-  of ``w / (s / gs)`` (-0 for a small negative), ``Ŵ = E2M1 * (s / gs)``.
+  of ``w / (s / gs)`` (-0 for a small negative), ``Ŵ = E2M1 * (s / gs)``;
+* ggml (every llama.cpp block type, registered by ``qkit.schemes.ggml_observer``): each block's scales and
+  minimums from the type's own encoder (with an importance matrix's entry, its weighted search), the
+  codes by llama.cpp's final rounding of the type.
 
 An observer keeps per-unit values as rows (``[n_units, rows]``) so a column loop reads contiguous vectors.
 """
@@ -113,8 +116,9 @@ class Observer(Protocol):
     def set_unit(self, u: int, w: torch.Tensor) -> None:
         """Scales of unit ``u`` from ``w [rows, unit_cols]`` (fp32, the current weights; any strides)."""
 
-    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
-        """Column ``w [rows]`` (fp32) of unit ``u`` -> its codes (as fp32) into ``codes``, ``Ŵ`` into ``deq``."""
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor, col: int = 0) -> None:
+        """Column ``w [rows]`` (fp32) of unit ``u`` -> its codes (as fp32) into ``codes``, ``Ŵ`` into ``deq``;
+        ``col``: the column's index in the matrix (original order; where a unit holds several sub-blocks)."""
 
     def finish(self, codes: torch.Tensor, units: torch.Tensor) -> None:
         """Last fix-ups of ``codes [rows, cols]`` (``units [cols]``: each column's unit), in place."""
@@ -127,7 +131,7 @@ class ObserverType(Protocol):
     """An observer class: built for one matrix; ``block_width`` says whether rows must be whole blocks."""
 
     def __call__(self, scheme: Any, rows: int, cols: int, device: torch.device, *, scale_rule: str = "absmax",
-                 weights: torch.Tensor | None = None) -> Observer: ...
+                 weights: torch.Tensor | None = None, **importance: torch.Tensor) -> Observer: ...
 
     def block_width(self, scheme: Any) -> int | None:
         """Columns per block when scales run in blocks along each row (``cols`` must be a multiple), else None."""
@@ -170,7 +174,7 @@ class AbsmaxObserver:
         self.scale[u] = f
         self.divisor[u] = torch.where(f > 0, f, torch.ones_like(f))  # zero unit -> codes set to 0 in finish()
 
-    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor, col: int = 0) -> None:
         torch.div(w, self.divisor[u], out=codes).round_().clamp_(-self.qmax - 1, self.qmax)
         torch.mul(codes, self.scale[u], out=deq)
 
@@ -212,7 +216,7 @@ class NF4Observer:
         self.stored[u] = absmax.to(self.scheme.scale_dtype)
         self.scale[u] = self.stored[u].float()
 
-    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor, col: int = 0) -> None:
         c = nf4_codes(w * self.inverse[u])
         codes.copy_(c)
         torch.mul(self.levels[c], self.scale[u], out=deq)
@@ -260,7 +264,7 @@ class MXFP4Observer:
         torch.mul(w, self.multiplier[u], out=self._y[0, : self.rows])
         return e2m1_codes(self._y, ties_to_even=self.ties_to_even)[0, : self.rows].long()
 
-    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor) -> None:
+    def quantize_into(self, w: torch.Tensor, u: int, codes: torch.Tensor, deq: torch.Tensor, col: int = 0) -> None:
         c = self._codes(w, u)
         codes.copy_(c)
         torch.mul(self.values[c], self.scale[u], out=deq)
@@ -314,14 +318,20 @@ def observer_type(scheme: Scheme) -> ObserverType | None:
 
 
 def observer_for(scheme: Scheme, rows: int, cols: int, device: torch.device, *, scale_rule: str = "absmax",
-                 weights: torch.Tensor | None = None) -> Observer:
+                 weights: torch.Tensor | None = None, quant_weights: torch.Tensor | None = None) -> Observer:
     """A fresh observer for a ``[rows, cols]`` matrix of ``scheme`` (``weights``: that matrix, which nvfp4's
-    global scale needs). A scheme with no observer (the llama.cpp block formats) raises ``SchemeError``."""
+    global scale and the llama.cpp types' importance weighting need; ``quant_weights``: an importance
+    matrix's entry, fp32 ``[cols]``, which only the llama.cpp types take). A scheme with no observer
+    raises ``SchemeError``."""
     kind = observer_type(scheme)
     if kind is None:
         raise SchemeError(f"no observer chooses the codes of scheme {scheme.name!r} (kind {scheme.kind}); "
                           f"observers exist for: {', '.join(OBSERVERS.names())}")
-    return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights)
+    if quant_weights is None:
+        return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights)
+    if scheme.kind != "ggml":
+        raise SchemeError(f"{scheme.name} does not take an importance matrix (--imatrix applies to llama.cpp's block types)")
+    return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights, quant_weights=quant_weights)
 
 
 def round_to_nearest(W: torch.Tensor, observer: Observer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +343,7 @@ def round_to_nearest(W: torch.Tensor, observer: Observer) -> tuple[torch.Tensor,
     Wt = W.T.contiguous()
     codes_t, Q_t = torch.zeros_like(Wt), torch.zeros_like(Wt)
     for j in range(W.shape[1]):
-        observer.quantize_into(Wt[j], j // observer.unit, codes_t[j], Q_t[j])
+        observer.quantize_into(Wt[j], j // observer.unit, codes_t[j], Q_t[j], j)
     codes, Q = codes_t.T.contiguous(), Q_t.T.contiguous()
     observer.finish(codes, torch.arange(W.shape[1], device=W.device) // observer.unit)
     return codes, Q

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -42,7 +42,7 @@ from qkit.methods.gptq.solver import (
     whole_blocks,
 )
 from qkit.methods.sequential import BlockInputs, walk_blocks
-from qkit.models import load
+from qkit.models import load, load_tokenizer
 from qkit.schemes import QuantizedTensor, Scheme, quantize_tensor
 from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
 from qkit.schemes.observers import SCALE_RULES as _RULES
@@ -60,6 +60,9 @@ class GPTQOptions(CalibratedOptions):
     # columns by descending diag(H), static group scales: measured on the default model (docs), int4-g64
     # perplexity 19.26 with it against 21.25 without; act_order=False gives the reference's default order
     act_order: bool = True
+    # scales from the original weights without act order too (the reference's static_groups; with act
+    # order they always are). Measured for llama.cpp's types in docs/gptq.md.
+    static_groups: bool = False
     scale_rule: str = "absmax"  # see SCALE_RULES
     block_size: int = DEFAULT_BLOCK_SIZE
     # calibration windows per forward call; None: all in one batch, one pass per block (true sequential)
@@ -73,6 +76,8 @@ class GPTQOptions(CalibratedOptions):
             raise InputError(f"--dampening must be a positive fraction of the mean Hessian diagonal (e.g. 0.01), got {self.dampening!r}")
         if self.scale_rule not in SCALE_RULES:
             raise InputError(f"unknown GPTQ scale rule {self.scale_rule!r}; use one of {', '.join(SCALE_RULES)}")
+        if not isinstance(self.static_groups, bool):
+            raise InputError(f"static_groups must be true or false, got {self.static_groups!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise InputError(f"GPTQ block size must be a positive integer, got {self.block_size!r}")
         if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
@@ -102,13 +107,14 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, XtX: torch.Tensor) -> flo
     return output_errors(W, [W_hat], XtX)[0]
 
 
-def rtn_dequantized(W: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """What ``--method rtn`` would store for ``W`` (fp32 ``[rows, cols]``), dequantized to fp32: absmax
-    schemes through qkit's own quantizer without packing the codes; others through ``quantize_tensor``."""
+def rtn_dequantized(W: torch.Tensor, scheme: Scheme, quant_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """What ``--method rtn`` (with ``--imatrix``: ``quant_weights``, llama.cpp's types) would store for ``W``
+    (fp32 ``[rows, cols]``), dequantized to fp32: absmax schemes through qkit's own quantizer without
+    packing the codes; others through ``quantize_tensor``."""
     if scheme.kind == "absmax":
         q, scales = quantize_absmax(W, scheme.bits, scheme.granularity, scheme.scale_dtype)
         return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
-    return quantize_tensor(W, scheme).dequantize(torch.float32)
+    return quantize_tensor(W, scheme, quant_weights=quant_weights).dequantize(torch.float32)
 
 
 # --------------------------------------------------------------------------- Hessians of one block
@@ -164,6 +170,7 @@ class GPTQRun:
     options: GPTQOptions
     dtypes: dict[str, torch.dtype | None]  # source dtypes (the stored tensors keep them)
     one_pass: bool  # all windows in one batch: quantize in the forward pre-hooks
+    quant_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # importance matrix entries (llama.cpp types)
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
     blocks: list[dict[str, Any]] = field(default_factory=list)
@@ -182,17 +189,22 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
     scheme = run.targets[full]
     ts = time.perf_counter()
     W = linear.weight.detach().to(device=XtX.device, dtype=torch.float32)
+    qw = run.quant_weights.get(full)
+    # Packing and RTN's reference are many small operations on uint8 tensors: on one thread too (with two
+    # busy cores a pool made them 20-50x slower: q5_0's packing of a 1536x576 matrix 144 ms, 2 ms on one).
     with one_torch_thread():
         solved = gptq_solve(W, None, scheme, block_size=run.options.block_size, prepared=prepared,
-                            scale_rule=run.options.scale_rule)
-    seconds = time.perf_counter() - ts
-    parts = {k: v.cpu() for k, v in solved.grid.parts(solved.codes, slice(0, W.shape[0])).items()}
+                            scale_rule=run.options.scale_rule, quant_weights=qw,
+                            static_groups=run.options.static_groups)
+        seconds = time.perf_counter() - ts
+        parts = {k: v.cpu() for k, v in solved.grid.parts(solved.codes, slice(0, W.shape[0])).items()}
+        rtn = rtn_dequantized(W, scheme, qw)
     dtype = run.dtypes.get(full) or torch.float32
     qt = QuantizedTensor.from_parts(scheme, parts, tuple(linear.weight.shape), dtype)
     # The solve's dequantized weights are what the stored parts decode to (bit for bit: tested), so
     # the codes need not be unpacked again here.
     W_hat = solved.dequantized
-    rtn_err, gptq_err = output_errors(W, [rtn_dequantized(W, scheme), W_hat], XtX)
+    rtn_err, gptq_err = output_errors(W, [rtn, W_hat], XtX)
     run.layers[full] = {
         "rtn_error": rtn_err,
         "gptq_error": gptq_err,
@@ -274,7 +286,7 @@ def gptq_record(run: GPTQRun, provenance: dict[str, Any], rtn_fallback: list[str
         "passes": "one per block (true sequential: each linear quantized in its forward pre-hook)" if run.one_pass
         else "two per block (Hessians with the original weights, then the block re-run quantized)",
         "hessian": "X^T X accumulated in fp32; dampening and the Cholesky factor of the inverse in fp32",
-        "scales": ("static groups from the original weights, original column order (act_order)" if options.act_order
+        "scales": ("static groups from the original weights, original column order" if options.act_order or options.static_groups
                    else "per group when its first column is reached, from the error-updated weights"),
         "layers": dict(sorted(run.layers.items())),
         "blocks": run.blocks,
@@ -296,7 +308,10 @@ class GPTQMethod:
         check_scheme(scheme)  # nf4 / fp4 rows that are not whole blocks are refused per matrix, before any pass
 
     def run(self, ref: Any, targets: dict[str, Scheme], options: GPTQOptions, *, device: torch.device,
-            on_block: Callable[[int, int], None] | None = None) -> MethodResult:
+            on_block: Callable[[int, int], None] | None = None,
+            quant_weights: Mapping[str, torch.Tensor] | None = None) -> MethodResult:
+        """``quant_weights``: an importance matrix's entries by tensor (``qkit quantize --imatrix``), which
+        weight the llama.cpp types' scale searches; the other schemes refuse one."""
         options.check()
         for scheme in targets.values():
             self.check(scheme)
@@ -304,18 +319,32 @@ class GPTQMethod:
         for name, scheme in targets.items():  # a matrix a block scheme cannot serve row-wise: refused before any work
             if name in shapes:
                 whole_blocks(scheme, as_2d(shapes[name])[1], name)
+        # Every recipe resolved per tensor first (q4_k_m: q4_k / q6_k by name, q5_0 / q8_0 for widths that
+        # are not whole super-blocks): each linear is solved for the type it will be written as.
+        targets = {n: (s.resolve(tuple(shapes[n]), n) if n in shapes else s) for n, s in targets.items()}
+        for name, scheme in targets.items():
+            if scheme.kind == "ggml" and options.scale_rule != "absmax":
+                raise InputError(f"--scale-rule {options.scale_rule} applies to absmax schemes; {name} is {scheme.name}, "
+                                 "whose scales come from llama.cpp's own search: drop --scale-rule")
+        weights = dict(quant_weights or {})
+        for name in weights:
+            if targets.get(name) is None or targets[name].kind != "ggml":
+                raise InputError(f"an importance matrix weights llama.cpp's block types; {name} is not one")
         t_start = time.perf_counter()
+        # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.
+        ids, provenance = calibration_ids(load_tokenizer(ref.directory, ref.trust_remote_code), options.calibration_options())
         loaded = load(ref=ref, device="cpu", dtype=torch.float32)
-        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
         batch = options.batch_size or ids.shape[0]
-        run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0])
+        run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights)
         walk_blocks(loaded.model, ids, partial(quantize_block, run), device=device, batch_size=batch, on_block=on_block)
         rtn_fallback = sorted(set(targets) - set(run.quantized))
-        if rtn_fallback:  # targets outside the blocks (or not nn.Linear): round to nearest, streamed
+        if rtn_fallback:  # targets outside the blocks (or not nn.Linear): round to nearest (+ imatrix), streamed
             for name, tensor in iter_tensors(ref.directory):
                 if name in rtn_fallback:
-                    run.quantized[name] = quantize_tensor(tensor, targets[name], name=name)
+                    run.quantized[name] = quantize_tensor(tensor, targets[name], name=name, quant_weights=weights.get(name))
         record = gptq_record(run, provenance, rtn_fallback, time.perf_counter() - t_start)
+        if weights:
+            record["imatrix_tensors"] = len(weights)
         return MethodResult(quantized=run.quantized, replaced={}, record=record)
 
 

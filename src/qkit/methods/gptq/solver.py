@@ -104,7 +104,8 @@ def unsupported(scheme: Scheme) -> str:
     """The one-line refusal of a scheme no observer serves."""
     return (f"GPTQ cannot choose the codes of scheme {scheme.name!r} (kind {scheme.kind}); "
             "it serves absmax schemes (int8-tensor, int8-row, int4-tensor, int4-row, int4-gN, int8-gN), nf4, "
-            "mxfp4 and nvfp4 (not the llama.cpp block formats): pick one of those or use --method rtn")
+            "mxfp4, nvfp4 and llama.cpp's block types and recipes (q8_0 ... q6_k, iq4_nl, iq4_xs, q4_k_m, ...): "
+            "pick one of those or use --method rtn")
 
 
 def check_scheme(scheme: Scheme) -> None:
@@ -154,12 +155,18 @@ def gptq_solve(
     act_order: bool = False,
     prepared: PreparedHessian | None = None,
     scale_rule: str = "absmax",
+    quant_weights: torch.Tensor | None = None,
+    static_groups: bool = False,
 ) -> SolveResult:
     """GPTQ of one weight ``W [rows, cols]`` against ``H [cols, cols]`` (``Xᵀ X`` of its inputs, any scale),
     or against ``prepared`` (``prepare_hessian(H, dampening, act_order)``, shared by layers with one input).
+    ``quant_weights``: an importance matrix's entry for ``W`` (fp32 ``[cols]``; llama.cpp's types only),
+    which weights their scale searches as ``--method rtn --imatrix`` does. ``static_groups``: every
+    unit's scales from the original weights even without act order (with it they always are).
 
     Runs on ``W``'s device, fp32. Returns codes in the original column order, the dequantized weights and
-    the observer holding the scales (docs/gptq.md gives every choice).
+    the observer holding the scales (docs/gptq.md gives every choice). A scheme that picks a type per
+    width or name (a llama.cpp recipe, a k-quant's fallback) is solved as ``scheme.resolve(W.shape)``.
     """
     rows, cols = W.shape
     if prepared is None:
@@ -168,26 +175,28 @@ def gptq_solve(
         prepared = prepare_hessian(H.to(W.device), dampening, act_order)
     check_scheme(scheme)
     whole_blocks(scheme, cols)
+    scheme = scheme.resolve((rows, cols))
     W = W.to(torch.float32).clone()
-    # nvfp4's global scale: from the whole W as given (as RTN computes it), before dead columns are zeroed
-    grid = observer_for(scheme, rows, cols, W.device, scale_rule=scale_rule, weights=W)
+    # nvfp4's global scale and the llama.cpp types' row statistics: from the whole W as given (as RTN
+    # computes them), before dead columns are zeroed
+    grid = observer_for(scheme, rows, cols, W.device, scale_rule=scale_rule, weights=W, quant_weights=quant_weights)
     n_dead = int(prepared.dead.sum())
     if n_dead:
         W[:, prepared.dead] = 0.0
     if prepared.U is None:  # H never became positive definite: round to nearest on the same grid
         codes, Q = round_to_nearest(W, grid)
         return SolveResult(codes, Q, grid, prepared.dampening, prepared.retries, n_dead, fallback=True)
-    codes, Q = _column_loop(W, prepared.U, prepared.perm, grid, block_size)
+    codes, Q = _column_loop(W, prepared.U, prepared.perm, grid, block_size, static_groups)
     return SolveResult(codes, Q, grid, prepared.dampening, prepared.retries, n_dead)
 
 
 def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, grid: Observer,
-                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_size: int, static_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The lazy-block loop over ``W [rows, cols]`` (fp32, dead columns zeroed, original order) with the
     factor ``U`` (in processing order); returns ``(codes, Ŵ)`` in the original column order."""
     rows, cols = W.shape
     device = W.device
-    static = perm is not None or grid.unit >= cols or grid.per_tensor
+    static = static_groups or perm is not None or grid.unit >= cols or grid.per_tensor
     if static:  # scales from the original weights, original column order
         for u in range(grid.n_units):
             grid.set_unit(u, W[:, u * grid.unit : (u + 1) * grid.unit])
@@ -199,7 +208,7 @@ def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, gr
     unit = grid.unit
     bs = block_size if static else unit * max(1, block_size // unit)
     order = torch.arange(cols) if perm is None else perm.cpu()
-    unit_of = (order // unit).tolist()
+    unit_of, col_of = (order // unit).tolist(), order.tolist()
     Wt = W.T.contiguous()
     codes_t = torch.zeros(cols, rows, device=device)
     Q_t = torch.zeros(cols, rows, device=device)
@@ -221,7 +230,7 @@ def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, gr
                     grid.set_unit(unit_of[j], W1[i : i + unit].T)
                 w = W1[i]
                 q = Q_t[j]
-                grid.quantize_into(w, unit_of[j], codes_t[j], q)
+                grid.quantize_into(w, unit_of[j], codes_t[j], q, col_of[j])
                 err = torch.sub(w, q, out=Err1[i]).div_(diag[i])
                 if i + 1 < s2:
                     W1[i + 1 : s2].addr_(U1[i, i + 1 : s2], err, alpha=-1.0)
