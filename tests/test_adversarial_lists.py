@@ -9,6 +9,8 @@ table of cases is checked against the typer app itself, so a new list option wit
 
 from __future__ import annotations
 
+import re
+
 import json
 from pathlib import Path
 
@@ -86,7 +88,7 @@ def _list_params() -> tuple[set[tuple[str, str]], set[tuple[str, str]]]:
                 repeated.add((where, p.opts[0]))
             elif p.param_type_name == "argument" and p.nargs == -1:
                 repeated.add((where, p.name))
-            if p.param_type_name == "option" and "comma" in (p.help or "").lower():
+            if p.param_type_name == "option" and re.search(r"\bcomma\b", (p.help or "").lower()):  # not "command"
                 assert p.metavar == "LIST", f"{where} {p.opts[0]}: a comma-separated option takes metavar='LIST'"
 
     walk(typer.main.get_command(app), [])
