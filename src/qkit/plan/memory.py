@@ -38,10 +38,13 @@ from qkit.memory import GIB, available_ram, gib, process_rss
 from qkit.threads import available_memory
 
 # Everything but the model: python, torch, transformers' modeling code, qkit, the quantization kernels
-# (numba) and the tokenizer. A gguf plan of a 64-wide, 2-layer llama peaked at 0.54 GiB (measured as in
-# benchmarks/bench_plan_memory.py); "import torch, transformers, qkit.api" alone is 0.25 GiB, because
-# transformers imports its modeling code, and qkit its kernels, only when they are first used.
-BASELINE = int(0.6 * GIB)
+# (numba) and the tokenizer. A gguf plan of a 64-wide, 2-layer llama peaked at 0.54 GiB in a venv installed
+# days before (measured as in benchmarks/bench_plan_memory.py), and the same process holds 0.14 GiB more in
+# a venv just installed with the same packages and versions (``import torch`` alone: 0.19 GiB against
+# 0.24 GiB resident; a 4-layer 1024-wide plan peaked at 0.84 GiB against 0.98 GiB; why the new install's
+# libraries hold more resident pages is not pinned down). The constant covers the fresh install, which is
+# what CI and a user's first run see.
+BASELINE = int(0.75 * GIB)
 # A step's working set is freed into the allocator, which keeps part of it: the process's resident memory
 # after a backward pass stays above what is alive. With this factor the estimate was 5-8% above every
 # measured peak of bench_plan_memory.py's synthetic llama (fp32 and bf16; 1, 7 and 10 groups).
