@@ -1,0 +1,208 @@
+"""GGUF files of the default model from llama.cpp, auto-round and qkit, at the same types, scored in llama.cpp.
+
+    python benchmarks/build_llama_ref.py --tools        # once: llama-quantize, -imatrix, -perplexity, -tokenize
+    python benchmarks/bench_gguf_peers.py [--types q2_k-llama,q3_k_m,q4_k_m,iq4_xs-llama] [--peers DIR]
+                                          [--chunks N] [--threads 2] [--json PATH]
+
+In one run, with the llama.cpp ``build_llama_ref.py`` pins:
+
+1. ``convert_hf_to_gguf.py --outtype f32``: the reference GGUF.
+2. ``llama-imatrix -m F32.gguf -f cal.txt -c 512 --chunks 32``: one importance matrix, from the pinned
+   calibration text (Genesis+Exodus; the eval text, Ruth, is never in it), given to every file that uses one.
+3. For each type: ``llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT TYPE``
+   (llama.cpp's own file), and qkit's ``quantize --format gguf --scheme TYPE --imatrix imatrix.gguf`` with
+   ``--method rtn`` (the same bytes as llama-quantize's, checked) and ``--method gptq`` (GPTQ's error
+   feedback inside the type's blocks; its Hessian from the calibration text's default windows). With
+   ``--plan``, also qkit's planned mix at q4_k_m's bytes (``qkit plan --imatrix`` with the bytes q4_k_m
+   stores for the same tensors, then quantized with gptq). Each file's bytes are printed: the rows compare
+   files of the same bytes (the token embedding stays f32 in all of them, as qkit writes it).
+4. Any ``*.gguf`` under ``--peers`` (auto-round's files, ``benchmarks/peer_autoround.py``) is scored too.
+5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
+   eval text (``-c 512``), then ``--kl-divergence`` per file with a copy of llama-perplexity that also writes
+   its per-token values (``bench_llama_cpp.build_kld_dump_tool``), so that two files' KL are paired on
+   the same positions: mean KL ± SE per file, and per type each file against llama.cpp's own file of that
+   type (difference ± paired SE and the ratio).
+
+The default model's weights were published as Q4_1: a type whose grid holds Q4_1's blocks can round a
+tensor back onto the source, and there every method is exact (``bench_gptq_ggml.py --grid`` lists them);
+the whole-file KL below includes those tensors, for every file alike. Seconds are wall time on a machine
+shared with other jobs: upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_llama_cpp as b  # noqa: E402
+import build_llama_ref as blr  # noqa: E402
+
+from qkit.api import QuantizeOptions, plan_model, quantize_model  # noqa: E402
+from qkit.assets import cache_dir  # noqa: E402
+from qkit.models import resolve  # noqa: E402
+from qkit.plan import PlanOptions  # noqa: E402
+from qkit.texts import load_calibration_text, load_corpus  # noqa: E402
+
+# qkit's scheme name -> llama-quantize's ftype
+FTYPES = {"q2_k-llama": "Q2_K", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M",
+          "iq4_xs-llama": "IQ4_XS", "iq4_nl-llama": "IQ4_NL", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
+CTX, IM_CHUNKS = 512, 32
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def paired(a: np.ndarray, c: np.ndarray) -> tuple[float, float]:
+    """mean(a - c) and its standard error over the positions (a and c scored on the same positions)."""
+    d = a.astype(np.float64) - c.astype(np.float64)
+    return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+
+
+def timed(fn, *a, **k):
+    t0 = time.perf_counter()
+    out = fn(*a, **k)
+    return out, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--types", default="q2_k-llama,q3_k_m,q4_k_m,iq4_xs-llama")
+    ap.add_argument("--peers", type=Path, default=None, help="a folder of other tools' GGUF files to score too")
+    ap.add_argument("--plan", action="store_true", help="also qkit's planned GPTQ mix at q4_k_m's bytes")
+    ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 tokens (default: all of Ruth)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--reuse", action="store_true", help="score the files a previous run wrote (its seconds not re-measured)")
+    args = ap.parse_args(argv)
+    if not all(blr.tool_path(t).exists() for t in ("llama-quantize", "llama-imatrix", "llama-perplexity")):
+        print("llama.cpp tools not built: python benchmarks/build_llama_ref.py --tools")
+        return 0
+    types = [t for t in args.types.split(",") if t]
+    unknown = [t for t in types if t not in FTYPES]
+    if unknown:
+        raise SystemExit(f"--types: {', '.join(unknown)} not one of {', '.join(FTYPES)}")
+    work = cache_dir() / "bench_gguf_peers"
+    work.mkdir(parents=True, exist_ok=True)
+    ref = resolve(None)
+    doc: dict = {"date": time.strftime("%Y-%m-%d"), "llama_cpp_commit": blr.commit(), "threads": args.threads,
+                 "load_average_start": os.getloadavg()[0], "files": {}, "steps": {}}
+    f32 = work / "F32.gguf"
+    if not f32.exists():
+        doc["steps"]["convert"] = b.convert_f32(ref.directory, f32, work)
+    cal, ruth = work / "cal.txt", work / "ruth.txt"
+    cal.write_text(load_calibration_text(None).text, encoding="utf-8")
+    ruth.write_text(load_corpus().text, encoding="utf-8")
+    im = work / "imatrix.gguf"
+    cmd = [blr.tool_path("llama-imatrix"), "-m", f32, "-f", cal, "-c", CTX, "--chunks", IM_CHUNKS, "-o", im,
+           "-t", args.threads]
+    sec = math.nan
+    if not (args.reuse and im.exists()):
+        sec, p = b.sh(cmd)
+        b.check(p, "llama-imatrix")
+    doc["steps"]["imatrix"] = {"command": f"llama-imatrix -m F32.gguf -f cal.txt -c {CTX} --chunks {IM_CHUNKS}",
+                               "seconds": round(sec, 1)}
+    print(f"imatrix: {sec:.1f} s", flush=True)
+
+    files: dict[str, dict] = {}
+
+    def add(name: str, path: Path, seconds: float, how: str, type_: str | None) -> None:
+        files[name] = {"path": str(path), "bytes": path.stat().st_size, "sha256_16": digest(path),
+                       "seconds": round(seconds, 1), "how": how, "type": type_}
+        print(f"  {name:32s} {path.stat().st_size / 1e6:8.2f} MB  {seconds:7.1f} s", flush=True)
+
+    bits: dict[str, float] = {}
+    for t in types:
+        ft = FTYPES[t]
+        out = work / f"llama-{t}+imatrix.gguf"
+        if args.reuse and out.exists():
+            add(f"llama.cpp {t}+imatrix", out, math.nan, "(reused)", t)
+            for method in ("rtn", "gptq"):
+                add(f"qkit {t}+{method}+imatrix", work / f"qkit-{t}+{method}+imatrix.gguf", math.nan, "(reused)", t)
+            continue
+        out.unlink(missing_ok=True)
+        sec, p = b.sh([blr.tool_path("llama-quantize"), "--imatrix", im, "--token-embedding-type", "f32", f32, out, ft,
+                       args.threads])
+        b.check(p, f"llama-quantize {ft}")
+        add(f"llama.cpp {t}+imatrix", out, sec, f"llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT {ft}", t)
+        for method in ("rtn", "gptq"):
+            q = work / f"qkit-{t}+{method}+imatrix.gguf"
+            r, sec = timed(quantize_model, ref, output=q, scheme=t, method=method, format="gguf",
+                           options=QuantizeOptions(force=True, imatrix=str(im)))
+            bits[t] = r.bits_per_weight
+            add(f"qkit {t}+{method}+imatrix", q, sec,
+                f"qkit quantize --format gguf --scheme {t} --method {method} --imatrix imatrix.gguf", t)
+        files[f"qkit {t}+rtn+imatrix"]["same_bytes_as_llama_cpp"] = b.compare_files(out, work / f"qkit-{t}+rtn+imatrix.gguf")["identical"]
+    if args.plan and "q4_k_m" in bits:
+        planfile = work / "plan-q4_k_m.json"
+        planfile.unlink(missing_ok=True)
+        _, sec_plan = timed(plan_model, ref, output=planfile, imatrix=str(im),
+                            options=PlanOptions(format="gguf", target_scheme="q4_k_m"))
+        q = work / "qkit-plan@q4_k_m+gptq+imatrix.gguf"
+        _, sec = timed(quantize_model, ref, output=q, method="gptq", format="gguf",
+                       options=QuantizeOptions(force=True, imatrix=str(im), plan=str(planfile)))
+        add("qkit plan@q4_k_m+gptq+imatrix", q, sec_plan + sec,
+            "plan_model(options=PlanOptions(format='gguf', target_scheme='q4_k_m'), imatrix='imatrix.gguf') (the bytes "
+            "of eval's plan:gguf@q4_k_m row); qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf", "q4_k_m")
+        files["qkit plan@q4_k_m+gptq+imatrix"]["plan_seconds"] = round(sec_plan, 1)
+    for peer in sorted(args.peers.glob("**/*.gguf")) if args.peers else []:
+        record = peer.with_suffix(".json")
+        how = json.loads(record.read_text()).get("command", "") if record.is_file() else ""
+        kind = next((t for t in types if t.split("-")[0] in peer.name.lower()), None)
+        add(f"peer {peer.stem}", peer, 0.0, how, kind)
+
+    print("scoring in llama.cpp", flush=True)
+    base = work / "F32.kld"
+    base_run = b.llama_kld_base(f32, ruth, CTX, args.threads, base, args.chunks)
+    if base_run.get("error"):
+        raise SystemExit(base_run["error"])
+    doc["steps"]["kld_base"] = base_run
+    tool = b.build_kld_dump_tool()
+    kl: dict[str, np.ndarray] = {}
+    for name, f in files.items():
+        dump = work / "kld.dump"
+        r = b.llama_kl_divergence(Path(f["path"]), base, args.threads, tool=tool, dump=dump)
+        if r.get("error"):
+            f["error"] = r["error"][-400:]
+            print(f"  {name}: llama.cpp refused it: {r['error'][-200:]}", flush=True)
+            continue
+        values = b.read_kld_dump(dump)
+        kl[name] = values["kld"]
+        f.update(kl=float(values["kld"].mean()), kl_se=float(values["kld"].std(ddof=1) / math.sqrt(len(values))),
+                 same_top=float(values["same_top"].mean()), positions=len(values), llama_stats=r["stats"],
+                 ppl=float(np.exp(values["nll"].astype(np.float64).mean())))
+        print(f"  {name:32s} KL {f['kl']:.5f} ± {f['kl_se']:.5f}  same top {100 * f['same_top']:.1f}%", flush=True)
+    for name, f in files.items():
+        own = f"llama.cpp {f['type']}+imatrix"
+        if name != own and own in kl and name in kl:
+            d, se = paired(kl[name], kl[own])
+            f["versus_llama_cpp"] = {"file": own, "kl_difference": d, "paired_se": se, "ratio": f["kl"] / files[own]["kl"],
+                                     "bytes_ratio": f["bytes"] / files[own]["bytes"]}
+    doc["files"] = files
+    print()
+    print(f"{'file':34s} {'MB':>8s} {'KL':>9s} {'± SE':>8s} {'× llama.cpp':>11s} {'Δ ± paired SE':>20s}")
+    for name, f in files.items():
+        v = f.get("versus_llama_cpp")
+        tail = f"{v['ratio']:11.3f} {v['kl_difference']:+10.5f} ± {v['paired_se']:.5f}" if v else ""
+        if "kl" in f:
+            print(f"{name:34s} {f['bytes'] / 1e6:8.2f} {f['kl']:9.5f} {f['kl_se']:8.5f} {tail}")
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
