@@ -58,7 +58,6 @@ def cache(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def no_work(monkeypatch):
     """Fail the test if the model is resolved: every output refusal comes before any work."""
-    tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
     tripwire(monkeypatch, "qkit.models.inputs.resolve", "the model was resolved")
 
 
@@ -114,6 +113,50 @@ def test_the_resolved_model_directory_counts_as_an_input(src, tmp_path, monkeypa
     monkeypatch.setattr(api, "prepare_export", _tripwire)
     with Unchanged(inputs=[src], dirs=[src]), pytest.raises(OutputError, match=NEVER):
         api.quantize_model(ref, output=src / "out", scheme="q8_0", format="gguf", options=QuantizeOptions(force=True))
+
+
+PLAN_ARGS = ["--format", "gguf", "--target-bits", "6", "--calibration-samples", "2", "--calibration-seqlen", "32",
+             "--check-windows", "1"]
+
+
+@pytest.mark.parametrize("via", ["symlink", "dotdot"])
+@pytest.mark.parametrize("which", ["-o", "--emit-tensor-types"])
+def test_a_plan_inside_the_model_given_by_another_path_is_refused(src, tmp_path, monkeypatch, no_work, via, which):
+    """``qkit plan`` of a model named through a symlink or ``..``, writing its plan (or tensor-type file) into
+    the directory that path resolves to: one line, exit 2, before the model is resolved, nothing written."""
+    (tmp_path / "link").symlink_to(src)
+    (tmp_path / "sub").mkdir()
+    model = {"symlink": tmp_path / "link", "dotdot": tmp_path / "sub" / ".." / "link"}[via]
+    paths = {"-o": tmp_path / "p.json", "--emit-tensor-types": tmp_path / "tt.txt"}
+    paths[which] = src / ("p.json" if which == "-o" else "tt.txt")
+    with Unchanged(inputs=[src], dirs=[src, tmp_path]):
+        line = assert_refused(invoke("plan", model, *PLAN_ARGS, "-o", paths["-o"], "--emit-tensor-types",
+                                     paths["--emit-tensor-types"], "--force"), NEVER, "the model")
+    assert line == (f"error: {which} {paths[which]} lies inside the model {model}; qkit never writes over what it reads, "
+                    "whatever the flags: choose a path outside it")
+
+
+@pytest.mark.parametrize("which", ["output", "emit_tensor_types"])
+def test_plan_model_checks_its_outputs_against_the_resolved_model(src, tmp_path, monkeypatch, which):
+    """``plan_model`` given a ``ModelRef`` (resolved from a path through a symlink and ``..``: the arguments name
+    no directory) refuses an output inside the resolved directory once it is known, before any work."""
+    from qkit import api
+    from qkit.models import resolve
+    from qkit.plan import PlanOptions
+
+    (tmp_path / "link").symlink_to(src)
+    (tmp_path / "sub").mkdir()
+    ref = resolve(tmp_path / "sub" / ".." / "link")
+    monkeypatch.setattr(api, "precheck", _tripwire)  # the first step of the plan's work
+    monkeypatch.setattr(api, "sensitivity_table", _tripwire)
+    paths = {"output": tmp_path / "p.json", "emit_tensor_types": tmp_path / "tt.txt"}
+    paths[which] = src / "sub" / f"{which}.out"
+    options = PlanOptions(format="gguf", target_bits=6.0, samples=2, seqlen=32, check_windows=1)
+    with Unchanged(inputs=[src], dirs=[src, tmp_path]), pytest.raises(OutputError) as err:
+        api.plan_model(ref, options=options, force=True, **paths)
+    option = {"output": "-o", "emit_tensor_types": "--emit-tensor-types"}[which]
+    assert str(err.value) == (f"{option} {paths[which]} lies inside the model {ref.directory}; qkit never writes over "
+                              "what it reads, whatever the flags: choose a path outside it")
 
 
 def test_the_cache_of_converted_models_is_an_input(src_gguf, cache, no_work):
@@ -276,7 +319,6 @@ BAD_JSON = ["in-input", "existing", "existing-not-json-forced", "directory", "un
 def test_a_bad_json_target_is_refused_before_any_work(src, side_inputs, tmp_path, cache, monkeypatch, command, bad):
     argv, holder = _commands(src, *side_inputs, tmp_path / "q-out")[command]
     monkeypatch.setattr("qkit.models.resolve", _tripwire)
-    monkeypatch.setattr("qkit.api.resolve", _tripwire)
     monkeypatch.setattr("qkit.models.inputs.resolve", _tripwire)
     old = tmp_path / "old.json"
     old.write_text('{"kept": true}\n')

@@ -175,7 +175,6 @@ def _plan_file(tmp_path: Path, plan_doc: dict, change) -> Path:
 @pytest.mark.parametrize("case, change, needle", PLAN_CASES, ids=[c[0] for c in PLAN_CASES])
 def test_a_hostile_plan_file_is_refused_before_the_model_is_resolved(tiny, plan_doc, tmp_path, monkeypatch, case, change, needle):
     f = _plan_file(tmp_path, plan_doc, change)
-    tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
     tripwire(monkeypatch, "qkit.models.inputs.resolve", "the model was resolved")
     with Unchanged(inputs=[tiny, f], dirs=[tmp_path]):
         line = assert_refused(invoke("quantize", tiny, "--plan", f, "--format", "gguf", "-o", tmp_path / "q.gguf"), "--plan", needle)
@@ -387,7 +386,6 @@ def _imatrix_inputs(matrix, tmp_path, build) -> tuple[Path, Path]:
 @pytest.mark.parametrize("case, build, needle", IMATRIX_CASES, ids=[c[0] for c in IMATRIX_CASES])
 def test_a_hostile_imatrix_is_refused_before_the_model_is_resolved(tiny, matrix, tmp_path, monkeypatch, case, build, needle):
     src, f = _imatrix_inputs(matrix, tmp_path, build)
-    tripwire(monkeypatch, "qkit.api.resolve", "the model was resolved")
     tripwire(monkeypatch, "qkit.models.inputs.resolve", "the model was resolved")
     with Unchanged(inputs=[tiny, src], dirs=[tmp_path, src]):
         assert_refused(invoke("quantize", tiny, "-s", "q4_0", "--imatrix", f, "-o", tmp_path / "q"), "--imatrix", needle)

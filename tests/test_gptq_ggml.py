@@ -517,3 +517,37 @@ def test_observer_refuses_what_it_cannot_round():
     with pytest.raises(SchemeError, match="not a multiple of 32"):
         gptq_solve(torch.randn(4, 48), torch.eye(48), get_scheme("q4_k"))
 
+
+
+@pytest.mark.parametrize("name", ["int8-row", "int4-g64", "int4-tensor", "nf4", "mxfp4", "q4_0", "q4_k", "q6_k"])
+def test_rtn_dequantized_is_what_rtn_writes_for_every_family(name):
+    """``rtn_dequantized`` takes absmax schemes (the class, not the kind's name) through qkit's own quantizer
+    without packing; bit for bit what ``quantize_tensor`` writes and decodes, for that family and the others."""
+    from qkit.methods.gptq.method import rtn_dequantized
+
+    W = torch.randn(8, 256, generator=torch.Generator().manual_seed(7))
+    expected = quantize_tensor(W, get_scheme(name)).dequantize(torch.float32)
+    assert torch.equal(rtn_dequantized(W, get_scheme(name)), expected)
+
+
+def test_the_llama_cpp_types_are_told_by_class():
+    """The importance matrix method and the observers ask the class (GGMLScheme, Recipe), not ``kind``."""
+    from qkit.methods.imatrix.method import ImatrixMethod
+    from qkit.schemes.observers import observer_for
+
+    for name in ("q4_0", "q4_k", "iq4_xs", "q4_k_m", "q2_k-llama"):  # block types and recipes pass
+        ImatrixMethod().check(get_scheme(name))
+    for name in ("int4-g64", "nf4", "mxfp4"):
+        with pytest.raises(SchemeError) as err:
+            ImatrixMethod().check(get_scheme(name))
+        assert str(err.value) == (f"the importance matrix weights llama.cpp's block types' own searches, not {name}; "
+                                  "use q2_k ... q8_0, iq4_nl, iq4_xs or a llama.cpp recipe (q4_k_m, ...)")
+    qw = torch.ones(256)
+    with pytest.raises(SchemeError) as err:
+        observer_for(get_scheme("nf4"), 4, 256, torch.device("cpu"), quant_weights=qw)
+    assert str(err.value) == "nf4 does not take an importance matrix (--imatrix applies to llama.cpp's block types)"
+    with pytest.raises(SchemeError) as err:  # a recipe takes a matrix, once resolved per tensor
+        observer_for(get_scheme("q4_k_m"), 4, 256, torch.device("cpu"), quant_weights=qw)
+    assert str(err.value) == "GPTQ needs a llama.cpp block type here, not 'q4_k_m': resolve a recipe per tensor first"
+    obs = observer_for(get_scheme("q4_k"), 4, 256, torch.device("cpu"), quant_weights=qw)
+    assert (obs.unit, obs.n_units) == (256, 1)

@@ -8,6 +8,10 @@
 - No module under ``src/qkit`` is over 500 lines. :data:`KNOWN_OVER` names the ones that are today,
   each a strict xfail: the day one is split, its test passes, which fails the run until its entry here
   is removed.
+- No code dispatches on a scheme family's name (``scheme.kind == "ggml"``): it asks the class or the
+  protocol (``isinstance(scheme, GGMLScheme)``, ``Recipe``, ``AbsmaxScheme``, ``fp4.is_fp4``). A family's
+  name stays what a manifest entry or a message says. :data:`KIND_COMPARED` names the one place that reads a
+  manifest's ``kind`` against the scheme's.
 """
 
 from __future__ import annotations
@@ -123,3 +127,38 @@ def test_the_known_oversized_modules_exist():
     """An entry for a module that was split into a package or renamed away is stale: remove it."""
     missing = sorted(rel for rel in KNOWN_OVER if not (SRC / rel).is_file())
     assert not missing, f"KNOWN_OVER names modules that are gone: {missing}; remove them from tests/test_house.py"
+
+
+# --------------------------------------------------------------------------- no dispatch on a family's name
+
+SCHEME_KINDS = {"absmax", "nf4", "fp4", "ggml"}  # the ``kind`` of every registered scheme family
+KIND_COMPARED = {"schemes/registry.py"}  # a manifest entry's "kind" checked against the scheme it names
+
+
+def kind_comparisons(source: str) -> list[int]:
+    """Lines comparing some ``X.kind`` with a scheme family's name (``==``, ``!=``, ``in``, ``not in``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        kind = any(isinstance(o, ast.Attribute) and o.attr == "kind" for o in operands)
+        names = {c.value for o in operands for c in ([o] if isinstance(o, ast.Constant) else
+                 getattr(o, "elts", [])) if isinstance(c, ast.Constant)}
+        if kind and names & SCHEME_KINDS:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_kind_scan_sees_every_spelling():
+    src = ('if scheme.kind == "ggml": pass\nif "absmax" != s.kind: pass\nif t[n].kind in ("nf4", "fp4"): pass\n'
+           'if ref.kind == "gguf": pass\nif self.kind == DIV: pass\nif isinstance(s, GGMLScheme): pass\n')
+    assert kind_comparisons(src) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.relative_to(SRC).as_posix()) for p in _modules()
+                                  if p.relative_to(SRC).as_posix() not in KIND_COMPARED])
+def test_no_module_dispatches_on_a_scheme_kind(path):
+    lines = kind_comparisons(path.read_text())
+    assert not lines, (f"src/qkit/{path.relative_to(SRC).as_posix()} compares a scheme's kind with a family name on "
+                       f"line(s) {lines}: ask the class or protocol instead (isinstance(scheme, GGMLScheme), ...)")

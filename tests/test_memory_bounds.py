@@ -50,6 +50,35 @@ def test_bad_sizes_are_refused_naming_the_option(text):
         parse_size(text, "--max-memory")
 
 
+# What ``--max-shard-size`` and ``--target-size`` took before they shared this parser (cli.common's own, decimal
+# kB/MB/GB and binary KiB/MiB/GiB only): each still the same bytes.
+@pytest.mark.parametrize("text, value", [
+    ("500MB", 500_000_000), ("2GB", 2_000_000_000), ("1GiB", 2**30), ("60kB", 60_000), ("20kB", 20_000),
+    ("100kB", 100_000), ("1.5MiB", 1_572_864), ("0.5KB", 500), ("2 GB", 2_000_000_000), ("105454208", 105_454_208),
+    ("12b", 12), ("2.5", 2), ("1.9B", 1), ("64MiB", 64 * 2**20), ("4kib", 4096),
+])
+def test_the_shard_and_target_sizes_parse_as_before(text, value):
+    assert parse_size(text, "--max-shard-size") == value
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["quantize", "/nonexistent-qkit-model", "-o", "OUT", "--max-shard-size", "2 gigs"],
+     "error: --max-shard-size '2 gigs' is not a size; write e.g. 8GiB, 512MiB, 20G or 1500MB"),
+    (["quantize", "/nonexistent-qkit-model", "-o", "OUT", "--max-shard-size", "0.5B"],
+     "error: --max-shard-size '0.5B' is less than one byte; write e.g. 8GiB, 512MiB, 20G or 1500MB"),
+    (["quantize", "/nonexistent-qkit-model", "-o", "OUT", "--target-size", "lots"],
+     "error: --target-size 'lots' is not a size; write e.g. 8GiB, 512MiB, 20G or 1500MB"),
+    (["plan", "/nonexistent-qkit-model", "-o", "p.json", "--target-size", "0"],
+     "error: --target-size '0' is less than one byte; write e.g. 8GiB, 512MiB, 20G or 1500MB"),
+])
+def test_every_size_option_is_refused_by_the_one_parser_in_one_line(argv, line, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, argv)
+    assert r.exit_code == 2, r.output
+    assert r.output.strip().splitlines() == [line]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_max_memory_is_one_line_on_the_command_line(tiny_model_dir, tmp_path):
     r = runner.invoke(app, ["plan", str(tiny_model_dir), "-o", str(tmp_path / "p.json"), "--target-bits", "5",
                             "--max-memory", "lots"])

@@ -279,6 +279,32 @@ def test_refusals_are_one_line_and_write_nothing(wide_model, tmp_path, args, mes
     assert not out.exists()
 
 
+@pytest.mark.parametrize("fmt, method, imatrix, emit, message", [
+    ("compressed-tensors", "imatrix", False, False,
+     "the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it"),
+    ("ct", "rtn", True, False, "the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it"),
+    ("gguf", "imatrix", True, False, "--imatrix FILE and --method imatrix both give the matrix: drop one of them"),
+    ("qkit", "rtn", False, True, "--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf"),
+    ("compressed-tensors", "rtn", False, True,
+     "--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf"),
+    ("gguf", "gptq", False, False, "qkit plan measures candidates by rtn or the importance matrix (--method imatrix / "
+     "--imatrix); gptq chooses codes per type and is not planned: quantize a plan's types with it instead"),
+])
+def test_plan_model_refuses_what_its_format_and_method_cannot_measure(wide_model, tmp_path, monkeypatch, fmt, method,
+                                                                      imatrix, emit, message):
+    """Asked of the format (its plan types: llama.cpp's or not) and the method's class, before the model is resolved."""
+    def tripwire(*_a, **_k):
+        raise AssertionError("the model was resolved before the refusal")
+
+    monkeypatch.setattr("qkit.models.inputs.resolve", tripwire)
+    out, tt = tmp_path / "p.json", tmp_path / "tt.txt"
+    with pytest.raises(InputError) as err:
+        plan_model(str(wide_model), options=PlanOptions(format=fmt, target_bits=5.0, **FAST), output=out, method=method,
+                   imatrix=str(tmp_path / "m.gguf") if imatrix else None, emit_tensor_types=tt if emit else None)
+    assert str(err.value) == message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_calibration_text_overlapping_the_eval_text_is_refused(wide_model, tmp_path):
     from qkit.texts import load_corpus
 

@@ -33,9 +33,7 @@ from qkit.schemes.e2m1 import E2M1_VALUES, e2m1_codes, e2m1_pack, e2m1_pack_arit
 from qkit.schemes.fp4 import (
     MXFP4Scheme,
     NVFP4Scheme,
-    dequantize_mxfp4,
     dequantize_nvfp4,
-    quantize_mxfp4,
     quantize_nvfp4,
     to_gguf_mxfp4_blocks,
 )

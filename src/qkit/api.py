@@ -28,9 +28,9 @@ from qkit.checkpoint import (
     write_json,
 )
 from qkit.errors import InputError, OutputError
-from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
+from qkit.export import QKIT, atomic_output, check_output, find_format, output_bytes, prepare_export
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
-from qkit.methods import RTN
+from qkit.methods import RTN, get_method
 from qkit.methods.calibration import model_context
 from qkit.methods.imatrix import (
     ImatrixOptions,
@@ -43,16 +43,14 @@ from qkit.methods.imatrix import (
 )
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.file import is_qkit_imatrix
-from qkit.methods.imatrix.method import matrix_for
+from qkit.methods.imatrix.method import ImatrixMethod, matrix_for
 from qkit.models import (
     ModelRef,
     resolve_clear_of,
-    check_complete,
     copy_aux_files,
     load_tokenizer,
     parse_device,
     read_config,
-    resolve,
 )
 from qkit.models import load as _load
 from qkit.outputs import file_inputs, model_inputs
@@ -188,6 +186,9 @@ def quantize_model(
     did (options, calibration text and sha256) goes into the manifest under ``method``.
     ``trust_remote_code``: allow the model's own Python (``qkit.models.custom_code``); without it such a
     model is refused before any work, and every transformers call is told ``False``.
+    ``plan``: a plan file or ``Plan`` gives every planned tensor its type; ``PlanOptions`` plans first
+    (``_plan_first``: ``plan_model`` on the resolved model, in memory; ``quantize --target-bits``), then writes
+    that plan as a plan file would be written.
     ``activations``: with ``format="compressed-tensors"`` and ``int8-row`` weights, ``"int8-token"`` writes
     a W8A8 checkpoint (dynamic per-token int8 activations, ``int-quantized``: the layout vLLM serves; see
     ``qkit.export.compressed_tensors_w8a8``), typically after ``method="smoothquant"``.
@@ -208,11 +209,7 @@ def quantize_model(
                                    allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code,
                                    quantized="{spec} is already a qkit checkpoint; quantize the original model instead")
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
-    planned = req.plan
-    if isinstance(planned, PlanOptions):  # plan first, in memory (quantize --target-bits)
-        planned = plan_model(ref, options=planned, imatrix=opts.imatrix, method=opts.method, device=opts.device,
-                             trust_remote_code=opts.trust_remote_code).plan
-    choice = compile_choice(req, ref, shapes, config, planned)
+    choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
     export = None if opts.format == QKIT else prepare_export(opts.format, ref.directory, choice.targets, shapes,
                                                               choice.manifest, ref=ref, activations=opts.activations)
     done = _run_method(req, ref, choice, export, dev, progress)
@@ -225,6 +222,16 @@ def quantize_model(
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | None:
+    """The plan to write: the one ``opts.plan`` gave (a file or ``Plan``, read by ``request``), or, for
+    ``PlanOptions`` (``quantize --target-bits``), one ``plan_model`` makes now, in memory, with the same
+    importance matrix and method; None without a plan."""
+    if not isinstance(req.plan, PlanOptions):
+        return req.plan
+    return plan_model(ref, options=req.plan, imatrix=opts.imatrix, method=opts.method, device=opts.device,
+                      trust_remote_code=opts.trust_remote_code).plan
 
 
 def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: torch.device,
@@ -323,9 +330,6 @@ class PlanResult:
                 "seconds": self.seconds, "plan": self.plan.to_dict()}
 
 
-PLAN_METHODS = (RTN, "imatrix")
-
-
 def plan_model(
     model: str | Path | ModelRef | None = None,
     *,
@@ -353,33 +357,36 @@ def plan_model(
     ``progress(stage, done, total)``: ``fisher`` windows (over every group's pass), ``candidates`` tensors."""
     t0 = time.perf_counter()
     options.check()
-    fmt = check_format(options.format)
-    if method not in PLAN_METHODS:
+    fmt = find_format(check_format(options.format))  # a format that cannot mix types: refused here
+    collects = isinstance(found := get_method(method), ImatrixMethod)  # --method imatrix: collect the matrix first
+    if found is not None and not collects:
         raise InputError(f"qkit plan measures candidates by rtn or the importance matrix (--method imatrix / --imatrix); "
                          f"{method} chooses codes per type and is not planned: quantize a plan's types with it instead")
-    if (imatrix is not None or method == "imatrix") and fmt == "compressed-tensors":
+    llama = [isinstance(get_scheme(n), GGMLScheme) for n in fmt.plan_types()]  # which planned types are llama.cpp's
+    if (imatrix is not None or collects) and not any(llama):
         raise InputError("the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it")
-    if imatrix is not None and method == "imatrix":
+    if imatrix is not None and collects:
         raise InputError("--imatrix FILE and --method imatrix both give the matrix: drop one of them")
-    if emit_tensor_types is not None and fmt != "gguf":
+    if emit_tensor_types is not None and not all(llama):
         raise InputError("--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf")
     given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
              *file_inputs("the calibration text", options.calibration), *file_inputs("the importance matrix", imatrix)]
-    for path in (output, emit_tensor_types):
-        if path is not None:
-            check_output_path(path, kind="file", force=force, inputs=given,
-                              owned=is_plan_file if path is output else is_tensor_type_file,
-                              describe="a plan qkit wrote" if path is output else "a tensor-type file qkit wrote")
+
+    def check(inputs: list) -> None:  # both files, against what the arguments name, then the resolved model
+        for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"), (emit_tensor_types,
+                                          "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
+            if path is not None:
+                check_output_path(path, kind="file", force=force, inputs=inputs, what=option, owned=owned, describe=what)
+
+    check(given)
     matrix = read_imatrix(imatrix) if imatrix is not None else None
-    ref = model if isinstance(model, ModelRef) else resolve(model, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code)
-    if ref.is_quantized:
-        raise InputError(f"{ref.spec} is already a qkit checkpoint; plan for the original model")
-    check_complete(ref, trust_remote_code=trust_remote_code)
+    ref, _ = resolve_clear_of(model, given, check, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                              quantized="{spec} is already a qkit checkpoint; plan for the original model")
     dev = parse_device(device)
     shapes = dict(tensor_shapes(ref.directory))
     config = read_config(ref.directory)
     precheck(ref, options, config, device=dev)  # the byte budget and the memory (--max-memory): from the headers
-    if method == "imatrix":
+    if collects:
         refuse_unsupported(config)
         matrix, _ = matrix_for(ref, ImatrixOptions(), dev)
     weights, key = {}, None

@@ -14,7 +14,9 @@ typed options. Two steps compile all of it:
    ``Choice``: tensor -> scheme (in the order the mechanisms apply: rules, then a plan instead of them,
    then ``--tensor-type``), the importance vectors, and the manifest's record of how the types were chosen.
 
-``api.quantize_model`` is then a pipeline over the ``Choice``: prepare the output, run the method, write.
+``api.quantize_model`` is then a pipeline: resolve the model clear of the output, plan first when the
+options ask it (``PlanOptions``: ``api._plan_first``), compile the ``Choice``, prepare the output, run the
+method, write.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Memory sizes: the one parser of a size a user writes (``--max-memory 20GiB``), the memory this process
-may still take, and sizes printed back.
+"""Memory sizes: the one parser of a size a user writes (``--max-memory 20GiB``, ``--max-shard-size 500MB``,
+``--target-size 1GiB``), the memory this process may still take, and sizes printed back.
 
 Layer 1 (beside ``threads.py``, whose ``available_memory`` it uses): no torch, no model, no printing.
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Optional
 
 import typer
 
 from qkit import console, outputs
-from qkit.errors import InputError, QkitError
+from qkit.errors import QkitError
 from qkit.lists import check_words, numbers, split_list  # noqa: F401 (check_words, numbers: for the commands)
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
@@ -205,18 +204,6 @@ def human_bytes(n: float) -> str:
         if n >= div:
             return f"{n / div:,.1f} {unit}"
     return f"{n:,.0f} B"
-
-
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(text: str, what: str = "--max-shard-size") -> int:
-    """``500MB`` / ``2GiB`` / ``1048576`` -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else ""
-    if not m or unit not in _SIZE_UNITS or float(m.group(1)) * _SIZE_UNITS[unit] < 1:
-        raise InputError(f"{what} {text!r} is not a size; write e.g. 500MB, 2GB or 1GiB")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
 def parse_list(text: str | None, option: str, *, what: str = "name", where: str = "", spaces: bool = False,

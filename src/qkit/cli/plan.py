@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from qkit import console
-from qkit.api import PLAN_METHODS, plan_model
+from qkit.api import plan_model
 from qkit.cli.common import (
     CalibrationOpt,
     DeviceOpt,
@@ -23,14 +23,13 @@ from qkit.cli.common import (
     handles_errors,
     human_bytes,
     parse_list,
-    parse_size,
     reads,
     start,
 )
 from qkit.errors import InputError
 from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
 from qkit.memory import gib
-from qkit.memory import parse_size as parse_memory
+from qkit.memory import parse_size
 from qkit.methods import RTN
 from qkit.models import DEFAULT_MODEL_NAME
 from qkit.outputs import check_output
@@ -42,6 +41,7 @@ from qkit.plan import (
     plan_formats,
     upgrades,
 )
+from qkit.plan.planfile import PLAN_METHODS
 from qkit.plan.planner import (
     DEFAULT_CHECK_WINDOWS,
     DEFAULT_DTYPE,
@@ -100,10 +100,10 @@ def plan(
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration), ("the importance matrix", imatrix)))
     if output is None:
         raise InputError("missing -o/--output: the plan file to write (e.g. plan.json)")
-    for path, owned, what in ((output, is_plan_file, "a plan qkit wrote"),
-                              (emit_tensor_types, is_tensor_type_file, "a tensor-type file qkit wrote")):
+    for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"), (emit_tensor_types,
+                                      "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
         if path is not None:
-            check_output(path, kind="file", force=force, inputs=run.inputs, describe=what, owned=owned)
+            check_output(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
     if method not in PLAN_METHODS:
         raise InputError(f"--method {method}: qkit plan measures candidates by {' or '.join(PLAN_METHODS)}")
     options = PlanOptions(format=fmt, target_bits=target_bits,
@@ -115,7 +115,7 @@ def plan(
                           scale_dtype=scale_dtype, calibration=calibration,
                           samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows,
                           dtype=dtype.lower(),
-                          max_memory=parse_memory(max_memory, "--max-memory") if max_memory is not None else None)
+                          max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None)
     options.check()
     check_threads(threads)
     run.use_threads()

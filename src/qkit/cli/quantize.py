@@ -36,7 +36,6 @@ from qkit.cli.common import (
     human_bytes,
     model_inputs,
     parse_list,
-    parse_size,
     reads,
     start,
 )
@@ -49,6 +48,7 @@ from qkit.export.gguf.tensor_types import (
     write_tensor_type_file,
 )
 from qkit.export.verify import verify_checkpoint
+from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.outputs import check_output as check_output_path
@@ -139,7 +139,7 @@ def quantize(
                            calibration_samples, calibration_seqlen)
     if isinstance(planned, PlanOptions) and method == RTN:  # the calibration options are the plan's, not a method's
         calibration = calibration_samples = calibration_seqlen = None
-    shard = {"max_shard_bytes": parse_size(max_shard_size)} if max_shard_size else {}
+    shard = {"max_shard_bytes": parse_size(max_shard_size, "--max-shard-size")} if max_shard_size else {}
     check_threads(threads)
     removed = remove_stale_siblings(output)
     if removed:

@@ -129,7 +129,7 @@ class Plan:
 
 
 MAX_PLAN_BYTES = 256 * 1024**2  # a plan of 50,000 tensors with every candidate is ~50 MB; a larger file is not one
-PLAN_METHODS = ("rtn", "imatrix")  # what ``qkit plan`` measures candidates by (``qkit.api.PLAN_METHODS``)
+PLAN_METHODS = ("rtn", "imatrix")  # what ``qkit plan`` measures candidates by (``qkit plan --method``)
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the source dtypes a kept tensor's bytes may count
 
 

@@ -43,13 +43,14 @@ from qkit.methods.gptq.solver import (
 )
 from qkit.methods.sequential import BlockInputs, walk_blocks
 from qkit.models import load, load_tokenizer
-from qkit.schemes import QuantizedTensor, Scheme, quantize_tensor
+from qkit.schemes import AbsmaxScheme, GGMLScheme, QuantizedTensor, Recipe, Scheme, quantize_tensor
 from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
 from qkit.schemes.observers import SCALE_RULES as _RULES
 from qkit.schemes.base import as_2d
 from qkit.threads import one_torch_thread
 
 SCALE_RULES = tuple(_RULES.names())  # the values ``--scale-rule`` takes (see ``qkit.schemes.observers``)
+LLAMA_TYPES = (GGMLScheme, Recipe)  # llama.cpp's block types and recipes: scales from llama.cpp's own searches
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def rtn_dequantized(W: torch.Tensor, scheme: Scheme, quant_weights: torch.Tensor
     """What ``--method rtn`` (with ``--imatrix``: ``quant_weights``, llama.cpp's types) would store for ``W``
     (fp32 ``[rows, cols]``), dequantized to fp32: absmax schemes through qkit's own quantizer without
     packing the codes; others through ``quantize_tensor``."""
-    if scheme.kind == "absmax":
+    if isinstance(scheme, AbsmaxScheme):
         q, scales = quantize_absmax(W, scheme.bits, scheme.granularity, scheme.scale_dtype)
         return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
     return quantize_tensor(W, scheme, quant_weights=quant_weights).dequantize(torch.float32)
@@ -323,12 +324,12 @@ class GPTQMethod:
         # are not whole super-blocks): each linear is solved for the type it will be written as.
         targets = {n: (s.resolve(tuple(shapes[n]), n) if n in shapes else s) for n, s in targets.items()}
         for name, scheme in targets.items():
-            if scheme.kind == "ggml" and options.scale_rule != "absmax":
+            if isinstance(scheme, LLAMA_TYPES) and options.scale_rule != "absmax":
                 raise InputError(f"--scale-rule {options.scale_rule} applies to absmax schemes; {name} is {scheme.name}, "
                                  "whose scales come from llama.cpp's own search: drop --scale-rule")
         weights = dict(quant_weights or {})
         for name in weights:
-            if targets.get(name) is None or targets[name].kind != "ggml":
+            if not isinstance(targets.get(name), LLAMA_TYPES):
                 raise InputError(f"an importance matrix weights llama.cpp's block types; {name} is not one")
         t_start = time.perf_counter()
         # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.
