@@ -20,7 +20,7 @@ from adversarial import invoke  # noqa: E402
 from helpers_report import MODEL, make_docs, write_docs  # noqa: E402
 
 from qkit.errors import InputError  # noqa: E402
-from qkit.report import build, data, inputs, page  # noqa: E402
+from qkit.report import build, data, figures, inputs, page  # noqa: E402
 from qkit.version import __version__  # noqa: E402
 
 
@@ -133,9 +133,9 @@ def test_an_older_eval_json_naming_simulations_runtime_reads_as_a_new_one(tmp_pa
         path = tmp_path / f"eval-{key}.json"
         path.write_text(json.dumps(doc))
         kind, read = inputs.read_json(path)  # the schema checks either key's type
-        assert kind == "eval" and data.row_kind(read["rows"][2]) == "runtime"
+        assert kind == "eval" and data.row_kind(read["rows"][2]) == "simulation"
         kinds[key] = [p["kind"] for p in data.frontier_points(read)]
-    assert kinds["simulation"] == kinds["runtime"] == ["uniform", "runtime", "plan", "engine"]
+    assert kinds["simulation"] == kinds["runtime"] == ["uniform", "simulation", "plan", "engine"]
     assert data.row_kind(make_docs()["eval"]["rows"][2]) == "uniform"  # no simulation under either key
     for key in ("simulation", "runtime"):  # a wrong type under either key is one line naming it
         doc = make_docs()["eval"]
@@ -144,6 +144,25 @@ def test_an_older_eval_json_naming_simulations_runtime_reads_as_a_new_one(tmp_pa
         path.write_text(json.dumps(doc))
         with pytest.raises(InputError, match=rf"rows\[2\]\.spec\.{key} is"):
             inputs.read_json(path)
+
+
+def test_a_simulated_row_is_a_simulation_beside_its_torch_runtime(tmp_path):
+    # the frontier's kind of a row whose activations / KV cache are simulated in torch is "simulation"; the
+    # runtime column (the engine that measured the row) still says torch
+    doc = make_docs()["eval"]
+    doc["rows"][2]["spec"]["simulation"] = ["act-int8-token"]
+    path = tmp_path / "eval.json"
+    path.write_text(json.dumps(doc))
+    html, figs = page.render(inputs.read_inputs([path]))
+    frontier = re.search(r'<section id="frontier">.*?</section>', html, re.S).group(0)
+    assert re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>", frontier) == [
+        ("q8_0", "uniform", "torch"), ("q4_k_m", "simulation", "torch"), ("plan:gguf@q4_k_m", "plan", "torch"),
+        ("q4_k_m", "engine", "llama.cpp")]
+    legend = "run-time simulation (activations / KV)"
+    assert figures.KIND_STYLE["simulation"] == ("tab:gray", "^", legend) and "runtime" not in figures.KIND_STYLE
+    assert sum(legend in f.svg() for f in figs) == 1  # the frontier figure's legend
+    for f in figs:
+        f.close()
 
 
 def test_the_frontier_table_shows_two_standard_errors(tmp_path):

@@ -40,16 +40,17 @@ def _num(x: Any) -> float | None:
 
 def row_kind(row: dict) -> str:
     """How a row is drawn on the frontier: ``engine`` (measured in vLLM or llama.cpp), ``plan`` (a planned
-    mix), ``runtime`` (activations or the KV cache quantized at run time, the spec's ``simulation``: bits/w
-    alone does not place it), else ``uniform`` (one scheme for every block projection). An eval JSON
-    written before the spec's simulations had their own word names them ``spec["runtime"]``; it reads the same."""
+    mix), ``simulation`` (activations or the KV cache quantized at run time, simulated in torch: the spec's
+    ``simulation``; bits/w alone does not place it), else ``uniform`` (one scheme for every block projection).
+    An eval JSON written before the spec's simulations had their own word names them ``spec["runtime"]``; it
+    reads the same. (A row's ``runtime``, the engine that measured it, is another thing: ``engine``.)"""
     spec = row.get("spec") or {}
     if (row.get("runtime") or "torch") != "torch":
         return "engine"
     if spec.get("plan"):
         return "plan"
     if spec.get("simulation", spec.get("runtime")) or row.get("act_bits") or row.get("kv_bits"):
-        return "runtime"
+        return "simulation"
     return "uniform"
 
 

@@ -27,7 +27,7 @@ KIND_STYLE = {
     "uniform": ("tab:blue", "o", "uniform scheme"),
     "plan": ("tab:orange", "*", "planned mix (plan:)"),
     "engine": ("tab:green", "s", "measured in an engine"),
-    "runtime": ("tab:gray", "^", "run-time quantization (activations / KV)"),
+    "simulation": ("tab:gray", "^", "run-time simulation (activations / KV)"),
 }
 _RC = {
     "svg.fonttype": "none",
