@@ -535,8 +535,12 @@ def test_the_llama_cpp_types_are_told_by_class():
     from qkit.methods.imatrix.method import ImatrixMethod
     from qkit.schemes.observers import observer_for
 
+    from qkit.schemes import is_llama_type
+
     for name in ("q4_0", "q4_k", "iq4_xs", "q4_k_m", "q2_k-llama"):  # block types and recipes pass
+        assert is_llama_type(get_scheme(name))
         ImatrixMethod().check(get_scheme(name))
+    assert not any(is_llama_type(x) for x in (get_scheme("int4-g64"), get_scheme("nf4"), get_scheme("mxfp4"), None, "q4_0"))
     for name in ("int4-g64", "nf4", "mxfp4"):
         with pytest.raises(SchemeError) as err:
             ImatrixMethod().check(get_scheme(name))

@@ -9,7 +9,7 @@
   each a strict xfail: the day one is split, its test passes, which fails the run until its entry here
   is removed.
 - No code dispatches on a scheme family's name (``scheme.kind == "ggml"``): it asks the class or the
-  protocol (``isinstance(scheme, GGMLScheme)``, ``Recipe``, ``AbsmaxScheme``, ``fp4.is_fp4``). A family's
+  protocol (``isinstance(scheme, GGMLScheme)``, ``Recipe``, ``AbsmaxScheme``, ``is_fp4``, ``is_llama_type``). A family's
   name stays what a manifest entry or a message says. :data:`KIND_COMPARED` names the one place that reads a
   manifest's ``kind`` against the scheme's.
 """

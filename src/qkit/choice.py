@@ -39,7 +39,7 @@ from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
-from qkit.schemes import GGMLScheme, Recipe, Scheme, get_scheme
+from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, TensorTypes, new_manifest, plan
 
@@ -190,7 +190,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         if not llama_names:
             raise InputError(f"--tensor-type matches llama.cpp tensor names; {ref.spec} is not a llama/qwen2 model qkit names")
         targets = req.overrides.apply(targets, llama_names)
-    if req.matrix is not None and not any(isinstance(s, (GGMLScheme, Recipe)) for s in targets.values()):
+    if req.matrix is not None and not any(is_llama_type(s) for s in targets.values()):
         raise InputError(f"--imatrix weights llama.cpp's block types' searches; {default.name} is not one (use q2_k ... q8_0, "
                          "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
     weights = quant_weights_for(req.matrix, config, shapes, targets) if req.matrix is not None else {}

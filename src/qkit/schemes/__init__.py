@@ -11,7 +11,7 @@ from qkit.schemes.registry import DEFAULT_SCHEMES, get_scheme, register, scheme_
 from qkit.schemes.absmax import AbsmaxScheme  # registers int8-tensor ... int4-g128, int{4,8}-gN
 from qkit.schemes.nf4 import NF4Scheme  # registers nf4
 from qkit.schemes.fp4 import is_fp4  # registers mxfp4, nvfp4
-from qkit.schemes.ggml import GGMLScheme  # registers q8_0 ... q5_1
+from qkit.schemes.ggml import GGMLScheme, is_llama_type  # registers q8_0 ... q5_1
 from qkit.schemes import kquants as _kquants  # noqa: F401  q4_k, q5_k, q6_k
 from qkit.schemes import ggml_weighted as _ggml_weighted  # noqa: F401  q4_0 ... q5_1 with an importance matrix
 from qkit.schemes import kquants_low as _kquants_low  # noqa: F401  q2_k, q3_k
@@ -31,6 +31,7 @@ __all__ = [
     "dequantize",
     "get_scheme",
     "is_fp4",
+    "is_llama_type",
     "quantize_tensor",
     "register",
     "scheme_names",

@@ -59,7 +59,7 @@ import torch
 
 from qkit.errors import SchemeError
 from qkit.schemes import kernels
-from qkit.schemes.base import Layout, SchemeDefaults, as_2d
+from qkit.schemes.base import Layout, Recipe, SchemeDefaults, as_2d
 from qkit.schemes.ggml_blocks import (  # the shared block helpers, also imported from here by the family files
     c_bytes,
     first_extremes,
@@ -411,3 +411,9 @@ Q4_0 = register(GGMLScheme("q4_0", T.Q4_0, 4, "llama.cpp Q4_0: blocks of 32, 4-b
 Q4_1 = register(GGMLScheme("q4_1", T.Q4_1, 4, "llama.cpp Q4_1: blocks of 32, 4-bit codes, an fp16 scale and minimum"))
 Q5_0 = register(GGMLScheme("q5_0", T.Q5_0, 5, "llama.cpp Q5_0: blocks of 32, 5-bit codes, an fp16 scale"))
 Q5_1 = register(GGMLScheme("q5_1", T.Q5_1, 5, "llama.cpp Q5_1: blocks of 32, 5-bit codes, an fp16 scale and minimum"))
+
+
+def is_llama_type(scheme: object) -> bool:
+    """Whether ``scheme`` is one of llama.cpp's: a block type (q2_k ... q8_0, iq4_nl, iq4_xs) or a recipe
+    (q4_k_m, ...), whose scales come from llama.cpp's own searches and which an importance matrix weights."""
+    return isinstance(scheme, (GGMLScheme, Recipe))

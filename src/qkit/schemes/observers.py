@@ -48,10 +48,9 @@ from qkit.errors import SchemeError
 from qkit.granularity import PerGroup, PerTensor
 from qkit.registry import Registry
 from qkit.schemes.absmax import absmax_scales
-from qkit.schemes.base import Recipe
 from qkit.schemes.e2m1 import e2m1_codes, e2m1_table, e8m0_reciprocals, e8m0_values, mxfp4_exponents, pack_fp4
 from qkit.schemes.fp4 import nvfp4_block_scales, nvfp4_global_scale
-from qkit.schemes.ggml import GGMLScheme
+from qkit.schemes.ggml import is_llama_type
 from qkit.schemes.nf4 import nf4_codes, nf4_tables
 from qkit.schemes.packing import pack_nibbles
 
@@ -331,7 +330,7 @@ def observer_for(scheme: Scheme, rows: int, cols: int, device: torch.device, *, 
                           f"observers exist for: {', '.join(OBSERVERS.names())}")
     if quant_weights is None:
         return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights)
-    if not isinstance(scheme, (GGMLScheme, Recipe)):  # only llama.cpp's encoders take one
+    if not is_llama_type(scheme):  # only llama.cpp's encoders take one
         raise SchemeError(f"{scheme.name} does not take an importance matrix (--imatrix applies to llama.cpp's block types)")
     return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights, quant_weights=quant_weights)
 

@@ -14,7 +14,7 @@ import gguf
 import torch
 
 from qkit.errors import ExportError
-from qkit.schemes import GGMLScheme, QuantizedTensor, Scheme, get_scheme, scheme_names
+from qkit.schemes import QuantizedTensor, Scheme, get_scheme, is_llama_type, scheme_names
 from qkit.schemes.base import GGMLCodable, Recipe
 
 
@@ -50,7 +50,7 @@ def ggml_scheme_names() -> list[str]:
     """The registered schemes GGUF can store (for messages): llama.cpp's own block schemes in registry order,
     then those that convert to a ggml type (``mxfp4``)."""
     names = [n for n in scheme_names() if is_ggml(get_scheme(n))]
-    return sorted(names, key=lambda n: not isinstance(get_scheme(n), (GGMLScheme, Recipe)))
+    return sorted(names, key=lambda n: not is_llama_type(get_scheme(n)))
 
 
 def scheme_for_type(ggml_type) -> Scheme:

@@ -73,8 +73,8 @@ from qkit.export.gguf.types import (
 from qkit.models import ModelRef, read_config
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor, Scheme
-from qkit.schemes.base import Recipe, stores_natively
-from qkit.schemes.ggml import GGMLScheme
+from qkit.schemes.base import stores_natively
+from qkit.schemes.ggml import is_llama_type
 from qkit.transform import manifest_entry
 from qkit.version import __version__
 
@@ -288,7 +288,7 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
                 f"--format gguf keeps norms and 1-D tensors in F32 (llama.cpp reads them only so); "
                 f"{name} cannot be quantized, drop it from --include"
             )
-        if not isinstance(s, (GGMLScheme, Recipe)):
+        if not is_llama_type(s):
             # A converting scheme (mxfp4) has no fallback type for a width it cannot take: refuse here, in GGUF's
             # words, before its own refusal suggests schemes that GGUF cannot store.
             check_block_width(name, shape, s)

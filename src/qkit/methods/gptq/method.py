@@ -43,14 +43,13 @@ from qkit.methods.gptq.solver import (
 )
 from qkit.methods.sequential import BlockInputs, walk_blocks
 from qkit.models import load, load_tokenizer
-from qkit.schemes import AbsmaxScheme, GGMLScheme, QuantizedTensor, Recipe, Scheme, quantize_tensor
+from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, is_llama_type, quantize_tensor
 from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
 from qkit.schemes.observers import SCALE_RULES as _RULES
 from qkit.schemes.base import as_2d
 from qkit.threads import one_torch_thread
 
 SCALE_RULES = tuple(_RULES.names())  # the values ``--scale-rule`` takes (see ``qkit.schemes.observers``)
-LLAMA_TYPES = (GGMLScheme, Recipe)  # llama.cpp's block types and recipes: scales from llama.cpp's own searches
 
 
 @dataclass(frozen=True)
@@ -324,12 +323,12 @@ class GPTQMethod:
         # are not whole super-blocks): each linear is solved for the type it will be written as.
         targets = {n: (s.resolve(tuple(shapes[n]), n) if n in shapes else s) for n, s in targets.items()}
         for name, scheme in targets.items():
-            if isinstance(scheme, LLAMA_TYPES) and options.scale_rule != "absmax":
+            if is_llama_type(scheme) and options.scale_rule != "absmax":
                 raise InputError(f"--scale-rule {options.scale_rule} applies to absmax schemes; {name} is {scheme.name}, "
                                  "whose scales come from llama.cpp's own search: drop --scale-rule")
         weights = dict(quant_weights or {})
         for name in weights:
-            if not isinstance(targets.get(name), LLAMA_TYPES):
+            if not is_llama_type(targets.get(name)):
                 raise InputError(f"an importance matrix weights llama.cpp's block types; {name} is not one")
         t_start = time.perf_counter()
         # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.

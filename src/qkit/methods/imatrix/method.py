@@ -21,7 +21,7 @@ from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.imatrix.collect import ImatrixOptions, collect, imatrix_ids
 from qkit.methods.imatrix.names import quant_weights_for, refuse_unsupported
 from qkit.models import ModelRef, load, read_config
-from qkit.schemes import GGMLScheme, QuantizedTensor, Recipe, Scheme, quantize_tensor
+from qkit.schemes import QuantizedTensor, Scheme, is_llama_type, quantize_tensor
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ImatrixMethod:
     options_type = ImatrixMethodOptions
 
     def check(self, scheme: Scheme) -> None:
-        if not isinstance(scheme, (GGMLScheme, Recipe)):  # llama.cpp's block types and recipes
+        if not is_llama_type(scheme):
             raise SchemeError(f"the importance matrix weights llama.cpp's block types' own searches, not {scheme.name}; "
                               "use q2_k ... q8_0, iq4_nl, iq4_xs or a llama.cpp recipe (q4_k_m, ...)")
 
