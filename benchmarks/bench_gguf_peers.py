@@ -32,7 +32,6 @@ shared with other jobs: upper bounds.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -56,14 +55,6 @@ from qkit.texts import load_calibration_text, load_corpus  # noqa: E402
 FTYPES = {"q2_k-llama": "Q2_K", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M",
           "iq4_xs-llama": "IQ4_XS", "iq4_nl-llama": "IQ4_NL", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
 CTX, IM_CHUNKS = 512, 32
-
-
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def paired(a: np.ndarray, c: np.ndarray) -> tuple[float, float]:
@@ -120,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     files: dict[str, dict] = {}
 
     def add(name: str, path: Path, seconds: float, how: str, type_: str | None) -> None:
-        files[name] = {"path": str(path), "bytes": path.stat().st_size, "sha256_16": digest(path),
+        files[name] = {"path": str(path), "bytes": path.stat().st_size, "sha256_16": b._file_digest(path)[:16],
                        "seconds": round(seconds, 1), "how": how, "type": type_}
         print(f"  {name:32s} {path.stat().st_size / 1e6:8.2f} MB  {seconds:7.1f} s", flush=True)
 
