@@ -12,11 +12,12 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
 3. For each type: ``llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT TYPE``
    (llama.cpp's own file), and qkit's ``quantize --format gguf --scheme TYPE --imatrix imatrix.gguf`` with
    ``--method rtn`` (the same bytes as llama-quantize's, checked) and ``--method gptq`` (GPTQ's error
-   feedback inside the type's blocks; its Hessian from the calibration text's default windows). With
-   ``--plan``, also qkit's planned mix at q4_k_m's bytes (``qkit plan --imatrix`` with the bytes q4_k_m
-   stores for the same tensors, then quantized with gptq). Each file's bytes are printed: the rows compare
-   files of the same bytes (the token embedding stays f32 in all of them, as qkit writes it).
-4. Any ``*.gguf`` under ``--peers`` (auto-round's files, ``benchmarks/peer_autoround.py``) is scored too.
+   feedback inside the type's blocks; its Hessian from the calibration text's default windows). A planned
+   mix written by GPTQ is not here: ``qkit quantize --plan PLAN --method gptq`` is refused while the planner
+   costs candidates for RTN's codes. Each file's bytes are printed: llama.cpp's and qkit's files of a type
+   hold the same tensor bytes (the token embedding f32 in both, as qkit writes it).
+4. Any ``*.gguf`` under ``--peers`` (another tool's files, e.g. auto-round's) is scored too, with its bytes
+   as written (its token embedding may be quantized: compare its size before its KL).
 5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
    eval text (``-c 512``), then ``--kl-divergence`` per file with a copy of llama-perplexity that also writes
    its per-token values (``bench_llama_cpp.build_kld_dump_tool``), so that two files' KL are paired on
@@ -45,10 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_llama_cpp as b  # noqa: E402
 import build_llama_ref as blr  # noqa: E402
 
-from qkit.api import QuantizeOptions, plan_model, quantize_model  # noqa: E402
+from qkit.api import QuantizeOptions, quantize_model  # noqa: E402
 from qkit.assets import cache_dir  # noqa: E402
 from qkit.models import resolve  # noqa: E402
-from qkit.plan import PlanOptions  # noqa: E402
 from qkit.texts import load_calibration_text, load_corpus  # noqa: E402
 
 # qkit's scheme name -> llama-quantize's ftype
@@ -73,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="q2_k-llama,q3_k_m,q4_k_m,iq4_xs-llama")
     ap.add_argument("--peers", type=Path, default=None, help="a folder of other tools' GGUF files to score too")
-    ap.add_argument("--plan", action="store_true", help="also qkit's planned GPTQ mix at q4_k_m's bytes")
     ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 tokens (default: all of Ruth)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
@@ -115,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                        "seconds": round(seconds, 1), "how": how, "type": type_}
         print(f"  {name:32s} {path.stat().st_size / 1e6:8.2f} MB  {seconds:7.1f} s", flush=True)
 
-    bits: dict[str, float] = {}
     for t in types:
         ft = FTYPES[t]
         out = work / f"llama-{t}+imatrix.gguf"
@@ -131,24 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         add(f"llama.cpp {t}+imatrix", out, sec, f"llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT {ft}", t)
         for method in ("rtn", "gptq"):
             q = work / f"qkit-{t}+{method}+imatrix.gguf"
-            r, sec = timed(quantize_model, ref, output=q, scheme=t, method=method, format="gguf",
+            _, sec = timed(quantize_model, ref, output=q, scheme=t, method=method, format="gguf",
                            options=QuantizeOptions(force=True, imatrix=str(im)))
-            bits[t] = r.bits_per_weight
             add(f"qkit {t}+{method}+imatrix", q, sec,
                 f"qkit quantize --format gguf --scheme {t} --method {method} --imatrix imatrix.gguf", t)
         files[f"qkit {t}+rtn+imatrix"]["same_bytes_as_llama_cpp"] = b.compare_files(out, work / f"qkit-{t}+rtn+imatrix.gguf")["identical"]
-    if args.plan and "q4_k_m" in bits:
-        planfile = work / "plan-q4_k_m.json"
-        planfile.unlink(missing_ok=True)
-        _, sec_plan = timed(plan_model, ref, output=planfile, imatrix=str(im),
-                            options=PlanOptions(format="gguf", target_scheme="q4_k_m"))
-        q = work / "qkit-plan@q4_k_m+gptq+imatrix.gguf"
-        _, sec = timed(quantize_model, ref, output=q, method="gptq", format="gguf",
-                       options=QuantizeOptions(force=True, imatrix=str(im), plan=str(planfile)))
-        add("qkit plan@q4_k_m+gptq+imatrix", q, sec_plan + sec,
-            "plan_model(options=PlanOptions(format='gguf', target_scheme='q4_k_m'), imatrix='imatrix.gguf') (the bytes "
-            "of eval's plan:gguf@q4_k_m row); qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf", "q4_k_m")
-        files["qkit plan@q4_k_m+gptq+imatrix"]["plan_seconds"] = round(sec_plan, 1)
     for peer in sorted(args.peers.glob("**/*.gguf")) if args.peers else []:
         record = peer.with_suffix(".json")
         how = json.loads(record.read_text()).get("command", "") if record.is_file() else ""
