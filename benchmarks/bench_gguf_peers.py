@@ -12,10 +12,13 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
 3. For each type: ``llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT TYPE``
    (llama.cpp's own file), and qkit's ``quantize --format gguf --scheme TYPE --imatrix imatrix.gguf`` with
    ``--method rtn`` (the same bytes as llama-quantize's, checked) and ``--method gptq`` (GPTQ's error
-   feedback inside the type's blocks; its Hessian from the calibration text's default windows). A planned
-   mix written by GPTQ is not here: ``qkit quantize --plan PLAN --method gptq`` is refused while the planner
-   costs candidates for RTN's codes. Each file's bytes are printed: llama.cpp's and qkit's files of a type
-   hold the same tensor bytes (the token embedding f32 in both, as qkit writes it).
+   feedback inside the type's blocks; its Hessian from the calibration text's default windows). Each
+   file's bytes are printed: llama.cpp's and qkit's files of a type hold the same tensor bytes (the token
+   embedding f32 in both, as qkit writes it).
+3b. ``--plan-gptq RECIPE[,...]``: ``qkit plan --target-scheme RECIPE --method gptq --imatrix imatrix.gguf``
+   (the candidates priced for GPTQ's codes; the Q4_1-grid types q4_1 and q5_1 left out, ``PLAN_CANDIDATES``)
+   then ``qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf``: the planned mix at the recipe's
+   tensor bytes, compared with llama.cpp's imatrix file of that recipe.
 4. Any ``*.gguf`` under ``--peers`` (another tool's files, e.g. auto-round's) is scored too, with its bytes
    as written (its token embedding may be quantized: compare its size before its KL).
 5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
@@ -46,15 +49,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_llama_cpp as b  # noqa: E402
 import build_llama_ref as blr  # noqa: E402
 
-from qkit.api import QuantizeOptions, quantize_model  # noqa: E402
+from qkit.api import QuantizeOptions, plan_model, quantize_model  # noqa: E402
 from qkit.assets import cache_dir  # noqa: E402
 from qkit.models import resolve  # noqa: E402
+from qkit.plan import PlanOptions  # noqa: E402
 from qkit.texts import load_calibration_text, load_corpus  # noqa: E402
 
 # qkit's scheme name -> llama-quantize's ftype
 FTYPES = {"q2_k-llama": "Q2_K", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M",
           "iq4_xs-llama": "IQ4_XS", "iq4_nl-llama": "IQ4_NL", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
 CTX, IM_CHUNKS = 512, 32
+# the planned mix's candidates: the ladder without q4_1 and q5_1, whose grids hold the published Q4_1 blocks
+PLAN_CANDIDATES = ("q2_k", "q3_k", "iq4_xs", "iq4_nl", "q4_0", "q4_k", "q5_0", "q5_k", "q6_k", "q8_0")
 
 
 def paired(a: np.ndarray, c: np.ndarray) -> tuple[float, float]:
@@ -77,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--reuse", action="store_true", help="score the files a previous run wrote (its seconds not re-measured)")
+    ap.add_argument("--plan-gptq", default="", help="recipes (e.g. q4_k_m) to plan a GPTQ mix at the bytes of (step 3b)")
     args = ap.parse_args(argv)
     if not all(blr.tool_path(t).exists() for t in ("llama-quantize", "llama-imatrix", "llama-perplexity")):
         print("llama.cpp tools not built: python benchmarks/build_llama_ref.py --tools")
@@ -134,6 +141,22 @@ def main(argv: list[str] | None = None) -> int:
             add(f"qkit {t}+{method}+imatrix", q, sec,
                 f"qkit quantize --format gguf --scheme {t} --method {method} --imatrix imatrix.gguf", t)
         files[f"qkit {t}+rtn+imatrix"]["same_bytes_as_llama_cpp"] = b.compare_files(out, work / f"qkit-{t}+rtn+imatrix.gguf")["identical"]
+    for t in [t for t in args.plan_gptq.split(",") if t]:
+        plan, q = work / f"plan-{t}+gptq+imatrix.json", work / f"qkit-plan@{t}+gptq+imatrix.gguf"
+        name = f"qkit plan@{t}+gptq+imatrix"
+        if args.reuse and q.exists():
+            add(name, q, math.nan, "(reused)", t)
+            continue
+        r, sec_plan = timed(plan_model, ref, options=PlanOptions(format="gguf", target_scheme=t, candidates=PLAN_CANDIDATES),
+                            output=plan, method="gptq", imatrix=str(im), force=True)
+        _, sec = timed(quantize_model, ref, output=q, method="gptq", format="gguf",
+                       options=QuantizeOptions(force=True, imatrix=str(im), plan=str(plan)))
+        add(name, q, sec_plan + sec, f"qkit plan --format gguf --target-scheme {t} --candidates {','.join(PLAN_CANDIDATES)} "
+            f"--method gptq --imatrix imatrix.gguf -o PLAN; qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf", t)
+        files[name].update(plan_seconds=round(sec_plan, 1), predicted_kl=r.plan.predicted_kl,
+                           check_kl=r.plan.check.get("measured_kl"), planned_bytes=r.plan.nbytes,
+                           budget_bytes=r.plan.target.get("budget_bytes"),
+                           types={k: v for k, v in r.plan.record()["types"].items()})
     for peer in sorted(args.peers.glob("**/*.gguf")) if args.peers else []:
         record = peer.with_suffix(".json")
         how = json.loads(record.read_text()).get("command", "") if record.is_file() else ""

@@ -268,7 +268,7 @@ def test_a_compressed_tensors_plan_gives_each_fused_vllm_layer_one_type(wide_mod
     (["--target-bits", "4", "--format", "bitsandbytes"], "cannot mix types"),
     (["--target-bits", "4", "--target-size", "1MB"], "exactly one of"),
     (["--target-bits", "4", "--candidates", "q4_k_m"], "q4_k_m"),
-    (["--target-bits", "4", "--method", "gptq"], "rtn or imatrix"),
+    (["--target-bits", "4", "--method", "awq"], "rtn, the importance matrix (--method imatrix / --imatrix) or gptq"),
 ])
 def test_refusals_are_one_line_and_write_nothing(wide_model, tmp_path, args, message):
     out = tmp_path / "p.json"
@@ -287,8 +287,8 @@ def test_refusals_are_one_line_and_write_nothing(wide_model, tmp_path, args, mes
     ("qkit", "rtn", False, True, "--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf"),
     ("compressed-tensors", "rtn", False, True,
      "--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf"),
-    ("gguf", "gptq", False, False, "qkit plan measures candidates by rtn or the importance matrix (--method imatrix / "
-     "--imatrix); gptq chooses codes per type and is not planned: quantize a plan's types with it instead"),
+    ("gguf", "awq", False, False, "qkit plan measures candidates by rtn, the importance matrix (--method imatrix / "
+     "--imatrix) or gptq; awq chooses codes per type and is not planned: quantize a plan's types with it instead"),
 ])
 def test_plan_model_refuses_what_its_format_and_method_cannot_measure(wide_model, tmp_path, monkeypatch, fmt, method,
                                                                       imatrix, emit, message):

@@ -32,6 +32,7 @@ from qkit.export import QKIT, atomic_output, check_output, find_format, output_b
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, get_method
 from qkit.methods.calibration import model_context
+from qkit.methods.gptq import GPTQMethod, GPTQOptions
 from qkit.methods.imatrix import (
     ImatrixOptions,
     collect,
@@ -230,8 +231,9 @@ def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | No
     importance matrix and method; None without a plan."""
     if not isinstance(req.plan, PlanOptions):
         return req.plan
+    gptq = req.method_options if isinstance(req.method, GPTQMethod) else None
     return plan_model(ref, options=req.plan, imatrix=opts.imatrix, method=opts.method, device=opts.device,
-                      trust_remote_code=opts.trust_remote_code).plan
+                      trust_remote_code=opts.trust_remote_code, gptq_options=gptq).plan
 
 
 def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: torch.device,
@@ -343,25 +345,32 @@ def plan_model(
     allow_pickle: bool = False,
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    gptq_options: GPTQOptions | None = None,
 ) -> PlanResult:
     """Plan MODEL's types for a byte budget (``qkit.plan``): measured sensitivity, the exact solve,
     the measured check; write the plan JSON to ``output`` (None: keep it in memory) and, for GGUF, the
     ``llama-quantize --tensor-type-file`` that gives every tensor its planned type to ``emit_tensor_types``.
 
-    ``method``: ``rtn``, or ``imatrix`` (collect the importance matrix as ``qkit imatrix`` does; llama.cpp's
-    types are then measured through their weighted searches); ``imatrix``: such a file instead.
+    ``method``: ``rtn``; ``imatrix`` (collect the importance matrix as ``qkit imatrix`` does; llama.cpp's
+    types are then measured through their weighted searches); or ``gptq`` (the candidates priced for the
+    codes ``--method gptq`` writes, ``qkit.plan.feedback``; with ``imatrix`` for GPTQ+imatrix); ``imatrix``:
+    such a file instead.
     Refused before any work: bad options, a format that cannot mix, an output that is an input or exists
     (unless ``force`` and qkit wrote it), a calibration text that overlaps the eval text, a budget below the
     smallest mix or above the unquantized size (checked from the headers, before the model runs), an
     ``options.max_memory`` below what one tensor's Fisher group needs (estimated from the headers and config).
-    ``progress(stage, done, total)``: ``fisher`` windows (over every group's pass), ``candidates`` tensors."""
+    ``progress(stage, done, total)``: ``fisher`` windows (over every group's pass), ``candidates`` tensors
+    (``gptq``: tensors whose GPTQ candidates are solved). ``gptq_options``: the GPTQ options a ``gptq`` plan
+    prices for (default ``GPTQOptions()``, what ``--method gptq`` uses by default)."""
     t0 = time.perf_counter()
     options.check()
     fmt = find_format(check_format(options.format))  # a format that cannot mix types: refused here
     collects = isinstance(found := get_method(method), ImatrixMethod)  # --method imatrix: collect the matrix first
-    if found is not None and not collects:
-        raise InputError(f"qkit plan measures candidates by rtn or the importance matrix (--method imatrix / --imatrix); "
-                         f"{method} chooses codes per type and is not planned: quantize a plan's types with it instead")
+    # priced for GPTQ's codes (qkit.plan.feedback), with the options its quantize will use
+    gptq = (gptq_options or GPTQOptions()) if isinstance(found, GPTQMethod) else None
+    if found is not None and not collects and gptq is None:
+        raise InputError(f"qkit plan measures candidates by rtn, the importance matrix (--method imatrix / --imatrix) or "
+                         f"gptq; {method} chooses codes per type and is not planned: quantize a plan's types with it instead")
     llama = [isinstance(get_scheme(n), GGMLScheme) for n in fmt.plan_types()]  # which planned types are llama.cpp's
     if (imatrix is not None or collects) and not any(llama):
         raise InputError("the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it")
@@ -393,7 +402,8 @@ def plan_model(
     if matrix is not None:
         probe = {n: get_scheme("q4_0") for n, s in planned_targets(ref, options).items() if s[-1] % 32 == 0}
         weights, key = quant_weights_for(matrix, config, shapes, probe), matrix.sha256
-    table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress)
+    table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress,
+                              gptq=gptq)
     record = imatrix_record(matrix, len(weights)) if matrix is not None else None
     plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=method, imatrix=record, config=config)
     check_plan(plan, table, ref, weights)

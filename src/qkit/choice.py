@@ -182,7 +182,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
     if planned is not None:
         check_plan_matches(planned, shapes, ref.spec)
-        check_plan_method(planned, req.matrix, req.method)
+        check_plan_method(planned, req.matrix, req.method, req.method_options)
         targets = {n: s for n, s in planned.schemes().items() if s is not None}
         default = get_scheme(base_type(planned)) if base_type(planned) != KEEP else default
     llama_names = llama_names_of(config, shapes)  # {} for a model llama.cpp does not name
@@ -209,15 +209,29 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
     return Choice(default, rules, targets, llama_names, weights, planned, manifest)
 
 
-def check_plan_method(plan: Plan, matrix: Any, method: Method | None) -> None:
-    """A plan's costs were measured with one matrix or none: its quantize must use the same."""
-    if method is not None and not isinstance(method, ImatrixMethod):
+def check_plan_method(plan: Plan, matrix: Any, method: Method | None, method_options: Any = None) -> None:
+    """A plan's costs were measured for one method's codes, with one matrix or none: its quantize must use
+    the same (a ``gptq`` plan: ``--method gptq`` with the options its costs were measured with)."""
+    planned_gptq = plan.method == "gptq"
+    if planned_gptq and (method is None or method.name != "gptq"):
+        raise InputError(f"the plan's costs were measured for gptq's codes; quantize it with --method gptq "
+                         f"(or re-plan with --method {method.name if method is not None else 'rtn'})")
+    if not planned_gptq and method is not None and not isinstance(method, ImatrixMethod):
+        hint = "re-plan with --method gptq" if method.name == "gptq" else "quantize the plan with its own method (drop --method)"
         raise InputError(f"the plan's costs were measured with {plan.method}; {method.name} chooses other codes for the same "
-                         "types: quantize the plan with its own method (drop --method)")
-    if plan.imatrix is None and (matrix is not None or method is not None):
+                         f"types: {hint}")
+    if planned_gptq:
+        measured = (plan.sensitivity.get("feedback") or {}).get("gptq") or {}
+        given = {k: getattr(method_options, k, None) for k in measured}
+        differ = [f"{k}={given[k]!r} (the plan: {v!r})" for k, v in sorted(measured.items()) if given[k] != v]
+        if differ:
+            raise InputError(f"the plan's costs were measured with GPTQ's {', '.join(f'{k}={v!r}' for k, v in sorted(measured.items()))}; "
+                             f"this quantize gives {'; '.join(differ)}: use the plan's options or re-plan with them")
+    uses_matrix = matrix is not None or (method is not None and not planned_gptq)
+    if plan.imatrix is None and uses_matrix:
         raise InputError("the plan was measured without an importance matrix; re-plan with --imatrix/--method imatrix, "
                          "or quantize it without one")
-    if plan.imatrix is not None and method is None:
+    if plan.imatrix is not None and (method is None or planned_gptq):
         if matrix is None:
             raise InputError(f"the plan was measured with the importance matrix {plan.imatrix.get('file') or ''} "
                              f"(sha256 {str(plan.imatrix.get('sha256'))[:12]}...): pass it with --imatrix (or --method imatrix)")

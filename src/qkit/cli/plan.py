@@ -41,7 +41,6 @@ from qkit.plan import (
     plan_formats,
     upgrades,
 )
-from qkit.plan.planfile import PLAN_METHODS
 from qkit.plan.planner import (
     DEFAULT_CHECK_WINDOWS,
     DEFAULT_DTYPE,
@@ -58,7 +57,7 @@ TargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="B
 TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget in bytes of the planned tensors: 105454208, 100MB, 1GiB.", metavar="SIZE")]
 PlanFormatOpt = Annotated[str, typer.Option("--format", help=f"What the plan is written as, which decides its candidates and byte counts: {', '.join(plan_formats())}.")]
 CandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="Only these types (comma-separated; default: the format's whole ladder; 'none' keeps a tensor unquantized).", metavar="LIST")]
-PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn, or imatrix (collect the importance matrix and measure llama.cpp's types through their weighted searches).")]
+PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn; imatrix (collect the importance matrix and measure llama.cpp's types through their weighted searches); or gptq (price every candidate for the codes --method gptq writes; quantize the plan with --method gptq).")]
 PlanImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix file (qkit imatrix, llama-imatrix) that llama.cpp's types are measured and written with.", metavar="FILE")]
 PlanEmitOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types", help="With --format gguf: also write the --tensor-type-file with which llama-quantize writes every planned tensor's type.", metavar="FILE")]
 SamplesOpt = Annotated[int, typer.Option("--calibration-samples", help="Calibration windows the Fisher is measured on.", metavar="N")]
@@ -104,8 +103,6 @@ def plan(
                                       "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
         if path is not None:
             check_output(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
-    if method not in PLAN_METHODS:
-        raise InputError(f"--method {method}: qkit plan measures candidates by {' or '.join(PLAN_METHODS)}")
     options = PlanOptions(format=fmt, target_bits=target_bits,
                           target_size=parse_size(target_size, "--target-size") if target_size is not None else None,
                           candidates=parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k,none",

@@ -125,11 +125,13 @@ class Plan:
         return {"sha256": self.sha256(), "file": str(self.path) if self.path else None, "target": self.target,
                 "format": self.format, "bytes": self.nbytes, "predicted_kl": self.predicted_kl,
                 "measured_kl": self.check.get("measured_kl"), "types": dict(sorted(types.items())),
-                "lossless": sum(t.lossless and t.scheme is not None for t in self.tensors.values())}
+                "lossless": sum(t.lossless and t.scheme is not None for t in self.tensors.values()),
+                "method": self.method,
+                **({"gptq": self.sensitivity["feedback"]["gptq"]} if "feedback" in self.sensitivity else {})}
 
 
 MAX_PLAN_BYTES = 256 * 1024**2  # a plan of 50,000 tensors with every candidate is ~50 MB; a larger file is not one
-PLAN_METHODS = ("rtn", "imatrix")  # what ``qkit plan`` measures candidates by (``qkit plan --method``)
+PLAN_METHODS = ("rtn", "imatrix", "gptq")  # what ``qkit plan`` measures candidates by (``qkit plan --method``)
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the source dtypes a kept tensor's bytes may count
 
 

@@ -11,11 +11,13 @@ Steps (``make_plan``), each a function a script can call:
    (``candidates.candidates``), optionally restricted (``--candidates``).
 3. **Sensitivity**: the diagonal Fisher of the reference's output distribution on calibration windows
    (``sensitivity.fisher_diagonal``), and per tensor and candidate the predicted KL of storing that one
-   tensor so (``sensitivity.candidate_cost``), from exactly the codes the file would hold.
+   tensor so (``sensitivity.candidate_cost``), from exactly the codes the file would hold. For a plan
+   GPTQ will write (``--method gptq``), each cost is then scaled by GPTQ's held-out output error over
+   RTN's for that tensor and type (``qkit.plan.feedback``).
 4. **Solve**: the multiple-choice knapsack, exact by DP over bytes (``solve.solve``): minimal summed
    predicted KL within the budget.
-5. **Check**: the chosen mix swapped into the model and its KL measured on calibration windows, beside
-   the prediction (the solver assumes costs add; this says how far they do).
+5. **Check**: the chosen mix swapped into the model (GPTQ's weights for a GPTQ plan) and its KL measured
+   on calibration windows, beside the prediction (the solver assumes costs add; this says how far they do).
 
 The sensitivity table (steps 1-3) is kept for the last model, format, candidates and calibration
 (``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the Fisher is kept
@@ -45,6 +47,8 @@ from qkit.checkpoint import (
 from qkit.errors import InputError
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
 from qkit.models import ModelRef, load, load_tokenizer, read_config
+from qkit.methods.gptq.method import GPTQOptions
+from qkit.plan import feedback
 from qkit.plan.candidates import (
     KEEP,
     Candidate,
@@ -148,6 +152,9 @@ class Table:
     dtypes: dict = field(default_factory=dict)  # each planned tensor's source dtype
     seconds: dict = field(default_factory=dict)
     memory: dict = field(default_factory=dict)  # the memory plan: budget, groups, estimated peak (MemoryPlan.to_dict)
+    ids: object = field(repr=False, default=None)  # the calibration windows (int64 [n, w])
+    gptq: GPTQOptions | None = None  # costs for GPTQ's codes (feedback): the options they were measured with
+    feedback: dict = field(default_factory=dict)  # feedback.output_error_ratios' record
 
     @property
     def weights(self) -> int:
@@ -241,9 +248,12 @@ def sensitivity_table(
     quant_weights: Mapping[str, torch.Tensor] | None = None,
     imatrix_key: str | None = None,
     on_step: Callable[[str, int, int], None] | None = None,
+    gptq: GPTQOptions | None = None,
 ) -> Table:
     """Steps 1-3 of the module docstring (kept for the same inputs). ``quant_weights``: per tensor, the
     importance weights llama.cpp's types quantize with (``--imatrix``), identified by ``imatrix_key``.
+    ``gptq``: price the candidates for the codes GPTQ with these options writes (``qkit.plan.feedback``:
+    each Fisher cost scaled by GPTQ's output-error ratio to RTN's; one more pass over the blocks).
 
     Memory (``memory_plan``): the targets are measured in groups whose float32 Fisher fits the budget. Per
     group, one pass over the calibration windows (the labels sampled in the first pass, reused: every
@@ -254,7 +264,8 @@ def sensitivity_table(
     targets = planned_targets(ref, options)
     allowed = parse_allowed(fmt, options.candidates) if options.candidates else None
     key = (str(ref.directory), fmt, allowed, tuple(options.include), tuple(options.exclude), options.scale_dtype,
-           options.calibration_options(), options.check_windows, imatrix_key, str(device), options.dtype)
+           options.calibration_options(), options.check_windows, imatrix_key, str(device), options.dtype,
+           None if gptq is None else tuple(sorted(feedback.record(gptq).items())))
     if key in _TABLE:
         return _TABLE[key]
     opts = candidate_sets(ref, options)
@@ -305,11 +316,25 @@ def sensitivity_table(
     if measured is None:
         _FISHER[fkey] = _Measured(first, model, provenance, ids, mem)
     names = list(targets)
+    record: dict = {}
+    t_gptq = 0.0
+    if gptq is not None:  # the RTN costs scaled by GPTQ's output-error ratio (qkit.plan.feedback)
+        t2 = time.perf_counter()
+        ratios, record = feedback.output_error_ratios(
+            model, ids, opts, _reader(ref.directory, set(targets), str(device)), gptq=gptq,
+            quant_weights=lambda n, c: _qw(weights, n, c), device=torch.device(device),
+            on_tensor=lambda i, k: say("gptq", i, k))
+        for n in names:
+            costs, lossless = by_name[n]
+            by_name[n] = ([0.0 if free else cost * r for cost, free, r in zip(costs, lossless, ratios[n])], lossless)
+        t_gptq = time.perf_counter() - t2
     table = Table(names, targets, [opts[n] for n in names], [by_name[n][0] for n in names],
                   [by_name[n][1] for n in names], provenance, first.positions, first, model,
                   dtypes={n: d for n, d in tensor_dtypes(ref.directory).items() if n in targets},
-                  seconds={"fisher": round(t_fisher, 3), "candidates": round(time.perf_counter() - t0 - t_fisher, 3)},
-                  memory={**mem.to_dict(), "groups": passes, "dtype": options.dtype})
+                  seconds={"fisher": round(t_fisher, 3), "candidates": round(time.perf_counter() - t0 - t_fisher - t_gptq, 3),
+                           **({"gptq": round(t_gptq, 3)} if gptq is not None else {})},
+                  memory={**mem.to_dict(), "groups": passes, "dtype": options.dtype}, ids=ids, gptq=gptq,
+                  feedback=record)
     _TABLE[key] = table
     return table
 
@@ -331,6 +356,20 @@ def _file_tensors(directory, names: set[str], device: str, *, whole: bool):
                 w = f.get_tensor(key)
             yield key, (w if device == "cpu" else w.to(device))
             del w
+
+
+def _reader(directory, names: set[str], device: str) -> Callable[[str], torch.Tensor]:
+    """``read(name)``: one of ``names`` read by itself from its shard (the source weights quantize reads)."""
+    where: dict[str, object] = {}
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            where.update((k, path) for k in names.intersection(f.keys()))
+
+    def read(name: str) -> torch.Tensor:
+        with open_safetensors(where[name]) as f:
+            w = f.get_tensor(name)
+        return w if device == "cpu" else w.to(device)
+    return read
 
 
 def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candidate]]:
@@ -390,8 +429,10 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
     target = {**options.target(), "budget_bytes": budget, "weights": weights, "counts": (
         f"the stored bytes of the {len(table.names)} planned tensors (codes, scales, minimums, as the format writes "
         "them); embeddings, norms and unplanned tensors are outside the budget")}
-    sensitivity = {"estimator": ESTIMATOR, "calibration": table.calibration, "positions": table.positions,
-                   "seconds": table.seconds, "dtype": table.memory.get("dtype", DEFAULT_DTYPE), "memory": table.memory}
+    sensitivity = {"estimator": ESTIMATOR if table.gptq is None else feedback.ESTIMATOR, "calibration": table.calibration,
+                   "positions": table.positions, "seconds": table.seconds,
+                   "dtype": table.memory.get("dtype", DEFAULT_DTYPE), "memory": table.memory,
+                   **({"feedback": table.feedback} if table.gptq is not None else {})}
     solver = {**sol.to_dict(), "items": len(groups), "tied": [[table.names[i] for i in g] for g in groups if len(g) > 1]}
     return Plan(model_spec, fingerprint(shapes_all.items()), check_format(options.format), method, target, tensors,
                 imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
@@ -404,8 +445,9 @@ def _qw(weights: Mapping[str, torch.Tensor], name: str, cand: Candidate) -> torc
 
 
 def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Step 5: the plan's mix swapped into the table's model (the same codes the file holds), its KL
-    measured on the check windows beside the prediction, into ``plan.check``; the weights restored."""
+    """Step 5: the plan's mix swapped into the table's model (the same codes the file holds; for a table
+    priced for GPTQ, GPTQ's weights solved block after block, ``feedback.solved_weights``), its KL measured on
+    the check windows beside the prediction, into ``plan.check``; the weights restored."""
     fisher = table.fisher
     if fisher is None or not fisher.reference:
         plan.check = {"measured_kl": None, "windows": 0}
@@ -425,13 +467,18 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
                 t = plan.tensors.get(name)
                 if t is None or t.scheme is None:
                     continue
-                cand = Candidate(t.type, t.scheme, t.nbytes)
-                qt = quantize_tensor(w, t.scheme, name=name, quant_weights=_qw(weights, name, cand))
                 p = params[name]
                 if not torch.equal(p, w.to(p.dtype)):
                     copies[name] = p.detach().clone()
                 swapped.append(name)
-                p.copy_(qt.dequantize(p.dtype))
+                if table.gptq is None:
+                    qt = quantize_tensor(w, t.scheme, name=name, quant_weights=_qw(weights, name, Candidate(t.type, t.scheme, t.nbytes)))
+                    p.copy_(qt.dequantize(p.dtype))
+            if table.gptq is not None:
+                chosen = {n: Candidate(t.type, t.scheme, t.nbytes) for n, t in plan.tensors.items()}
+                feedback.solved_weights(model, table.ids, chosen, _reader(ref.directory, set(chosen), device),
+                                        gptq=table.gptq, quant_weights=lambda n, c: _qw(weights, n, c),
+                                        device=torch.device(device))
         kl, se = measured_kl(model, fisher)
     finally:
         _restore(params, swapped, copies, ref, device)
