@@ -18,7 +18,10 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
 3b. ``--plan-gptq RECIPE[,...]``: ``qkit plan --target-scheme RECIPE --method gptq --imatrix imatrix.gguf``
    (the candidates priced for GPTQ's codes; the Q4_1-grid types q4_1 and q5_1 left out, ``PLAN_CANDIDATES``)
    then ``qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf``: the planned mix at the recipe's
-   tensor bytes, compared with llama.cpp's imatrix file of that recipe.
+   tensor bytes, compared with llama.cpp's imatrix file of that recipe. Two controls at the same bytes:
+   the plan priced for RTN and written by RTN (``qkit plan --method rtn --imatrix``, then ``quantize --plan``),
+   and that RTN plan's types written by GPTQ (``--tensor-type`` from its ``--emit-tensor-types`` file, since
+   ``quantize --plan`` refuses GPTQ on a plan priced for RTN): what pricing for GPTQ adds over GPTQ alone.
 4. Any ``*.gguf`` under ``--peers`` (another tool's files, e.g. auto-round's) is scored too, with its bytes
    as written (its token embedding may be quantized: compare its size before its KL).
 5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
@@ -142,21 +145,37 @@ def main(argv: list[str] | None = None) -> int:
                 f"qkit quantize --format gguf --scheme {t} --method {method} --imatrix imatrix.gguf", t)
         files[f"qkit {t}+rtn+imatrix"]["same_bytes_as_llama_cpp"] = b.compare_files(out, work / f"qkit-{t}+rtn+imatrix.gguf")["identical"]
     for t in [t for t in args.plan_gptq.split(",") if t]:
-        plan, q = work / f"plan-{t}+gptq+imatrix.json", work / f"qkit-plan@{t}+gptq+imatrix.gguf"
-        name = f"qkit plan@{t}+gptq+imatrix"
-        if args.reuse and q.exists():
-            add(name, q, math.nan, "(reused)", t)
-            continue
-        r, sec_plan = timed(plan_model, ref, options=PlanOptions(format="gguf", target_scheme=t, candidates=PLAN_CANDIDATES),
-                            output=plan, method="gptq", imatrix=str(im), force=True)
-        _, sec = timed(quantize_model, ref, output=q, method="gptq", format="gguf",
-                       options=QuantizeOptions(force=True, imatrix=str(im), plan=str(plan)))
-        add(name, q, sec_plan + sec, f"qkit plan --format gguf --target-scheme {t} --candidates {','.join(PLAN_CANDIDATES)} "
-            f"--method gptq --imatrix imatrix.gguf -o PLAN; qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf", t)
-        files[name].update(plan_seconds=round(sec_plan, 1), predicted_kl=r.plan.predicted_kl,
-                           check_kl=r.plan.check.get("measured_kl"), planned_bytes=r.plan.nbytes,
-                           budget_bytes=r.plan.target.get("budget_bytes"),
-                           types={k: v for k, v in r.plan.record()["types"].items()})
+        cands = ",".join(PLAN_CANDIDATES)
+        popts = PlanOptions(format="gguf", target_scheme=t, candidates=PLAN_CANDIDATES)
+        plan_cmd = f"qkit plan --format gguf --target-scheme {t} --candidates {cands} --imatrix imatrix.gguf"
+        rplan, tt = work / f"plan-{t}+rtn+imatrix.json", work / f"plan-{t}+rtn+imatrix.tensor-types"
+        # the planned GPTQ mix, then the controls: the RTN-priced plan at the same budget, written by RTN and by GPTQ
+        rows = [(f"qkit plan@{t}+gptq+imatrix", work / f"plan-{t}+gptq+imatrix.json", "gptq",
+                 f"{plan_cmd} --method gptq -o PLAN; qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf"),
+                (f"qkit plan@{t}+rtn+imatrix", rplan, "rtn",
+                 f"{plan_cmd} -o PLAN; qkit quantize --plan PLAN --imatrix imatrix.gguf"),
+                (f"qkit plan@{t}(rtn-priced)+gptq+imatrix", None, "gptq",
+                 f"{plan_cmd} -o PLAN --emit-tensor-types TT; qkit quantize -s q8_0 --tensor-type $(cat TT) --method gptq "
+                 "--imatrix imatrix.gguf")]
+        for label, plan, method, how in rows:
+            q = work / f"{label.replace(' ', '-')}.gguf"
+            if args.reuse and q.exists():
+                add(label, q, math.nan, "(reused)", t)
+                continue
+            sec_plan = 0.0
+            if plan is not None:
+                r, sec_plan = timed(plan_model, ref, options=popts, output=plan, imatrix=str(im), force=True,
+                                    method=method, **({"emit_tensor_types": tt} if method == "rtn" else {}))
+                opts = QuantizeOptions(force=True, imatrix=str(im), plan=str(plan))
+            else:
+                opts = QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(tt.read_text().split()))
+            _, sec = timed(quantize_model, ref, output=q, method=method, format="gguf",
+                           **({} if plan is not None else {"scheme": "q8_0"}), options=opts)
+            add(label, q, sec_plan + sec, how, t)
+            if plan is not None:
+                files[label].update(plan_seconds=round(sec_plan, 1), predicted_kl=r.plan.predicted_kl,
+                                    check_kl=r.plan.check.get("measured_kl"), planned_bytes=r.plan.nbytes,
+                                    budget_bytes=r.plan.target.get("budget_bytes"), types=r.plan.record()["types"])
     for peer in sorted(args.peers.glob("**/*.gguf")) if args.peers else []:
         record = peer.with_suffix(".json")
         how = json.loads(record.read_text()).get("command", "") if record.is_file() else ""
@@ -190,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
             d, se = paired(kl[name], kl[own])
             f["versus_llama_cpp"] = {"file": own, "kl_difference": d, "paired_se": se, "ratio": f["kl"] / files[own]["kl"],
                                      "bytes_ratio": f["bytes"] / files[own]["bytes"]}
+    for t in [t for t in args.plan_gptq.split(",") if t]:  # the controls against the GPTQ-priced plan, paired
+        mine = f"qkit plan@{t}+gptq+imatrix"
+        for name in (f"qkit plan@{t}+rtn+imatrix", f"qkit plan@{t}(rtn-priced)+gptq+imatrix"):
+            if mine in kl and name in kl:
+                d, se = paired(kl[name], kl[mine])
+                files[name]["versus_gptq_priced_plan"] = {"file": mine, "kl_difference": d, "paired_se": se}
+                print(f"  {name} minus {mine}: {d:+.5f} ± {se:.5f} (paired SE)")
     doc["files"] = files
     print()
     print(f"{'file':34s} {'MB':>8s} {'KL':>9s} {'± SE':>8s} {'× llama.cpp':>11s} {'Δ ± paired SE':>20s}")

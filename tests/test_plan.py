@@ -167,6 +167,23 @@ def test_plan_fits_the_budget_and_its_bytes_are_the_files(wide_model, gguf_plan,
     assert len(words) == len(p.tensors) and all(w.startswith("^blk") for w in words)
 
 
+def test_target_scheme_budgets_what_that_recipe_writes(wide_model, tmp_path):
+    """--target-scheme q4_k_m: the budget is the bytes llama-quantize's q4_k_m file gives the planned tensors
+    (read back from a q4_k_m file qkit writes, whose tensors are llama-quantize's)."""
+    out, g = tmp_path / "p.json", tmp_path / "q4_k_m.gguf"
+    r = runner.invoke(app, ["plan", str(wide_model), "-o", str(out), "--format", "gguf", "--target-scheme", "q4_k_m",
+                            "--calibration-samples", "2", "--calibration-seqlen", "32", "--check-windows", "1"])
+    assert r.exit_code == 0, r.output
+    plan = read_plan(out)
+    quantize_model(str(wide_model), output=g, format="gguf", scheme="q4_k_m")
+    from qkit.llama_names import tensor_names
+
+    cfg = json.loads((wide_model / "config.json").read_text())
+    names = set(tensor_names("llama", cfg["num_hidden_layers"], list(plan.tensors), tied=True).values())
+    written = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(g)).tensors if t.name in names)
+    assert plan.target["budget_bytes"] == written and plan.target["scheme"] == "q4_k_m" and plan.nbytes <= written
+
+
 def test_the_same_inputs_give_the_same_plan(wide_model, gguf_plan, tmp_path):
     from qkit.plan import planner
 
@@ -267,6 +284,8 @@ def test_a_compressed_tensors_plan_gives_each_fused_vllm_layer_one_type(wide_mod
     (["--target-bits", "40", "--format", "gguf"], "above the unquantized size"),
     (["--target-bits", "4", "--format", "bitsandbytes"], "cannot mix types"),
     (["--target-bits", "4", "--target-size", "1MB"], "exactly one of"),
+    (["--target-scheme", "q4_k_m", "--target-bits", "4"], "--target-scheme SCHEME"),
+    (["--target-scheme", "q4_k_n", "--format", "gguf"], "q4_k_m"),
     (["--target-bits", "4", "--candidates", "q4_k_m"], "q4_k_m"),
     (["--target-bits", "4", "--method", "awq"], "rtn, the importance matrix (--method imatrix / --imatrix) or gptq"),
 ])

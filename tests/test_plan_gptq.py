@@ -124,6 +124,8 @@ def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide, gp
     assert plan.nbytes <= plan.target["budget_bytes"]
     kl = plan.check["measured_kl"]
     assert math.isfinite(kl) and kl > 0
+    # GPTQ solved on the 2 sensitivity windows after the check's 2: the check is not measured on its own tokens
+    assert plan.check["gptq_solved_on"] == {"windows": 2, "held_out": True} and plan.check["windows"] == 2
     # the check's GPTQ weights were put back: the cached model equals the file again
     ref = resolve(str(wide))
     table = sensitivity_table(ref, PlanOptions(format="gguf", target_bits=4.6, **FAST), device=torch.device("cpu"),
@@ -186,6 +188,21 @@ def test_target_bits_with_gptq_plans_for_gptq_with_the_quantizes_options(wide, t
     assert r.plan is not None and r.method == "gptq"
     assert r.plan["method"] == "gptq" and r.plan["gptq"]["dampening"] == 0.02  # priced with the options that write it
     assert gguf.GGUFReader(str(g)).tensors
+
+
+def test_the_cli_plans_for_gptq_and_says_how_it_was_priced(wide, tmp_path):
+    from typer.testing import CliRunner
+
+    from qkit.cli import app
+
+    out = tmp_path / "p.json"
+    r = CliRunner().invoke(app, ["plan", str(wide), "-o", str(out), "--format", "gguf", "--target-scheme", "q4_k_m",
+                                 "--method", "gptq", "--calibration-samples", "2", "--calibration-seqlen", "32",
+                                 "--check-windows", "1"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    plan = read_plan(out)
+    assert plan.method == "gptq" and plan.sensitivity["estimator"] == feedback.ESTIMATOR
+    assert "GPTQ's held-out output-error ratio" in r.output and "GPTQ's weights, solved on 1 window the check does not measure" in r.output
 
 
 def test_feedback_serves_what_gptq_serves():

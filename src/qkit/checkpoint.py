@@ -220,6 +220,21 @@ def open_safetensors(path: Path, device: str = "cpu"):
         ) from exc
 
 
+def tensor_reader(directory: Path, names: Iterable[str], device: str = "cpu") -> Callable[[str], torch.Tensor]:
+    """``read(name)``: one of ``names`` read by itself from its shard, in its stored dtype (the source weights
+    a method quantizes, whatever dtype the model runs in); the shards' headers are read once, here."""
+    wanted, where = set(names), {}
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            where.update((k, path) for k in wanted.intersection(f.keys()))
+
+    def read(name: str) -> torch.Tensor:
+        with open_safetensors(where[name]) as f:
+            w = f.get_tensor(name)
+        return w if device == "cpu" else w.to(device)
+    return read
+
+
 def read_manifest(directory: Path) -> dict | None:
     """The merged qkit manifest of a checkpoint directory, or ``None`` for a plain model directory.
 

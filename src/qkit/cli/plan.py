@@ -55,6 +55,7 @@ from qkit.threads import check_threads
 PlanOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="The plan to write (JSON): per tensor its type, exact bytes and predicted KL.", metavar="PLAN.json")]
 TargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Budget in bits per weight over the planned tensors (the block projections), scales included.", metavar="B")]
 TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget in bytes of the planned tensors: 105454208, 100MB, 1GiB.", metavar="SIZE")]
+TargetSchemeOpt = Annotated[Optional[str], typer.Option("--target-scheme", help="Budget: the bytes this scheme (a recipe such as q4_k_m, or a type) stores for the same tensors in --format.", metavar="SCHEME")]
 PlanFormatOpt = Annotated[str, typer.Option("--format", help=f"What the plan is written as, which decides its candidates and byte counts: {', '.join(plan_formats())}.")]
 CandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="Only these types (comma-separated; default: the format's whole ladder; 'none' keeps a tensor unquantized).", metavar="LIST")]
 PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn; imatrix (collect the importance matrix and measure llama.cpp's types through their weighted searches); or gptq (price every candidate for the codes --method gptq writes; quantize the plan with --method gptq).")]
@@ -73,6 +74,7 @@ def plan(
     model: ModelArg = None,
     target_bits: TargetBitsOpt = None,
     target_size: TargetSizeOpt = None,
+    target_scheme: TargetSchemeOpt = None,
     fmt: PlanFormatOpt = "qkit",
     output: PlanOutOpt = None,
     candidates: CandidatesOpt = None,
@@ -105,6 +107,7 @@ def plan(
             check_output(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
     options = PlanOptions(format=fmt, target_bits=target_bits,
                           target_size=parse_size(target_size, "--target-size") if target_size is not None else None,
+                          target_scheme=target_scheme,
                           candidates=parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k,none",
                                                 spaces=True) or (),
                           include=tuple(check_words(include, "--include", what="glob", where="e.g. '*.mlp.*'")),
@@ -122,7 +125,8 @@ def plan(
         def progress(name: str, done: int, total: int) -> None:
             if stage[0] != name:
                 bar.start({"fisher": f"sensitivity: Fisher, {total} forward and backward passes",
-                           "candidates": f"sensitivity: every candidate of {total} tensors"}[name], total)
+                           "candidates": f"sensitivity: every candidate of {total} tensors",
+                           "gptq": f"sensitivity: GPTQ's output error for every candidate of {total} tensors"}[name], total)
                 stage[0], stage[1] = name, 0
             bar.advance(done - stage[1])
             stage[1] = done
@@ -146,10 +150,14 @@ def render_plan(p: Plan) -> None:
     rows = [
         ["target", f"{target}: {t['budget_bytes']:,} bytes over {len(p.tensors)} tensors ({t['weights']:,} weights)"],
         ["planned", f"{p.nbytes:,} bytes, {p.bits_per_weight:.3f} bits/w ({p.format})"],
-        ["predicted KL", f"{p.predicted_kl:.5f} nats/token (diagonal Fisher, sum over tensors)"],
+        ["predicted KL", f"{p.predicted_kl:.5f} nats/token (diagonal Fisher"
+                         + (" x GPTQ's held-out output-error ratio" if p.method == "gptq" else "") + ", sum over tensors)"],
         ["measured KL", "-" if measured is None else
          f"{measured:.5f} ± {chk['measured_kl_se']:.5f} on {chk['positions']:,} calibration positions "
          f"(predicted/measured {chk['ratio']:.2f})" if chk.get("ratio") else f"{measured:.5f}"],
+        *([["measured with", f"GPTQ's weights, solved on {solved['windows']} window{'s' * (solved['windows'] != 1)} "
+                             + ("the check does not measure" if solved["held_out"] else "the check measures too (no others)")]]
+          if (solved := chk.get("gptq_solved_on")) else []),
         ["solver", f"{'exact' if sol.get('exact') else 'rounded to ' + str(sol.get('unit')) + ' bytes'}: "
                    f"{sol.get('states', 0):,} states of {sol.get('unit')} bytes, {sol.get('seconds', 0) * 1000:.0f} ms"
                    + (f"; {len(sol['tied'])} fused vLLM layers (q/k/v, gate/up) take one type each" if sol.get("tied") else "")],

@@ -40,12 +40,14 @@ import torch
 from qkit.checkpoint import (
     iter_tensors,
     open_safetensors,
+    tensor_reader,
     tensor_dtypes,
     tensor_shapes,
     weight_files,
 )
 from qkit.errors import InputError
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
+from qkit.dtypes import LOAD_DTYPES, load_dtype
 from qkit.models import ModelRef, load, load_tokenizer, read_config
 from qkit.methods.gptq.method import GPTQOptions
 from qkit.plan import feedback
@@ -75,7 +77,6 @@ DEFAULT_SEQLEN = 512
 DEFAULT_CHECK_WINDOWS = 4
 ESTIMATOR = "fisher-diagonal"
 # The dtypes the model may be loaded in for the Fisher (--dtype); its diagonal is float32 whatever this is.
-LOAD_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_DTYPE = "fp32"
 
 
@@ -108,13 +109,13 @@ class PlanOptions:
 
     def check(self) -> None:
         check_format(self.format)
-        if self.dtype not in LOAD_DTYPES:
-            raise InputError(f"--dtype {self.dtype!r}: the model is loaded in one of {', '.join(LOAD_DTYPES)}")
+        load_dtype(self.dtype)
         if self.max_memory is not None and not (isinstance(self.max_memory, int) and not isinstance(self.max_memory, bool)
                                                 and self.max_memory > 0):
             raise InputError(f"--max-memory must be a positive number of bytes, got {self.max_memory!r}")
         if sum(t is not None for t in (self.target_bits, self.target_size, self.target_scheme)) != 1:
-            raise InputError("give exactly one of --target-bits B (bits per weight) and --target-size SIZE (bytes, e.g. 100MB)")
+            raise InputError("give exactly one of --target-bits B (bits per weight), --target-size SIZE (bytes, e.g. 100MB) and "
+                             "--target-scheme SCHEME (the bytes that scheme stores for the same tensors, e.g. q4_k_m)")
         if self.target_bits is not None and not (isinstance(self.target_bits, (int, float)) and math.isfinite(self.target_bits)
                                                  and self.target_bits > 0):
             raise InputError(f"--target-bits must be a positive number, got {self.target_bits!r}")
@@ -321,7 +322,7 @@ def sensitivity_table(
     if gptq is not None:  # the RTN costs scaled by GPTQ's output-error ratio (qkit.plan.feedback)
         t2 = time.perf_counter()
         ratios, record = feedback.output_error_ratios(
-            model, ids, opts, _reader(ref.directory, set(targets), str(device)), gptq=gptq,
+            model, ids, opts, tensor_reader(ref.directory, targets, str(device)), gptq=gptq,
             quant_weights=lambda n, c: _qw(weights, n, c), device=torch.device(device),
             on_tensor=lambda i, k: say("gptq", i, k))
         for n in names:
@@ -356,20 +357,6 @@ def _file_tensors(directory, names: set[str], device: str, *, whole: bool):
                 w = f.get_tensor(key)
             yield key, (w if device == "cpu" else w.to(device))
             del w
-
-
-def _reader(directory, names: set[str], device: str) -> Callable[[str], torch.Tensor]:
-    """``read(name)``: one of ``names`` read by itself from its shard (the source weights quantize reads)."""
-    where: dict[str, object] = {}
-    for path in weight_files(directory):
-        with open_safetensors(path) as f:
-            where.update((k, path) for k in names.intersection(f.keys()))
-
-    def read(name: str) -> torch.Tensor:
-        with open_safetensors(where[name]) as f:
-            w = f.get_tensor(name)
-        return w if device == "cpu" else w.to(device)
-    return read
 
 
 def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candidate]]:
@@ -446,8 +433,9 @@ def _qw(weights: Mapping[str, torch.Tensor], name: str, cand: Candidate) -> torc
 
 def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None) -> None:
     """Step 5: the plan's mix swapped into the table's model (the same codes the file holds; for a table
-    priced for GPTQ, GPTQ's weights solved block after block, ``feedback.solved_weights``), its KL measured on
-    the check windows beside the prediction, into ``plan.check``; the weights restored."""
+    priced for GPTQ, GPTQ's weights solved block after block, ``feedback.solved_weights``, on the sensitivity
+    windows after the check's, so that the check is not measured on the tokens GPTQ was fitted to), its KL
+    measured on the check windows beside the prediction, into ``plan.check``; the weights restored."""
     fisher = table.fisher
     if fisher is None or not fisher.reference:
         plan.check = {"measured_kl": None, "windows": 0}
@@ -474,9 +462,13 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
                 if table.gptq is None:
                     qt = quantize_tensor(w, t.scheme, name=name, quant_weights=_qw(weights, name, Candidate(t.type, t.scheme, t.nbytes)))
                     p.copy_(qt.dequantize(p.dtype))
-            if table.gptq is not None:
+            solved_on = None
+            if table.gptq is not None:  # solved on the windows the check does not measure (all, if it measures all)
+                n_check = len(fisher.reference)
+                solve_ids = table.ids[n_check:] if int(table.ids.shape[0]) > n_check else table.ids
+                solved_on = {"windows": int(solve_ids.shape[0]), "held_out": solve_ids is not table.ids}
                 chosen = {n: Candidate(t.type, t.scheme, t.nbytes) for n, t in plan.tensors.items()}
-                feedback.solved_weights(model, table.ids, chosen, _reader(ref.directory, set(chosen), device),
+                feedback.solved_weights(model, solve_ids, chosen, tensor_reader(ref.directory, chosen, device),
                                         gptq=table.gptq, quant_weights=lambda n, c: _qw(weights, n, c),
                                         device=torch.device(device))
         kl, se = measured_kl(model, fisher)
@@ -486,7 +478,8 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
     plan.check = {"measured_kl": kl, "measured_kl_se": se, "predicted_kl": pred,
                   "ratio": (pred / kl) if kl > 0 else None, "windows": len(fisher.reference),
                   "positions": int(fisher.check_ids.numel()), "seconds": round(time.perf_counter() - t0, 3),
-                  "text": "calibration windows (the first check windows of the sensitivity pass), never the eval text"}
+                  "text": "calibration windows (the first check windows of the sensitivity pass), never the eval text",
+                  **({"gptq_solved_on": solved_on} if solved_on is not None else {})}
 
 
 def _restore(params: Mapping[str, torch.Tensor], names: Sequence[str], copies: Mapping[str, torch.Tensor],
