@@ -17,6 +17,12 @@ clock, which includes the imports):
   --calibration-seqlen L --check-windows 1 --candidates LIST --max-memory M``, with ``M`` the issue's target,
   the bf16 weights + ``--headroom`` (3 GiB), unless ``--max-memory`` gives it.
 - ``quantize``: ``qkit quantize MODEL --plan plan.json --format gguf -o model.gguf``.
+- ``imatrix``: ``qkit imatrix MODEL --dtype bf16 --chunks N --chunk-size L -o imatrix.gguf``.
+- ``gptq``: ``qkit quantize MODEL -s q4_k_m --format gguf --method gptq --dtype bf16 --calibration-samples N
+  --calibration-seqlen L -o gptq.gguf``.
+
+Each row also gets ``seconds / (params x tokens)`` (ns per parameter and calibration token) for the steps
+that run the model on the calibration tokens (plan, imatrix, gptq), the ratio to compare across sizes.
 
 A shape whose bf16 weights + headroom exceed ``MemAvailable``, or whose files do not fit in ``--dir``, is
 refused before it is written (``--keep-going`` skips it and goes on).
@@ -55,7 +61,7 @@ def parameters(vocab: int, **shape) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="default,0.5b,1.5b")
-    ap.add_argument("--steps", default="plan,quantize")
+    ap.add_argument("--steps", default="plan,quantize", help="of plan, quantize, imatrix, gptq")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--candidates", default="q4_0,q4_k,q6_k,q8_0,none")
@@ -105,12 +111,22 @@ def main() -> None:
                 elif step == "quantize":
                     argv = [sys.executable, "-m", "qkit", "quantize", str(model), "--plan", str(plan), "--format", "gguf",
                             "-o", str(work / "model.gguf")]
+                elif step == "imatrix":
+                    argv = [sys.executable, "-m", "qkit", "imatrix", str(model), "--dtype", "bf16", "--chunks",
+                            str(args.samples), "--chunk-size", str(args.seqlen), "-o", str(work / "imatrix.gguf")]
+                elif step == "gptq":
+                    argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "q4_k_m", "--format", "gguf",
+                            "--method", "gptq", "--dtype", "bf16", "--calibration-samples", str(args.samples),
+                            "--calibration-seqlen", str(args.seqlen), "-o", str(work / "gptq.gguf")]
                 else:
-                    sys.exit(f"unknown step {step!r}: plan or quantize")
-                print(f"{name}: qkit {' '.join(argv[argv.index(step):])}", flush=True)
+                    sys.exit(f"unknown step {step!r}: plan, quantize, imatrix or gptq")
+                print(f"{name}: qkit {' '.join(argv[argv.index('-m') + 2:])}", flush=True)
                 r = bpm.run_child(argv, log=work / f"{step}.log")
                 row = {"shape": name, **shape, "parameters": params, "bf16_bytes": bf16, "step": step, "seconds": r["seconds"],
-                       "peak_rss": r["peak_rss"], "exit_code": r["exit_code"], "command": "qkit " + " ".join(argv[argv.index(step):])}
+                       "peak_rss": r["peak_rss"], "exit_code": r["exit_code"],
+                       "command": "qkit " + " ".join(argv[argv.index("-m") + 2:])}
+                if step != "quantize":  # the steps that run the model over the calibration tokens
+                    row["ns_per_param_token"] = 1e9 * r["seconds"] / (params * args.samples * args.seqlen)
                 if step == "plan" and plan.is_file():
                     doc = json.loads(plan.read_text())
                     row["memory"] = doc["sensitivity"].get("memory")
@@ -124,6 +140,7 @@ def main() -> None:
                       f"(bf16 weights {bf16 / GIB:.2f} GiB; peak - weights {(r['peak_rss'] - bf16) / GIB:.2f} GiB)"
                       + (f"; {mem.get('groups')} Fisher groups, estimated {mem.get('estimated_peak_bytes', 0) / GIB:.2f} GiB "
                          f"of {mem.get('budget_bytes', 0) / GIB:.2f}" if mem else "")
+                      + (f"; {row['ns_per_param_token']:.3f} ns per parameter x token" if "ns_per_param_token" in row else "")
                       + (f"; {row['error']}" if r["exit_code"] else ""), flush=True)
                 if r["exit_code"]:
                     break

@@ -27,6 +27,7 @@ from qkit.checkpoint import (
     tensor_shapes,
     write_json,
 )
+from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
 from qkit.export import QKIT, atomic_output, check_output, find_format, output_bytes, prepare_export
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
@@ -488,10 +489,10 @@ def imatrix_model(
         raise InputError(f"--chunk-size {opts.chunk_size} exceeds the model's maximum context {context}; pass {context} or less")
     # the text (overlap with the eval text, too short, too few chunks) is refused before the model loads
     chunks, provenance = imatrix_ids(load_tokenizer(ref.directory, trust_remote_code or ref.trust_remote_code), opts)
-    loaded = _load(ref=ref, device=dev, trust_remote_code=trust_remote_code)
+    loaded = _load(ref=ref, device=dev, trust_remote_code=trust_remote_code, dtype=load_dtype(opts.dtype))
     matrix = collect(loaded.model, config, chunks, opts, on_chunk=progress, provenance=provenance)
     matrix.record = {"qkit_version": __version__, "model": ref.spec, "calibration": provenance,
-                     "process_output": opts.process_output}
+                     "process_output": opts.process_output, "dtype": opts.dtype}
     out = Path(output)
     with staged(out, directory=False, what="-o") as tmp:
         write_gguf(matrix, tmp)

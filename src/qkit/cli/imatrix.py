@@ -33,6 +33,7 @@ ImatrixOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="Th
 ChunksOpt = Annotated[int, typer.Option("--chunks", help="Chunks of the calibration text to evaluate, from its start (llama-imatrix's --chunks).", metavar="N")]
 ChunkSizeOpt = Annotated[int, typer.Option("--chunk-size", "-c", help="Tokens per chunk (llama-imatrix's -c); the first is BOS when the tokenizer adds one.", metavar="N")]
 BatchOpt = Annotated[int, typer.Option("--batch", help="Chunks per forward pass (memory, not the result).", metavar="N")]
+ImatrixDtypeOpt = Annotated[str, typer.Option("--dtype", help="The dtype the model runs in (fp32, bf16, fp16; bf16 halves the model's memory; the sums are accumulated in fp64 either way).")]
 ProcessOutputOpt = Annotated[bool, typer.Option("--process-output", help="Also collect output.weight (llama-imatrix's --process-output; an untied head only).")]
 
 
@@ -45,6 +46,7 @@ def imatrix(
     chunk_size: ChunkSizeOpt = _D.chunk_size,
     batch: BatchOpt = _D.batch,
     process_output: ProcessOutputOpt = _D.process_output,
+    dtype: ImatrixDtypeOpt = _D.dtype,
     device: DeviceOpt = None,
     force: ForceOpt = False,
     json_path: JsonOpt = None,
@@ -59,7 +61,7 @@ def imatrix(
     check_output(output, kind="file", force=force, inputs=run.inputs, describe="an importance matrix qkit wrote",
                  owned=is_qkit_imatrix)
     options = ImatrixOptions(source=calibration, chunks=chunks, chunk_size=chunk_size, batch=batch,
-                             process_output=process_output)
+                             process_output=process_output, dtype=dtype.lower())
     options.check()
     check_threads(threads)
     run.use_threads()

@@ -80,6 +80,9 @@ QCandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="Wit
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
 
+QDtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="The dtype the model runs in while a calibrated --method (gptq, imatrix) or a --target-bits plan runs it: fp32, bf16, fp16 (bf16 halves the model's memory; the weights are quantized from the file's own dtype) [default: fp32].")]
+
+
 @handles_errors
 def quantize(
     model: ModelArg = None,
@@ -111,6 +114,7 @@ def quantize(
     target_size: QTargetSizeOpt = None,
     candidates: QCandidatesOpt = None,
     device: DeviceOpt = None,
+    dtype: QDtypeOpt = None,
     json_path: JsonOpt = None,
     trust_remote_code: TrustOpt = False,
     allow_pickle: PickleOpt = False,
@@ -135,8 +139,12 @@ def quantize(
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
         _check_json_beside_output(emit_tensor_types, output)
     words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
+    dtype = dtype.lower() if dtype is not None else None
     planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration, candidates,
-                           calibration_samples, calibration_seqlen)
+                           calibration_samples, calibration_seqlen, dtype)
+    if dtype is not None and method == RTN and not isinstance(planned, PlanOptions):
+        raise InputError("--dtype sets what the model runs in while a calibrated --method (gptq, imatrix) or a "
+                         "--target-bits plan runs it; rtn streams the weights and never runs the model: drop --dtype")
     if isinstance(planned, PlanOptions) and method == RTN:  # the calibration options are the plan's, not a method's
         calibration = calibration_samples = calibration_seqlen = None
     shard = {"max_shard_bytes": parse_size(max_shard_size, "--max-shard-size")} if max_shard_size else {}
@@ -147,7 +155,8 @@ def quantize(
                        f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
                                          act_order=act_order, dampening=dampening, scale_rule=scale_rule,
-                                         alpha=alpha, clip=False if no_clip else None)
+                                         alpha=alpha, clip=False if no_clip else None,
+                                         dtype=dtype if method != RTN else None)
     run.use_threads()
     with console.progress() as bar:
 
@@ -175,7 +184,7 @@ def quantize(
 
 def _plan_option(plan: str | None, target_bits: float | None, target_size: str | None, fmt: str, scheme: str,
                  scale_dtype: str, calibration: str | None, candidates: str | None = None,
-                 samples: int | None = None, seqlen: int | None = None):
+                 samples: int | None = None, seqlen: int | None = None, dtype: str | None = None):
     """``--plan FILE``, or ``--target-bits``/``--target-size`` as the options of a plan made first; None."""
     given = [w for w, v in (("--plan", plan), ("--target-bits", target_bits), ("--target-size", target_size)) if v is not None]
     allowed = parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k", spaces=True)
@@ -192,7 +201,7 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
     if plan is not None:
         return plan
     size = parse_size(target_size, "--target-size") if target_size is not None else None
-    sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen)) if v is not None}
+    sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen), ("dtype", dtype)) if v is not None}
     options = PlanOptions(format=fmt, target_bits=target_bits, target_size=size, scale_dtype=scale_dtype,
                           calibration=calibration, candidates=allowed or (),
                           **sizes)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from qkit.dtypes import load_dtype
 from qkit.errors import InputError
 from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions
 from qkit.registry import Registry
@@ -60,15 +61,30 @@ class MethodResult:
 @dataclass(frozen=True)
 class CalibratedOptions:
     """The calibration fields of every calibrated method's options dataclass (gptq, awq, smoothquant
-    extend it): which calibration tokens, as ``CalibrationOptions``' source, samples, seqlen and seed."""
+    extend it): which calibration tokens, as ``CalibrationOptions``' source, samples, seqlen and seed; and
+    ``dtype``, what the model runs in while it is calibrated (``--dtype``: fp32, bf16, fp16; the weights a
+    method quantizes are read from the file in their stored dtype either way)."""
 
     calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
     calibration_samples: int = DEFAULT_SAMPLES
     calibration_seqlen: int = DEFAULT_SEQLEN
     calibration_seed: int = DEFAULT_SEED
+    dtype: str = "fp32"
 
     def calibration_options(self) -> CalibrationOptions:
+        """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` is checked here too)."""
+        load_dtype(self.dtype)
         return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        return load_dtype(self.dtype)
+
+    def fp32_only(self, method: str) -> None:
+        """Refuse ``--dtype`` for a method whose search qkit runs in fp32 only."""
+        if self.dtype != "fp32":
+            raise InputError(f"--dtype {self.dtype}: {method} runs the model in fp32 only (gptq and imatrix take "
+                             "--dtype bf16 or fp16); drop --dtype")
 
 
 class Method(Protocol):

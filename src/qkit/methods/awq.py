@@ -110,6 +110,7 @@ class AWQOptions(CalibratedOptions):
         if self.next_inputs not in NEXT_INPUTS:
             raise InputError(f"AWQ option next_inputs must be one of {', '.join(NEXT_INPUTS)}, got {self.next_inputs!r}")
         self.calibration_options().check()
+        self.fp32_only("awq")
 
     def check(self) -> None:
         """Validated on construction; kept so every method's options answer ``check()`` alike."""

@@ -66,6 +66,7 @@ class SmoothQuantOptions(CalibratedOptions):
     def __post_init__(self) -> None:
         check_alpha(self.alpha)
         self.calibration_options().check()
+        self.fp32_only("smoothquant")
 
     def check(self) -> None:
         """Validated on construction; kept so every method's options answer ``check()`` alike."""

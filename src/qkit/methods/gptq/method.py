@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_shapes
+from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_reader, tensor_shapes
 from qkit.errors import InputError
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
@@ -171,6 +171,9 @@ class GPTQRun:
     dtypes: dict[str, torch.dtype | None]  # source dtypes (the stored tensors keep them)
     one_pass: bool  # all windows in one batch: quantize in the forward pre-hooks
     quant_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # importance matrix entries (llama.cpp types)
+    # the source weights from the file (``--dtype bf16``/``fp16``: the model runs narrower than it is stored);
+    # None: the model's own fp32 weights are the source
+    read: Callable[[str], torch.Tensor] | None = None
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
     blocks: list[dict[str, Any]] = field(default_factory=list)
@@ -188,7 +191,7 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
     dequantized weights into ``linear`` (later linears and blocks see the quantized layer)."""
     scheme = run.targets[full]
     ts = time.perf_counter()
-    W = linear.weight.detach().to(device=XtX.device, dtype=torch.float32)
+    W = (linear.weight.detach() if run.read is None else run.read(full)).to(device=XtX.device, dtype=torch.float32)
     qw = run.quant_weights.get(full)
     # Packing and RTN's reference are many small operations on uint8 tensors: on one thread too (with two
     # busy cores a pool made them 20-50x slower: q5_0's packing of a 1536x576 matrix 144 ms, 2 ms on one).
@@ -333,9 +336,11 @@ class GPTQMethod:
         t_start = time.perf_counter()
         # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.
         ids, provenance = calibration_ids(load_tokenizer(ref.directory, ref.trust_remote_code), options.calibration_options())
-        loaded = load(ref=ref, device="cpu", dtype=torch.float32)
+        loaded = load(ref=ref, device="cpu", dtype=options.load_dtype)
         batch = options.batch_size or ids.shape[0]
-        run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights)
+        read = None if options.load_dtype == torch.float32 else tensor_reader(ref.directory, targets)
+        run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights,
+                      read=read)
         walk_blocks(loaded.model, ids, partial(quantize_block, run), device=device, batch_size=batch, on_block=on_block)
         rtn_fallback = sorted(set(targets) - set(run.quantized))
         if rtn_fallback:  # targets outside the blocks (or not nn.Linear): round to nearest (+ imatrix), streamed

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from qkit.dtypes import load_dtype
 from qkit.errors import InputError
 from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
@@ -40,15 +41,18 @@ MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens
 class ImatrixOptions:
     """``source``: the calibration text (None: the pinned default; a UTF-8 file; ``hf:...``); ``chunks``
     of ``chunk_size`` tokens (llama-imatrix's ``--chunks`` and ``-c``); ``batch`` chunks per forward pass;
-    ``process_output``: also collect the untied ``output.weight`` (llama-imatrix's ``--process-output``)."""
+    ``process_output``: also collect the untied ``output.weight`` (llama-imatrix's ``--process-output``);
+    ``dtype``: what the model runs in (``--dtype``: fp32, bf16, fp16; the sums are accumulated in fp32)."""
 
     source: str | None = None
     chunks: int = DEFAULT_SAMPLES
     chunk_size: int = DEFAULT_SEQLEN
     batch: int = 4
     process_output: bool = False
+    dtype: str = "fp32"
 
     def check(self) -> None:
+        load_dtype(self.dtype)
         for name, v, low in (("--chunks", self.chunks, 1), ("--chunk-size", self.chunk_size, MIN_BATCH_TOKENS),
                              ("--batch", self.batch, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:

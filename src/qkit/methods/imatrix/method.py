@@ -17,6 +17,7 @@ import torch
 
 from qkit.checkpoint import iter_tensors, tensor_shapes
 from qkit.errors import SchemeError
+from qkit.dtypes import load_dtype
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.imatrix.collect import ImatrixOptions, collect, imatrix_ids
 from qkit.methods.imatrix.names import quant_weights_for, refuse_unsupported
@@ -33,7 +34,7 @@ class ImatrixMethodOptions(CalibratedOptions):
 
     def collection(self) -> ImatrixOptions:
         return ImatrixOptions(source=self.calibration, chunks=self.calibration_samples,
-                              chunk_size=self.calibration_seqlen, batch=self.batch_size)
+                              chunk_size=self.calibration_seqlen, batch=self.batch_size, dtype=self.dtype)
 
     def __post_init__(self) -> None:
         self.collection().check()
@@ -72,7 +73,7 @@ class ImatrixMethod:
             if name in targets:
                 w = tensor.to(device) if tensor.device != device else tensor
                 quantized[name] = quantize_tensor(w, targets[name], name=name, quant_weights=weights.get(name))
-        record = {"calibration": provenance, "imatrix": matrix.to_record(len(weights)),
+        record = {"calibration": provenance, "imatrix": matrix.to_record(len(weights)), "dtype": options.dtype,
                   "seconds": round(time.perf_counter() - t0, 3)}
         return MethodResult(quantized, {}, record)
 
@@ -88,7 +89,7 @@ def matrix_for(ref: ModelRef, collection: ImatrixOptions, device: torch.device,
     key = (str(ref.directory), collection, str(device))
     if key not in _LAST:
         config = read_config(ref.directory)
-        loaded = load(ref=ref, device=device)
+        loaded = load(ref=ref, device=device, dtype=load_dtype(collection.dtype))
         chunks, provenance = imatrix_ids(loaded.tokenizer, collection)
         matrix = collect(loaded.model, config, chunks, collection, on_chunk=on_chunk, provenance=provenance)
         del loaded
