@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -216,13 +217,15 @@ def test_a_worker_killed_mid_eval_gives_one_line_and_no_json(tiny, cluster, tmp_
     monkeypatch.setattr(eval_runner, "measure_elsewhere", _killed_row)
     model, corpus = tiny
     out = tmp_path / "out.json"
-    r = runner.invoke(app, ["eval", str(model), "--corpus", corpus, *EVAL_FAST, "--executor", "ray", "--ray-address",
-                            cluster, "--json", str(out)])
+    r = runner.invoke(app, ["eval", str(model), "--corpus", corpus, *EVAL_FAST, "--schemes", "int8-row,nf4",
+                            "--executor", "ray", "--ray-address", cluster, "--json", str(out)])
     assert r.exit_code == 2, r.output
     errors = [line for line in r.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "a Ray worker died while running task" in errors[0], r.output
     assert "Traceback" not in r.output and "(raylet)" not in r.output
     assert not out.exists() and list(tmp_path.iterdir()) == []
+    # the driver's row directory (the reference's shared log-probabilities) is gone too
+    assert not list(Path(tempfile.gettempdir()).glob(f"qkit-eval-{os.getpid()}-*"))
 
 
 def _killed_row(job, target):
