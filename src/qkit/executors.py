@@ -14,8 +14,9 @@ differently), and reads its inputs from the files the driver reads (the model's 
 the driver wrote), never from a copy made another way.
 
 A worker that dies mid-task (killed, out of memory, its node lost) is **not retried**
-(``max_retries=0``): the run stops with one ``ExecutorError`` line, the other tasks are cancelled, and
-nothing is written (every qkit output is staged and moved into place only at the end). A task that
+(``max_retries=0``): the run stops with one ``ExecutorError`` line, and
+nothing is written (every qkit output is staged and moved into place only at the end); the tasks still
+running end with the run's Ray job. A task that
 raises a ``QkitError`` re-raises it in the driver as it is; any other exception likewise (its traceback
 is a bug report, as in a serial run).
 """
@@ -90,27 +91,25 @@ class RayExecutor:
         task = ray.remote(num_cpus=1, max_retries=0)(_in_worker)
         ref = ray.put(shared)
         pending = [task.remote(fn, self.threads, ref, item) for item in items]
-        try:
-            for i, future in enumerate(pending):
-                try:
-                    yield ray.get(future)
-                except RayTaskError as e:  # the task raised: the same exception as a serial run's
-                    cause = getattr(e, "cause", None)
-                    if isinstance(cause, BaseException):
-                        raise cause from None
-                    raise ExecutorError(f"a Ray task failed: {' '.join(str(e).split())[:300]}") from None
-                except TaskCancelledError:
-                    raise ExecutorError("a Ray task was cancelled before it finished; nothing was written") from None
-                except ray.exceptions.RayError as e:  # the worker or its node died: not retried
-                    raise ExecutorError(
-                        f"a Ray worker died while running task {i + 1} of {len(pending)} ({type(e).__name__}: "
-                        f"{_first_line(e)}); the run stopped and nothing was written (tasks are not retried: "
-                        "run again, with fewer workers or more memory per worker if it was killed for memory)"
-                    ) from None
-        finally:
-            for future in pending:  # what is still queued or running goes with the run
-                with contextlib.suppress(Exception):
-                    ray.cancel(future, force=True)
+        # On an error the tasks still running are not cancelled here: ray.cancel(force=True) on a task that
+        # is finishing crashed Ray's core worker in the driver (2.60: "Tried to complete task that was not
+        # pending", the process aborted). They end with the job, when ``open`` disconnects (ray.shutdown).
+        for i, future in enumerate(pending):
+            try:
+                yield ray.get(future)
+            except RayTaskError as e:  # the task raised: the same exception as a serial run's
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, BaseException):
+                    raise cause from None
+                raise ExecutorError(f"a Ray task failed: {_first_line(e)}") from None
+            except TaskCancelledError:
+                raise ExecutorError("a Ray task was cancelled before it finished; nothing was written") from None
+            except ray.exceptions.RayError as e:  # the worker or its node died: not retried
+                raise ExecutorError(
+                    f"a Ray worker died while running task {i + 1} of {len(pending)} ({type(e).__name__}: "
+                    f"{_first_line(e)}); the run stopped and nothing was written (tasks are not retried: "
+                    "run again, with fewer workers or more memory per worker if it was killed for memory)"
+                ) from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -161,7 +160,9 @@ class ExecutorOptions:
                 with contextlib.suppress(Exception):
                     ray.shutdown()
                 where = self.address or "a local cluster"
-                raise InputError(f"--executor ray: cannot start or connect to {where} ({_first_line(e)})") from None
+                auth = ("; the cluster uses Ray's token authentication: give this process its token (RAY_AUTH_MODE=token "
+                        "and ~/.ray/auth_token or RAY_AUTH_TOKEN)" if "auth" in str(e).lower() else "")
+                raise InputError(f"--executor ray: cannot start or connect to {where} ({_first_line(e)}){auth}") from None
         try:
             yield RayExecutor(threads)
         finally:
