@@ -234,3 +234,17 @@ def _killed_row(job, target):
     from qkit.evaluation.runner import measure_elsewhere
 
     return measure_elsewhere(job, target)
+
+
+def test_a_local_cluster_qkit_starts_is_stopped_after(cluster):
+    """Without --ray-address qkit starts a local cluster for the run and shuts it down after: the module's
+    cluster's raylet is the only one left."""
+    before = _raylets()
+    with ExecutorOptions("ray").open(1) as ex:
+        assert len(_raylets()) == len(before) + 1  # its own raylet
+        assert list(ex.map(max, [2, 5], 3)) == [3, 5]  # a builtin: these workers lack tests/ on their path
+    assert not ray.is_initialized()
+    deadline = time.time() + 20
+    while _raylets() != before and time.time() < deadline:
+        time.sleep(0.5)
+    assert _raylets() == before

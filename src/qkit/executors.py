@@ -99,7 +99,7 @@ class RayExecutor:
                 yield ray.get(future)
             except RayTaskError as e:  # the task raised: the same exception as a serial run's
                 cause = getattr(e, "cause", None)
-                if isinstance(cause, BaseException):
+                if isinstance(cause, BaseException) and not isinstance(cause, ray.exceptions.RayError):
                     raise cause from None
                 raise ExecutorError(f"a Ray task failed: {_first_line(e)}") from None
             except TaskCancelledError:
