@@ -29,6 +29,7 @@ from qkit.checkpoint import (
 )
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
+from qkit.executors import SERIAL, ExecutorOptions
 from qkit.export import QKIT, atomic_output, check_output, find_format, output_bytes, prepare_export
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, get_method
@@ -347,6 +348,7 @@ def plan_model(
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
     gptq_options: GPTQOptions | None = None,
+    executor: ExecutorOptions = ExecutorOptions(),
 ) -> PlanResult:
     """Plan MODEL's types for a byte budget (``qkit.plan``): measured sensitivity, the exact solve,
     the measured check; write the plan JSON to ``output`` (None: keep it in memory) and, for GGUF, the
@@ -362,9 +364,15 @@ def plan_model(
     ``options.max_memory`` below what one tensor's Fisher group needs (estimated from the headers and config).
     ``progress(stage, done, total)``: ``fisher`` windows (over every group's pass), ``candidates`` tensors
     (``gptq``: tensors whose GPTQ candidates are solved). ``gptq_options``: the GPTQ options a ``gptq`` plan
-    prices for (default ``GPTQOptions()``, what ``--method gptq`` uses by default)."""
+    prices for (default ``GPTQOptions()``, what ``--method gptq`` uses by default). ``executor``
+    (``qkit.executors``): where the per-tensor candidate costs run (``--executor ray``: one Ray task per
+    tensor, the same costs; the Fisher, the GPTQ feedback and the check stay in this process)."""
     t0 = time.perf_counter()
     options.check()
+    executor.validate()  # an unknown executor, Ray not installed, a --ray-address nothing answers at
+    if executor.name != SERIAL and parse_device(device).type != "cpu":
+        raise InputError(f"--executor {executor.name} costs the candidates in CPU worker processes; pass --device cpu "
+                         "or drop --executor")
     fmt = find_format(check_format(options.format))  # a format that cannot mix types: refused here
     collects = isinstance(found := get_method(method), ImatrixMethod)  # --method imatrix: collect the matrix first
     # priced for GPTQ's codes (qkit.plan.feedback), with the options its quantize will use
@@ -403,8 +411,9 @@ def plan_model(
     if matrix is not None:
         probe = {n: get_scheme("q4_0") for n, s in planned_targets(ref, options).items() if s[-1] % 32 == 0}
         weights, key = quant_weights_for(matrix, config, shapes, probe), matrix.sha256
-    table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress,
-                              gptq=gptq)
+    with executor.open(torch.get_num_threads()) as ex:  # Ray connected (or started) for the costs, shut down after
+        table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress,
+                                  gptq=gptq, executor=ex)
     record = imatrix_record(matrix, len(weights)) if matrix is not None else None
     plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=method, imatrix=record, config=config)
     check_plan(plan, table, ref, weights)

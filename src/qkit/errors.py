@@ -53,3 +53,8 @@ class NonFiniteWeightError(QkitError):
 
 class ExportError(QkitError):
     """A scheme that an export format cannot express."""
+
+
+class ExecutorError(QkitError):
+    """Work fanned out to other processes (``--executor ray``) that could not finish: a worker died, its
+    node or the cluster went away. Nothing is written; the message says what died and what to do."""

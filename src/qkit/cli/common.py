@@ -59,6 +59,9 @@ MaxMemoryOpt = Annotated[Optional[str], typer.Option("--max-memory", help="The m
 TensorParallelOpt = Annotated[Optional[int], typer.Option("--tensor-parallel-size", help="vLLM: shard each layer over this many devices [default: 1].")]
 PipelineParallelOpt = Annotated[Optional[int], typer.Option("--pipeline-parallel-size", help="vLLM: split the layers over this many devices or nodes [default: 1].")]
 ExecutorBackendOpt = Annotated[Optional[str], typer.Option("--distributed-executor-backend", help="vLLM: mp (one node) or ray (several nodes) [default: vLLM's choice].")]
+# Where independent work runs (qkit.executors; ExecutorOptions holds the defaults).
+ExecutorOpt = Annotated[Optional[str], typer.Option("--executor", help="Where independent work runs: serial (here, one after another) or ray (each item a Ray task; needs qkit[ray]) [default: serial].")]
+RayAddressOpt = Annotated[Optional[str], typer.Option("--ray-address", help="With --executor ray: HOST:PORT of a running Ray cluster (what `ray start --head` prints) [default: a local cluster for this run, stopped after].", metavar="ADDR")]
 MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="The engine's context length [default: the eval window].")]
 
 

@@ -20,11 +20,13 @@ from qkit.cli.common import (
     DeviceOpt,
     DtypeOpt,
     ExecutorBackendOpt,
+    ExecutorOpt,
     ForceOpt,
     JsonOpt,
     MaxModelLenOpt,
     ModelArg,
     PipelineParallelOpt,
+    RayAddressOpt,
     RuntimeOpt,
     TensorParallelOpt,
     ThreadsOpt,
@@ -41,6 +43,7 @@ from qkit.cli.common import (
 from qkit.evaluation import EvalOptions
 from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
+from qkit.executors import executor_options
 from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
 from qkit.simulate.llm_int8 import LLMInt8Options
@@ -99,6 +102,8 @@ def eval_(
     pipeline_parallel_size: PipelineParallelOpt = None,
     distributed_executor_backend: ExecutorBackendOpt = None,
     max_model_len: MaxModelLenOpt = None,
+    executor: ExecutorOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
     run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
@@ -119,6 +124,7 @@ def eval_(
         "runtimes": parse_list(runtime, "--runtime", what="runtime", where=", ".join(runtime_names()), lower=True),
         "dtype": dtype.lower() if dtype else None,
         "engine": engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len),
+        "executor": executor_options(executor, ray_address),
     }
     options = dataclasses.replace(EvalOptions(), **{k: v for k, v in given.items() if v is not None})
     simulation = {k: v for k, v in (("threshold", threshold), ("kv_residual", kv_residual), ("kv_group", kv_group)) if v is not None}

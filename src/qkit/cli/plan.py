@@ -11,11 +11,13 @@ from qkit.api import plan_model
 from qkit.cli.common import (
     CalibrationOpt,
     DeviceOpt,
+    ExecutorOpt,
     ForceOpt,
     JsonOpt,
     MaxMemoryOpt,
     ModelArg,
     PickleOpt,
+    RayAddressOpt,
     ScaleDtypeOpt,
     ThreadsOpt,
     TrustOpt,
@@ -27,6 +29,7 @@ from qkit.cli.common import (
     start,
 )
 from qkit.errors import InputError
+from qkit.executors import executor_options
 from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
 from qkit.memory import gib
 from qkit.memory import parse_size
@@ -96,6 +99,8 @@ def plan(
     trust_remote_code: TrustOpt = False,
     allow_pickle: PickleOpt = False,
     threads: ThreadsOpt = None,
+    executor: ExecutorOpt = None,
+    ray_address: RayAddressOpt = None,
 ) -> None:
     """Choose each tensor's type for a byte budget: measured sensitivity, an exact solve, a measured check."""
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration), ("the importance matrix", imatrix)))
@@ -117,6 +122,8 @@ def plan(
                           dtype=dtype.lower(),
                           max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None)
     options.check()
+    where = executor_options(executor, ray_address)
+    where.validate()  # before any work: an unknown executor, Ray not installed, an address nothing answers at
     check_threads(threads)
     run.use_threads()
     with console.progress() as bar:
@@ -133,7 +140,7 @@ def plan(
 
         r = plan_model(model, options=options, output=output, method=method, imatrix=imatrix,
                        emit_tensor_types=emit_tensor_types, device=device, trust_remote_code=trust_remote_code,
-                       allow_pickle=allow_pickle, force=force, progress=progress)
+                       allow_pickle=allow_pickle, force=force, progress=progress, executor=where)
     render_plan(r.plan)
     if r.tensor_types is not None:
         console.note(f"wrote {r.tensor_types}: llama-quantize --tensor-type-file {r.tensor_types} gives every planned "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,9 @@ TMP_PREFIX = "qkit-eval-"  # a row's temporary directory: $TMPDIR/qkit-eval-PID-
 
 # How a row's file is written: (engine, spec or None for the reference, directory to write in, label) -> RowFile.
 Writer = Callable[[Engine, "RowSpec | None", Path, str], RowFile]
+# The torch rows measured in other processes (``--executor ray``: the runner's ``fan_out``): targets in, each
+# one's row and its scores (None: refused) out, in the targets' order.
+Elsewhere = Callable[[list["Target"]], Iterator[tuple[Row, "TokenScores | None"]]]
 
 
 @dataclass(frozen=True)
@@ -142,14 +145,30 @@ def saved_rows(checkpoint: ModelRef | None) -> list[Target]:
 
 
 def measure_rows(engines: list[Engine], reference: Reference, saved: list[Target], specs: list[RowSpec], write: Writer,
-                 options: EngineOptions, say: Callable[[str], None]) -> list[Row]:
+                 options: EngineOptions, say: Callable[[str], None], elsewhere: Elsewhere | None = None) -> list[Row]:
     """The reference's row, then every engine's rows (``measure_in``), torch first, then the rows paired
-    (``pairing.pair_rows``)."""
+    (``pairing.pair_rows``). ``elsewhere``: the torch rows measured in other processes instead (each row
+    by ``measure_row``, as here, on a model loaded from the reference's files), returned in order."""
     scores: dict[str, TokenScores] = {REFERENCE: reference.ref_scores}
     rows = [reference.ref_row]
     for engine in engines:
-        rows += measure_in(engine, reference, saved, specs, write, options, scores, say)
+        if elsewhere is not None and engine.name == TORCH:
+            rows += measured_elsewhere(elsewhere, targets_for(engine, reference, saved, specs), scores, say)
+        else:
+            rows += measure_in(engine, reference, saved, specs, write, options, scores, say)
     pair_rows(rows, specs, scores)
+    return rows
+
+
+def measured_elsewhere(elsewhere: Elsewhere, targets: list[Target], scores: dict[str, TokenScores],
+                       say: Callable[[str], None]) -> list[Row]:
+    """``targets``' rows from ``elsewhere``, in order; ``scores`` gets each measured row's scores."""
+    rows = []
+    for k, (row, measured) in enumerate(elsewhere(targets)):
+        if measured is not None:
+            scores[row.scheme] = measured
+        say(f"{row.scheme}: measured in another process ({k + 1} of {len(targets)} rows)")
+        rows.append(row)
     return rows
 
 
@@ -189,5 +208,5 @@ def measure_row(engine: Engine, session: Session, target: Target, reference: Ref
     return out
 
 
-__all__ = ["TMP_PREFIX", "Target", "Writer", "measure_in", "measure_row", "measure_rows", "plan_refusal", "refusal",
+__all__ = ["Elsewhere", "TMP_PREFIX", "Target", "Writer", "measure_in", "measured_elsewhere", "measure_row", "measure_rows", "plan_refusal", "refusal",
            "row_name", "saved_rows", "targets_for", "write_reference"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qkit.errors import InputError
+from qkit.executors import SERIAL, ExecutorOptions
 from qkit.evaluation.engines import EngineOptions, check_runtimes
 from qkit.evaluation.inputs import InputSettings
 from qkit.evaluation.perplexity import check_scored
@@ -66,12 +67,18 @@ class EvalOptions:
     runtimes: tuple[str, ...] = ("torch",)
     dtype: str = "fp32"  # the torch runtime's model dtype (bf16, fp16, fp32); the reference is scored in it too
     engine: EngineOptions = EngineOptions()  # vLLM's parallelism and the engines' own settings
+    # Where the torch rows run (qkit.executors): here one after another, or each a Ray task (--executor ray)
+    executor: ExecutorOptions = ExecutorOptions()
 
     def validate(self) -> list[RowSpec]:
         """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
         ``evaluate`` calls it before anything is resolved or loaded. The window's upper bound (the model's
         context) and the default window's token minimum are checked from the model's config, before loading.
         Returns the row specs ``schemes`` and ``methods`` name, resolved."""
+        self.executor.validate()  # an unknown executor, Ray not installed, a --ray-address nothing answers at
+        if self.executor.name != SERIAL and (self.device_map is not None or parse_device(self.device).type != "cpu"):
+            raise InputError(f"--executor {self.executor.name} measures the torch rows in CPU worker processes; "
+                             "pass --device cpu (and no --device-map), or drop --executor")
         rows = self.rows
         for flag, value, least in (("--agree-tokens", self.agree_tokens, 1),
                                    ("--window", self.window, 2), ("battery_tokens", self.battery_tokens, 1)):

@@ -25,6 +25,7 @@ one log-softmax per window (tests/test_eval_memory.py).
 from __future__ import annotations
 
 import math
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -297,6 +298,7 @@ class _RowStore:
                               f"log-probabilities ({exc.strerror or exc}); set TMPDIR to a writable directory") from exc
         self.vocab: int | None = None
         self.rows = 0
+        self.path: str | None = None  # named once shared (``share``): then it pickles as its path
 
     def append(self, rows: torch.Tensor) -> None:
         """Append float32 ``[m, V]`` rows (contiguous, on the CPU)."""
@@ -318,6 +320,30 @@ class _RowStore:
             raise OutputError(f"the reference's log-probabilities in {tempfile.gettempdir()} were cut short; "
                               "free space there and run the eval again")
         return out
+
+    def share(self, path) -> None:
+        """Copy the rows into the named file ``path`` (16 MiB at a time) and read them from there from now
+        on, so that this store pickles as its path: a process on this machine (a Ray worker) opens the same
+        file. The caller removes ``path`` (an open store reads on after it is unlinked)."""
+        self.file.flush()
+        self.file.seek(0)
+        try:
+            with open(path, "wb") as out:
+                shutil.copyfileobj(self.file, out, 16 << 20)
+        except OSError as exc:
+            raise OutputError(f"cannot copy the reference's log-probabilities to {path} ({exc.strerror or exc}); "
+                              "free space there or set TMPDIR elsewhere") from exc
+        self.file.close()
+        self.file, self.path = open(path, "rb"), str(path)
+
+    def __getstate__(self) -> dict:
+        if self.path is None:
+            raise TypeError("the reference's log-probabilities are in an unnamed file; share() them to pickle them")
+        return {"path": self.path, "vocab": self.vocab, "rows": self.rows}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.file = open(state["path"], "rb")
 
     def close(self) -> None:
         self.file.close()
@@ -412,6 +438,11 @@ class CorpusReference:
                 del lp  # freed before the next chunk's logits
             del win
         return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1))
+
+    def share(self, path) -> None:
+        """The log-probabilities copied to the named file ``path``, read from there from now on: this
+        reference then pickles without them (``_RowStore.share``), for another process on this machine."""
+        self._store.share(path)
 
     def close(self) -> None:
         """Remove the temporary file (also done when this object is collected)."""

@@ -21,6 +21,12 @@ Layer 6 (``evaluation``): above ``methods`` and ``simulate`` (layer 5) and ``mod
    against the reference. The rows are then paired (``pairing``: methods against rtn, engines against torch).
 6. The report: the rows, the provenance (``provenance``), the notes under the table (``notes``).
 
+``--executor ray`` (``EvalOptions.executor``, ``qkit.executors``): step 5's torch rows, each independent
+given the reference, run as Ray tasks (``fan_out``): each task loads the reference model from its files,
+writes and measures its row exactly as step 5 does here (``measure_elsewhere``), and the rows come back
+in the serial order, with the same numbers (tests/test_executors.py compares every one). A worker that
+dies stops the eval with one line (``ExecutorError``; not retried) and no ``--json`` is written.
+
 A saved checkpoint (``qkit eval CHECKPOINT --reference MODEL``) is a row like the others whose file is
 given: every tensor it stores (quantized ones dequantized, the others, such as norms a method folded
 scales into, as stored) is copied into the reference model, so it gives exactly the row ``qkit eval
@@ -33,9 +39,11 @@ status line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,17 +52,22 @@ from qkit.api import QuantizeOptions, QuantizeResult, quantize_model
 from qkit.errors import ExportError
 from qkit.evaluation.engine_rows import (
     TMP_PREFIX,
+    Elsewhere,
+    Target,
+    measure_row,
     measure_rows,
     saved_rows,
     write_reference,
 )
-from qkit.evaluation.engines import DTYPES, Engine, EngineRefused, engines_named
+from qkit.evaluation.engines import DTYPES, Engine, EngineOptions, EngineRefused, engines_named
+from qkit.evaluation.engines.torch_engine import ENGINE as TORCH_ENGINE
 from qkit.evaluation.engines.torch_engine import ROW_SHARD_BYTES, measure_reference
 from qkit.evaluation.inputs import check_inputs, pair_models
 from qkit.evaluation.measuring import REFERENCE, Reference, RowFile
 from qkit.evaluation.notes import interpret
 from qkit.evaluation.options import EvalOptions
 from qkit.evaluation.pairing import compare_methods
+from qkit.evaluation.perplexity import TokenScores
 from qkit.evaluation.provenance import provenance
 from qkit.evaluation.report import EvalReport, Row
 from qkit.evaluation.specs import (  # row_plan and the --candidates words: re-exported for older callers
@@ -64,11 +77,13 @@ from qkit.evaluation.specs import (  # row_plan and the --candidates words: re-e
     row_plan,
 )
 from qkit.evaluation.swap import Swapper
+from qkit.executors import Executor
 from qkit.export import QKIT, output_bytes
 from qkit.methods import RTN
 from qkit.models import ModelRef, load, resolve
 from qkit.staging import (
     remove_stale_temporary,  # the same liveness test as every output's staging siblings
+    temporary_directory,
 )
 
 __all__ = ["REFERENCE", "ROW_SHARD_BYTES", "TMP_PREFIX", "EvalOptions", "EvalReport", "Row", "comma_words",
@@ -94,18 +109,68 @@ def evaluate(
     specs = [] if models.checkpoint is not None else specs  # a saved checkpoint is its own row
     engines = engines_named(options.runtimes)  # each installed (validate): their lengths checked before loading
     inputs = check_inputs(models, specs, engines, options.inputs)
-    say("loading the reference model")
-    lm = load(ref=models.ref, device=options.device, device_map=options.device_map, dtype=DTYPES[options.dtype]).model
-    reference = measure_reference(lm, models.ref, inputs, options.answering, say)
-    del lm  # the reference holds it now: released before an engine loads its own copy
-    writer = functools.partial(write_row, reference=reference, settings=options.rows, say=say)
-    rows = measure_rows(engines, reference, saved_rows(models.checkpoint), specs, writer, options.engine_options, say)
+    with options.executor.open(torch.get_num_threads()) as executor:  # Ray connected (or started) before the model loads
+        say("loading the reference model")
+        lm = load(ref=models.ref, device=options.device, device_map=options.device_map, dtype=DTYPES[options.dtype]).model
+        reference = measure_reference(lm, models.ref, inputs, options.answering, say)
+        del lm  # the reference holds it now: released before an engine loads its own copy
+        writer = functools.partial(write_row, reference=reference, settings=options.rows, say=say)
+        elsewhere = fan_out(executor, reference, options) if executor.parallel else None
+        rows = measure_rows(engines, reference, saved_rows(models.checkpoint), specs, writer, options.engine_options, say,
+                            elsewhere)
     facts = provenance(rows, reference, inputs, models, engines, options.engine_options, options.scale_dtype, options.seed)
     return EvalReport(rows, facts, interpret(rows, reference.corpus.scored_tokens, default_model=models.ref.kind == "default"))
 
 
 def _quiet(_message: str) -> None:
     pass
+
+
+# --------------------------------------------------------------------------- torch rows in other processes
+
+
+@dataclass(frozen=True)
+class RowJob:
+    """What every torch row measured in another process shares (``--executor ray``: put in Ray's object
+    store once): the reference without its model (its corpus log-probabilities in a named file,
+    ``CorpusReference.share``), how rows are written, and how the reference model is loaded."""
+
+    reference: Reference
+    settings: RowSettings
+    engine: EngineOptions
+    device: str
+    dtype: str
+
+
+def fan_out(executor: Executor, reference: Reference, options: EvalOptions) -> Elsewhere:
+    """The torch rows as ``executor``'s tasks (``measure_elsewhere``), results in the targets' order. The
+    reference's log-probabilities are copied to a named file in a ``qkit-eval-PID-*`` directory (removed
+    after the rows, on an error too), and the driver's model is released first: each task loads its own
+    from the reference's files, so the driver holds no model while the rows run."""
+
+    def run(targets: list) -> Iterator[tuple[Row, TokenScores | None]]:
+        with temporary_directory(TMP_PREFIX) as tmp:
+            reference.corpus.share(Path(tmp) / "reference-logprobs.f32")
+            reference.release_model()
+            job = RowJob(reference, options.rows, options.engine_options, reference.device, options.dtype)
+            yield from executor.map(measure_elsewhere, targets, job)
+    return run
+
+
+def measure_elsewhere(job: RowJob, target: Target) -> tuple[Row, TokenScores | None]:
+    """One torch row in this (worker) process, exactly as ``measure_in`` measures it in the driver:
+    the reference model loaded from its files, the row written here (``write_row``) and swapped into it
+    (``TorchSession``). The model is loaded per row and dropped after it (no model outlives a task)."""
+    model = load(ref=job.reference.ref, device=job.device, dtype=DTYPES[job.dtype]).model
+    reference = dataclasses.replace(job.reference, model=model)
+    session = TORCH_ENGINE.open(reference, job.engine, _quiet)
+    writer = functools.partial(write_row, reference=reference, settings=job.settings, say=_quiet)
+    scores: dict[str, TokenScores] = {}
+    try:
+        row = measure_row(TORCH_ENGINE, session, target, reference, writer, scores, _quiet)
+    finally:
+        session.close()
+    return row, scores.get(row.scheme)
 
 
 # --------------------------------------------------------------------------- rows' files

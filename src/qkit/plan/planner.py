@@ -34,8 +34,10 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from qkit.checkpoint import (
     iter_tensors,
@@ -46,6 +48,7 @@ from qkit.checkpoint import (
     weight_files,
 )
 from qkit.errors import InputError
+from qkit.executors import SERIAL_EXECUTOR, Executor
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
 from qkit.dtypes import LOAD_DTYPES, load_dtype
 from qkit.models import ModelRef, load, load_tokenizer, read_config
@@ -67,6 +70,7 @@ from qkit.plan.solve import smallest, solve, tied_items  # tied_items re-exporte
 from qkit.schemes import get_scheme, quantize_tensor
 from qkit.schemes.ggml import GGMLScheme, uses_importance
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
+from qkit.staging import temporary_directory
 from qkit.transform import Rules
 from qkit.version import __version__
 
@@ -250,6 +254,7 @@ def sensitivity_table(
     imatrix_key: str | None = None,
     on_step: Callable[[str, int, int], None] | None = None,
     gptq: GPTQOptions | None = None,
+    executor: Executor = SERIAL_EXECUTOR,
 ) -> Table:
     """Steps 1-3 of the module docstring (kept for the same inputs). ``quant_weights``: per tensor, the
     importance weights llama.cpp's types quantize with (``--imatrix``), identified by ``imatrix_key``.
@@ -260,7 +265,11 @@ def sensitivity_table(
     group, one pass over the calibration windows (the labels sampled in the first pass, reused: every
     target gets exactly the value one pass over all would give), then that group's candidates are costed
     and its diagonal freed before the next. With one group (everything fits) the diagonal is kept for the
-    next format or candidate set of the same model; with several, such a plan measures again."""
+    next format or candidate set of the same model; with several, such a plan measures again.
+
+    ``executor`` (``qkit.executors``; ``--executor ray``): each group's candidate costs, after its Fisher,
+    computed in other processes, one task per tensor (``costs_elsewhere``), the same numbers; the GPTQ
+    feedback stays here."""
     fmt = check_format(options.format)
     targets = planned_targets(ref, options)
     allowed = parse_allowed(fmt, options.candidates) if options.candidates else None
@@ -305,7 +314,12 @@ def sensitivity_table(
                                      on_window=lambda i, _n, k=k: say("fisher", k * n + i, passes * n))
             first = first or fisher
         t_fisher += time.perf_counter() - t1
-        for name, w in _file_tensors(ref.directory, set(group), str(device), whole=passes == 1):
+        if executor.parallel:  # each tensor's candidates a task of their own, reading the files (costs_elsewhere)
+            for name, costed in costs_elsewhere(executor, ref.directory, [n for n in targets if n in set(group)],
+                                                fisher, opts, weights):
+                by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
+                say("candidates", len(by_name), len(targets))
+        for name, w in (() if executor.parallel else _file_tensors(ref.directory, set(group), str(device), whole=passes == 1)):
             costed = [candidate_cost(w, fisher.diag[name], c.scheme, name=name, quant_weights=_qw(weights, name, c))
                       for c in opts[name]]
             by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
@@ -338,6 +352,51 @@ def sensitivity_table(
                   feedback=record)
     _TABLE[key] = table
     return table
+
+
+@dataclass(frozen=True)
+class CostItem:
+    """One tensor's candidates to cost in another process: the tensor ``name`` read from ``shard`` (the
+    model's safetensors file holding it), its Fisher diagonal from ``fisher`` (a file of one tensor,
+    ``"fisher"``, written by ``costs_elsewhere``), and per candidate its importance weights (or None)."""
+
+    name: str
+    shard: str
+    fisher: str
+    candidates: tuple[Candidate, ...]
+    quant_weights: tuple[torch.Tensor | None, ...]
+
+
+PLAN_TMP_PREFIX = "qkit-plan-"  # the Fisher diagonals handed to other processes: $TMPDIR/qkit-plan-PID-RANDOM
+
+
+def cost_item(_shared: None, item: CostItem) -> list[tuple[float, bool]]:
+    """``candidate_cost`` of every candidate of ``item``, from the files (a task of ``costs_elsewhere``)."""
+    with open_safetensors(item.shard) as f:
+        w = f.get_tensor(item.name)
+    with open_safetensors(item.fisher) as f:
+        fisher = f.get_tensor("fisher")
+    return [candidate_cost(w, fisher, c.scheme, name=item.name, quant_weights=q)
+            for c, q in zip(item.candidates, item.quant_weights)]
+
+
+def costs_elsewhere(executor: Executor, directory, names: list[str], fisher: Fisher,
+                    opts: Mapping[str, list[Candidate]], weights: Mapping[str, torch.Tensor]):
+    """``(name, [(cost, lossless) per candidate])`` for ``names`` in order, each tensor one ``executor`` task
+    (``cost_item``): the driver writes each diagonal to a file of its own (one tensor in memory at a time
+    beyond the Fisher it holds anyway, removed after) and sends paths, never the weights."""
+    where: dict[str, str] = {}
+    for path in weight_files(directory):
+        with open_safetensors(path) as f:
+            where.update((k, str(path)) for k in set(names).intersection(f.keys()))
+    with temporary_directory(PLAN_TMP_PREFIX) as tmp:
+        items = []
+        for i, name in enumerate(names):
+            path = Path(tmp) / f"fisher-{i}.safetensors"
+            save_file({"fisher": fisher.diag[name].contiguous()}, str(path))
+            items.append(CostItem(name, where[name], str(path), tuple(opts[name]),
+                                  tuple(_qw(weights, name, c) for c in opts[name])))
+        yield from zip(names, executor.map(cost_item, items))
 
 
 def _file_tensors(directory, names: set[str], device: str, *, whole: bool):
