@@ -31,7 +31,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from qkit.schemes import get_scheme, quantize_tensor

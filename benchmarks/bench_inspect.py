@@ -21,8 +21,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import torch
 from _timing import round_robin

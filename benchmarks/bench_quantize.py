@@ -26,8 +26,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch

@@ -220,13 +220,19 @@ def open_safetensors(path: Path, device: str = "cpu"):
         ) from exc
 
 
-def tensor_reader(directory: Path, names: Iterable[str], device: str = "cpu") -> Callable[[str], torch.Tensor]:
-    """``read(name)``: one of ``names`` read by itself from its shard, in its stored dtype (the source weights
-    a method quantizes, whatever dtype the model runs in); the shards' headers are read once, here."""
+def tensor_shards(directory: Path, names: Iterable[str]) -> dict[str, Path]:
+    """``{name: the safetensors shard holding it}`` for those of ``names`` the model's files hold."""
     wanted, where = set(names), {}
     for path in weight_files(directory):
         with open_safetensors(path) as f:
             where.update((k, path) for k in wanted.intersection(f.keys()))
+    return where
+
+
+def tensor_reader(directory: Path, names: Iterable[str], device: str = "cpu") -> Callable[[str], torch.Tensor]:
+    """``read(name)``: one of ``names`` read by itself from its shard, in its stored dtype (the source weights
+    a method quantizes, whatever dtype the model runs in); the shards' headers are read once, here."""
+    where = tensor_shards(directory, names)
 
     def read(name: str) -> torch.Tensor:
         with open_safetensors(where[name]) as f:

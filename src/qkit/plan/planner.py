@@ -43,6 +43,7 @@ from qkit.checkpoint import (
     iter_tensors,
     open_safetensors,
     tensor_reader,
+    tensor_shards,
     tensor_dtypes,
     tensor_shapes,
     weight_files,
@@ -385,16 +386,13 @@ def costs_elsewhere(executor: Executor, directory, names: list[str], fisher: Fis
     """``(name, [(cost, lossless) per candidate])`` for ``names`` in order, each tensor one ``executor`` task
     (``cost_item``): the driver writes each diagonal to a file of its own (one tensor in memory at a time
     beyond the Fisher it holds anyway, removed after) and sends paths, never the weights."""
-    where: dict[str, str] = {}
-    for path in weight_files(directory):
-        with open_safetensors(path) as f:
-            where.update((k, str(path)) for k in set(names).intersection(f.keys()))
+    where = tensor_shards(directory, names)
     with temporary_directory(PLAN_TMP_PREFIX) as tmp:
         items = []
         for i, name in enumerate(names):
             path = Path(tmp) / f"fisher-{i}.safetensors"
             save_file({"fisher": fisher.diag[name].contiguous()}, str(path))
-            items.append(CostItem(name, where[name], str(path), tuple(opts[name]),
+            items.append(CostItem(name, str(where[name]), str(path), tuple(opts[name]),
                                   tuple(_qw(weights, name, c) for c in opts[name])))
         yield from zip(names, executor.map(cost_item, items))
 
