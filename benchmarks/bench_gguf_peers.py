@@ -23,7 +23,10 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
    and that RTN plan's types written by GPTQ (``--tensor-type`` from its ``--emit-tensor-types`` file, since
    ``quantize --plan`` refuses GPTQ on a plan priced for RTN): what pricing for GPTQ adds over GPTQ alone.
 4. Any ``*.gguf`` under ``--peers`` (another tool's files, e.g. auto-round's) is scored too, with its bytes
-   as written (its token embedding may be quantized: compare its size before its KL).
+   as written (its token embedding may be quantized: compare its size before its KL). ``--match-peers``:
+   for each peer file, qkit's RTN+imatrix and GPTQ+imatrix files with exactly the peer's type for every
+   block tensor (``--tensor-type`` words read from the peer's GGUF with the ``gguf`` package; qkit keeps the
+   token embedding in f32, so its files are larger by the embedding's bytes), each paired with the peer.
 5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
    eval text (``-c 512``), then ``--kl-divergence`` per file with a copy of llama-perplexity that also writes
    its per-token values (``bench_llama_cpp.build_kld_dump_tool``), so that two files' KL are paired on
@@ -42,6 +45,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,6 +76,14 @@ def paired(a: np.ndarray, c: np.ndarray) -> tuple[float, float]:
     return float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
 
 
+def peer_types(path: Path) -> list[str]:
+    """``--tensor-type`` words giving every block tensor of the GGUF file ``path`` the type it has there."""
+    import gguf
+
+    return [f"^{re.escape(t.name)}$={t.tensor_type.name.lower()}" for t in gguf.GGUFReader(str(path)).tensors
+            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+
+
 def timed(fn, *a, **k):
     t0 = time.perf_counter()
     out = fn(*a, **k)
@@ -86,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--reuse", action="store_true", help="score the files a previous run wrote (its seconds not re-measured)")
+    ap.add_argument("--match-peers", action="store_true", help="qkit files at each peer file's block types (step 4)")
     ap.add_argument("--plan-gptq", default="", help="recipes (e.g. q4_k_m) to plan a GPTQ mix at the bytes of (step 3b)")
     args = ap.parse_args(argv)
     if not all(blr.tool_path(t).exists() for t in ("llama-quantize", "llama-imatrix", "llama-perplexity")):
@@ -181,6 +194,18 @@ def main(argv: list[str] | None = None) -> int:
         how = json.loads(record.read_text()).get("command", "") if record.is_file() else ""
         kind = next((t for t in types if t.split("-")[0] in peer.name.lower()), None)
         add(f"peer {peer.stem}", peer, 0.0, how, kind)
+        if args.match_peers:
+            words = peer_types(peer)
+            for method in ("rtn", "gptq"):
+                label = f"qkit @{peer.stem}+{method}+imatrix"
+                q = work / f"qkit-at-{peer.stem}+{method}+imatrix.gguf"
+                sec = math.nan
+                if not (args.reuse and q.exists()):
+                    _, sec = timed(quantize_model, ref, output=q, scheme="q8_0", method=method, format="gguf",
+                                   options=QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(words)))
+                add(label, q, sec, f"qkit quantize -s q8_0 --tensor-type WORDS --method {method} --imatrix imatrix.gguf "
+                    f"(WORDS: every block tensor's type in {peer.name})", kind)
+                files[label]["peer"] = f"peer {peer.stem}"
 
     print("scoring in llama.cpp", flush=True)
     base = work / "F32.kld"
@@ -209,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
             d, se = paired(kl[name], kl[own])
             f["versus_llama_cpp"] = {"file": own, "kl_difference": d, "paired_se": se, "ratio": f["kl"] / files[own]["kl"],
                                      "bytes_ratio": f["bytes"] / files[own]["bytes"]}
+    for name, f in files.items():  # qkit at a peer's types, paired with the peer
+        if f.get("peer") in kl and name in kl:
+            d, se = paired(kl[name], kl[f["peer"]])
+            f["versus_peer"] = {"file": f["peer"], "kl_difference": d, "paired_se": se, "ratio": f["kl"] / files[f["peer"]]["kl"]}
+            print(f"  {name} minus {f['peer']}: {d:+.5f} ± {se:.5f} (paired SE), ratio {f['versus_peer']['ratio']:.3f}")
     for t in [t for t in args.plan_gptq.split(",") if t]:  # the controls against the GPTQ-priced plan, paired
         mine = f"qkit plan@{t}+gptq+imatrix"
         for name in (f"qkit plan@{t}+rtn+imatrix", f"qkit plan@{t}(rtn-priced)+gptq+imatrix"):
