@@ -42,6 +42,7 @@ shared with other jobs: upper bounds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 files[label].update(plan_seconds=round(sec_plan, 1), predicted_kl=r.plan.predicted_kl,
                                     check_kl=r.plan.check.get("measured_kl"), planned_bytes=r.plan.nbytes,
                                     budget_bytes=r.plan.target.get("budget_bytes"), types=r.plan.record()["types"])
+    written: set[Path] = set()
     for peer in sorted(args.peers.glob("**/*.gguf")) if args.peers else []:
         record = peer.with_suffix(".json")
         how = json.loads(record.read_text()).get("command", "") if record.is_file() else ""
@@ -196,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         add(f"peer {peer.stem}", peer, 0.0, how, kind)
         if args.match_peers:
             words = peer_types(peer)
+            key = hashlib.sha256("\n".join(words).encode()).hexdigest()[:12]  # peers of the same types share qkit's files
             for method in ("rtn", "gptq"):
                 label = f"qkit @{peer.stem}+{method}+imatrix"
-                q = work / f"qkit-at-{peer.stem}+{method}+imatrix.gguf"
+                q = work / f"qkit-at-{key}+{method}+imatrix.gguf"
                 sec = math.nan
-                if not (args.reuse and q.exists()):
+                if not (q in written or (args.reuse and q.exists())):
+                    written.add(q)
                     _, sec = timed(quantize_model, ref, output=q, scheme="q8_0", method=method, format="gguf",
                                    options=QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(words)))
                 add(label, q, sec, f"qkit quantize -s q8_0 --tensor-type WORDS --method {method} --imatrix imatrix.gguf "
