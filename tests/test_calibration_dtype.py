@@ -97,3 +97,20 @@ def test_quantize_dtype_reaches_the_method_and_the_manifest(tiny_model_dir, tmp_
     done = quantize_model(str(tiny_model_dir), output=tmp_path / "n.gguf", scheme="q8_0", format="gguf", method="imatrix",
                           method_options={**FAST, "dtype": "fp32"}, options=QuantizeOptions())
     assert done.method_record["dtype"] == "fp32"
+
+
+def test_quantize_target_bits_plans_in_the_dtype_with_few_windows(tmp_path):
+    """--target-bits --dtype bf16 plans in bf16; --calibration-samples 2 (fewer than the default 4 check
+    windows) checks on those 2."""
+    from conftest import make_tiny_llama, make_tokenizer
+
+    make_tiny_llama(tmp_path / "wide", hidden=256, intermediate=512, layers=2)
+    make_tokenizer(tmp_path / "wide")
+    out, js = tmp_path / "m.gguf", tmp_path / "r.json"
+    r = invoke("quantize", str(tmp_path / "wide"), "--format", "gguf", "--target-bits", "4.6", "--dtype", "bf16",
+               "--calibration-samples", "2", "--calibration-seqlen", "32", "-o", str(out), "--json", str(js))
+    assert r.code == 0, r.text
+    import json
+
+    plan = json.loads(js.read_text())["plan"]
+    assert plan["dtype"] == "bf16" and plan["bytes"] <= plan["target"]["budget_bytes"] and plan["measured_kl"] > 0

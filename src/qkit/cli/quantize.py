@@ -53,6 +53,7 @@ from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.outputs import check_output as check_output_path
 from qkit.plan import PlanOptions
+from qkit.plan.planner import DEFAULT_CHECK_WINDOWS
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
 from qkit.threads import check_threads
@@ -202,6 +203,8 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
         return plan
     size = parse_size(target_size, "--target-size") if target_size is not None else None
     sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen), ("dtype", dtype)) if v is not None}
+    if samples is not None:  # the check measures on the first windows: never more than there are
+        sizes["check_windows"] = min(DEFAULT_CHECK_WINDOWS, samples)
     options = PlanOptions(format=fmt, target_bits=target_bits, target_size=size, scale_dtype=scale_dtype,
                           calibration=calibration, candidates=allowed or (),
                           **sizes)

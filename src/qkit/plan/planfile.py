@@ -126,7 +126,7 @@ class Plan:
                 "format": self.format, "bytes": self.nbytes, "predicted_kl": self.predicted_kl,
                 "measured_kl": self.check.get("measured_kl"), "types": dict(sorted(types.items())),
                 "lossless": sum(t.lossless and t.scheme is not None for t in self.tensors.values()),
-                "method": self.method,
+                "method": self.method, "dtype": self.sensitivity.get("dtype"),
                 **({"gptq": self.sensitivity["feedback"]["gptq"]} if "feedback" in self.sensitivity else {})}
 
 
