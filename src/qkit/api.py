@@ -69,6 +69,7 @@ from qkit.plan import (
     sensitivity_table,
     write_plan,
 )
+from qkit.plan.planfile import plan_llama_types
 from qkit.plan import check as check_plan
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.ggml import GGMLScheme
@@ -422,23 +423,11 @@ def plan_model(
         write_plan(plan, out)
     tt = Path(emit_tensor_types) if emit_tensor_types is not None else None
     if tt is not None:
-        write_tensor_type_file(tt, plan_llama_types(plan, config, shapes, tensor_dtypes(ref.directory)))
+        names = llama_names_of(config, shapes)
+        if not names:
+            raise InputError("--emit-tensor-types needs llama.cpp names: a llama or qwen2 model")
+        write_tensor_type_file(tt, plan_llama_types(plan, names, tensor_dtypes(ref.directory)))
     return PlanResult(plan, out, tt, time.perf_counter() - t0)
-
-
-def plan_llama_types(plan: Plan, config: dict, shapes: Mapping[str, tuple[int, ...]],
-                     dtypes: Mapping[str, torch.dtype | None]) -> dict[str, str]:
-    """``{llama.cpp name: ggml type}`` of every planned tensor (a kept one: its source float type, as qkit's
-    GGUF writer stores it), for ``llama-quantize --tensor-type-file``."""
-    names = llama_names_of(config, shapes)
-    if not names:
-        raise InputError("--emit-tensor-types needs llama.cpp names: a llama or qwen2 model")
-    floats = {torch.float16: "F16", torch.bfloat16: "BF16"}
-    out = {}
-    for name, t in plan.tensors.items():
-        s = t.scheme
-        out[names[name]] = s.ggml_type.name if isinstance(s, GGMLScheme) else floats.get(dtypes.get(name), "F32")
-    return out
 
 
 # --------------------------------------------------------------------------- importance matrix

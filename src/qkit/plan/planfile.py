@@ -29,6 +29,7 @@ import torch
 from qkit.errors import InputError, SchemeError
 from qkit.plan.candidates import KEEP, ladder, native, plan_formats, stored_nbytes
 from qkit.schemes.base import Scheme
+from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.registry import scheme_from_dict
 from qkit.staging import write_text
 
@@ -130,6 +131,17 @@ class Plan:
                 **({"gptq": self.sensitivity["feedback"]["gptq"]} if "feedback" in self.sensitivity else {})}
 
 
+def plan_llama_types(plan: Plan, names: Mapping[str, str], dtypes: Mapping[str, torch.dtype | None]) -> dict[str, str]:
+    """``{llama.cpp name: ggml type}`` of every planned tensor (``names``: its llama.cpp name; a kept one: its
+    source float type, as qkit's GGUF writer stores it), for ``llama-quantize --tensor-type-file``."""
+    floats = {torch.float16: "F16", torch.bfloat16: "BF16"}
+    out = {}
+    for name, t in plan.tensors.items():
+        s = t.scheme
+        out[names[name]] = s.ggml_type.name if isinstance(s, GGMLScheme) else floats.get(dtypes.get(name), "F32")
+    return out
+
+
 MAX_PLAN_BYTES = 256 * 1024**2  # a plan of 50,000 tensors with every candidate is ~50 MB; a larger file is not one
 PLAN_METHODS = ("rtn", "imatrix", "gptq")  # what ``qkit plan`` measures candidates by (``qkit plan --method``)
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the source dtypes a kept tensor's bytes may count
@@ -188,6 +200,13 @@ def read_plan(path: str | Path) -> Plan:
             raise InputError(f"--plan {p}: {key!r} is {type(doc[key]).__name__}, not an object or null; re-plan")
     if doc.get("imatrix") is not None and not isinstance(doc["imatrix"].get("sha256"), str):
         raise InputError(f"--plan {p}: its imatrix record has no sha256; re-plan")
+    if doc["method"] == "gptq":  # the GPTQ options its costs were measured with (what quantize must use)
+        feedback = (doc.get("sensitivity") or {}).get("feedback")
+        options = feedback.get("gptq") if isinstance(feedback, dict) else None
+        if not (isinstance(options, dict) and options and all(isinstance(k, str) and isinstance(v, (bool, int, float, str))
+                                                               for k, v in options.items())):
+            raise InputError(f"--plan {p}: a gptq plan needs sensitivity.feedback.gptq, the GPTQ options it was priced "
+                             "with (an object of names and values); re-plan")
     for key in ("measured_kl", "measured_kl_se"):
         v = (doc.get("check") or {}).get(key)
         if v is not None and not (_is_finite(v) and v >= 0):
@@ -315,5 +334,5 @@ def upgrades(plan: Plan) -> list[dict]:
     return out
 
 
-__all__ = ["base_type", "lossless_types", "upgrades", "MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
+__all__ = ["plan_llama_types", "base_type", "lossless_types", "upgrades", "MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
            "read_plan", "write_plan"]

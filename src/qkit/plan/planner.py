@@ -34,19 +34,14 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from qkit.checkpoint import (
     iter_tensors,
-    open_safetensors,
     tensor_reader,
-    tensor_shards,
     tensor_dtypes,
     tensor_shapes,
-    weight_files,
 )
 from qkit.errors import InputError
 from qkit.executors import SERIAL_EXECUTOR, Executor
@@ -64,14 +59,13 @@ from qkit.plan.candidates import (
     parse_allowed,
     stored_nbytes,
 )
+from qkit.plan.costing import file_tensors, candidate_weights, costs_elsewhere
 from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
 from qkit.plan.planfile import Plan, TensorChoice, base_type, fingerprint, lossless_types, upgrades  # the last three re-exported
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal, measured_kl
 from qkit.plan.solve import smallest, solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme, quantize_tensor
-from qkit.schemes.ggml import GGMLScheme, uses_importance
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.staging import temporary_directory
 from qkit.transform import Rules
 from qkit.version import __version__
 
@@ -320,8 +314,8 @@ def sensitivity_table(
                                                 fisher, opts, weights):
                 by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
                 say("candidates", len(by_name), len(targets))
-        for name, w in (() if executor.parallel else _file_tensors(ref.directory, set(group), str(device), whole=passes == 1)):
-            costed = [candidate_cost(w, fisher.diag[name], c.scheme, name=name, quant_weights=_qw(weights, name, c))
+        for name, w in (() if executor.parallel else file_tensors(ref.directory, set(group), str(device), whole=passes == 1)):
+            costed = [candidate_cost(w, fisher.diag[name], c.scheme, name=name, quant_weights=candidate_weights(weights, name, c))
                       for c in opts[name]]
             by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
             del w
@@ -338,7 +332,7 @@ def sensitivity_table(
         t2 = time.perf_counter()
         ratios, record = feedback.output_error_ratios(
             model, ids, opts, tensor_reader(ref.directory, targets, str(device)), gptq=gptq,
-            quant_weights=lambda n, c: _qw(weights, n, c), device=torch.device(device),
+            quant_weights=lambda n, c: candidate_weights(weights, n, c), device=torch.device(device),
             on_tensor=lambda i, k: say("gptq", i, k))
         for n in names:
             costs, lossless = by_name[n]
@@ -353,67 +347,6 @@ def sensitivity_table(
                   feedback=record)
     _TABLE[key] = table
     return table
-
-
-@dataclass(frozen=True)
-class CostItem:
-    """One tensor's candidates to cost in another process: the tensor ``name`` read from ``shard`` (the
-    model's safetensors file holding it), its Fisher diagonal from ``fisher`` (a file of one tensor,
-    ``"fisher"``, written by ``costs_elsewhere``), and per candidate its importance weights (or None)."""
-
-    name: str
-    shard: str
-    fisher: str
-    candidates: tuple[Candidate, ...]
-    quant_weights: tuple[torch.Tensor | None, ...]
-
-
-PLAN_TMP_PREFIX = "qkit-plan-"  # the Fisher diagonals handed to other processes: $TMPDIR/qkit-plan-PID-RANDOM
-
-
-def cost_item(_shared: None, item: CostItem) -> list[tuple[float, bool]]:
-    """``candidate_cost`` of every candidate of ``item``, from the files (a task of ``costs_elsewhere``)."""
-    with open_safetensors(item.shard) as f:
-        w = f.get_tensor(item.name)
-    with open_safetensors(item.fisher) as f:
-        fisher = f.get_tensor("fisher")
-    return [candidate_cost(w, fisher, c.scheme, name=item.name, quant_weights=q)
-            for c, q in zip(item.candidates, item.quant_weights)]
-
-
-def costs_elsewhere(executor: Executor, directory, names: list[str], fisher: Fisher,
-                    opts: Mapping[str, list[Candidate]], weights: Mapping[str, torch.Tensor]):
-    """``(name, [(cost, lossless) per candidate])`` for ``names`` in order, each tensor one ``executor`` task
-    (``cost_item``): the driver writes each diagonal to a file of its own (one tensor in memory at a time
-    beyond the Fisher it holds anyway, removed after) and sends paths, never the weights."""
-    where = tensor_shards(directory, names)
-    with temporary_directory(PLAN_TMP_PREFIX) as tmp:
-        items = []
-        for i, name in enumerate(names):
-            path = Path(tmp) / f"fisher-{i}.safetensors"
-            save_file({"fisher": fisher.diag[name].contiguous()}, str(path))
-            items.append(CostItem(name, str(where[name]), str(path), tuple(opts[name]),
-                                  tuple(_qw(weights, name, c) for c in opts[name])))
-        yield from zip(names, executor.map(cost_item, items))
-
-
-def _file_tensors(directory, names: set[str], device: str, *, whole: bool):
-    """``(name, tensor)`` of the file's tensors named ``names`` (what quantize reads: the source weights, not
-    the loaded model's), one at a time. ``whole`` (every target in one group): ``iter_tensors``' one
-    streaming pass over the file. Otherwise only the group's tensors are read, each by itself from its
-    shard (``open_safetensors``: a private mapping of that tensor, released when it is dropped), so that
-    a plan in many groups reads the checkpoint about once in all, not once per group."""
-    if whole:
-        yield from ((n, w) for n, w in iter_tensors(directory, device=device) if n in names)
-        return
-    for path in weight_files(directory):
-        with open_safetensors(path) as f:
-            keys = sorted(names.intersection(f.keys()))
-        for key in keys:
-            with open_safetensors(path) as f:
-                w = f.get_tensor(key)
-            yield key, (w if device == "cpu" else w.to(device))
-            del w
 
 
 def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candidate]]:
@@ -482,12 +415,6 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
                 imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
 
 
-def _qw(weights: Mapping[str, torch.Tensor], name: str, cand: Candidate) -> torch.Tensor | None:
-    """The importance weights ``cand`` quantizes ``name`` with: llama.cpp's weighted types only."""
-    s = cand.scheme
-    return weights.get(name) if isinstance(s, GGMLScheme) and uses_importance(s.ggml_type) else None
-
-
 def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None) -> None:
     """Step 5: the plan's mix swapped into the table's model (the same codes the file holds; for a table
     priced for GPTQ, GPTQ's weights solved block after block, ``feedback.solved_weights``, on the sensitivity
@@ -517,7 +444,7 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
                     copies[name] = p.detach().clone()
                 swapped.append(name)
                 if table.gptq is None:
-                    qt = quantize_tensor(w, t.scheme, name=name, quant_weights=_qw(weights, name, Candidate(t.type, t.scheme, t.nbytes)))
+                    qt = quantize_tensor(w, t.scheme, name=name, quant_weights=candidate_weights(weights, name, Candidate(t.type, t.scheme, t.nbytes)))
                     p.copy_(qt.dequantize(p.dtype))
             solved_on = None
             if table.gptq is not None:  # solved on the windows the check does not measure (all, if it measures all)
@@ -526,7 +453,7 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
                 solved_on = {"windows": int(solve_ids.shape[0]), "held_out": solve_ids is not table.ids}
                 chosen = {n: Candidate(t.type, t.scheme, t.nbytes) for n, t in plan.tensors.items()}
                 feedback.solved_weights(model, solve_ids, chosen, tensor_reader(ref.directory, chosen, device),
-                                        gptq=table.gptq, quant_weights=lambda n, c: _qw(weights, n, c),
+                                        gptq=table.gptq, quant_weights=lambda n, c: candidate_weights(weights, n, c),
                                         device=torch.device(device))
         kl, se = measured_kl(model, fisher)
     finally:
