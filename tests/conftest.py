@@ -109,6 +109,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def wide_model(tmp_path_factory) -> Path:
+    """Widths 256 and 512 (2 layers, 14 projections): every ggml type, k-quants too, applies natively.
+    Do not modify it."""
+    d = tmp_path_factory.mktemp("wide") / "model"
+    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="session")
 def tiny_ct_export(tiny_model_dir, tmp_path_factory) -> Path:
     """A compressed-tensors export (int4-g32) of ``tiny_model_dir``: what ``qkit verify`` reads. Do not modify it."""
     from typer.testing import CliRunner

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from conftest import TINY_TEXT, make_tiny_llama, make_tokenizer
+from conftest import TINY_TEXT, make_tiny_llama
 
 from qkit.cli import app
 from qkit.errors import ExecutorError, InputError
@@ -83,14 +83,6 @@ def tiny(tmp_path_factory):
     return d, str(corpus)
 
 
-@pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    d = tmp_path_factory.mktemp("wide")
-    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
-    make_tokenizer(d)
-    return d
-
-
 def _numbers(doc, path=""):
     """Every leaf of a JSON document but the wall-clock fields, by path."""
     if isinstance(doc, dict):
@@ -121,7 +113,7 @@ def test_eval_rows_on_ray_are_the_serial_rows(tiny, cluster, tmp_path):
     assert fanned["rows"][4]["kld"] > fanned["rows"][1]["kld"] > 0
 
 
-def test_plan_costs_on_ray_are_the_serial_costs(wide, cluster, tmp_path):
+def test_plan_costs_on_ray_are_the_serial_costs(wide_model, cluster, tmp_path):
     from qkit.plan import planner
 
     plans = {}
@@ -129,7 +121,7 @@ def test_plan_costs_on_ray_are_the_serial_costs(wide, cluster, tmp_path):
         planner._TABLE.clear()  # measure again: the table of the same inputs is kept otherwise
         planner._FISHER.clear()
         out = tmp_path / f"{name}.json"
-        r = runner.invoke(app, ["plan", str(wide), "-o", str(out), *PLAN_FAST, *extra])
+        r = runner.invoke(app, ["plan", str(wide_model), "-o", str(out), *PLAN_FAST, *extra])
         assert r.exit_code == 0, r.output
         plans[name] = json.loads(out.read_text())
     serial, fanned = (plans[k]["tensors"] for k in ("serial", "ray"))

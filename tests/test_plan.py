@@ -23,15 +23,6 @@ FAST = dict(samples=2, seqlen=32, check_windows=2)
 
 
 @pytest.fixture(scope="module")
-def wide_model(tmp_path_factory):
-    """Widths 256 and 512: every ggml type (k-quants too) applies natively."""
-    d = tmp_path_factory.mktemp("wide")
-    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
-    make_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def gguf_plan(wide_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     tt = out.with_name("types.txt")

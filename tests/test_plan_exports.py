@@ -18,7 +18,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import benchmark_module, make_tiny_llama
+from conftest import benchmark_module
 from typer.testing import CliRunner
 
 from qkit.cli import app
@@ -30,14 +30,6 @@ FAST = ["--calibration-samples", "2", "--calibration-seqlen", "32", "--check-win
 # The default model is dequantized from a Q4_1 GGUF: q4_1 (and q5_1, which holds q4_1's grid) would be
 # lossless there and take every tensor; without them the plan mixes several types.
 DEFAULT_CANDIDATES = "q2_k,q3_k,iq4_xs,iq4_nl,q4_0,q4_k,q5_0,q5_k,q6_k,q8_0"
-
-
-@pytest.fixture(scope="module")
-def wide_model(tmp_path_factory) -> Path:
-    """Widths 256 and 512 (2 layers, 14 projections): every ggml type, k-quants too, applies natively."""
-    d = tmp_path_factory.mktemp("wide") / "model"
-    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
-    return d
 
 
 def _ok(args: list[str]) -> str:

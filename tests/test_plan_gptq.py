@@ -8,7 +8,6 @@ import math
 import gguf
 import pytest
 import torch
-from conftest import make_tiny_llama, make_tokenizer
 
 from qkit.api import QuantizeOptions, plan_model, quantize_model
 from qkit.checkpoint import iter_tensors
@@ -26,17 +25,8 @@ FAST = dict(samples=4, seqlen=32, check_windows=2)
 
 
 @pytest.fixture(scope="module")
-def wide(tmp_path_factory):
-    """Widths 256 and 512: every ggml type applies natively."""
-    d = tmp_path_factory.mktemp("wide_gptq")
-    make_tiny_llama(d, hidden=256, intermediate=512, layers=2)
-    make_tokenizer(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tables(wide):
-    ref = resolve(str(wide))
+def tables(wide_model):
+    ref = resolve(str(wide_model))
     opts = PlanOptions(format="gguf", target_bits=4.6, **FAST)
     rtn = sensitivity_table(ref, opts, device=torch.device("cpu"))
     gptq = sensitivity_table(ref, opts, device=torch.device("cpu"), gptq=GPTQOptions())
@@ -44,9 +34,9 @@ def tables(wide):
 
 
 @pytest.fixture(scope="module")
-def gptq_plan(wide, tmp_path_factory):
+def gptq_plan(wide_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("gplan") / "plan.json"
-    r = plan_model(str(wide), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out, method="gptq")
+    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out, method="gptq")
     return r.plan, out
 
 
@@ -113,7 +103,7 @@ def test_a_gptq_table_is_the_rtn_costs_times_the_ratios_and_leaves_the_model_as_
         assert torch.equal(params[n], files[n])
 
 
-def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide, gptq_plan):
+def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide_model, gptq_plan):
     plan, out = gptq_plan
     assert plan.method == "gptq" and read_plan(out).method == "gptq"
     fb = plan.sensitivity["feedback"]
@@ -127,7 +117,7 @@ def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide, gp
     # GPTQ solved on the 2 sensitivity windows after the check's 2: the check is not measured on its own tokens
     assert plan.check["gptq_solved_on"] == {"windows": 2, "held_out": True} and plan.check["windows"] == 2
     # the check's GPTQ weights were put back: the cached model equals the file again
-    ref = resolve(str(wide))
+    ref = resolve(str(wide_model))
     table = sensitivity_table(ref, PlanOptions(format="gguf", target_bits=4.6, **FAST), device=torch.device("cpu"),
                               gptq=GPTQOptions())
     params = dict(table.model.named_parameters())
@@ -136,17 +126,17 @@ def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide, gp
             assert torch.equal(params[n], w), n
 
 
-def test_a_gptq_plan_quantizes_with_gptq_into_its_types(wide, gptq_plan, tmp_path):
+def test_a_gptq_plan_quantizes_with_gptq_into_its_types(wide_model, gptq_plan, tmp_path):
     plan, out = gptq_plan
     g = tmp_path / "gptq.gguf"
-    quantize_model(str(wide), output=g, format="gguf", method="gptq", options=QuantizeOptions(plan=str(out)))
+    quantize_model(str(wide_model), output=g, format="gguf", method="gptq", options=QuantizeOptions(plan=str(out)))
     r = gguf.GGUFReader(str(g))
     by_name = {t.name: t for t in r.tensors}
     types = {t.tensor_type.name.lower() for t in r.tensors}
     assert {t.type for t in plan.tensors.values()} <= types
     # the same types written by RTN hold other codes: GPTQ chose them (one planned tensor compared)
     rt = tmp_path / "rtn.gguf"
-    quantize_model(str(wide), output=rt, format="gguf", scheme="q8_0",
+    quantize_model(str(wide_model), output=rt, format="gguf", scheme="q8_0",
                    options=QuantizeOptions(tensor_types=tuple(f"blk\\.{n.split('.')[2]}\\.ffn_down={t.type}"
                                                               for n, t in plan.tensors.items() if n.endswith("down_proj.weight"))))
     rr = {t.name: t for t in gguf.GGUFReader(str(rt)).tensors}
@@ -156,47 +146,47 @@ def test_a_gptq_plan_quantizes_with_gptq_into_its_types(wide, gptq_plan, tmp_pat
 
 
 @pytest.mark.parametrize("method, extra, message", [
-    (None, {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (or re-plan with --method rtn)"),
-    ("awq", {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (or re-plan with --method awq)"),
+    (None, {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (re-plan with --method rtn)"),
+    ("awq", {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (awq is not planned)"),
     ("gptq", {"dampening": 0.05}, "the plan's costs were measured with GPTQ's act_order=True, block_size=128, dampening=0.01, "
      "scale_rule='absmax', static_groups=False; this quantize gives dampening=0.05 (the plan: 0.01): use the plan's "
      "options or re-plan with them"),
 ])
-def test_a_gptq_plan_is_quantized_only_as_it_was_priced(wide, gptq_plan, tmp_path, method, extra, message):
+def test_a_gptq_plan_is_quantized_only_as_it_was_priced(wide_model, gptq_plan, tmp_path, method, extra, message):
     _, out = gptq_plan
     with pytest.raises(InputError) as err:
-        quantize_model(str(wide), output=tmp_path / "x.gguf", format="gguf", method=method,
+        quantize_model(str(wide_model), output=tmp_path / "x.gguf", format="gguf", method=method,
                        method_options=extra or None, options=QuantizeOptions(plan=str(out)))
     assert str(err.value) == message
     assert list(tmp_path.iterdir()) == []
 
 
-def test_an_rtn_plan_quantized_with_gptq_says_to_replan(wide, tmp_path):
+def test_an_rtn_plan_quantized_with_gptq_says_to_replan(wide_model, tmp_path):
     out = tmp_path / "rtn.json"
-    plan_model(str(wide), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out)
+    plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out)
     with pytest.raises(InputError) as err:
-        quantize_model(str(wide), output=tmp_path / "x.gguf", format="gguf", method="gptq", options=QuantizeOptions(plan=str(out)))
+        quantize_model(str(wide_model), output=tmp_path / "x.gguf", format="gguf", method="gptq", options=QuantizeOptions(plan=str(out)))
     assert str(err.value) == ("the plan's costs were measured with rtn; gptq chooses other codes for the same types: "
                               "re-plan with --method gptq")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rtn.json"]
 
 
-def test_target_bits_with_gptq_plans_for_gptq_with_the_quantizes_options(wide, tmp_path):
+def test_target_bits_with_gptq_plans_for_gptq_with_the_quantizes_options(wide_model, tmp_path):
     g = tmp_path / "tb.gguf"
-    r = quantize_model(str(wide), output=g, format="gguf", method="gptq", method_options={"dampening": 0.02},
+    r = quantize_model(str(wide_model), output=g, format="gguf", method="gptq", method_options={"dampening": 0.02},
                        options=QuantizeOptions(plan=PlanOptions(format="gguf", target_bits=4.6, **FAST)))
     assert r.plan is not None and r.method == "gptq"
     assert r.plan["method"] == "gptq" and r.plan["gptq"]["dampening"] == 0.02  # priced with the options that write it
     assert gguf.GGUFReader(str(g)).tensors
 
 
-def test_the_cli_plans_for_gptq_and_says_how_it_was_priced(wide, tmp_path):
+def test_the_cli_plans_for_gptq_and_says_how_it_was_priced(wide_model, tmp_path):
     from typer.testing import CliRunner
 
     from qkit.cli import app
 
     out = tmp_path / "p.json"
-    r = CliRunner().invoke(app, ["plan", str(wide), "-o", str(out), "--format", "gguf", "--target-scheme", "q4_k_m",
+    r = CliRunner().invoke(app, ["plan", str(wide_model), "-o", str(out), "--format", "gguf", "--target-scheme", "q4_k_m",
                                  "--method", "gptq", "--calibration-samples", "2", "--calibration-seqlen", "32",
                                  "--check-windows", "1"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output

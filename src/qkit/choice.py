@@ -39,6 +39,7 @@ from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
+from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, TensorTypes, new_manifest, plan
@@ -214,8 +215,9 @@ def check_plan_method(plan: Plan, matrix: Any, method: Method | None, method_opt
     the same (a ``gptq`` plan: ``--method gptq`` with the options its costs were measured with)."""
     planned_gptq = plan.method == "gptq"
     if planned_gptq and (method is None or method.name != "gptq"):
-        raise InputError(f"the plan's costs were measured for gptq's codes; quantize it with --method gptq "
-                         f"(or re-plan with --method {method.name if method is not None else 'rtn'})")
+        name = method.name if method is not None else "rtn"
+        other = f"re-plan with --method {name}" if name in PLAN_METHODS else f"{name} is not planned"
+        raise InputError(f"the plan's costs were measured for gptq's codes; quantize it with --method gptq ({other})")
     if not planned_gptq and method is not None and not isinstance(method, ImatrixMethod):
         hint = "re-plan with --method gptq" if method.name == "gptq" else "quantize the plan with its own method (drop --method)"
         raise InputError(f"the plan's costs were measured with {plan.method}; {method.name} chooses other codes for the same "

@@ -128,7 +128,7 @@ class Plan:
                 "measured_kl": self.check.get("measured_kl"), "types": dict(sorted(types.items())),
                 "lossless": sum(t.lossless and t.scheme is not None for t in self.tensors.values()),
                 "method": self.method, "dtype": self.sensitivity.get("dtype"),
-                **({"gptq": self.sensitivity["feedback"]["gptq"]} if "feedback" in self.sensitivity else {})}
+                **({"gptq": self.sensitivity["feedback"]["gptq"]} if self.method == "gptq" else {})}
 
 
 def plan_llama_types(plan: Plan, names: Mapping[str, str], dtypes: Mapping[str, torch.dtype | None]) -> dict[str, str]:
