@@ -105,6 +105,12 @@ class _Unit:
     rtn: torch.Tensor | None  # fp32 [block, rows] RTN's codes (only where some are frozen)
 
 
+# Pending units are encoded together (one call for many, as static groups set them all before the loop)
+# but never more than this many weights at once: the encode's working copies are a few times its input,
+# and a 7B down_proj (45M weights) set whole held about 1 GB of them.
+FLUSH_ELEMENTS = 1 << 23
+
+
 class GGMLObserver:
     """One ``[rows, cols]`` matrix of a llama.cpp block type (already resolved for its width: q4_k's
     576-wide fallback is a q5_0 scheme). ``quant_weights``: the importance of each column (fp32
@@ -155,6 +161,8 @@ class GGMLObserver:
     def set_unit(self, u: int, w: torch.Tensor) -> None:
         self.pending[u] = w.to(torch.float32).contiguous()
         self.units[u] = None
+        if sum(p.numel() for p in self.pending.values()) >= FLUSH_ELEMENTS:  # bounded: every block is independent
+            self._flush()
 
     def _flush(self) -> None:
         """Encode every pending unit in one call (their columns side by side: every block is independent)."""

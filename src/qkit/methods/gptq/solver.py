@@ -43,34 +43,65 @@ def accumulate_gram(H: torch.Tensor, x: torch.Tensor, chunk: int = 256) -> None:
         H[a:b, a:].addmm_(x[:, a:b].T, x[:, a:])
 
 
-def symmetrize(H: torch.Tensor) -> torch.Tensor:
-    """The full symmetric matrix from its upper triangle (as ``accumulate_gram`` leaves it), in place."""
-    strict = H.triu(1)
-    return H.copy_(H.triu().add_(strict.T))
+def symmetrize(H: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """The full symmetric matrix from its upper triangle (as ``accumulate_gram`` leaves it), in place:
+    below the diagonal every entry becomes its mirror above it (``H.triu() + H.triu(1).T``, the same
+    values), one block of ``chunk`` columns at a time, so no second ``[d, d]`` matrix is held (a 7B
+    ``down_proj``'s Gram is 0.48 GB)."""
+    d = H.shape[0]
+    for a in range(0, d, chunk):
+        b = min(a + chunk, d)
+        diag = H[a:b, a:b]
+        diag.copy_(diag.triu().add_(diag.triu(1).T))
+        if b < d:
+            H[a:b, b:].add_(0.0)  # as triu() + 0 did: a -0.0 above the diagonal reads +0.0
+            H[b:, a:b].copy_(H[a:b, b:].T)
+    return H
 
 
-def inverse_hessian_factor(H: torch.Tensor, dampening: float, retries: int = MAX_DAMP_RETRIES) -> tuple[torch.Tensor | None, float, int]:
+def inverse_hessian_factor(H: torch.Tensor, dampening: float, retries: int = MAX_DAMP_RETRIES, *,
+                           perm: torch.Tensor | None = None,
+                           dead: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float, int]:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``Uᵀ U = (H + λI)⁻¹``), ``λ = dampening * mean(diag H)``.
 
     fp32, as the reference. Computed without forming the inverse: with ``J`` the reversal permutation and
     ``J (H + λI) J = L Lᵀ``, ``U = J L⁻¹ J`` (upper triangular, and ``Uᵀ U = J L⁻ᵀ L⁻¹ J = (H + λI)⁻¹``):
     one Cholesky and one triangular solve. Retries with ``dampening * 10`` while the factorisation fails;
     returns ``(U or None, dampening used, retries)``. ``H``: symmetric ``[cols, cols]``; not modified.
+    ``perm``: factor ``H[perm][:, perm]`` (act order); ``dead``: columns whose diagonal counts as 1
+    (``prepare_hessian``'s dead columns). Neither is materialised: ``J P H Pᵀ J`` is gathered straight
+    into the one working copy, so the peak is ``H`` and three more ``[cols, cols]`` fp32 matrices.
     """
-    H32 = H.to(torch.float32)
-    mean_diag = H32.diagonal().mean()
-    eye = torch.eye(H32.shape[0], dtype=torch.float32, device=H32.device)
+    n = H.shape[0]
+    order = (torch.arange(n - 1, -1, -1) if perm is None else perm.flip(0)).to(H.device)  # J P
+    diag = H.diagonal().to(torch.float32)
+    if dead is not None and bool(dead.any()):
+        diag = diag.masked_fill(dead, 1.0)
+    mean_diag = diag.index_select(0, order.flip(0)).mean()  # in processing order, as P H Pᵀ's diagonal
+    diag = diag.index_select(0, order)
     damp = dampening
     for attempt in range(retries + 1):
-        Hd = H32.flip(0, 1).clone()  # J H J; its diagonal is H's diagonal reversed
-        Hd.diagonal().add_(damp * mean_diag)
+        Hd = _gathered(H, order)
+        Hd.diagonal().copy_(diag).add_(damp * mean_diag)
         L, info = torch.linalg.cholesky_ex(Hd)
+        del Hd
         if int(info) == 0:
-            U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+            U = torch.linalg.solve_triangular(L, torch.eye(n, dtype=torch.float32, device=H.device), upper=False)
+            del L
+            U = U.flip(0, 1)
             if bool(torch.isfinite(U).all()):
                 return U, damp, attempt
         damp *= 10
     return None, damp / 10, retries
+
+
+def _gathered(H: torch.Tensor, order: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """``H[order][:, order]`` in fp32, a block of rows at a time (no intermediate ``[cols, cols]`` copy)."""
+    out = torch.empty(H.shape, dtype=torch.float32, device=H.device)
+    for a in range(0, H.shape[0], chunk):
+        rows = H.index_select(0, order[a : a + chunk])
+        out[a : a + chunk] = rows.index_select(1, order)
+    return out
 
 
 @dataclass
@@ -85,15 +116,12 @@ class PreparedHessian:
 
 
 def prepare_hessian(H: torch.Tensor, dampening: float = DEFAULT_DAMPENING, act_order: bool = False) -> PreparedHessian:
-    """Dead columns (``H[i, i] = 1``), act-order permutation (descending ``diag H``) and the factor ``U``."""
-    H = H.to(torch.float32).clone()
-    dead = H.diagonal() == 0
-    H.diagonal()[dead] = 1.0
-    perm = None
-    if act_order:
-        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
-        H = H[perm][:, perm]
-    U, damp, retries = inverse_hessian_factor(H, dampening)
+    """Dead columns (``H[i, i] = 1``), act-order permutation (descending ``diag H``) and the factor ``U``.
+    ``H`` is not modified or copied whole (``inverse_hessian_factor`` gathers the one copy it factors)."""
+    diag = H.diagonal().to(torch.float32)
+    dead = diag == 0
+    perm = torch.argsort(diag.masked_fill(dead, 1.0), descending=True, stable=True) if act_order else None
+    U, damp, retries = inverse_hessian_factor(H, dampening, perm=perm, dead=dead)
     return PreparedHessian(U, perm, dead, damp, retries)
 
 
@@ -186,22 +214,25 @@ def gptq_solve(
     if prepared.U is None:  # H never became positive definite: round to nearest on the same grid
         codes, Q = round_to_nearest(W, grid)
         return SolveResult(codes, Q, grid, prepared.dampening, prepared.retries, n_dead, fallback=True)
-    codes, Q = _column_loop(W, prepared.U, prepared.perm, grid, block_size, static_groups)
+    held = [W]  # handed over: the loop frees it once its transposed working copy is made
+    del W
+    codes, Q = _column_loop(held, prepared.U, prepared.perm, grid, block_size, static_groups)
     return SolveResult(codes, Q, grid, prepared.dampening, prepared.retries, n_dead)
 
 
-def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, grid: Observer,
+def _column_loop(held: list[torch.Tensor], U: torch.Tensor, perm: torch.Tensor | None, grid: Observer,
                  block_size: int, static_groups: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The lazy-block loop over ``W [rows, cols]`` (fp32, dead columns zeroed, original order) with the
-    factor ``U`` (in processing order); returns ``(codes, Ŵ)`` in the original column order."""
+    """The lazy-block loop over ``W [rows, cols]`` (``held``'s one tensor, which the loop takes and frees:
+    fp32, dead columns zeroed, original order) with the factor ``U`` (in processing order); returns
+    ``(codes, Ŵ)`` in the original column order. Four ``[rows, cols]`` fp32 matrices at most: the caller's
+    source, the transposed working copy and the two outputs."""
+    W = held.pop()
     rows, cols = W.shape
     device = W.device
     static = static_groups or perm is not None or grid.unit >= cols or grid.per_tensor
     if static:  # scales from the original weights, original column order
         for u in range(grid.n_units):
             grid.set_unit(u, W[:, u * grid.unit : (u + 1) * grid.unit])
-    if perm is not None:
-        W = W[:, perm]
     # Lazy blocks are whole groups, and every group start begins a sub-block, so a group's scale is
     # computed from fully updated weights. The loop works on transposed copies (``[cols, rows]``), so each
     # column is a contiguous vector.
@@ -209,7 +240,8 @@ def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, gr
     bs = block_size if static else unit * max(1, block_size // unit)
     order = torch.arange(cols) if perm is None else perm.cpu()
     unit_of, col_of = (order // unit).tolist(), order.tolist()
-    Wt = W.T.contiguous()
+    Wt = (W.T if perm is None else W.T[perm]).contiguous()  # W[:, perm].T in one copy
+    del W
     codes_t = torch.zeros(cols, rows, device=device)
     Q_t = torch.zeros(cols, rows, device=device)
     for i1 in range(0, cols, bs):
@@ -239,11 +271,13 @@ def _column_loop(W: torch.Tensor, U: torch.Tensor, perm: torch.Tensor | None, gr
             s1 = s2
         if i2 < cols:
             Wt[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1.0)
-    codes, Q = codes_t.T, Q_t.T
-    if perm is not None:
-        inv = torch.argsort(perm)
-        codes, Q = codes[:, inv], Q[:, inv]
-    codes, Q = codes.contiguous(), Q.contiguous()
+    del Wt, W1, Err1
+    inv = None if perm is None else torch.argsort(perm)
+    # one [rows, cols] output at a time, each transposed copy freed as soon as it is read
+    codes = (codes_t.T if inv is None else codes_t.T[:, inv]).contiguous()
+    del codes_t
+    Q = (Q_t.T if inv is None else Q_t.T[:, inv]).contiguous()
+    del Q_t
     grid.finish(codes, torch.arange(cols, device=device) // unit)
     return codes, Q
 
