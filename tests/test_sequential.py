@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qkit.errors import InputError
-from qkit.methods.sequential import BlockInputs, find_blocks, walk_blocks
+from qkit.methods.sequential import BlockInputs, find_blocks, release_parameters, walk_blocks
 
 
 @pytest.fixture()
@@ -84,6 +84,49 @@ def test_record_and_forward_hooks(tiny):
         assert y[0].shape == (5, 16, tiny.config.hidden_size)
 
     walk_blocks(tiny, x, process, batch_size=2)
+
+
+def _resident_bytes_of(name_part: str) -> int:
+    """Resident bytes of this process's mappings whose path contains ``name_part`` (``/proc/self/smaps``)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: "lo-hi perms offset dev inode path"
+                inside = name_part in line
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+def test_release_hands_back_the_pages_of_a_bf16_file_mapping(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                      vocab_size=512)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path / "m")
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    kept = {n: p.detach().clone() for n, p in model.model.layers[1].named_parameters()}
+    for p in model.parameters():  # touch every page
+        p.float().sum()
+    block = model.model.layers[0]
+    block_bytes = sum(p.numel() * 2 for p in block.parameters())  # 4*256^2 + 3*256*1024 weights + norms
+    before = _resident_bytes_of("model.safetensors")
+    assert before >= 2 * block_bytes  # views of the file's mapping (what release must reach)
+    released = release_parameters(block)
+    assert 0.95 * block_bytes <= released <= block_bytes
+    assert before - _resident_bytes_of("model.safetensors") >= 0.95 * block_bytes
+    assert all(p.numel() == 0 and p.dtype == torch.bfloat16 for p in block.parameters())
+    for n, p in model.model.layers[1].named_parameters():  # the other block's bytes are untouched
+        assert torch.equal(p, kept[n])
+
+
+def test_release_of_memory_not_from_a_file_only_drops_it():
+    lin = torch.nn.Linear(512, 512)
+    assert release_parameters(lin) == 0
+    assert lin.weight.numel() == 0 and lin.bias.numel() == 0
 
 
 def test_refuses_models_without_blocks_and_bad_ids():

@@ -63,6 +63,8 @@ The model is changed in place (the block weights ``process_block`` leaves) and l
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -206,6 +208,58 @@ def capture_first_inputs(
     return hidden, [to_device(k, device) for k in kwargs]
 
 
+_MADV_DONTNEED = 4  # Linux <sys/mman.h>
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed mappings (``/proc/self/maps`` lines with an inode);
+    empty where there is no ``/proc``."""
+    ranges = []
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 6 and fields[4] != "0":
+                    lo, hi = fields[0].split("-")
+                    ranges.append((int(lo, 16), int(hi, 16)))
+    except (OSError, ValueError):
+        return []
+    return ranges
+
+
+def release_parameters(module: torch.nn.Module) -> int:
+    """Free ``module``'s parameters (each becomes an empty tensor) and return the bytes whose pages were
+    handed back to the kernel.
+
+    Dropping the tensors is not enough for weights loaded from a safetensors file in its own dtype:
+    transformers then keeps them as views of the file's copy-on-write mapping, which stays mapped (and
+    resident) while any tensor of the file lives. The whole pages strictly inside such a tensor are
+    therefore released with ``madvise(MADV_DONTNEED)`` first: for a private file mapping the kernel drops
+    them (a later read would fetch the file's bytes again), so nothing another tensor holds changes.
+    Memory that is not file-backed is only dropped (the allocator frees it). Linux only; elsewhere the
+    pages stay until the file is closed."""
+    maps = _file_mappings()
+    madvise = None
+    if maps:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            madvise = libc.madvise
+            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            madvise = None
+    page = mmap.PAGESIZE
+    released = 0
+    for p in module.parameters():
+        start, nbytes = p.data_ptr(), p.numel() * p.element_size()
+        lo, hi = -(-start // page) * page, (start + nbytes) // page * page
+        if madvise is not None and hi > lo and p.is_contiguous() and p.device.type == "cpu" \
+                and any(a <= lo and hi <= b for a, b in maps):
+            if madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+                released += hi - lo
+        p.data = torch.empty(0, dtype=p.dtype)
+    return released
+
+
 @torch.no_grad()
 def walk_blocks(
     model: torch.nn.Module,
@@ -215,13 +269,17 @@ def walk_blocks(
     device: torch.device = torch.device("cpu"),
     batch_size: int = DEFAULT_BATCH_SIZE,
     on_block: Callable[[int, int], None] | None = None,
+    release: bool = False,
 ) -> int:
     """Call ``process_block(i, block, inputs)`` for every block in order, feeding each block the
     outputs of the previous one *after* ``process_block`` changed it (or the outputs it returned; see the
     module docstring).
 
     ``model``: a transformers causal LM on the CPU (float32); ``ids``: LongTensor ``[N, L]``.
-    Returns the number of blocks.
+    ``release``: free each block's parameters once its outputs are computed (a method that keeps what it
+    needs, as GPTQ keeps the quantized parts, and never runs the model again): the model's memory then
+    falls block by block as the method's results grow, instead of both being held to the end. The model
+    is left unusable. Returns the number of blocks.
     """
     if ids.ndim != 2 or ids.numel() == 0:
         raise InputError(f"calibration ids must be a non-empty [samples, seqlen] tensor, got shape {list(ids.shape)}")
@@ -238,10 +296,15 @@ def walk_blocks(
         outputs = process_block(i, block, inputs)
         hidden = inputs.forward() if outputs is None else list(outputs)
         block.to("cpu")
+        if release:
+            release_parameters(block)
         if on_block is not None:
             on_block(i + 1, total)
     model.train(was_training)
     return total
 
 
-__all__ = ["DEFAULT_BATCH_SIZE", "BlockInputs", "capture_first_inputs", "find_blocks", "to_device", "walk_blocks"]
+__all__ = [
+    "DEFAULT_BATCH_SIZE", "BlockInputs", "capture_first_inputs", "find_blocks", "release_parameters", "to_device",
+    "walk_blocks",
+]

@@ -341,7 +341,10 @@ class GPTQMethod:
         read = None if options.load_dtype == torch.float32 else tensor_reader(ref.directory, targets)
         run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights,
                       read=read)
-        walk_blocks(loaded.model, ids, partial(quantize_block, run), device=device, batch_size=batch, on_block=on_block)
+        # each block's weights are freed once solved: its quantized parts (kept in ``run``) take their place
+        walk_blocks(loaded.model, ids, partial(quantize_block, run), device=device, batch_size=batch, on_block=on_block,
+                    release=True)
+        del loaded
         rtn_fallback = sorted(set(targets) - set(run.quantized))
         if rtn_fallback:  # targets outside the blocks (or not nn.Linear): round to nearest (+ imatrix), streamed
             for name, tensor in iter_tensors(ref.directory):
