@@ -1,7 +1,7 @@
 """Seconds and peak RSS per step of qkit on the default model and synthetic 0.5B/1.5B/7B-shaped llamas in
 bf16 (docs/scale.md).
 
-    python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b] [--steps plan,quantize]
+    python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b,7b-2l] [--steps plan,quantize,rtn,imatrix,gptq]
         [--samples 4] [--seqlen 256] [--candidates q4_0,q4_k,q6_k,q8_0,none] [--headroom 3GiB | --max-memory SIZE]
         [--dir /tmp] [--json OUT] [--keep-going]
 
@@ -17,6 +17,7 @@ clock, which includes the imports):
   --calibration-seqlen L --check-windows 1 --candidates LIST --max-memory M``, with ``M`` the issue's target,
   the bf16 weights + ``--headroom`` (3 GiB), unless ``--max-memory`` gives it.
 - ``quantize``: ``qkit quantize MODEL --plan plan.json --format gguf -o model.gguf``.
+- ``rtn``: ``qkit quantize MODEL -s q4_k_m --format gguf -o rtn.gguf`` (streamed, no plan).
 - ``imatrix``: ``qkit imatrix MODEL --dtype bf16 --chunks N --chunk-size L -o imatrix.gguf``.
 - ``gptq``: ``qkit quantize MODEL -s q4_k_m --format gguf --method gptq --dtype bf16 --calibration-samples N
   --calibration-seqlen L -o gptq.gguf``.
@@ -51,6 +52,10 @@ SHAPES = {
     "0.5b": dict(hidden=1024, intermediate=4096, layers=24, heads=16, kv_heads=16),  # 0.50B parameters
     "1.5b": dict(hidden=2048, intermediate=5632, layers=24, heads=32, kv_heads=32),  # 1.43B
     "7b": bem.SHAPE_7B,  # llama-2-7b's: 6.88B with this vocabulary
+    # 7B's widths with 2 layers (0.81B): one 7B block's working set (GPTQ's Gram of down_proj's 11,008 inputs,
+    # its factor, the column loop's copies) in minutes; the peak above the weights is the 7B run's, less
+    # what grows with the layer count (the quantized parts held until the write)
+    "7b-2l": {**bem.SHAPE_7B, "layers": 2},
 }
 
 
@@ -61,7 +66,7 @@ def parameters(vocab: int, **shape) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="default,0.5b,1.5b")
-    ap.add_argument("--steps", default="plan,quantize", help="of plan, quantize, imatrix, gptq")
+    ap.add_argument("--steps", default="plan,quantize", help="of plan, quantize, rtn, imatrix, gptq")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--candidates", default="q4_0,q4_k,q6_k,q8_0,none")
@@ -111,6 +116,9 @@ def main() -> None:
                 elif step == "quantize":
                     argv = [sys.executable, "-m", "qkit", "quantize", str(model), "--plan", str(plan), "--format", "gguf",
                             "-o", str(work / "model.gguf")]
+                elif step == "rtn":
+                    argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "q4_k_m", "--format", "gguf",
+                            "-o", str(work / "rtn.gguf")]
                 elif step == "imatrix":
                     argv = [sys.executable, "-m", "qkit", "imatrix", str(model), "--dtype", "bf16", "--chunks",
                             str(args.samples), "--chunk-size", str(args.seqlen), "-o", str(work / "imatrix.gguf")]
@@ -119,13 +127,13 @@ def main() -> None:
                             "--method", "gptq", "--dtype", "bf16", "--calibration-samples", str(args.samples),
                             "--calibration-seqlen", str(args.seqlen), "-o", str(work / "gptq.gguf")]
                 else:
-                    sys.exit(f"unknown step {step!r}: plan, quantize, imatrix or gptq")
+                    sys.exit(f"unknown step {step!r}: plan, quantize, rtn, imatrix or gptq")
                 print(f"{name}: qkit {' '.join(argv[argv.index('-m') + 2:])}", flush=True)
                 r = bpm.run_child(argv, log=work / f"{step}.log")
                 row = {"shape": name, **shape, "parameters": params, "bf16_bytes": bf16, "step": step, "seconds": r["seconds"],
                        "peak_rss": r["peak_rss"], "exit_code": r["exit_code"],
                        "command": "qkit " + " ".join(argv[argv.index("-m") + 2:])}
-                if step != "quantize":  # the steps that run the model over the calibration tokens
+                if step not in ("quantize", "rtn"):  # the steps that run the model over the calibration tokens
                     row["ns_per_param_token"] = 1e9 * r["seconds"] / (params * args.samples * args.seqlen)
                 if step == "plan" and plan.is_file():
                     doc = json.loads(plan.read_text())
