@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -99,7 +101,7 @@ def _resident_bytes_of(name_part: str) -> int:
     return total
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc/self/smaps")
 def test_release_hands_back_the_pages_of_a_bf16_file_mapping(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -161,7 +161,7 @@ class GGMLObserver:
     def set_unit(self, u: int, w: torch.Tensor) -> None:
         self.pending[u] = w.to(torch.float32).contiguous()
         self.units[u] = None
-        if sum(p.numel() for p in self.pending.values()) >= FLUSH_ELEMENTS:  # bounded: every block is independent
+        if len(self.pending) * w.numel() >= FLUSH_ELEMENTS:  # units are one width; bounded: every block is independent
             self._flush()
 
     def _flush(self) -> None:
