@@ -34,24 +34,18 @@ from dataclasses import dataclass
 import torch
 
 from qkit.errors import InputError
-from qkit.memory import GIB, available_ram, gib, process_rss
-from qkit.threads import available_memory
+from qkit.memory import gib
+from qkit.methods.memory import (  # re-exported: the plan's estimate is built on them
+    BASELINE,
+    HEADROOM,
+    QUANTIZE_COPIES,
+    RETENTION,
+    config_int,
+    default_budget,
+    layers_in,
+)
 
-# Everything but the model: python, torch, transformers' modeling code, qkit, the quantization kernels
-# (numba) and the tokenizer. A gguf plan of a 64-wide, 2-layer llama peaked at 0.54 GiB in a venv installed
-# days before (measured as in benchmarks/bench_plan_memory.py), and the same process holds 0.14 GiB more in
-# a venv just installed with the same packages and versions (``import torch`` alone: 0.19 GiB against
-# 0.24 GiB resident; a 4-layer 1024-wide plan peaked at 0.84 GiB against 0.98 GiB; why the new install's
-# libraries hold more resident pages is not pinned down). The constant covers the fresh install, which is
-# what CI and a user's first run see.
-BASELINE = int(0.75 * GIB)
-# A step's working set is freed into the allocator, which keeps part of it: the process's resident memory
-# after a backward pass stays above what is alive. With this factor the estimate was 5-8% above every
-# measured peak of bench_plan_memory.py's synthetic llama (fp32 and bf16; 1, 7 and 10 groups).
-RETENTION = 1.25
-# candidate_cost's peak over the target's float32 size: 2.0x to 4.1x measured across the ladder (q3_k the
-# largest: its search holds float32 copies of the weights), plus a margin
-CANDIDATE_COPIES = 5
+CANDIDATE_COPIES = QUANTIZE_COPIES  # candidate_cost's peak over the target's float32 size
 # per token and layer, saved for the backward pass, in units of the load dtype: the norms' inputs and
 # outputs, q/k/v and the rotated q/k, the attention output, the residuals (h and kv terms), the MLP's gate,
 # up, activation and product (the i term). Measured on CPU with SDPA (flash: no T^2 scores), one backward
@@ -100,21 +94,6 @@ class Estimate:
                 "fisher_all": sum(self.fisher.values())}
 
 
-def _field(config: Mapping, *names: str) -> int | None:
-    """The first of ``names`` that ``config`` (or its ``text_config``) holds as a positive int."""
-    for c in (config, config.get("text_config") or {}):
-        for n in names:
-            v = c.get(n) if isinstance(c, Mapping) else None
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
-
-
-def _layers_in(names: Sequence[str]) -> int:
-    found = {int(m.group(1)) for n in names for m in [re.search(r"\.(?:layers|h|blocks)\.(\d+)\.", n)] if m}
-    return max(found) + 1 if found else 1
-
-
 def estimate(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype | None], config: Mapping,
              targets: Mapping[str, tuple[int, ...]], *, dtype: torch.dtype, seqlen: int, check_windows: int,
              on_cpu: bool = True) -> Estimate:
@@ -128,12 +107,12 @@ def estimate(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.d
     weights = a * sum(numel[n] for n in shapes if stored[n].is_floating_point)
     largest_stored = max((numel[n] * stored[n].itemsize for n in shapes), default=0)
     largest_target = max((math.prod(s) for s in targets.values()), default=0)
-    hidden = _field(config, "hidden_size", "n_embd", "d_model") or max((min(s) for s in targets.values()), default=1)
-    inter = _field(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-    layers = _field(config, "num_hidden_layers", "n_layer", "num_layers") or _layers_in(list(shapes))
-    heads = _field(config, "num_attention_heads", "n_head") or max(1, hidden // 64)
-    kv = (_field(config, "num_key_value_heads") or heads) * (_field(config, "head_dim") or hidden // heads)
-    vocab = _field(config, "vocab_size") or max((max(s) for s in shapes.values() if len(s) == 2), default=1)
+    hidden = config_int(config, "hidden_size", "n_embd", "d_model") or max((min(s) for s in targets.values()), default=1)
+    inter = config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    layers = config_int(config, "num_hidden_layers", "n_layer", "num_layers") or layers_in(list(shapes))
+    heads = config_int(config, "num_attention_heads", "n_head") or max(1, hidden // 64)
+    kv = (config_int(config, "num_key_value_heads") or heads) * (config_int(config, "head_dim") or hidden // heads)
+    vocab = config_int(config, "vocab_size") or max((max(s) for s in shapes.values() if len(s) == 2), default=1)
     ch, ckv, ci = _PER_LAYER
     backward = (layers * seqlen * (ch * hidden + ckv * kv + ci * inter) * a + 2 * heads * seqlen * seqlen * 4
                 + seqlen * vocab * (a + _LOGITS_FP32))
@@ -201,24 +180,4 @@ def plan_memory(est: Estimate, budget: int, *, given: bool, available: int | Non
     return MemoryPlan(budget, given, est, groups(est, budget))
 
 
-# What a plan without --max-memory leaves of the available RAM, at least (with a tenth of it): the page
-# cache the checkpoint's reads go through, and other processes' growth while the plan runs.
-HEADROOM = GIB // 2
-
-
-def default_budget(device: torch.device) -> tuple[int | None, int | None]:
-    """``(budget, available)``: what a plan without ``--max-memory`` may peak at on ``device``. On the CPU,
-    this process's resident memory plus the RAM still available (``qkit.memory.available_ram``) less a
-    headroom of a tenth of it (at least ``HEADROOM``), for the page cache and other processes' growth; on
-    CUDA, the memory this process holds plus 90% of the free memory. ``(None, None)`` where it cannot be told."""
-    if device.type == "cuda":
-        free = available_memory(str(device))
-        held = torch.cuda.memory_allocated(device)
-        return (held + int(0.9 * free), free) if free is not None else (None, None)
-    avail = available_ram()
-    if avail is None:
-        return None, None
-    return (process_rss() or 0) + avail - max(HEADROOM, avail // 10), avail
-
-
-__all__ = ["HEADROOM", "default_budget", "BASELINE", "CANDIDATE_COPIES", "RETENTION", "Estimate", "MemoryPlan", "estimate", "groups", "layer_order", "plan_memory"]
+__all__ = ["BASELINE", "CANDIDATE_COPIES", "HEADROOM", "RETENTION", "Estimate", "MemoryPlan", "default_budget", "estimate", "groups", "layer_order", "plan_memory"]
