@@ -14,6 +14,7 @@ object with::
     calibrated: bool                       # needs calibration text (recorded in the manifest)
     options_type: type                     # its frozen options dataclass (defaults defined once there)
     check(scheme) -> None                  # raise SchemeError/InputError: it cannot serve this scheme
+    memory(model, targets, options)        # {part: bytes} it holds beside the process (qkit.methods.memory)
     run(ref, targets, options, *, device, on_block) -> MethodResult
 
 ``run`` gets the resolved model (``qkit.models.ModelRef``), ``targets`` ``{tensor name: scheme}``
@@ -93,6 +94,8 @@ class Method(Protocol):
     options_type: type
 
     def check(self, scheme: Scheme) -> None: ...
+
+    def memory(self, model: Any, targets: Mapping[str, Scheme], options: Any) -> dict[str, int]: ...
 
     def run(
         self,

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,7 @@ from qkit.methods.folding import (
     options_record,
     source_dtypes,
 )
+from qkit.methods.memory import RETENTION, Model, largest, quantized_bytes
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
 from qkit.models import ModelRef, load, read_config
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
@@ -73,6 +74,9 @@ N_GRID = 20
 CLIP_GRID = 20
 MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
+# the clipping search's float32 copies of one linear (w, its bound, the clamp, the fake-quant and its error,
+# their group views), with a margin: 2048x5632 measured 1.81 GiB peak against a 1.91 GiB estimate
+AWQ_COPIES = 8
 SCALE_FLOOR = 1e-4
 # No clipping for q/k: "due to qk bmm, it is hard to clip precisely" (AutoAWQ ``_search_best_clip``).
 NO_CLIP = ("q_proj", "k_proj")
@@ -339,6 +343,18 @@ class AWQMethod:
         if not isinstance(scheme, Scheme):
             raise InputError(f"awq needs a scheme that quantizes and dequantizes a matrix; {scheme.name} does not")
 
+    def memory(self, model: Model, targets: Mapping[str, Scheme], options: AWQOptions) -> dict[str, int]:
+        """Beside the process (``qkit.methods.memory``): the model in fp32 and the quantized targets (held
+        to the end), every window's block inputs and outputs, one block's recorded group inputs and outputs
+        (``N * T * (7h + i)`` floats), and the clipping search of the largest linear (its float32 copies and
+        ``_group_output_error``'s chunk)."""
+        N, T, d = options.calibration_samples, options.calibration_seqlen, model.dims
+        recorded = N * T * (7 * d.hidden + d.inter) * 4
+        search = AWQ_COPIES * 4 * largest(targets, model) + 4 * 4 * (1 << 24)
+        work = max(model.load, model.block_forward(min(options.batch_size, N), T) + recorded + search)
+        return {"the model's weights in fp32": model.loaded(), "the quantized tensors": quantized_bytes(model, targets),
+                "calibration activations": model.activations(N, T), "one block's search": int(RETENTION * work)}
+
     def run(
         self,
         ref: ModelRef,
@@ -396,7 +412,8 @@ def awq_model(
             per_group[g.name] = {"ratio": ratio, "loss_rtn": loss_rtn, "loss_search": loss_best}
         for g in groups:  # fold every group (AutoAWQ: scales are searched on the unscaled block, then applied)
             for n, v in fold(block, g, found[g.name]).items():
-                changed[prefix + n] = v.detach().clone()
+                if prefix + n not in targets:  # a target's folded weight is quantized below: no copy of it kept
+                    changed[prefix + n] = v.detach().clone()
         # Clip and quantize each target linear of the block, from its folded weight and scaled inputs.
         final: dict[str, torch.Tensor] = {}
         for g in groups:

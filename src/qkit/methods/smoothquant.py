@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,7 @@ from qkit.methods.folding import (
     source_dtypes,
     weight_absmax,
 )
+from qkit.methods.memory import RETENTION, Model, one_quantize, quantized_bytes
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE
 from qkit.models import ModelRef, load
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, quantize_tensor
@@ -84,6 +85,15 @@ class SmoothQuantMethod:
                 f"smoothquant writes symmetric integer weights for int8 activations, not {scheme.name}; "
                 "use int8-row (W8A8) or another absmax scheme (int4-g64, int8-g128, ...)"
             )
+
+    def memory(self, model: Model, targets: Mapping[str, Scheme], options: SmoothQuantOptions) -> dict[str, int]:
+        """Beside the process (``qkit.methods.memory``): the model in fp32, the quantized targets, and the
+        larger of one batch's forward through the whole model (with its logits) and one target's quantize."""
+        batch, T, d = min(options.batch_size, options.calibration_samples), options.calibration_seqlen, model.dims
+        forward = model.block_forward(batch, T) + batch * T * d.vocab * (model.a + 4)
+        work = max(int(RETENTION * max(model.load, forward)), one_quantize(model, targets))
+        return {"the model's weights in fp32": model.loaded(), "the quantized tensors": quantized_bytes(model, targets),
+                "one batch's forward or one tensor's quantize": work}
 
     def run(
         self,
@@ -134,7 +144,7 @@ def smooth_model(
         act = stats[g.name].absmax  # per input column of the linears
         weights = [model.get_submodule(n).weight for n in g.linears]
         s = smoothing_factors(g.reduce(act, "max"), g.reduce(weight_absmax(weights), "max"), options.alpha)
-        changed.update(fold(model, g, s))
+        changed.update({n: t for n, t in fold(model, g, s).items() if n not in targets})  # targets: quantized below
         per_group[g.name] = {
             "outlier_ratio_before": round(outlier_ratio(act), 4),
             "outlier_ratio_after": round(outlier_ratio(act / g.expand(s)), 4),

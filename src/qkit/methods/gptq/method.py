@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from qkit.methods.gptq.solver import (
     symmetrize,
     whole_blocks,
 )
+from qkit.methods.memory import RETENTION, Model, block_of, largest, quantized_bytes
 from qkit.methods.sequential import BlockInputs, walk_blocks
 from qkit.models import load, load_tokenizer
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, is_llama_type, quantize_tensor
@@ -50,6 +52,9 @@ from qkit.schemes.base import as_2d
 from qkit.threads import one_torch_thread
 
 SCALE_RULES = tuple(_RULES.names())  # the values ``--scale-rule`` takes (see ``qkit.schemes.observers``)
+
+# linears that read the same tensor as the one before them (q/k/v, gate/up): one Gram for the group
+_SHARES_INPUT = re.compile(r"\.(?:k_proj|v_proj|up_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -309,6 +314,33 @@ class GPTQMethod:
 
     def check(self, scheme: Scheme) -> None:
         check_scheme(scheme)  # nf4 / fp4 rows that are not whole blocks are refused per matrix, before any pass
+
+    def memory(self, model: Model, targets: Mapping[str, Scheme], options: GPTQOptions) -> dict[str, int]:
+        """Beside the process (``qkit.methods.memory``). The weights: a memory-mapped load (safetensors at
+        their stored dtype, Linux) holds the tensors outside the blocks, one block, and the blocks quantized
+        so far (each finished block's pages are handed back); another load, the model at the load dtype
+        (each finished block's tensors give way to its codes). Then every window's block inputs and outputs,
+        and one block's working set: its forward, a float32 Gram per distinct input (q/k/v and gate/up share
+        one), and the solver (``prepare_hessian``: the Gram and three factors of the widest input; the
+        column loop: the widest input's factor and six float32 copies of the largest linear)."""
+        N, T = options.calibration_samples, options.calibration_seqlen
+        blocks = model.blocks()
+        inside = {n for ns in blocks.values() for n in ns if n in targets}
+        if model.mapped:
+            outside = [n for n in model.shapes if block_of(n) is None]
+            one = max((model.loaded(ns) for ns in blocks.values()), default=0)
+            weights = {f"the weights outside the blocks and one block in {model.dtype_name}": model.loaded(outside) + one,
+                       "the quantized blocks": quantized_bytes(model, {n: targets[n] for n in inside})}
+        else:
+            weights = {f"the model's weights in {model.dtype_name}": model.loaded()}
+        cols = {n: as_2d(model.shapes[n])[1] for n in inside}
+        grams = max((4 * sum(cols[n] ** 2 for n in ns if n in cols and not _SHARES_INPUT.search(n))
+                     for ns in blocks.values()), default=0)
+        widest, big = max(cols.values(), default=0), largest(inside, model)
+        solver = max(4 * 4 * widest**2, 4 * widest**2 + 6 * 4 * big)
+        work = model.block_forward(min(options.batch_size or N, N), T) + grams + solver + 4 * big
+        return {**weights, "calibration activations": model.activations(N, T),
+                "one block's Hessians and solve": int(RETENTION * max(model.load, work))}
 
     def run(self, ref: Any, targets: dict[str, Scheme], options: GPTQOptions, *, device: torch.device,
             on_block: Callable[[int, int], None] | None = None,

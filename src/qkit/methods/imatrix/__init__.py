@@ -8,7 +8,7 @@ block type's ``quantize_row_*_impl`` path (``qkit.schemes.ggml``: ``encode(w, qu
     qw = quant_weights_for(read("imatrix.gguf"), config, shapes, targets)  # {hf name: fp32 [cols]}
 """
 
-from qkit.methods.imatrix.collect import ImatrixOptions, collect, imatrix_ids
+from qkit.methods.imatrix.collect import ImatrixOptions, check_collect_memory, collect, imatrix_ids
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry, read, write_gguf
 from qkit.methods.imatrix.names import gguf_names, quant_weights_for, refuse_unsupported
 
@@ -22,6 +22,7 @@ __all__ = [
     "Imatrix",
     "ImatrixEntry",
     "ImatrixOptions",
+    "check_collect_memory",
     "collect",
     "gguf_names",
     "imatrix_ids",

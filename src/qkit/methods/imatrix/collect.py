@@ -22,15 +22,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError
 from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
 from qkit.methods.imatrix.names import gguf_names, refuse_unsupported
+from qkit.methods.memory import BASELINE, RETENTION, Model, Need, check_need
 from qkit.methods.sequential import find_blocks
 from qkit.texts import Corpus, check_disjoint, load_calibration_text, load_corpus
 
@@ -163,4 +166,28 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
     return Imatrix(entries, chunk_count=chunks.shape[0], chunk_size=options.chunk_size, datasets=datasets)
 
 
-__all__ = ["ImatrixOptions", "collect", "imatrix_ids"]
+def collect_memory(model: Model, options: ImatrixOptions) -> dict[str, int]:
+    """What ``collect`` holds beside the process (``qkit.methods.memory``): the whole model at the load
+    dtype, and one batch's forward with the float64 squares of the widest input (with ``process_output``,
+    the head's logits too)."""
+    batch, T, d = min(options.batch, options.chunks), options.chunk_size, model.dims
+    squares = 2 * 8 * batch * T * max(d.hidden, d.inter)
+    logits = batch * T * d.vocab * (model.a + 4) if options.process_output else 0
+    work = max(model.load, model.block_forward(batch, T) + squares + logits)
+    return {f"the model's weights in {model.dtype_name}": model.loaded(), "one batch's forward": int(RETENTION * work)}
+
+
+def check_collect_memory(directory: Path, config: dict, options: ImatrixOptions, max_memory: int | None,
+                         device: torch.device) -> Need:
+    """Refuse, in one line before the model loads, a collection whose estimate (the process and
+    ``collect_memory``, from the headers) is above ``max_memory`` or, without it, what the CPU has free (on
+    CUDA only ``max_memory`` is checked). Returns the need."""
+    model = Model.of(dict(tensor_shapes(directory)), tensor_dtypes(directory), config, load_dtype(options.dtype))
+    need = Need("this imatrix", {"the process": BASELINE, **collect_memory(model, options)})
+    helps = "pass --dtype bf16, a smaller --batch, or " if options.dtype == "fp32" else "pass a smaller --batch or "
+    if max_memory is not None or device.type != "cuda":
+        check_need(need, max_memory, torch.device("cpu"), helps)
+    return need
+
+
+__all__ = ["ImatrixOptions", "check_collect_memory", "collect", "collect_memory", "imatrix_ids"]

@@ -10,7 +10,7 @@ checkpoint's own tensors, exactly as ``--imatrix FILE`` with the same matrix qua
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +19,8 @@ from qkit.checkpoint import iter_tensors, tensor_shapes
 from qkit.errors import SchemeError
 from qkit.dtypes import load_dtype
 from qkit.methods import CalibratedOptions, MethodResult
-from qkit.methods.imatrix.collect import ImatrixOptions, collect, imatrix_ids
+from qkit.methods.imatrix.collect import ImatrixOptions, collect, collect_memory, imatrix_ids
+from qkit.methods.memory import Model
 from qkit.methods.imatrix.names import quant_weights_for, refuse_unsupported
 from qkit.models import ModelRef, load, read_config
 from qkit.schemes import QuantizedTensor, Scheme, is_llama_type, quantize_tensor
@@ -52,6 +53,10 @@ class ImatrixMethod:
         if not is_llama_type(scheme):
             raise SchemeError(f"the importance matrix weights llama.cpp's block types' own searches, not {scheme.name}; "
                               "use q2_k ... q8_0, iq4_nl, iq4_xs or a llama.cpp recipe (q4_k_m, ...)")
+
+    def memory(self, model: Model, targets: Mapping[str, Scheme], options: ImatrixMethodOptions) -> dict[str, int]:
+        """The collection's (``collect_memory``); the quantize after it streams as rtn's does."""
+        return collect_memory(model, options.collection())
 
     def run(
         self,
