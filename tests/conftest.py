@@ -133,6 +133,15 @@ def tiny_ct_export(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def memory_model(tmp_path_factory) -> Path:
+    """Weights large enough to be seen over the process in a measured peak: 4 layers of 1024 x 2816, 0.18 GiB
+    in fp32 (``tests/test_memory_bounds.py``, ``tests/test_max_memory.py``)."""
+    d = tmp_path_factory.mktemp("memory_model")
+    make_tiny_llama(d, hidden=1024, intermediate=2816, layers=4)
+    return d
+
+
+@pytest.fixture(scope="session")
 def llama128(tmp_path_factory) -> Path:
     """A :func:`make_llama` model directory (fp32, 2 layers, hidden 128, intermediate 256). Do not modify it."""
     return make_llama(tmp_path_factory.mktemp("llama128") / "llama128")

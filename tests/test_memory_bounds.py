@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import qkit.plan.memory as plan_memory_module
+import qkit.methods.memory as methods_memory
 import torch
 from conftest import make_tiny_llama
+from helpers_memory import peak_rss
 from typer.testing import CliRunner
 
 from qkit.api import plan_model
@@ -251,8 +249,8 @@ def test_a_max_memory_too_small_is_refused_in_one_line_before_the_model_loads(mo
 
 
 def test_without_max_memory_too_little_available_memory_is_refused(model4, tmp_path, monkeypatch):
-    monkeypatch.setattr(plan_memory_module, "available_ram", lambda: 1 << 20)
-    monkeypatch.setattr(plan_memory_module, "process_rss", lambda: 1 << 20)
+    monkeypatch.setattr(methods_memory, "available_ram", lambda: 1 << 20)
+    monkeypatch.setattr(methods_memory, "process_rss", lambda: 1 << 20)
     monkeypatch.setattr(planner, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     _fresh()
     with pytest.raises(InputError, match=r"only 0.00 GiB is available; .*--max-memory SIZE overrides"):
@@ -270,43 +268,13 @@ def test_plan_options_refuse_a_bad_dtype_and_memory():
 # --------------------------------------------------------------------------- the measured peak
 
 
-# ``python -c PEAK MODULE ARGS...``: the module run as ``python -m`` would, then its own peak resident memory
-# (VmHWM) printed last. Not wait4's ru_maxrss: Linux carries the parent's peak (this pytest process's) into
-# a child across fork and exec.
-PEAK = """
-import atexit, runpy, sys
-def hwm():
-    with open("/proc/self/status") as fh:
-        print("VmHWM", [int(l.split()[1]) * 1024 for l in fh if l.startswith("VmHWM:")][0], flush=True)
-atexit.register(hwm)
-sys.argv = sys.argv[1:]
-runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-"""
-
-
-def _peak_rss(module_args: list[str]) -> int:
-    """Peak RSS of ``python -m MODULE ARGS`` in a child of its own."""
-    r = subprocess.run([sys.executable, "-c", PEAK, *module_args], capture_output=True, text=True, check=False,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
-    return int(r.stdout.split("VmHWM")[-1].split()[0])
-
-
-@pytest.fixture(scope="module")
-def big(tmp_path_factory):
-    """Weights large enough to be seen over the baseline: 4 layers of 1024 x 2816, 0.18 GiB in fp32."""
-    d = tmp_path_factory.mktemp("big")
-    make_tiny_llama(d, hidden=1024, intermediate=2816, layers=4)
-    return d
-
-
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc")
-def test_the_plans_peak_is_held_below_its_budget_and_the_bound_from_its_shapes(big, tmp_path):
+def test_the_plans_peak_is_held_below_its_budget_and_the_bound_from_its_shapes(memory_model, tmp_path):
     """The plan in a child, with a ``--max-memory`` that leaves a quarter of the Fisher: its measured peak
     RSS within that budget and within the estimate computed from the shapes for the groups it chose
     (weights, the largest group's Fisher, one step's working set, the baseline); and below the same plan's
     peak in one group by most of the Fisher it no longer holds at once."""
-    ref = resolve(str(big))
+    ref = resolve(str(memory_model))
     args = ["--format", "gguf", "--target-bits", "4.5", "--calibration-samples", "2", "--calibration-seqlen", "64",
             "--check-windows", "1", "--candidates", "q4_0,q8_0,none", "--threads", "1"]
     opts = PlanOptions(format="gguf", target_bits=4.5, samples=2, seqlen=64, check_windows=1, max_memory=64 * GIB)
@@ -317,9 +285,9 @@ def test_the_plans_peak_is_held_below_its_budget_and_the_bound_from_its_shapes(b
     assert len(grouped.groups) >= 4
     largest_group = max(sum(est.fisher[t] for t in g) for g in grouped.groups)
     bound = est.baseline + est.weights + est.reference + est.transient + largest_group  # from the shapes alone
-    peak = _peak_rss(["qkit", "plan", str(big), "-o", str(tmp_path / "p.json"), *args, "--max-memory", str(budget)])
+    peak = peak_rss(["qkit", "plan", str(memory_model), "-o", str(tmp_path / "p.json"), *args, "--max-memory", str(budget)])
     assert json.loads((tmp_path / "p.json").read_text())["sensitivity"]["memory"]["groups"] == len(grouped.groups)
     assert peak <= bound <= budget, (peak / GIB, bound / GIB, budget / GIB)
-    whole = _peak_rss(["qkit", "plan", str(big), "-o", str(tmp_path / "q.json"), *args, "--max-memory", "64GiB"])
+    whole = peak_rss(["qkit", "plan", str(memory_model), "-o", str(tmp_path / "q.json"), *args, "--max-memory", "64GiB"])
     assert json.loads((tmp_path / "q.json").read_text())["sensitivity"]["memory"]["groups"] == 1
     assert peak + (fisher_all - largest_group) // 2 < whole, (peak / GIB, whole / GIB)

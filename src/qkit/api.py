@@ -18,15 +18,8 @@ from typing import Any
 
 import torch
 
-from qkit.choice import Choice, QuantizeOptions, Request, compile_choice, llama_names_of, request
-from qkit.checkpoint import (
-    ShardWriter,
-    checkpoint_bytes,
-    iter_tensors,
-    tensor_dtypes,
-    tensor_shapes,
-    write_json,
-)
+from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_choice, llama_names_of, request
+from qkit.checkpoint import ShardWriter, checkpoint_bytes, iter_tensors, tensor_dtypes, tensor_shapes, write_json
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
 from qkit.executors import SERIAL, ExecutorOptions
@@ -37,6 +30,7 @@ from qkit.methods.calibration import model_context
 from qkit.methods.gptq import GPTQMethod, GPTQOptions
 from qkit.methods.imatrix import (
     ImatrixOptions,
+    check_collect_memory,
     collect,
     imatrix_ids,
     imatrix_record,
@@ -47,14 +41,7 @@ from qkit.methods.imatrix import (
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod, matrix_for
-from qkit.models import (
-    ModelRef,
-    resolve_clear_of,
-    copy_aux_files,
-    load_tokenizer,
-    parse_device,
-    read_config,
-)
+from qkit.models import ModelRef, copy_aux_files, load_tokenizer, parse_device, read_config, resolve_clear_of
 from qkit.models import load as _load
 from qkit.outputs import file_inputs, model_inputs
 from qkit.outputs import check_output as check_output_path
@@ -213,6 +200,8 @@ def quantize_model(
                                    allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code,
                                    quantized="{spec} is already a qkit checkpoint; quantize the original model instead")
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
+    if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
+        check_memory(req, ref, shapes, config)
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
     export = None if opts.format == QKIT else prepare_export(opts.format, ref.directory, choice.targets, shapes,
                                                               choice.manifest, ref=ref, activations=opts.activations)
@@ -460,14 +449,15 @@ def imatrix_model(
     allow_pickle: bool = False,
     force: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    max_memory: int | None = None,
 ) -> ImatrixResult:
     """Collect MODEL's importance matrix from the calibration text (as ``llama-imatrix`` does: see
     ``qkit.methods.imatrix``) and write it as llama.cpp's GGUF imatrix file to ``output``.
 
     Refused before any work: an ``output`` that is or lies inside an input (the model, the calibration
     file), an existing one unless ``force`` and qkit wrote it, a mixture-of-experts model or one without
-    llama.cpp names, a calibration text that overlaps the eval text or is shorter than two chunks.
-    ``progress(done, total)``: chunks evaluated."""
+    llama.cpp names, a calibration text that overlaps the eval text or is shorter than two chunks, an
+    estimate (``check_collect_memory``) above ``max_memory`` bytes. ``progress(done, total)``: chunks evaluated."""
     opts = options or ImatrixOptions()
     opts.check()
     t0 = time.perf_counter()
@@ -485,6 +475,7 @@ def imatrix_model(
     context = model_context(config)
     if context is not None and opts.chunk_size > context:
         raise InputError(f"--chunk-size {opts.chunk_size} exceeds the model's maximum context {context}; pass {context} or less")
+    check_collect_memory(ref.directory, config, opts, max_memory, dev)  # before the model loads
     # the text (overlap with the eval text, too short, too few chunks) is refused before the model loads
     chunks, provenance = imatrix_ids(load_tokenizer(ref.directory, trust_remote_code or ref.trust_remote_code), opts)
     loaded = _load(ref=ref, device=dev, trust_remote_code=trust_remote_code, dtype=load_dtype(opts.dtype))

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES
+from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes
 from qkit.errors import InputError, QkitError
 from qkit.export import QKIT, get_format
 from qkit.export.compressed_tensors_w8a8 import check_activations
@@ -37,6 +37,7 @@ from qkit.methods.calibration import check_fits
 from qkit.methods.imatrix import gguf_names, imatrix_record, quant_weights_for
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
+from qkit.methods.memory import BASELINE, Model, Need, check_need, quantized_bytes, stream_parts
 from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
@@ -60,7 +61,8 @@ class QuantizeOptions:
     ``qkit imatrix``'s) that llama.cpp's block types quantize through (``quantize_row_*_impl``);
     ``tensor_types``: ``PATTERN=TYPE`` overrides in ``llama-quantize --tensor-type``'s terms
     (``qkit.transform.TensorTypes``). ``plan``: a plan file or ``Plan`` to write, or ``PlanOptions`` to plan
-    first (``quantize --target-bits``).
+    first (``quantize --target-bits``). ``max_memory``: the bytes the quantize may peak at (``--max-memory``;
+    None: what is available); a step whose estimate (``check_memory``) is above it is refused before any work.
     """
 
     scheme: str = DEFAULT_SCHEME
@@ -80,6 +82,7 @@ class QuantizeOptions:
     imatrix: str | None = None
     tensor_types: Sequence[str] = ()
     plan: str | Path | Plan | PlanOptions | None = None
+    max_memory: int | None = None
 
     def calibration(self) -> str | None:
         """The calibration file the method options name (an input the output must stay clear of), or None."""
@@ -101,6 +104,9 @@ class Request:
     matrix: Any  # the importance matrix read (``qkit.methods.imatrix``), or None
     format: str
     activations: str | None
+    max_memory: int | None = None
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    device: str | None = "cpu"
 
     @property
     def weighted(self) -> bool:
@@ -146,7 +152,11 @@ def request(opts: QuantizeOptions) -> Request:
                          "itself: drop one of them")
     if method is None and given:
         raise InputError(f"options {', '.join(sorted(given))} need a calibrated --method (gptq, awq, ...)")
-    return Request(default, rules, method, typed, overrides, planned, matrix, fmt, opts.activations)
+    if opts.max_memory is not None and not (isinstance(opts.max_memory, int) and not isinstance(opts.max_memory, bool)
+                                            and opts.max_memory > 0):
+        raise InputError(f"--max-memory must be a positive number of bytes, got {opts.max_memory!r}")
+    return Request(default, rules, method, typed, overrides, planned, matrix, fmt, opts.activations, opts.max_memory,
+                   opts.max_shard_bytes, opts.device)
 
 
 def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
@@ -200,6 +210,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
             req.method.check(s)
         if req.method.calibrated:  # windows beyond the model's context, activations beyond memory: refused now
             check_fits(req.method_options.calibration_options(), config)
+    check_memory(req, ref, shapes, config, targets)  # the estimate above --max-memory (or what is free): refused
     manifest = new_manifest(default, rules)
     if req.overrides:
         manifest["rules"]["tensor_types"] = list(req.overrides.words)
@@ -208,6 +219,43 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
     if req.matrix is not None:
         manifest["imatrix"] = imatrix_record(req.matrix, len(weights))
     return Choice(default, rules, targets, llama_names, weights, planned, manifest)
+
+
+def memory_need(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...]], config: dict,
+                targets: Mapping[str, Scheme] | None = None) -> Need:
+    """What this quantize needs at its peak (``qkit.methods.memory``), from the headers and config: the
+    process and the larger of the method's run (``Method.memory``) and the write (the quantized tensors, one
+    tensor's quantize, a safetensors shard); rtn: the write alone. ``targets``: the chosen ones
+    (``compile_choice``'s); None: the rules' with ``--tensor-type`` applied (before a plan is made)."""
+    if targets is None:
+        targets = {n: s for n, s in plan(shapes.items(), req.default.bind(config), req.rules).items() if s is not None}
+        names = llama_names_of(config, shapes) if req.overrides else {}
+        if names:
+            targets = req.overrides.apply(targets, names)
+    dtype = req.method_options.load_dtype if req.method is not None else torch.float32
+    model = Model.of(shapes, tensor_dtypes(ref.directory), config, dtype)
+    safetensors = req.format == QKIT or getattr(get_format(req.format), "container", "") == "safetensors"
+    write = stream_parts(model, targets, safetensors, req.max_shard_bytes)
+    if req.method is None:
+        return Need("this quantize", {"the process": BASELINE, **write})
+    write = {"the quantized tensors": quantized_bytes(model, targets), **write}
+    run = req.method.memory(model, targets, req.method_options)
+    return Need(f"this quantize ({req.method.name})",
+                {"the process": BASELINE, **(run if sum(run.values()) >= sum(write.values()) else write)})
+
+
+def check_memory(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...]], config: dict,
+                 targets: Mapping[str, Scheme] | None = None) -> Need:
+    """Refuse, in one line before any work, a quantize whose ``memory_need`` is above ``--max-memory`` (or,
+    without it, above the memory available on the CPU; on CUDA only ``--max-memory`` is checked: the
+    estimate is of host memory). Called last in ``compile_choice`` (the specific refusals first) and, before
+    a plan is made (``--target-bits``), by ``api.quantize_model``. Returns the need."""
+    need = memory_need(req, ref, shapes, config, targets)
+    fp32 = req.method_options is not None and req.method_options.dtype == "fp32" and req.method.name in ("gptq", "imatrix")
+    helps = "pass --dtype bf16, fewer --calibration-samples, or " if fp32 else ""
+    if req.max_memory is not None or not str(req.device or "cpu").startswith("cuda"):
+        check_need(need, req.max_memory, torch.device("cpu"), helps)
+    return need
 
 
 def check_plan_method(plan: Plan, matrix: Any, method: Method | None, method_options: Any = None) -> None:
@@ -250,4 +298,5 @@ def llama_names_of(config: dict, shapes: Mapping[str, tuple[int, ...]]) -> dict[
         return {}
 
 
-__all__ = ["Choice", "QuantizeOptions", "Request", "check_plan_method", "compile_choice", "llama_names_of", "request"]
+__all__ = ["Choice", "QuantizeOptions", "Request", "check_memory", "check_plan_method", "compile_choice", "llama_names_of",
+           "memory_need", "request"]

@@ -13,6 +13,7 @@ from qkit.cli.common import (
     DeviceOpt,
     ForceOpt,
     JsonOpt,
+    MaxMemoryOpt,
     ModelArg,
     PickleOpt,
     ThreadsOpt,
@@ -23,6 +24,7 @@ from qkit.cli.common import (
     start,
 )
 from qkit.errors import InputError
+from qkit.memory import parse_size
 from qkit.methods.imatrix import ImatrixOptions
 from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.outputs import check_output
@@ -53,6 +55,7 @@ def imatrix(
     trust_remote_code: TrustOpt = False,
     allow_pickle: PickleOpt = False,
     threads: ThreadsOpt = None,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Collect MODEL's importance matrix (sums of x² per input column, token counts) as llama-imatrix does."""
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)))
@@ -63,6 +66,7 @@ def imatrix(
     options = ImatrixOptions(source=calibration, chunks=chunks, chunk_size=chunk_size, batch=batch,
                              process_output=process_output, dtype=dtype.lower())
     options.check()
+    limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     check_threads(threads)
     run.use_threads()
     with console.progress() as bar:
@@ -75,7 +79,7 @@ def imatrix(
             seen[0] = done
 
         r = imatrix_model(model, output=output, options=options, device=device, trust_remote_code=trust_remote_code,
-                          allow_pickle=allow_pickle, force=force, progress=progress)
+                          allow_pickle=allow_pickle, force=force, progress=progress, max_memory=limit)
     cal = r.calibration
     console.table(["", ""], [
         ["output", str(r.output)],

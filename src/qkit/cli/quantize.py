@@ -21,6 +21,7 @@ from qkit.cli.common import (
     ExecutorBackendOpt,
     ForceOpt,
     JsonOpt,
+    MaxMemoryOpt,
     MaxModelLenOpt,
     ModelArg,
     NoClipOpt,
@@ -120,6 +121,7 @@ def quantize(
     trust_remote_code: TrustOpt = False,
     allow_pickle: PickleOpt = False,
     threads: ThreadsOpt = None,
+    max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Write a quantized safetensors checkpoint of MODEL (qkit's format, or one vLLM/transformers load)."""
 
@@ -141,8 +143,9 @@ def quantize(
         _check_json_beside_output(emit_tensor_types, output)
     words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
     dtype = dtype.lower() if dtype is not None else None
+    limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration, candidates,
-                           calibration_samples, calibration_seqlen, dtype)
+                           calibration_samples, calibration_seqlen, dtype, limit)
     if dtype is not None and method == RTN and not isinstance(planned, PlanOptions):
         raise InputError("--dtype sets what the model runs in while a calibrated --method (gptq, imatrix) or a "
                          "--target-bits plan runs it; rtn streams the weights and never runs the model: drop --dtype")
@@ -173,7 +176,7 @@ def quantize(
                                   format=fmt, activations=activations, method=method,
                                   method_options=method_options or None, device=device, allow_pickle=allow_pickle,
                                   trust_remote_code=trust_remote_code, force=force, imatrix=imatrix,
-                                  tensor_types=tuple(words), plan=planned, **shard)
+                                  tensor_types=tuple(words), plan=planned, max_memory=limit, **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
     if emit_tensor_types is not None:
@@ -185,7 +188,8 @@ def quantize(
 
 def _plan_option(plan: str | None, target_bits: float | None, target_size: str | None, fmt: str, scheme: str,
                  scale_dtype: str, calibration: str | None, candidates: str | None = None,
-                 samples: int | None = None, seqlen: int | None = None, dtype: str | None = None):
+                 samples: int | None = None, seqlen: int | None = None, dtype: str | None = None,
+                 max_memory: int | None = None):
     """``--plan FILE``, or ``--target-bits``/``--target-size`` as the options of a plan made first; None."""
     given = [w for w, v in (("--plan", plan), ("--target-bits", target_bits), ("--target-size", target_size)) if v is not None]
     allowed = parse_list(candidates, "--candidates", what="type", where="e.g. q4_k,q6_k", spaces=True)
@@ -202,7 +206,8 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
     if plan is not None:
         return plan
     size = parse_size(target_size, "--target-size") if target_size is not None else None
-    sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen), ("dtype", dtype)) if v is not None}
+    sizes = {k: v for k, v in (("samples", samples), ("seqlen", seqlen), ("dtype", dtype), ("max_memory", max_memory))
+             if v is not None}
     if samples is not None:  # the check measures on the first windows: never more than there are
         sizes["check_windows"] = min(DEFAULT_CHECK_WINDOWS, samples)
     options = PlanOptions(format=fmt, target_bits=target_bits, target_size=size, scale_dtype=scale_dtype,
