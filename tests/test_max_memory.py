@@ -163,12 +163,12 @@ def test_a_max_memory_below_the_need_is_refused_before_the_model_is_read(model3,
 def test_a_max_memory_above_the_need_runs(model3, tmp_path):
     r = runner.invoke(app, ["quantize", str(model3), "-o", str(tmp_path / "q"), "--scheme", "int4-g64", "--max-memory", "8GiB"])
     assert r.exit_code == 0, r.output
-    assert (tmp_path / "q" / "model.safetensors").exists() or any((tmp_path / "q").glob("*.safetensors"))
+    assert (tmp_path / "q" / "model.safetensors").stat().st_size > 0
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc")
 def test_the_estimate_is_above_the_measured_peak(memory_model, tmp_path):
-    """GPTQ in fp32 (the whole model held) and an imatrix collection, each in a child: the measured peak
+    """GPTQ in fp32 (an fp32 file, memory-mapped) and an imatrix collection, each in a child: the measured peak
     below the estimate computed from the shapes, and the estimate within 2.5x of it (a bound, not a guess)."""
     ref = resolve(str(memory_model))
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)

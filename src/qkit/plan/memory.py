@@ -40,9 +40,8 @@ from qkit.methods.memory import (  # re-exported: the plan's estimate is built o
     HEADROOM,
     QUANTIZE_COPIES,
     RETENTION,
-    config_int,
+    Dims,
     default_budget,
-    layers_in,
 )
 
 CANDIDATE_COPIES = QUANTIZE_COPIES  # candidate_cost's peak over the target's float32 size
@@ -107,12 +106,8 @@ def estimate(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.d
     weights = a * sum(numel[n] for n in shapes if stored[n].is_floating_point)
     largest_stored = max((numel[n] * stored[n].itemsize for n in shapes), default=0)
     largest_target = max((math.prod(s) for s in targets.values()), default=0)
-    hidden = config_int(config, "hidden_size", "n_embd", "d_model") or max((min(s) for s in targets.values()), default=1)
-    inter = config_int(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-    layers = config_int(config, "num_hidden_layers", "n_layer", "num_layers") or layers_in(list(shapes))
-    heads = config_int(config, "num_attention_heads", "n_head") or max(1, hidden // 64)
-    kv = (config_int(config, "num_key_value_heads") or heads) * (config_int(config, "head_dim") or hidden // heads)
-    vocab = config_int(config, "vocab_size") or max((max(s) for s in shapes.values() if len(s) == 2), default=1)
+    d = Dims.of(config, shapes)
+    hidden, inter, layers, heads, kv, vocab = d.hidden, d.inter, d.layers, d.heads, d.kv, d.vocab
     ch, ckv, ci = _PER_LAYER
     backward = (layers * seqlen * (ch * hidden + ckv * kv + ci * inter) * a + 2 * heads * seqlen * seqlen * 4
                 + seqlen * vocab * (a + _LOGITS_FP32))
