@@ -249,3 +249,32 @@ def test_default_model_awq_folding_is_exact_and_every_group_beats_rtn(default_mo
     assert len(groups) == 30 * 4
     assert all(g["loss_search"] <= g["loss_rtn"] for g in groups.values())
     assert sum(g["loss_final"] for g in groups.values()) < sum(g["loss_rtn"] for g in groups.values())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_bf16_file_walked_block_by_block_gives_the_fp32_loads_bytes(tmp_path, tie):
+    """AWQ loads a bf16 file in bf16 (memory-mapped) and upcasts one block at a time to fp32
+    (``walk_blocks(compute_dtype=...)``): every stored tensor and every folded norm equals what loading the
+    whole file in fp32 gives, bit for bit, an untied head quantized outside the blocks included."""
+    from conftest import make_tiny_llama
+
+    from qkit.checkpoint import tensor_shapes
+    from qkit.methods.awq import METHOD, AWQOptions
+    from qkit.methods.calibration import calibration_ids
+    from qkit.models import resolve
+
+    make_tiny_llama(tmp_path / "m", hidden=128, intermediate=256, tie=tie, dtype=torch.bfloat16)
+    ref = resolve(str(tmp_path / "m"))
+    s = get_scheme("int4-g32")
+    targets = {n: s for n, _ in tensor_shapes(ref.directory) if n.endswith("proj.weight") or n == "lm_head.weight"}
+    assert ("lm_head.weight" in targets) is not tie
+    opts = AWQOptions(calibration_samples=4, calibration_seqlen=64)
+    walked = METHOD.run(ref, targets, opts, device=torch.device("cpu"))
+    loaded = load(ref=ref, device="cpu", dtype=torch.float32)
+    whole = awq_model(loaded.model, calibration_ids(loaded.tokenizer, opts.calibration_options())[0], targets, opts)
+    for n in targets:
+        a, b = walked.quantized[n], whole.quantized[n]
+        assert a.dtype == torch.bfloat16  # the source's dtype
+        assert torch.equal(a.dequantize(torch.float32), b.dequantize(torch.float32)), n
+    assert sorted(walked.replaced) == sorted(whole.replaced) and walked.replaced
+    assert all(torch.equal(walked.replaced[n], whole.replaced[n]) for n in whole.replaced)

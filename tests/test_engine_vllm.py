@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import qkit.evaluation.engines.vllm as vllm_engine
 from qkit.errors import InputError
 from qkit.evaluation.engines.base import EngineJob, EngineOptions, EngineRefused
 from qkit.evaluation.engines.vllm import (
@@ -29,6 +30,7 @@ from qkit.evaluation.engines.vllm import (
     Installation,
     VllmEngine,
     check_readable,
+    cpu_binding,
     device_count,
     engine_python,
     job_length,
@@ -219,23 +221,40 @@ def test_probe_reads_the_cpu_build_without_importing_vllm(fake_python):
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
-def test_more_devices_than_exist_is_refused(fake_python, tp, pp):
+def test_more_ranks_than_cores_is_refused(fake_python, tp, pp, monkeypatch):
+    """vLLM's CPU build runs a rank per core: on one core, any parallel run is refused before vLLM starts."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
     t0 = time.perf_counter()
     with pytest.raises(InputError) as e:
         ENGINE.check_available(EngineOptions(tensor_parallel_size=tp, pipeline_parallel_size=pp, python=fake_python))
-    assert f"needs {tp * pp} devices" in str(e.value) and "CPU build runs on one device" in str(e.value)
+    assert f"needs {tp * pp} ranks" in str(e.value) and "a rank per core, and 1 core is available" in str(e.value)
     assert time.perf_counter() - t0 < 1.0  # the probe is cached: nothing loads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(tp * pp)))
+    ENGINE.check_available(EngineOptions(tensor_parallel_size=tp, pipeline_parallel_size=pp, python=fake_python))
 
 
-def test_tp1_passes_and_ray_needs_ray(fake_python):
+def test_ray_on_the_cpu_build_is_refused_in_one_line(fake_python):
+    with pytest.raises(InputError, match="CPU build does not run on Ray.*use --distributed-executor-backend mp"):
+        ENGINE.check_available(EngineOptions(tensor_parallel_size=2, python=fake_python, distributed_executor_backend="ray"))
+
+
+@pytest.mark.parametrize(("cores", "ranks", "binding"), [
+    ([0, 1], 2, "0|1"), ([0, 1, 2, 3], 2, "0,1|2,3"), ([2, 3, 5, 7], 4, "2|3|5|7"), ([0, 1, 2, 3, 4], 2, "0,1|2,3")])
+def test_cpu_binding_splits_the_cores(monkeypatch, cores, ranks, binding):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(cores))
+    assert cpu_binding(ranks) == binding
+
+
+def test_tp1_passes_and_ray_needs_ray(fake_python, monkeypatch):
     ENGINE.check_available(EngineOptions(python=fake_python))
     ENGINE.check_available(EngineOptions(python=fake_python, distributed_executor_backend="mp"))
+    monkeypatch.setattr(vllm_engine, "probe", lambda python: Installation(python, True, False, "0.32.0", False))
     with pytest.raises(InputError, match="needs Ray"):
         ENGINE.check_available(EngineOptions(python=fake_python, distributed_executor_backend="ray"))
 
 
 def test_device_count(monkeypatch):
-    assert device_count(cpu_build=True) == 1
+    assert device_count(cpu_build=True) == len(os.sched_getaffinity(0))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert device_count(cpu_build=False) == 0
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
@@ -442,6 +461,25 @@ def test_reference_parity_with_torch(vllm_tiny):
     greedy = model.generate(ids[None, :8], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 8:]
     assert s.battery_ids[0] == greedy.tolist()[: len(s.battery_ids[0])]
     assert s.version.startswith("0.") and s.full is None
+
+
+@pytest.mark.slow
+@needs_vllm
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_on_the_cpu_build_score_as_one_rank(vllm_tiny, tp, pp):
+    """vLLM's own tensor / pipeline parallelism, 2 ranks on the multiprocessing executor (one core each:
+    ``cpu_binding``), scores the unquantized model as one rank does, to fp32 accumulation order. Ray is refused
+    on the CPU build (``test_ray_on_the_cpu_build_is_refused_in_one_line``)."""
+    if not probe(engine_python(EngineOptions())).cpu_build:
+        pytest.skip("vLLM's CPU build only (a CUDA build counts GPUs)")
+    ids = (torch.arange(96) * 37 + 5) % 300
+    job = _job([ids.tolist()], [ids[:20].tolist()], n=4, battery=[ids[:8].tolist()], tokens=6, k=5)
+    one = ENGINE.run(vllm_tiny, job, EngineOptions())
+    two = ENGINE.run(vllm_tiny, job, EngineOptions(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                   distributed_executor_backend="mp"))
+    assert (two.target_logprobs[0] - one.target_logprobs[0]).abs().max().item() < 1e-4
+    assert torch.equal(two.argmax[0], one.argmax[0]) and two.battery_ids == one.battery_ids
 
 
 @pytest.mark.slow

@@ -95,6 +95,27 @@ def test_gptqs_need_is_the_hand_arithmetic():
             "one block's Hessians and solve": int(1.25 * (106496 + 114688 + 262144 + 32768))}
 
 
+def test_awqs_need_is_the_hand_arithmetic():
+    from qkit.methods.awq import AWQMethod, AWQOptions
+
+    opts = AWQOptions(calibration_samples=4, calibration_seqlen=16)
+    q8 = {n: get_scheme("q8_0") for n in TARGETS}
+    # the forward in fp32 4*16*704*4 + 16384 = 196608; the recorded group inputs 4*16*(7*64 + 128)*4 = 147456;
+    # the clip search 8 copies of the largest linear (8192) in fp32 and a 2^24-float chunk: 262144 + 268435456
+    work = int(1.25 * (196608 + 147456 + 262144 + 268435456))
+    need = AWQMethod().memory(_model(torch.bfloat16, torch.float32), q8, opts)
+    if sys.platform.startswith("linux"):
+        # a bf16 file is mapped in bf16: outside the blocks 32832 numel and one block 36992 at 2 bytes; the
+        # same upcast to fp32 but the head (16384): 4 * (16448 + 36992); the quantized blocks in q8_0
+        assert need == {"the weights outside the blocks and one block in bf16": 2 * (32832 + 36992),
+                        "the same upcast to fp32 (the head aside)": 4 * (16448 + 36992),
+                        "the quantized blocks": 2304 * 34, "calibration activations": 32768, "one block's search": work}
+    # mixed stored dtypes are loaded whole in fp32
+    mixed = Model({**_model(torch.bfloat16, torch.float32).shapes}, {**_model(torch.bfloat16, torch.float32).stored,
+                  "model.norm.weight": torch.float32}, torch.float32, _model(torch.bfloat16, torch.float32).dims)
+    assert AWQMethod().memory(mixed, q8, opts)["the model's weights in fp32"] == 427264
+
+
 def test_imatrixs_need_is_the_hand_arithmetic():
     opts = ImatrixOptions(chunk_size=16, chunks=4, batch=2, dtype="bf16")
     m = _model(torch.bfloat16, torch.bfloat16)

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from qkit.checkpoint import tensor_shapes
+from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow
 from qkit.methods import CalibratedOptions, MethodResult
@@ -61,9 +61,9 @@ from qkit.methods.folding import (
     fold,
     fold_groups,
     options_record,
-    source_dtypes,
+    in_source_dtypes,
 )
-from qkit.methods.memory import RETENTION, Model, largest, quantized_bytes
+from qkit.methods.memory import RETENTION, Model, largest, walk_dtype, walked_weights
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
 from qkit.models import ModelRef, load, read_config
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
@@ -344,16 +344,18 @@ class AWQMethod:
             raise InputError(f"awq needs a scheme that quantizes and dequantizes a matrix; {scheme.name} does not")
 
     def memory(self, model: Model, targets: Mapping[str, Scheme], options: AWQOptions) -> dict[str, int]:
-        """Beside the process (``qkit.methods.memory``): the model in fp32 and the quantized targets (held
-        to the end), every window's block inputs and outputs, one block's recorded group inputs and outputs
+        """Beside the process (``qkit.methods.memory``): the weights as the walk holds them (``walked_weights``:
+        mapped in the files' dtype, each block upcast to fp32 while it is processed, then freed), every
+        window's block inputs and outputs, one block's recorded group inputs and outputs
         (``N * T * (7h + i)`` floats), and the clipping search of the largest linear (its float32 copies and
         ``_group_output_error``'s chunk)."""
         N, T, d = options.calibration_samples, options.calibration_seqlen, model.dims
         recorded = N * T * (7 * d.hidden + d.inter) * 4
         search = AWQ_COPIES * 4 * largest(targets, model) + 4 * 4 * (1 << 24)
         work = max(model.load, model.block_forward(min(options.batch_size, N), T) + recorded + search)
-        return {"the model's weights in fp32": model.loaded(), "the quantized tensors": quantized_bytes(model, targets),
-                "calibration activations": model.activations(N, T), "one block's search": int(RETENTION * work)}
+        walk = dataclasses.replace(model, dtype=walk_dtype(model.stored))
+        return {**walked_weights(walk, targets, compute=torch.float32), "calibration activations": model.activations(N, T),
+                "one block's search": int(RETENTION * work)}
 
     def run(
         self,
@@ -366,11 +368,13 @@ class AWQMethod:
     ) -> MethodResult:
         t0 = time.perf_counter()
         fold_groups(read_config(ref.directory), (n for n, _ in tensor_shapes(ref.directory)))  # refuse before loading
-        loaded = load(ref=ref, device="cpu")
+        # Loaded in the files' own dtype (memory-mapped), each block upcast to fp32 as it is processed and freed
+        # after: the same fp32 computation as loading the model whole in fp32, one block in memory at a time.
+        loaded = load(ref=ref, device="cpu", dtype=walk_dtype(tensor_dtypes(ref.directory)))
         ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
-        result = awq_model(loaded.model, ids, targets, options, device=device, on_block=on_block)
-        dtypes = source_dtypes(ref.directory)
-        result.quantized = {n: _with_dtype(qt, dtypes.get(n, qt.dtype)) for n, qt in result.quantized.items()}
+        result = awq_model(loaded.model, ids, targets, options, device=device, on_block=on_block, release=True)
+        del loaded
+        result.quantized = in_source_dtypes(result.quantized, ref.directory)
         result.record = {"options": options_record(options), "calibration": provenance, **result.record,
                          "seconds": round(time.perf_counter() - t0, 3)}
         return result
@@ -384,11 +388,14 @@ def awq_model(
     *,
     device: torch.device = torch.device("cpu"),
     on_block: Callable[[int, int], None] | None = None,
+    release: bool = False,
 ) -> MethodResult:
-    """Run AWQ over ``model`` (a transformers llama-layout causal LM on the CPU, fp32; changed in place: its
-    scales folded, weights left full precision or quantized per ``next_inputs``) with calibration ids
-    ``[samples, seqlen]``. Returns every target's ``QuantizedTensor``, the changed non-target tensors
-    (norms, biases, a kept preceding linear) and the record (without calibration provenance)."""
+    """Run AWQ over ``model`` (a transformers llama-layout causal LM on the CPU, computed in fp32: a model in
+    another dtype is upcast block by block; changed in place: its scales folded, weights left full precision
+    or quantized per ``next_inputs``) with calibration ids ``[samples, seqlen]``. Returns every target's
+    ``QuantizedTensor``, the changed non-target tensors (norms, biases, a kept preceding linear) and the
+    record (without calibration provenance). ``release``: free each block once processed (the model is
+    left unusable; ``sequential.walk_blocks``)."""
     all_groups = fold_groups(model.config, (n for n, _ in model.named_parameters()), linear_groups=options.linear_groups)
     quantized: dict[str, QuantizedTensor] = {}
     changed: dict[str, torch.Tensor] = {}
@@ -465,11 +472,12 @@ def awq_model(
         return rec.outputs if options.next_inputs == "fp" else None
 
     # ``process`` returns the block's fp outputs (AWQ records them in its pass anyway), sparing the walker a pass.
-    walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block)
+    walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block, release=release,
+                compute_dtype=torch.float32)
     state = model.state_dict()
     for name, scheme in targets.items():  # targets outside the fold groups (e.g. --include lm_head): RTN
         if name not in quantized:
-            quantized[name] = quantize_tensor(state[name].detach(), scheme, name=name)
+            quantized[name] = quantize_tensor(state[name].detach().float(), scheme, name=name)
     replaced = {n: v for n, v in changed.items() if n not in targets}
     for g in per_group.values():
         for key in ("loss_rtn", "loss_search", "loss_final"):
@@ -479,22 +487,7 @@ def awq_model(
                                               "next_inputs": options.next_inputs})
 
 
-def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
-    return qt if qt.dtype == dtype else dataclasses.replace(qt, dtype=dtype)
-
-
 METHOD = AWQMethod()
 
-__all__ = [
-    "AWQMethod",
-    "AWQOptions",
-    "METHOD",
-    "apply_clip",
-    "awq_model",
-    "awq_scales",
-    "clip_thresholds",
-    "clip_width",
-    "fake_quant",
-    "scaled_fake_quant",
-    "search_group",
-]
+__all__ = ["AWQMethod", "AWQOptions", "METHOD", "apply_clip", "awq_model", "awq_scales", "clip_thresholds", "clip_width",
+           "fake_quant", "scaled_fake_quant", "search_group"]

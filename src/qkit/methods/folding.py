@@ -317,6 +317,15 @@ def source_dtypes(directory: Any) -> dict[str, torch.dtype]:
     return {k: v for k, v in tensor_dtypes(directory).items() if v is not None}
 
 
+def in_source_dtypes(quantized: dict[str, Any], directory: Any) -> dict[str, Any]:
+    """``quantized`` ({name: QuantizedTensor}) each with its tensor's stored dtype (``source_dtypes``): the
+    dtype a dequantize gives back, the source's although the method computed in fp32."""
+    dtypes = source_dtypes(directory)
+    return {n: qt if dtypes.get(n, qt.dtype) == qt.dtype else dataclasses.replace(qt, dtype=dtypes[n])
+            for n, qt in quantized.items()}
+
+
+
 __all__ = [
     "SMOOTH_EPS",
     "SUPPORTED_MODEL_TYPES",
@@ -326,6 +335,7 @@ __all__ = [
     "json_safe",
     "options_record",
     "source_dtypes",
+    "in_source_dtypes",
     "collect_channel_stats",
     "fold",
     "fold_groups",

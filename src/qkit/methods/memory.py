@@ -218,6 +218,38 @@ def quantized_bytes(model: Model, targets: Mapping[str, Any]) -> int:
     return total
 
 
+def walk_dtype(stored: Mapping[str, torch.dtype | None]) -> torch.dtype:
+    """The dtype to load a model in for a walk that computes in fp32 block by block
+    (``sequential.walk_blocks(compute_dtype=torch.float32)``), from its tensors' stored dtypes: the files' own
+    when every floating tensor has the same one (safetensors then maps the weights instead of converting
+    them, and only the block being processed is held in fp32); fp32 otherwise."""
+    floating = {d for d in stored.values() if d is not None and d.is_floating_point}
+    return floating.pop() if len(floating) == 1 else torch.float32
+
+
+def walked_weights(model: Model, targets: Mapping[str, Any], compute: torch.dtype | None = None) -> dict[str, int]:
+    """The weights a block walk that frees each finished block holds (``sequential.walk_blocks(release=True)``).
+    Memory-mapped (``Model.mapped``): the tensors outside the blocks, one block, and the blocks' targets
+    quantized so far; with ``compute`` (a dtype the walk upcasts to, ``walk_blocks(compute_dtype=...)``) also
+    the tensors outside the blocks but an untied head, and one block, in that dtype. Otherwise the whole model
+    at the load dtype (each finished block's tensors give way to its codes)."""
+    if not model.mapped:
+        return {f"the model's weights in {model.dtype_name}": model.loaded()}
+    blocks = model.blocks()
+    outside = [n for n in model.shapes if block_of(n) is None]
+    one = max((model.loaded(ns) for ns in blocks.values()), default=0)
+    parts = {f"the weights outside the blocks and one block in {model.dtype_name}": model.loaded(outside) + one}
+    if compute is not None and compute != model.dtype:
+        run = Model(model.shapes, model.stored, compute, model.dims)
+        before = [n for n in outside if not n.endswith("lm_head.weight")]
+        name = {torch.float32: "fp32"}.get(compute, str(compute))
+        parts[f"the same upcast to {name} (the head aside)"] = run.loaded(before) + max(
+            (run.loaded(ns) for ns in blocks.values()), default=0)
+    inside = {n: targets[n] for ns in blocks.values() for n in ns if targets.get(n) is not None}
+    parts["the quantized blocks"] = quantized_bytes(model, inside)
+    return parts
+
+
 def largest(targets: Iterable[str], model: Model) -> int:
     return max((model.numel(n) for n in targets if n in model.shapes), default=0)
 
@@ -278,4 +310,4 @@ def check_need(need: Need, max_memory: int | None, device: torch.device | None =
 
 __all__ = ["BASELINE", "HEADROOM", "QUANTIZE_COPIES", "RETENTION", "STREAM_COPIES", "Dims", "Model", "Need", "block_of",
            "check_need", "config_int", "default_budget", "largest", "layers_in", "one_quantize", "quantized_bytes",
-           "stored_bytes", "stream_parts"]
+           "stored_bytes", "stream_parts", "walk_dtype", "walked_weights"]

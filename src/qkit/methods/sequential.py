@@ -227,6 +227,29 @@ def _file_mappings() -> list[tuple[int, int]]:
     return ranges
 
 
+def _hand_back(tensors: Iterable[torch.Tensor]) -> int:
+    """``madvise(MADV_DONTNEED)`` the whole pages strictly inside each of ``tensors`` that lie in a file
+    mapping (see ``release_parameters``); returns the bytes handed back. Linux only; elsewhere 0."""
+    maps = _file_mappings()
+    if not maps:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        return 0
+    page = mmap.PAGESIZE
+    released = 0
+    for t in tensors:
+        start, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        lo, hi = -(-start // page) * page, (start + nbytes) // page * page
+        if hi > lo and t.is_contiguous() and t.device.type == "cpu" and any(a <= lo and hi <= b for a, b in maps):
+            if madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
+                released += hi - lo
+    return released
+
+
 def release_parameters(module: torch.nn.Module) -> int:
     """Free ``module``'s parameters (each becomes an empty tensor) and return the bytes whose pages were
     handed back to the kernel.
@@ -238,26 +261,39 @@ def release_parameters(module: torch.nn.Module) -> int:
     them (a later read would fetch the file's bytes again), so nothing another tensor holds changes.
     Memory that is not file-backed is only dropped (the allocator frees it). Linux only; elsewhere the
     pages stay until the file is closed."""
-    maps = _file_mappings()
-    madvise = None
-    if maps:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            madvise = libc.madvise
-            madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            madvise = None
-    page = mmap.PAGESIZE
-    released = 0
-    for p in module.parameters():
-        start, nbytes = p.data_ptr(), p.numel() * p.element_size()
-        lo, hi = -(-start // page) * page, (start + nbytes) // page * page
-        if madvise is not None and hi > lo and p.is_contiguous() and p.device.type == "cpu" \
-                and any(a <= lo and hi <= b for a, b in maps):
-            if madvise(lo, hi - lo, _MADV_DONTNEED) == 0:
-                released += hi - lo
+    params = list(module.parameters())
+    released = _hand_back(p.data for p in params)
+    for p in params:
         p.data = torch.empty(0, dtype=p.dtype)
     return released
+
+
+def upcast(module: torch.nn.Module, dtype: torch.dtype = torch.float32, recurse: bool = True) -> int:
+    """Give ``module``'s floating parameters and buffers of another dtype a ``dtype`` copy (in place: the
+    module then computes in ``dtype``), handing the pages of the originals that lie in a file mapping back
+    to the kernel (``release_parameters``); returns the elements converted. A bf16 file loaded in its own
+    dtype and upcast block by block computes exactly what the same file loaded whole in float32 does, with
+    one block in float32 at a time."""
+    tensors = [t for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse))
+               if t.is_floating_point() and t.dtype != dtype]
+    olds = [t.data for t in tensors]
+    for t in tensors:
+        t.data = t.data.to(dtype)
+    _hand_back(olds)
+    return sum(t.numel() for t in olds)
+
+
+def upcast_outside_blocks(model: torch.nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """``upcast`` every module outside the transformer blocks that runs before them or after them, except
+    an untied output head (the calibrated walks never run it): the embeddings, the rotary embedding and the
+    final norm."""
+    _, blocks = find_blocks(model)
+    inside = {id(m) for b in blocks for m in b.modules()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = head is not None and embed is not None and head.weight is embed.weight
+    skip = inside | ({id(head)} if head is not None and not tied else set())
+    return sum(upcast(m, dtype, recurse=False) for m in model.modules() if id(m) not in skip)
 
 
 @torch.no_grad()
@@ -270,6 +306,7 @@ def walk_blocks(
     batch_size: int = DEFAULT_BATCH_SIZE,
     on_block: Callable[[int, int], None] | None = None,
     release: bool = False,
+    compute_dtype: torch.dtype | None = None,
 ) -> int:
     """Call ``process_block(i, block, inputs)`` for every block in order, feeding each block the
     outputs of the previous one *after* ``process_block`` changed it (or the outputs it returned; see the
@@ -279,7 +316,9 @@ def walk_blocks(
     ``release``: free each block's parameters once its outputs are computed (a method that keeps what it
     needs, as GPTQ keeps the quantized parts, and never runs the model again): the model's memory then
     falls block by block as the method's results grow, instead of both being held to the end. The model
-    is left unusable. Returns the number of blocks.
+    is left unusable. ``compute_dtype``: a model loaded in another dtype (a bf16 file, memory-mapped) is
+    run in this one: the modules outside the blocks are upcast first and each block just before it is
+    processed (``upcast``), so one block at a time is held at ``compute_dtype``. Returns the number of blocks.
     """
     if ids.ndim != 2 or ids.numel() == 0:
         raise InputError(f"calibration ids must be a non-empty [samples, seqlen] tensor, got shape {list(ids.shape)}")
@@ -288,9 +327,13 @@ def walk_blocks(
     was_training = model.training
     model.eval()
     blocks_name, blocks = find_blocks(model)
+    if compute_dtype is not None:
+        upcast_outside_blocks(model, compute_dtype)
     hidden, kwargs = capture_first_inputs(model, ids, device, batch_size)
     total = len(blocks)
     for i, block in enumerate(blocks):
+        if compute_dtype is not None:
+            upcast(block, compute_dtype)
         block.to(device)
         inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs)
         outputs = process_block(i, block, inputs)
@@ -306,5 +349,5 @@ def walk_blocks(
 
 __all__ = [
     "DEFAULT_BATCH_SIZE", "BlockInputs", "capture_first_inputs", "find_blocks", "release_parameters", "to_device",
-    "walk_blocks",
+    "upcast", "upcast_outside_blocks", "walk_blocks",
 ]

@@ -24,7 +24,6 @@ the input channels before and after smoothing.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from qkit.methods.folding import (
     options_record,
     outlier_ratio,
     smoothing_factors,
-    source_dtypes,
+    in_source_dtypes,
     weight_absmax,
 )
 from qkit.methods.memory import RETENTION, Model, one_quantize, quantized_bytes
@@ -109,8 +108,7 @@ class SmoothQuantMethod:
         model = loaded.model
         ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
         result = smooth_model(model, ids, targets, options, on_block=on_block)
-        dtypes = source_dtypes(ref.directory)
-        result.quantized = {n: _with_dtype(qt, dtypes.get(n, qt.dtype)) for n, qt in result.quantized.items()}
+        result.quantized = in_source_dtypes(result.quantized, ref.directory)
         result.record = {
             "options": options_record(options),
             "calibration": provenance,
@@ -157,11 +155,6 @@ def smooth_model(
         quantized[name] = quantize_tensor(state[name].detach(), scheme, name=name)
     replaced = {n: t.detach().clone() for n, t in changed.items() if n not in targets}
     return MethodResult(quantized, replaced, {"groups": per_group, "folded": len(groups)})
-
-
-def _with_dtype(qt: QuantizedTensor, dtype: torch.dtype) -> QuantizedTensor:
-    """The quantized tensor with the source's dtype (methods compute on an fp32 copy of the model)."""
-    return qt if qt.dtype == dtype else dataclasses.replace(qt, dtype=dtype)
 
 
 METHOD = SmoothQuantMethod()

@@ -162,6 +162,12 @@ def load(request: dict):
     )
     if request.get("distributed_executor_backend"):
         kwargs["distributed_executor_backend"] = request["distributed_executor_backend"]
+    if int(request["pipeline_parallel_size"]) > 1 and request.get("cpu_build"):
+        # vLLM 0.32's CPU build skips its warm-up when eager, and that warm-up allocates the tensors passed
+        # between pipeline stages: the second stage then fails on its first step. Traced once by dynamo and
+        # run by its eager backend instead (no inductor compile; the same numbers as eager, measured).
+        kwargs["enforce_eager"] = False
+        kwargs["compilation_config"] = {"mode": 2, "backend": "eager"}
     return LLM(**kwargs)
 
 

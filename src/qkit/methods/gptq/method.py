@@ -42,7 +42,7 @@ from qkit.methods.gptq.solver import (
     symmetrize,
     whole_blocks,
 )
-from qkit.methods.memory import RETENTION, Model, block_of, largest, quantized_bytes
+from qkit.methods.memory import RETENTION, Model, largest, walked_weights
 from qkit.methods.sequential import BlockInputs, walk_blocks
 from qkit.models import load, load_tokenizer
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, is_llama_type, quantize_tensor
@@ -326,13 +326,7 @@ class GPTQMethod:
         N, T = options.calibration_samples, options.calibration_seqlen
         blocks = model.blocks()
         inside = {n for ns in blocks.values() for n in ns if n in targets}
-        if model.mapped:
-            outside = [n for n in model.shapes if block_of(n) is None]
-            one = max((model.loaded(ns) for ns in blocks.values()), default=0)
-            weights = {f"the weights outside the blocks and one block in {model.dtype_name}": model.loaded(outside) + one,
-                       "the quantized blocks": quantized_bytes(model, {n: targets[n] for n in inside})}
-        else:
-            weights = {f"the model's weights in {model.dtype_name}": model.loaded()}
+        weights = walked_weights(model, targets)
         cols = {n: as_2d(model.shapes[n])[1] for n in inside}
         grams = max((4 * sum(cols[n] ** 2 for n in ns if n in cols and not _SHARES_INPUT.search(n))
                      for ns in blocks.values()), default=0)
