@@ -1,7 +1,7 @@
 """Seconds and peak RSS per step of qkit on the default model and synthetic 0.5B/1.5B/7B-shaped llamas in
 bf16 (docs/scale.md).
 
-    python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b,7b-2l] [--steps plan,quantize,rtn,imatrix,gptq]
+    python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b,7b-2l] [--steps plan,quantize,rtn,imatrix,gptq,awq]
         [--samples 4] [--seqlen 256] [--candidates q4_0,q4_k,q6_k,q8_0,none] [--headroom 3GiB | --max-memory SIZE]
         [--dir /tmp] [--json OUT] [--keep-going]
 
@@ -21,6 +21,8 @@ clock, which includes the imports):
 - ``imatrix``: ``qkit imatrix MODEL --dtype bf16 --chunks N --chunk-size L -o imatrix.gguf``.
 - ``gptq``: ``qkit quantize MODEL -s q4_k_m --format gguf --method gptq --dtype bf16 --calibration-samples N
   --calibration-seqlen L -o gptq.gguf``.
+- ``awq``: ``qkit quantize MODEL -s int4-g128 --method awq --calibration-samples N --calibration-seqlen L -o awq``
+  (the bf16 file mapped, each block upcast to fp32 while it is processed).
 
 Each row also gets ``seconds / (params x tokens)`` (ns per parameter and calibration token) for the steps
 that run the model on the calibration tokens (plan, imatrix, gptq), the ratio to compare across sizes.
@@ -66,7 +68,7 @@ def parameters(vocab: int, **shape) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="default,0.5b,1.5b")
-    ap.add_argument("--steps", default="plan,quantize", help="of plan, quantize, rtn, imatrix, gptq")
+    ap.add_argument("--steps", default="plan,quantize", help="of plan, quantize, rtn, imatrix, gptq, awq")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--candidates", default="q4_0,q4_k,q6_k,q8_0,none")
@@ -126,8 +128,12 @@ def main() -> None:
                     argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "q4_k_m", "--format", "gguf",
                             "--method", "gptq", "--dtype", "bf16", "--calibration-samples", str(args.samples),
                             "--calibration-seqlen", str(args.seqlen), "-o", str(work / "gptq.gguf")]
+                elif step == "awq":
+                    argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "int4-g128", "--method", "awq",
+                            "--calibration-samples", str(args.samples), "--calibration-seqlen", str(args.seqlen),
+                            "-o", str(work / "awq")]
                 else:
-                    sys.exit(f"unknown step {step!r}: plan, quantize, rtn, imatrix or gptq")
+                    sys.exit(f"unknown step {step!r}: plan, quantize, rtn, imatrix, gptq or awq")
                 print(f"{name}: qkit {' '.join(argv[argv.index('-m') + 2:])}", flush=True)
                 r = bpm.run_child(argv, log=work / f"{step}.log")
                 row = {"shape": name, **shape, "parameters": params, "bf16_bytes": bf16, "step": step, "seconds": r["seconds"],

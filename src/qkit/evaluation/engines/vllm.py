@@ -357,6 +357,11 @@ class VllmEngine(WorkerEngine):
         options.validate()
         self.check_available(options)
         config = check_readable(path)
+        heads = config.get("num_attention_heads")
+        if isinstance(heads, int) and heads % options.tensor_parallel_size:
+            # vLLM's own rule (ModelConfig.verify_with_parallel_config), which it reports as a bare ValidationError
+            raise InputError(f"--tensor-parallel-size {options.tensor_parallel_size} does not divide the model's "
+                             f"{heads} attention heads; vLLM shards whole heads: use a size that divides {heads}")
         dtype = _EVAL_DTYPES[options.dtype] if options.dtype else model_dtype(config)
         need = job_length(job)
         if any(int(w.numel()) < 2 for w in job.windows):
