@@ -242,8 +242,7 @@ def walked_weights(model: Model, targets: Mapping[str, Any], compute: torch.dtyp
     if compute is not None and compute != model.dtype:
         run = Model(model.shapes, model.stored, compute, model.dims)
         before = [n for n in outside if not n.endswith("lm_head.weight")]
-        name = {torch.float32: "fp32"}.get(compute, str(compute))
-        parts[f"the same upcast to {name} (the head aside)"] = run.loaded(before) + max(
+        parts[f"the same upcast to {run.dtype_name} (the head aside)"] = run.loaded(before) + max(
             (run.loaded(ns) for ns in blocks.values()), default=0)
     inside = {n: targets[n] for ns in blocks.values() for n in ns if targets.get(n) is not None}
     parts["the quantized blocks"] = quantized_bytes(model, inside)

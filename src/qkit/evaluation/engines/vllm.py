@@ -382,12 +382,13 @@ class VllmEngine(WorkerEngine):
         k = int(job.top_k)
         if k < 1:
             raise InputError(f"top_k must be at least 1, got {k}")
+        cpu_build = probe(engine_python(options)).cpu_build
         request = {
             "model": str(path.resolve()), "dtype": dtype, "max_model_len": int(max_len), "allow_long": allow_long,
             "tensor_parallel_size": options.tensor_parallel_size,
             "pipeline_parallel_size": options.pipeline_parallel_size,
             "distributed_executor_backend": options.distributed_executor_backend, "top_k": k,
-            "cpu_build": probe(engine_python(options)).cpu_build,
+            "cpu_build": cpu_build,
             "windows": len(job.windows),
             "battery_prompts": [list(map(int, p)) for p in job.battery_prompts],
             "battery_tokens": int(job.battery_tokens), "repetition_penalty": float(job.repetition_penalty),
@@ -397,7 +398,7 @@ class VllmEngine(WorkerEngine):
         arrays = {f"window.{i}": w.reshape(-1).to(torch.int64).numpy() for i, w in enumerate(job.windows)}
         env = {key: value for key, value in WORKER_ENV.items() if key not in os.environ}
         ranks = options.tensor_parallel_size * options.pipeline_parallel_size
-        if ranks > 1 and probe(engine_python(options)).cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        if ranks > 1 and cpu_build and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(ranks)
         try:
             result, out = run_worker(WORKER, request, arrays, python=engine_python(options), timeout=self.timeout_s,
