@@ -35,8 +35,9 @@ def test_spec_names_are_derived_from_their_parts():
     assert RowSpec(None, "imatrix", plan="gguf@4.5").name == "plan:gguf@4.5+imatrix"
     assert RowSpec("int4-g64", "gptq").to_dict() == {
         "name": "int4-g64+gptq", "scheme": "int4-g64", "method": "gptq", "simulation": [],
-        "method_options": {}, "simulation_options": {}, "plan": None,
+        "method_options": {}, "simulation_options": {}, "plan": None, "file": None,
     }
+    assert RowSpec(None, file="/peers/iters0/model-q4_k_m.gguf").name == "model-q4_k_m"  # resolve_rows labels it
     # "runtime" names only where a row runs (an engine, not part of the spec); a spec names its simulations
     spec = RowSpec("int8-row", simulation=("act-int8-token",))
     assert spec.simulation == ("act-int8-token",) and not hasattr(spec, "runtime")

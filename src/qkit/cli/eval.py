@@ -43,13 +43,14 @@ from qkit.cli.common import (
 from qkit.evaluation import EvalOptions
 from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
+from qkit.evaluation.specs import file_paths
 from qkit.executors import executor_options
 from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
 from qkit.simulate.llm_int8 import LLMInt8Options
 
 # Defaults live in qkit.evaluation.EvalOptions; an option left out keeps the dataclass's default.
-SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six).", metavar="LIST")]
+SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six), named rows, presets, plan:FORMAT@TARGET, or file:PATH.gguf (an existing GGUF file of the model, scored as it is).", metavar="LIST")]
 MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.", metavar="LIST")]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
 CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (books of the pinned King James Version, e.g. kjv:Luke) (default: the pinned Book of Ruth).")]
@@ -106,10 +107,12 @@ def eval_(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Print the quality table: size, perplexity, KL divergence, battery and greedy agreement per scheme."""
+    words = parse_list(schemes, "--schemes", what="scheme", where="qkit eval --help lists them")
     run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
-                                            *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration)])
+                                            *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration),
+                                            *(i for p in file_paths(words or ()) for i in file_inputs("a file row", p))])
     given = {
-        "schemes": parse_list(schemes, "--schemes", what="scheme", where="qkit eval --help lists them"),
+        "schemes": words,
         "methods": parse_list(methods, "--methods", what="method", where=", ".join(method_names())),
         "reference": reference,
         "corpus": corpus,

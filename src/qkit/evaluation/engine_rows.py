@@ -9,7 +9,8 @@ For each target (an engine's own reference, a saved checkpoint, every spec), in 
 
 1. ``refusal`` gives a reason known before anything is written (a scheme the engine's format has no type
    for, a simulation the engine does not run, a plan for another format, a saved qkit checkpoint in an
-   engine that reads another format): a row that says so (``Row.refused``), nothing written.
+   engine that reads another format, a file row in an engine that does not load GGUF files): a row that
+   says so (``Row.refused``), nothing written.
 2. The row's file is written by the runner's writer (``qkit.api.quantize_model`` with the engine's
    ``export_options``, exactly as ``qkit quantize --format ...`` writes it; the reference's is the same
    exporter with nothing quantized: ``write_reference``) into the row's temporary directory
@@ -32,6 +33,7 @@ from typing import Any
 
 from qkit.checkpoint import checkpoint_bytes, iter_tensors, read_manifest, tensor_shapes
 from qkit.evaluation.engines import TORCH, Engine, EngineOptions, EngineRefused, Session
+from qkit.evaluation.file_rows import file_refusal
 from qkit.evaluation.klstats import llama_kl_stats
 from qkit.evaluation.measuring import (
     REFERENCE,
@@ -105,7 +107,7 @@ def refusal(engine: Engine, target: Target) -> str | None:
     spec = target.spec
     if spec is None:
         return engine.cannot_run(None, ())
-    return plan_refusal(spec, engine) or engine.cannot_run(spec.scheme, spec.simulation)
+    return plan_refusal(spec, engine) or file_refusal(spec, engine) or engine.cannot_run(spec.scheme, spec.simulation)
 
 
 def write_reference(ref: ModelRef, fmt: str, out: Path) -> Path:

@@ -22,6 +22,7 @@ from qkit.evaluation.checks import (
     read_config,
 )
 from qkit.evaluation.engines import Engine, EngineOptions, check_engine_lengths
+from qkit.evaluation.file_rows import check_file_matches
 from qkit.evaluation.perplexity import check_corpus_tokens, choose_window
 from qkit.evaluation.specs import RowSpec, SimulationSettings
 from qkit.models import ModelRef, check_complete, load_tokenizer
@@ -86,7 +87,8 @@ class Inputs:
 def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], settings: InputSettings) -> Inputs:
     """Read and check every input before anything heavy: the corpus, the window against the model's
     context, every tensor the reference's (and a checkpoint's) config implies, a checkpoint's tensors
-    against the reference's, shape for shape, a plan file against the reference's shapes, the tokenizer,
+    against the reference's, shape for shape, a plan file against the reference's shapes, a file row's
+    GGUF against the reference's architecture, tensor names and shapes, the tokenizer,
     enough corpus tokens, the calibration texts, the engines' ``--max-model-len`` against the window and
     the battery prompts."""
     ref, checkpoint = models.ref, models.checkpoint
@@ -100,6 +102,7 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     for spec in specs:  # a plan file made for another model: refused from the headers
         if spec.plan is not None and spec.plan.endswith(".json"):
             check_plan_matches(read_plan(spec.plan), dict(tensor_shapes(ref.directory)), ref.spec)
+    check_file_matches(specs, ref)  # a GGUF file of another model: refused from its header
     # The tokenizer first (milliseconds; load() reads it again): the corpus and calibration checks need no model.
     tok = load_tokenizer(ref.directory)
     if tok is None:

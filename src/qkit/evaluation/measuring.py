@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from qkit.checkpoint import iter_quantized
 from qkit.evaluation.agreement import ReferenceContinuation
 from qkit.evaluation.battery import Question, is_correct
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
@@ -23,6 +25,7 @@ from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.models import ModelRef
+from qkit.schemes import QuantizedTensor
 
 REFERENCE = "reference"  # the reference row's name in the table (an engine's: "reference [ENGINE]")
 
@@ -67,12 +70,19 @@ class RowFile:
     ``path``: the file or directory written in the engine's format (the reference's own directory where its
     weights are the row's); ``facts``: the ``Row`` fields writing it settled (``bits_per_weight``,
     ``size_bytes``, ``matrices``, and where known ``method_record``, ``plan``, ``build_seconds``);
-    ``simulation_options``: what the row's simulations are built with."""
+    ``simulation_options``: what the row's simulations are built with; ``read``: how the torch engine reads
+    the file's tensors (None: a qkit checkpoint, ``iter_quantized``; a given GGUF file's reader otherwise)."""
 
     spec: RowSpec | None
     path: Path
     facts: dict[str, Any]
     simulation_options: dict[str, Any] = field(default_factory=dict)
+    read: Callable[[], Iterator[tuple[str, QuantizedTensor | torch.Tensor]]] | None = None
+
+    def tensors(self) -> Iterator[tuple[str, QuantizedTensor | torch.Tensor]]:
+        """The file's tensors by the reference's names, one at a time: quantized ones as ``QuantizedTensor``
+        (a qkit checkpoint) or already dense (a GGUF file), the others as stored."""
+        return self.read() if self.read is not None else iter_quantized(self.path)
 
     @property
     def simulations(self) -> tuple[str, ...]:

@@ -15,7 +15,8 @@ from typing import Any
 
 from qkit.errors import InputError
 from qkit.executors import SERIAL, ExecutorOptions
-from qkit.evaluation.engines import EngineOptions, check_runtimes
+from qkit.evaluation.engines import EngineOptions, check_runtimes, engines_named
+from qkit.evaluation.file_rows import check_file_runtimes
 from qkit.evaluation.inputs import InputSettings
 from qkit.evaluation.perplexity import check_scored
 from qkit.evaluation.specs import RowSettings, RowSpec, SimulationSettings, check_rows
@@ -86,7 +87,8 @@ class EvalOptions:
                 raise InputError(f"{flag} must be at least {least}, got {value}")
         check_scored(self.tokens, self.window)  # a perplexity without a standard error is never reported
         check_runtimes(self.runtimes, self.dtype, self.engine)  # unknown names, an engine not installed, bad counts
-        specs = check_rows(self.schemes, self.methods, dict(self.method_options), rows)  # names, simulations, plans
+        specs = check_rows(self.schemes, self.methods, dict(self.method_options), rows)  # names, simulations, plans, files
+        check_file_runtimes(specs, engines_named(self.runtimes))  # a file row in a runtime that cannot load it
         check_keys(dict(self.simulation_options))  # a misspelt simulation option, even with no simulation row
         parse_scale_dtype(self.scale_dtype)
         parse_device(self.device)

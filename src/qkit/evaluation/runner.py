@@ -62,6 +62,7 @@ from qkit.evaluation.engine_rows import (
 from qkit.evaluation.engines import DTYPES, Engine, EngineOptions, EngineRefused, engines_named
 from qkit.evaluation.engines.torch_engine import ENGINE as TORCH_ENGINE
 from qkit.evaluation.engines.torch_engine import ROW_SHARD_BYTES, measure_reference
+from qkit.evaluation.file_rows import file_row
 from qkit.evaluation.inputs import check_inputs, pair_models
 from qkit.evaluation.measuring import REFERENCE, Reference, RowFile
 from qkit.evaluation.notes import interpret
@@ -181,9 +182,12 @@ def write_row(engine: Engine, spec: RowSpec | None, out: Path, label: str, *, re
     """``spec``'s file for ``engine`` under ``out`` (``spec`` None: the reference's), as ``qkit quantize``
     writes it: ``quantize_model`` (the path that writes checkpoints) with the engine's ``export_options``.
     Unquantized weights are the reference's file in the engine's format (``write_reference``: its own
-    directory for a safetensors format). Returns the file and the ``Row`` facts writing it settled.
+    directory for a safetensors format); a file row's is its given GGUF file (``file_rows.file_row``). Returns the file and the ``Row`` facts writing it settled.
     ``EngineRefused``: the engine's format cannot store the row."""
     t0 = time.perf_counter()
+    if spec is not None and spec.file is not None:  # a given file is the row's file, never written again
+        say(f"{label}: {spec.file}, as it is")
+        return file_row(spec, reference.ref)
     if spec is not None and spec.quantized:
         result = quantize_row(engine, spec, reference.ref, settings, out / "row", label, say)
         path = out / "row"

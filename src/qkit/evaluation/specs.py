@@ -18,17 +18,24 @@ Names on the command line (``qkit eval --schemes ...``) are resolved here:
 * a named row (``register_row``, ``ROWS``), e.g. ``w8a8-token`` = int8-row weights + int8 per-token activations;
 * a preset (``register_preset``, ``PRESETS``), e.g. ``shipped``: several names at once;
 * ``SCHEME+METHOD`` (``int4-g64+gptq``): that scheme with that method;
+* ``plan:FORMAT@TARGET`` or ``plan:PLAN.json``: a planned mix;
+* ``file:PATH.gguf``: an existing GGUF file of the same model (a peer's, llama-quantize's), scored as it is
+  (``RowSpec.file``; named after the file's stem, ``file_labels``);
 * otherwise a scheme name (``nf4``, ``int4-g64``, ``q4_k_m``, ...), one row per ``--methods`` entry.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from qkit.errors import InputError
+from qkit.export.gguf.reader import read_header
 from qkit.lists import check_words, empty, split_list
 from qkit.methods import RTN, get_method
 from qkit.plan import PlanOptions, check_format, ladder, parse_allowed, read_plan
@@ -44,6 +51,7 @@ class RowSpec:
     ``simulation``: names registered in ``qkit.simulate`` (applied in order). ``simulation_options`` and
     ``method_options``: per-row overrides as sorted ``(key, value)`` pairs (hashable, JSON-able).
     ``label``: the row's name in the table (default: derived, e.g. ``int4-g64`` / ``int4-g64+gptq``).
+    ``file``: an existing GGUF file (absolute path) whose weights the row is, instead of a scheme or a plan.
     """
 
     scheme: str | None
@@ -53,11 +61,14 @@ class RowSpec:
     method_options: tuple[tuple[str, Any], ...] = ()
     simulation_options: tuple[tuple[str, Any], ...] = ()
     plan: str | None = None  # a planned mix instead of one scheme: "FORMAT@TARGET" (PLAN_PREFIX) or a plan file
+    file: str | None = None  # a given GGUF file instead of one written (FILE_PREFIX)
 
     @property
     def name(self) -> str:
         if self.label:
             return self.label
+        if self.file:
+            return Path(self.file).stem
         base = f"{PLAN_PREFIX}{self.plan}" if self.plan else (self.scheme or "fp")
         if self.method != RTN:
             base += f"+{self.method}"
@@ -65,8 +76,8 @@ class RowSpec:
 
     @property
     def quantized(self) -> bool:
-        """Whether the row stores weights of its own (a scheme or a plan); else the reference's are used."""
-        return self.scheme is not None or self.plan is not None
+        """Whether the row stores weights of its own (a scheme, a plan or a file); else the reference's are used."""
+        return self.scheme is not None or self.plan is not None or self.file is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -77,6 +88,7 @@ class RowSpec:
             "method_options": dict(self.method_options),
             "simulation_options": dict(self.simulation_options),
             "plan": self.plan,
+            "file": self.file,
         }
 
 
@@ -106,6 +118,7 @@ class RowSettings:
 
 
 PLAN_PREFIX = "plan:"
+FILE_PREFIX = "file:"
 
 
 def parse_plan_word(word: str) -> tuple[str, float | None, str | None]:
@@ -201,6 +214,9 @@ def resolve_rows(
         if key in ROWS:
             specs.append(ROWS.get(key))
             return
+        if key.startswith(FILE_PREFIX):  # a given GGUF file, scored as it is: file:PATH (the path keeps its case)
+            specs.append(RowSpec(None, file=file_path(name)))
+            return
         if key.startswith(PLAN_PREFIX):  # a planned mix: plan:FORMAT@TARGET[+METHOD] or plan:FILE.json[+METHOD]
             # the target as given: a plan file's path keeps its case (the key is lower-cased)
             word, _, method_word = name.strip()[len(PLAN_PREFIX):].partition("+")
@@ -237,10 +253,74 @@ def resolve_rows(
 
     for n in names:
         add(n)
+    specs = name_files(specs)
     unique: dict[str, RowSpec] = {}
     for s in specs:
         unique.setdefault(s.name, s)
     return list(unique.values())
+
+
+def file_path(word: str) -> str:
+    """``file:PATH`` -> PATH, absolute (``~`` expanded); an empty PATH is refused."""
+    path = word.strip()[len(FILE_PREFIX):].strip()
+    if not path:
+        raise InputError(f"{FILE_PREFIX} names no file; write {FILE_PREFIX}PATH.gguf (an existing GGUF file of the same model)")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def file_paths(names: Iterable[str]) -> list[str]:
+    """The files ``--schemes`` words name as rows (``file:PATH``), as given: what the command reads, which
+    no output of it may be."""
+    return [w.strip()[len(FILE_PREFIX):].strip() for w in names if _key(w).startswith(FILE_PREFIX)]
+
+
+def check_file(path: str) -> None:
+    """A file row's file: it exists, is a file, and its header is GGUF's (``read_header``: milliseconds)."""
+    word, p = f"{FILE_PREFIX}{path}", Path(path)
+    if not p.exists():
+        raise InputError(f"{word}: no such file; pass an existing GGUF file of the reference model")
+    if not p.is_file():
+        raise InputError(f"{word} is not a file" + ("; pass the .gguf file inside the directory" if p.is_dir() else ""))
+    try:
+        read_header(p, word)
+    except OSError as exc:
+        raise InputError(f"cannot read {word} ({exc.strerror or exc})") from None
+
+
+def file_labels(paths: list[str], taken: set[str]) -> list[str]:
+    """Each file row's name: its file's stem (``q4_k_m`` for ``/peers/q4_k_m.gguf``), with as many parent
+    directories as it takes (``iters0/model``) to differ from ``taken`` (the other rows' names) and from
+    each other; the whole path where nothing shorter does."""
+    parts = [(*Path(p).parent.parts, Path(p).stem) for p in paths]
+    depth = [1] * len(paths)
+    while True:
+        labels = ["/".join(ps[-d:]) for ps, d in zip(parts, depth)]
+        clash = [i for i, label in enumerate(labels) if label in taken or labels.count(label) > 1]
+        grow = [i for i in clash if depth[i] < len(parts[i])]
+        if not grow:
+            return [paths[i] if i in clash else label for i, label in enumerate(labels)]
+        for i in grow:
+            depth[i] += 1
+
+
+def name_files(specs: list[RowSpec]) -> list[RowSpec]:
+    """The file rows checked (``check_file``; the same file twice, by any path, is refused) and named
+    (``file_labels``: unique within the table, the reference row's name included)."""
+    files = [s for s in specs if s.file is not None]
+    if not files:
+        return specs
+    seen: dict[tuple[int, int], str] = {}
+    for s in files:
+        check_file(s.file)
+        st = os.stat(s.file)
+        first = seen.get((st.st_dev, st.st_ino))
+        seen[(st.st_dev, st.st_ino)] = s.file
+        if first is not None:
+            same = "" if first == s.file else f" (also as {FILE_PREFIX}{first})"
+            raise InputError(f"{FILE_PREFIX}{s.file} is given twice{same}: name each file once")
+    taken = {s.name for s in specs if s.file is None} | {"reference"}  # measuring.REFERENCE: the reference row's name
+    named = iter([dataclasses.replace(s, label=label) for s, label in zip(files, file_labels([s.file for s in files], taken))])
+    return [next(named) if s.file is not None else s for s in specs]
 
 
 def row_plan(spec: RowSpec, options: RowSettings):
@@ -306,4 +386,4 @@ def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(w for w in comma_words(words) if w in offered)
 
 
-__all__ = ["PLAN_PREFIX", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+__all__ = ["FILE_PREFIX", "PLAN_PREFIX", "check_file", "file_labels", "file_path", "file_paths", "name_files", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

@@ -162,6 +162,12 @@ class Engine(Protocol):
         """A session measuring rows against ``reference`` with ``options``; ``say``: status lines."""
         ...
 
+    def loads_file(self, container: str) -> bool:
+        """Whether the engine measures a file given in this container (an ``export`` ``Format.container``:
+        ``"gguf"`` for ``qkit eval --schemes file:PATH.gguf``) as it is, nothing written: torch dequantizes its
+        tensors into the reference model, llama.cpp loads it; vLLM does not."""
+        ...
+
 
 ENGINES: Registry[Engine] = Registry("runtime", error=InputError, normalize=lambda n: n.strip().lower())
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from qkit.checkpoint import checkpoint_bytes, iter_quantized, tensor_shapes
+from qkit.checkpoint import checkpoint_bytes, tensor_shapes
 from qkit.evaluation.agreement import (
     PromptCache,
     agreement,
@@ -52,6 +52,7 @@ from qkit.evaluation.perplexity import (
 )
 from qkit.evaluation.swap import Swapper
 from qkit.export import QKIT
+from qkit.export.gguf import FORMAT as GGUF_FORMAT
 from qkit.models import ModelRef
 from qkit.simulate import SimulationContext, apply_simulation, simulation_bits
 from qkit.transform import is_block_projection
@@ -81,6 +82,10 @@ class TorchEngine:
     def open(self, reference: Reference, options: EngineOptions, say: Callable[[str], None]) -> TorchSession:
         return TorchSession(reference, say)
 
+    def loads_file(self, container: str) -> bool:
+        """A GGUF file: its tensors dequantized by the gguf package into the reference model (``RowFile.tensors``)."""
+        return container == GGUF_FORMAT.container
+
 
 def answer(model, reference: Reference, cache: PromptCache, label: str, say: Callable[[str], None]) -> tuple[list[str], torch.Tensor]:
     """Agreement (bool ``[B, n]``) and the battery's outputs from one prefill of the prompts (``cache``,
@@ -108,7 +113,7 @@ class TorchSession:
         ref, model = self.reference, self.model
         loads = row.path != ref.ref.directory  # the reference's own files: its weights are in the model already
         if loads:  # the row's own file, one tensor in memory at a time (docs/eval-memory.md)
-            self.swapper.apply(iter_quantized(row.path))
+            self.swapper.apply(row.tensors())
         changed = self.swapper.changed if loads else None
         act_bits, kv_bits = simulation_bits(row.simulations, row.simulation_options)
         try:

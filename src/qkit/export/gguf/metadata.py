@@ -126,14 +126,17 @@ def read_kv_fields(path: Path) -> list[Field]:
             fh.seek(24)
             buf = fh.read(size)
             try:
-                return _parse_kv(memoryview(buf), n_kv)
+                return parse_kv(memoryview(buf), n_kv)[0]
             except (struct.error, IndexError, ValueError):
                 if len(buf) < size:
                     raise ExportError(f"{path}: truncated GGUF metadata") from None
                 size *= 4
 
 
-def _parse_kv(buf: memoryview, n_kv: int) -> list[Field]:
+def parse_kv(buf: memoryview, n_kv: int) -> tuple[list[Field], int]:
+    """``n_kv`` KV fields parsed from ``buf`` (a GGUF header from just after its 24-byte preamble), and the
+    offset in ``buf`` where they end (the tensor infos begin there). Raises ``struct.error``,
+    ``IndexError`` or ``ValueError`` when ``buf`` ends before they do."""
 
     out: list[Field] = []
     pos = 0
@@ -176,7 +179,7 @@ def _parse_kv(buf: memoryview, n_kv: int) -> list[Field]:
             pos += dt.itemsize
         else:
             raise ExportError(f"GGUF field {key}: value type {vtype} is not one qkit copies")
-    return out
+    return out, pos
 
 
 def copy_fields(w, fields: list[Field], prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
@@ -249,4 +252,4 @@ def source_gguf(directory: Path, ref=None) -> Path | None:
 
 
 __all__ = ["FILE", "NAME", "RECORD_KEY", "SOURCE_FILE", "add_architecture_metadata", "copy_fields", "is_qkit_gguf",
-           "llama3_rope_factors", "read_kv_fields", "read_record", "rope_parameters", "source_gguf"]
+           "llama3_rope_factors", "parse_kv", "read_kv_fields", "read_record", "rope_parameters", "source_gguf"]
