@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkit.errors import InputError
-from qkit.methods.sequential import BlockInputs, find_blocks, release_parameters, walk_blocks
+from qkit.methods.sequential import BlockInputs, capture_block_inputs, find_blocks, release_parameters, walk_blocks
 
 
 @pytest.fixture()
@@ -156,3 +156,35 @@ def test_gptq_on_cuda_matches_cpu(tiny_model_dir, tmp_path):
         diff = (gpu.quantized[name].dequantize(torch.float32) - qt.dequantize(torch.float32)).abs()
         step = qt.scales.float().max()
         assert float(diff.max()) <= float(step) + 1e-6  # at most one step apart (fp32 reductions differ)
+
+
+def test_each_block_gets_the_arguments_of_its_own_attention_type():
+    """A model with layers of two attention types (Qwen2: the first full, the others a sliding window of 8,
+    shorter than the 16-token windows): every block's walked inputs equal the model's own hidden states bit
+    for bit, which needs the sliding layers' own mask (one mask captured at block 0 for every block gave
+    block 2 inputs off by 1e-2). Tensors shared between blocks' arguments are moved once and stay shared."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, use_sliding_window=True, sliding_window=8,
+                      max_window_layers=1)
+    m = Qwen2ForCausalLM(cfg).eval()
+    assert cfg.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(2))
+    real: dict[int, list[torch.Tensor]] = {}
+    hooks = [b.register_forward_pre_hook(lambda _m, a, kw, i=i: real.setdefault(i, []).append(kw.get("hidden_states", a[0] if a else None)),
+                                         with_kwargs=True) for i, b in enumerate(m.model.layers)]
+    with torch.no_grad():
+        m(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    walked = {}
+    walk_blocks(m, ids, lambda i, _b, inputs: walked.__setitem__(i, torch.cat(inputs.hidden)), batch_size=2)
+    assert all(torch.equal(walked[i], torch.cat(real[i])) for i in range(3))
+    hidden, kwargs = capture_block_inputs(m, ids, torch.device("cpu"), batch_size=3)
+    assert len(hidden) == 1 and [len(k) for k in kwargs] == [1, 1, 1]
+    masks = [k[0]["attention_mask"] for k in kwargs]
+    assert masks[1] is not None and masks[1] is masks[2] and masks[0] is not masks[1]  # the sliding layers share theirs
+    assert kwargs[0][0]["position_embeddings"][0] is kwargs[2][0]["position_embeddings"][0]
+    assert list(m.model.layers) and all(type(b).__name__ == "Qwen2DecoderLayer" for b in m.model.layers)

@@ -7,16 +7,18 @@ the model was loaded (CPU) and each is moved to ``device`` only while it is proc
 How it works (Frantar et al. 2022, the reference ``gptq`` code's ``llama_sequential``):
 
 1. **Capture** the first block's inputs: the modules before the blocks (embeddings, rotary embedding)
-   are moved to ``device`` and the model is called on each calibration batch; a forward pre-hook on
-   block 0 stores its ``hidden_states`` and keyword arguments (attention mask, ``position_ids``,
-   ``position_embeddings``, cache = None, ...) and raises ``_Stop`` so nothing after it runs.
+   are moved to ``device`` and the model is called on each calibration batch with every block replaced
+   by a stand-in that records the keyword arguments the model calls it with (attention mask,
+   ``position_ids``, ``position_embeddings``, cache = None, ...: a layer of another attention type, such
+   as a sliding-window layer, gets its own mask) and block 0's ``hidden_states``; the last stand-in raises
+   ``_Stop`` so nothing after the blocks runs.
 2. For each block ``i``: ``process_block(i, block, inputs)`` is called. The method does what it needs
    with ``inputs`` (``BlockInputs``, below): accumulate statistics of its linears' inputs with
    ``inputs.forward(on_input=...)``, store them with ``inputs.record(...)``, grid-search with
    ``inputs.run_module(...)``, and **leaves the block's weights as they should be seen downstream**
    (GPTQ: the dequantized weights; AWQ: scales folded and weights dequantized).
 3. The walker then runs the block again on every batch with those weights: its outputs are block
-   ``i + 1``'s ``hidden_states`` (the keyword arguments are the same for every block).
+   ``i + 1``'s ``hidden_states`` (each block is called with the keyword arguments recorded for it).
    ``on_block(i + 1, n_blocks)`` reports progress. A ``process_block`` that already ran the block
    with its final weights (e.g. GPTQ quantizing each linear inside a forward pre-hook, in one pass) may
    return those outputs (``list[Tensor]``, one per batch, as ``inputs.forward()`` returns them); the
@@ -44,7 +46,7 @@ Usage (a method's ``run``)::
 
 * ``hidden``: ``list[Tensor [b, L, hidden]]``, the block's inputs per batch, on ``device``
   (``torch.cat(hidden)`` is ``[N, L, hidden]``); ``kwargs``: ``list[dict]``, the keyword arguments
-  the block takes, per batch (on ``device``); ``prefix``: the block's parameter-name prefix, e.g.
+  the model calls this block with, per batch (on ``device``); ``prefix``: the block's parameter-name prefix, e.g.
   ``"model.layers.3."``; ``block``: the module (on ``device`` during the call).
 * ``linears()``: the block's ``nn.Linear`` submodules by their name inside the block.
 * ``forward(on_input=None, on_output=None, modules=None) -> list[Tensor]``: run the block on every
@@ -97,20 +99,25 @@ def find_blocks(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     return best
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside ``obj`` (tensors, tuples, lists, dicts) to ``device``."""
+def to_device(obj: Any, device: torch.device, memo: dict[int, Any] | None = None) -> Any:
+    """Move every tensor inside ``obj`` (tensors, tuples, lists, dicts) to ``device``; with ``memo``, a tensor
+    met again (the same object) is moved once and shared."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        if memo is None:
+            return obj.to(device)
+        if id(obj) not in memo:
+            memo[id(obj)] = (obj, obj.to(device))  # the source kept alive: its id is not reused meanwhile
+        return memo[id(obj)][1]
     if isinstance(obj, tuple):
-        return tuple(to_device(o, device) for o in obj)
+        return tuple(to_device(o, device, memo) for o in obj)
     if isinstance(obj, list):
-        return [to_device(o, device) for o in obj]
+        return [to_device(o, device, memo) for o in obj]
     if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
+        return {k: to_device(v, device, memo) for k, v in obj.items()}
     return obj
 
 
-def _first(out: Any) -> torch.Tensor:
+def first_output(out: Any) -> torch.Tensor:
     """A block's output hidden states (blocks of older transformers return a tuple)."""
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -145,7 +152,7 @@ class BlockInputs:
 
         def post(name: str):
             def hook(_m, _args, out):
-                on_output(name, _first(out))  # type: ignore[misc]
+                on_output(name, first_output(out))  # type: ignore[misc]
             return hook
 
         for name, module in (modules or {}).items():
@@ -154,7 +161,7 @@ class BlockInputs:
             if on_output is not None:
                 handles.append(module.register_forward_hook(post(name)))
         try:
-            return [_first(self.block(h, **kw)) for h, kw in zip(self.hidden, self.kwargs)]
+            return [first_output(self.block(h, **kw)) for h, kw in zip(self.hidden, self.kwargs)]
         finally:
             for h in handles:
                 h.remove()
@@ -167,18 +174,50 @@ class BlockInputs:
 
     @torch.no_grad()
     def run_module(self, module: torch.nn.Module, xs: Iterable[torch.Tensor], **kwargs: Any) -> list[torch.Tensor]:
-        return [_first(module(x, **kwargs)) for x in xs]
+        return [first_output(module(x, **kwargs)) for x in xs]
+
+
+class _Recorder(torch.nn.Module):
+    """A block's stand-in while the inputs are captured: records the keyword arguments the model calls the
+    block with (block 0 also its ``hidden_states``), returns its input unchanged, and stops the model at the
+    last block. Attributes the model's forward reads off a block (its attention type, its index) are the
+    real block's, so that each block is given what the model gives it (a sliding-window layer its own mask)."""
+
+    def __init__(self, block: torch.nn.Module, index: int, last: bool, hidden: list, kwargs: list):
+        super().__init__()
+        object.__setattr__(self, "_real", block)  # not a submodule: its parameters are not this module's
+        object.__setattr__(self, "_record", (index, last, hidden, kwargs))
+
+    def forward(self, *args, **kw):
+        index, last, hidden, kwargs = self._record
+        h = args[0] if args else kw.pop("hidden_states")
+        if index == 0:
+            hidden.append(h)
+        kwargs[index].append({k: v for k, v in kw.items() if k != "hidden_states"})
+        if last:
+            raise _Stop
+        return h
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_real"), name)
 
 
 @torch.no_grad()
-def capture_first_inputs(
+def capture_block_inputs(
     model: torch.nn.Module, ids: torch.Tensor, device: torch.device, batch_size: int = DEFAULT_BATCH_SIZE
-) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
-    """Block 0's ``hidden_states`` and keyword arguments for each batch of ``ids`` ``[N, L]`` (on ``device``)."""
+) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
+    """Block 0's ``hidden_states`` for each batch of ``ids`` ``[N, L]``, and every block's keyword arguments
+    per batch (``kwargs[i][b]``), on ``device``. The model runs with each block replaced by a stand-in that
+    records what the model calls it with (``_Recorder``): blocks of different attention types get the
+    mask of their own type, as in the model's forward. A tensor shared by several blocks' arguments (the
+    position embeddings, a mask) is moved to ``device`` once."""
     blocks_name, blocks = find_blocks(model)
     # Move the modules outside the blocks that hold parameters or buffers of their own (embeddings, rotary
-    # embedding, final norm, head) to the device; only the first two run before the hook stops the call.
-    # Ancestors of the blocks are skipped (moving them would move every block).
+    # embedding, final norm, head) to the device; only the first two run before the last stand-in stops the
+    # call. Ancestors of the blocks are skipped (moving them would move every block).
     def inside_or_above(n: str) -> bool:
         return n == blocks_name or n.startswith(blocks_name + ".") or blocks_name.startswith(n + ".") or n == ""
 
@@ -187,25 +226,23 @@ def capture_first_inputs(
     for m in moved:
         m.to(device)
     hidden: list[torch.Tensor] = []
-    kwargs: list[dict[str, Any]] = []
-
-    def grab(_module, args, kw):
-        hidden.append(args[0] if args else kw.pop("hidden_states"))
-        kwargs.append({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Stop
-
-    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    kwargs: list[list[dict[str, Any]]] = [[] for _ in blocks]
+    real = list(blocks)
     try:
+        for i, b in enumerate(real):
+            blocks[i] = _Recorder(b, i, i == len(real) - 1, hidden, kwargs)
         for start in range(0, ids.shape[0], batch_size):
             try:
                 model(input_ids=ids[start : start + batch_size].to(device), use_cache=False)
             except _Stop:
                 pass
     finally:
-        handle.remove()
+        for i, b in enumerate(real):
+            blocks[i] = b
         for m in moved:
             m.to("cpu")
-    return hidden, [to_device(k, device) for k in kwargs]
+    memo: dict[int, Any] = {}
+    return hidden, [[to_device(k, device, memo) for k in per_block] for per_block in kwargs]
 
 
 _MADV_DONTNEED = 4  # Linux <sys/mman.h>
@@ -329,13 +366,13 @@ def walk_blocks(
     blocks_name, blocks = find_blocks(model)
     if compute_dtype is not None:
         upcast_outside_blocks(model, compute_dtype)
-    hidden, kwargs = capture_first_inputs(model, ids, device, batch_size)
+    hidden, kwargs = capture_block_inputs(model, ids, device, batch_size)
     total = len(blocks)
     for i, block in enumerate(blocks):
         if compute_dtype is not None:
             upcast(block, compute_dtype)
         block.to(device)
-        inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs)
+        inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs[i])
         outputs = process_block(i, block, inputs)
         hidden = inputs.forward() if outputs is None else list(outputs)
         block.to("cpu")
@@ -348,6 +385,6 @@ def walk_blocks(
 
 
 __all__ = [
-    "DEFAULT_BATCH_SIZE", "BlockInputs", "capture_first_inputs", "find_blocks", "release_parameters", "to_device",
+    "DEFAULT_BATCH_SIZE", "BlockInputs", "capture_block_inputs", "find_blocks", "first_output", "release_parameters", "to_device",
     "upcast", "upcast_outside_blocks", "walk_blocks",
 ]
