@@ -152,7 +152,8 @@ def main() -> None:
                 mem = row.get("memory") or {}
                 print(f"  {step}: exit {r['exit_code']}, {r['seconds']:.0f} s, peak RSS {r['peak_rss'] / GIB:.2f} GiB "
                       f"(bf16 weights {bf16 / GIB:.2f} GiB; peak - weights {(r['peak_rss'] - bf16) / GIB:.2f} GiB)"
-                      + (f"; {mem.get('groups')} Fisher groups, estimated {mem.get('estimated_peak_bytes', 0) / GIB:.2f} GiB "
+                      + (f"; the Fisher {mem.get('fisher', 'in groups')}: {mem.get('passes', mem.get('groups'))} passes, "
+                         f"{mem.get('groups')} groups held, estimated {mem.get('estimated_peak_bytes', 0) / GIB:.2f} GiB "
                          f"of {mem.get('budget_bytes', 0) / GIB:.2f}" if mem else "")
                       + (f"; {row['ns_per_param_token']:.3f} ns per parameter x token" if "ns_per_param_token" in row else "")
                       + (f"; {row['error']}" if r["exit_code"] else ""), flush=True)

@@ -22,7 +22,8 @@ from qkit.errors import InputError
 from qkit.memory import GIB, parse_size
 from qkit.models import resolve
 from qkit.plan import PlanOptions, planner
-from qkit.plan.memory import Estimate, groups, layer_order, plan_memory
+from qkit.methods.memory import block_of
+from qkit.plan.memory import Estimate, groups, layer_order, passes, plan_memory
 from qkit.plan.sensitivity import fisher_diagonal
 
 runner = CliRunner()
@@ -131,25 +132,34 @@ def test_labels_of_another_shape_are_a_callers_bug():
 
 
 def _estimate(fisher: dict[str, int], **kw) -> Estimate:
-    parts = dict(baseline=100, weights=1000, reference=10, load=50, backward=200, gradient=20, candidates=150)
-    return Estimate(**{**parts, **kw}, fisher=fisher)
+    parts = dict(baseline=100, weights=1000, reference=10, kept=30, load=50, backward=200, backward_model=600, gradient=20,
+                 candidates=150)
+    return Estimate(**{**parts, **kw}, fisher=fisher, blocks={n: block_of(n) for n in fisher})
 
 
-def test_groups_pack_in_layer_order_within_the_budget():
+def test_groups_are_the_blocks_then_the_targets_outside_them_packed_in_layer_order():
     fisher = {f"model.layers.{i}.mlp.{k}.weight": 40 for i in (10, 2, 1) for k in ("up_proj", "down_proj")}
+    fisher |= {"lm_head.weight": 50, "model.embed_tokens.weight": 50, "model.extra.weight": 50}
     est = _estimate(fisher)
-    assert est.fixed == 1110 and est.transient == 275 and est.minimum == 1425  # 1.25 x (backward + gradient)
-    assert groups(est, 10**9) == [sorted(fisher, key=layer_order)]  # everything fits: one group
-    g = groups(est, est.fixed + est.transient + 80)  # two tensors' diagonals at a time
-    assert [len(x) for x in g] == [2, 2, 2]
-    assert [n.split(".")[2] for x in g for n in x] == ["1", "1", "2", "2", "10", "10"]
-    assert all(est.peak(x) <= est.fixed + est.transient + 80 for x in g)
-    assert [len(x) for x in groups(est, est.minimum)] == [1] * 6
-    with pytest.raises(InputError, match=r"--max-memory .* is below the .* this plan needs with one tensor's Fisher"):
+    assert est.fixed == 1140  # the process, the weights, the reference, the walk's kept inputs
+    assert est.transient(["model.layers.1.mlp.up_proj.weight"]) == 275  # 1.25 x (one block's backward + gradient)
+    assert est.transient(["model.layers.1.mlp.up_proj.weight", "lm_head.weight"]) == 775  # a whole-model pass
+    assert est.minimum == 1140 + 775 + 50  # one target outside the blocks, with a whole-model pass
+    assert groups(est, 10**9) == [sorted(fisher, key=layer_order)]  # everything fits: one group, kept
+    assert plan_memory(est, 10**9, given=True).keeps_all
+    g = groups(est, 1140 + 775 + 100)  # the blocks one by one; outside, two diagonals at a time
+    assert g == [[f"model.layers.{i}.mlp.{k}.weight" for k in ("down_proj", "up_proj")] for i in (1, 2, 10)] + [
+        ["lm_head.weight", "model.embed_tokens.weight"], ["model.extra.weight"]]
+    assert passes(g, est) == 3  # the walk, then a whole-model pass per group outside the blocks
+    m = plan_memory(est, 1140 + 775 + 100, given=True)
+    assert not m.keeps_all and m.to_dict()["passes"] == 3 and m.to_dict()["groups"] == 5
+    assert [len(x) for x in groups(est, est.minimum)][-3:] == [1, 1, 1]
+    with pytest.raises(InputError, match=r"--max-memory .* is below the .* this plan needs with one block's Fisher"):
         plan_memory(est, est.minimum - 1, given=True)
     with pytest.raises(InputError, match="only .* is available"):
         plan_memory(est, est.minimum - 1, given=False, available=5)
-    assert len(plan_memory(est, est.minimum, given=True).groups) == 6
+    inside = _estimate({n: v for n, v in fisher.items() if ".layers." in n})
+    assert inside.minimum == 1140 + 275 + 80 and passes(groups(inside, inside.minimum), inside) == 1
 
 
 def test_the_estimate_is_read_from_the_headers_and_config(tiny_model_dir):
@@ -164,7 +174,10 @@ def test_the_estimate_is_read_from_the_headers_and_config(tiny_model_dir):
     params = 304 * 64 + 2 * (64 * 64 * 2 + 32 * 64 * 2 + 160 * 64 * 3 + 2 * 64) + 64
     assert e.weights == 4 * params  # tied: the file holds the embedding once, as the model does
     assert e.reference == 4 * 1 * 32 * 304
-    assert e.backward == 2 * 32 * (16 * 64 + 2 * 32 + 5 * 160) * 4 + 2 * 4 * 32 * 32 * 4 + 32 * 304 * (4 + 14)
+    layer, scores, logits = 32 * (16 * 64 + 2 * 32 + 5 * 160) * 4, 2 * 4 * 32 * 32 * 4, 32 * 304 * (4 + 14)
+    assert e.backward == max(layer + scores, logits) and e.backward_model == 2 * layer + scores + logits
+    assert e.kept == 4 * 2 * 32 * 64 * (2 + 2)  # every window's input to each of 2 blocks, the top's, one gradient
+    assert set(e.blocks.values()) == {0, 1}
     assert e.candidates == 5 * 4 * 160 * 64 and e.gradient == 2 * 4 * 160 * 64
     bf16 = planner.memory_plan(ref, PlanOptions(format="gguf", target_bits=5.0, dtype="bf16", max_memory=GIB, **FAST))
     assert bf16.estimate.weights == e.weights // 2 and bf16.estimate.fisher == e.fisher  # the Fisher stays float32
@@ -196,9 +209,9 @@ def _fresh():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_plan_is_the_same_with_a_tiny_budget_and_without(model4, tmp_path, dtype):
-    """The budget decides how many groups the Fisher is measured in, never the plan: with the smallest
-    budget (every tensor its own group, a pass each) the plan JSON is the one of a single group, bit for bit
-    (every predicted cost, the check's measured KL), beside the seconds and the memory record."""
+    """The budget decides how many diagonals are held at once, never the plan: with the smallest budget (one
+    block's at a time, freed as the walk goes down) the plan JSON is the one with every diagonal kept, bit
+    for bit (every predicted cost, the check's measured KL), beside the seconds and the memory record."""
     ref = resolve(str(model4))
     opts = PlanOptions(format="gguf", target_bits=4.6, dtype=dtype, candidates=CANDIDATES, **FAST)
     minimum = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=GIB)).estimate.minimum
@@ -208,10 +221,11 @@ def test_the_plan_is_the_same_with_a_tiny_budget_and_without(model4, tmp_path, d
     many = plan_model(str(model4), options=dataclasses.replace(opts, max_memory=minimum), output=tmp_path / "many.json")
     assert one.plan.sensitivity["memory"]["groups"] == 1
     groups_of_minimum = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=minimum)).groups
-    assert many.plan.sensitivity["memory"]["groups"] == len(groups_of_minimum) >= len(many.plan.tensors) // 2 == 7
+    assert many.plan.sensitivity["memory"]["groups"] == len(groups_of_minimum) == 2  # the two blocks
+    assert many.plan.sensitivity["memory"]["passes"] == one.plan.sensitivity["memory"]["passes"] == 1
     assert many.plan.sensitivity["dtype"] == dtype and many.plan.sensitivity["memory"]["budget_bytes"] == minimum
     assert _doc(tmp_path / "one.json") == _doc(tmp_path / "many.json")
-    # the cached grouped measurement (no diagonal kept) serves another format: measured again, the same costs
+    # the cached walked measurement (no diagonal kept) serves another format: measured again, the same costs
     other = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit", max_memory=minimum))
     _fresh()
     again = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit"))
@@ -270,7 +284,7 @@ def test_plan_options_refuse_a_bad_dtype_and_memory():
 
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc")
 def test_the_plans_peak_is_held_below_its_budget_and_the_bound_from_its_shapes(memory_model, tmp_path):
-    """The plan in a child, with a ``--max-memory`` that leaves a quarter of the Fisher: its measured peak
+    """The plan in a child, with a ``--max-memory`` that leaves a quarter of the Fisher (one of the 4 blocks): its measured peak
     RSS within that budget and within the estimate computed from the shapes for the groups it chose
     (weights, the largest group's Fisher, one step's working set, the baseline); and below the same plan's
     peak in one group by most of the Fisher it no longer holds at once."""
@@ -280,11 +294,11 @@ def test_the_plans_peak_is_held_below_its_budget_and_the_bound_from_its_shapes(m
     opts = PlanOptions(format="gguf", target_bits=4.5, samples=2, seqlen=64, check_windows=1, max_memory=64 * GIB)
     est = planner.memory_plan(ref, opts).estimate
     fisher_all = sum(est.fisher.values())
-    budget = est.fixed + est.transient + fisher_all // 4
+    budget = est.fixed + est.transient() + fisher_all // 4
     grouped = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=budget))
     assert len(grouped.groups) >= 4
     largest_group = max(sum(est.fisher[t] for t in g) for g in grouped.groups)
-    bound = est.baseline + est.weights + est.reference + est.transient + largest_group  # from the shapes alone
+    bound = est.fixed + est.transient(grouped.groups[0]) + largest_group  # from the shapes alone
     peak = peak_rss(["qkit", "plan", str(memory_model), "-o", str(tmp_path / "p.json"), *args, "--max-memory", str(budget)])
     assert json.loads((tmp_path / "p.json").read_text())["sensitivity"]["memory"]["groups"] == len(grouped.groups)
     assert peak <= bound <= budget, (peak / GIB, bound / GIB, budget / GIB)

@@ -192,10 +192,16 @@ def render_plan(p: Plan) -> None:
 
 
 def memory_line(m: dict) -> str:
-    """The sensitivity's memory record in one line: the Fisher's groups, the budget and the estimated peak."""
-    groups = m.get("groups", 1)
-    return (f"{m.get('dtype', DEFAULT_DTYPE)} model, the Fisher in {groups} group{'s' if groups != 1 else ''}: estimated "
-            f"peak {gib(m.get('estimated_peak_bytes', 0))} of a {gib(m.get('budget_bytes', 0))} budget ({m.get('budget_from')})")
+    """The sensitivity's memory record in one line: how the Fisher was measured (the walk down the blocks,
+    passes over the windows; a plan of an older qkit: its groups), the budget and the estimated peak."""
+    if "passes" in m:
+        passes = m["passes"]
+        how = f"the Fisher {m.get('fisher', 'walked block by block')}, {passes} pass{'es' if passes != 1 else ''}"
+    else:
+        groups = m.get("groups", 1)
+        how = f"the Fisher in {groups} group{'s' if groups != 1 else ''}"
+    return (f"{m.get('dtype', DEFAULT_DTYPE)} model, {how}: estimated peak {gib(m.get('estimated_peak_bytes', 0))} of a "
+            f"{gib(m.get('budget_bytes', 0))} budget ({m.get('budget_from')})")
 
 
 def lossless_note(p: Plan) -> str | None:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from qkit.checkpoint import iter_tensors, open_safetensors, tensor_shards, weight_files
 from qkit.executors import Executor
 from qkit.plan.candidates import Candidate
-from qkit.plan.sensitivity import Fisher, candidate_cost
+from qkit.plan.sensitivity import candidate_cost
 from qkit.schemes.ggml import GGMLScheme, uses_importance
 from qkit.staging import temporary_directory
 
@@ -50,7 +50,7 @@ def cost_item(_shared: None, item: CostItem) -> list[tuple[float, bool]]:
             for c, q in zip(item.candidates, item.quant_weights)]
 
 
-def costs_elsewhere(executor: Executor, directory, names: list[str], fisher: Fisher,
+def costs_elsewhere(executor: Executor, directory, names: list[str], diag: Mapping[str, torch.Tensor],
                     opts: Mapping[str, list[Candidate]], weights: Mapping[str, torch.Tensor]):
     """``(name, [(cost, lossless) per candidate])`` for ``names`` in order, each tensor one ``executor`` task
     (``cost_item``): the driver writes each diagonal to a file of its own (one tensor in memory at a time
@@ -60,7 +60,7 @@ def costs_elsewhere(executor: Executor, directory, names: list[str], fisher: Fis
         items = []
         for i, name in enumerate(names):
             path = Path(tmp) / f"fisher-{i}.safetensors"
-            save_file({"fisher": fisher.diag[name].contiguous()}, str(path))
+            save_file({"fisher": diag[name].contiguous()}, str(path))
             items.append(CostItem(name, str(where[name]), str(path), tuple(opts[name]),
                                   tuple(candidate_weights(weights, name, c) for c in opts[name])))
         yield from zip(names, executor.map(cost_item, items))

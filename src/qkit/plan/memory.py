@@ -1,27 +1,37 @@
 """How much memory ``qkit plan`` needs, from the model's headers and config alone (before the model
-loads), and the groups the Fisher is measured in so that a budget holds.
+loads), and the groups of targets whose Fisher is held at once so that a budget holds.
 
-The plan's peak, estimated (every term in bytes; ``a`` is the load dtype's item size, ``T`` the
-calibration window, ``V`` the vocabulary, ``h``/``i``/``kv`` hidden, intermediate and key-value width,
-``L`` the layers; see docs/plan.md, Memory, for the measurements that set the constants)::
+The Fisher of the targets inside the transformer blocks is measured by one walk down the blocks
+(``qkit.plan.fisher_walk``), which holds one block's diagonal at a time; targets outside them (an
+embedding, a head) by whole-model passes (``sensitivity.fisher_diagonal``), packed into groups. The plan's
+peak, estimated (every term in bytes; ``a`` is the load dtype's item size, ``n`` the calibration windows
+of ``T`` tokens, ``V`` the vocabulary, ``h``/``i``/``kv`` hidden, intermediate and key-value width, ``L``
+the layers; see docs/plan.md, Memory, for the measurements that set the constants)::
 
-    peak = baseline + weights + reference + RETENTION * max(load, backward + gradient, candidates) + fisher(group)
+    peak = baseline + weights + reference + kept + RETENTION * max(load, backward + gradient, candidates) + fisher(group)
 
     baseline    python, torch, transformers, qkit, the tokenizer (CPU only)          BASELINE
     weights     every stored tensor at the load dtype                                 a * sum(numel)
     reference   the check windows' reference log-probabilities, kept for the check   4 * check_windows * T * V (CPU)
+    kept        the walk's inputs of every block and window, and the gradients at    a * n * T * h * (L + 2)
+                one block boundary
     load        the loader's transient: the largest stored tensor in its file dtype, twice
-    backward    one window's forward saved for its backward pass                      L * T * (16 h + 2 kv + 5 i) * a
-                + the attention scores of one layer (eager or math attention)        + 2 * heads * T^2 * 4
-                + the logits' chain (logits, float32 copy, log-softmax, its grad)    + T * V * (a + 14)
+    backward    the walk: one block's forward saved for its backward pass, one       T * (16 h + 2 kv + 5 i) * a
+                window, with one layer's attention scores (eager or math attention)  + 2 * heads * T^2 * 4
+                or the top's logits chain (logits, float32 copy, log-softmax, grad)  (the larger of the two:
+                                                                                      T * V * (a + 14))
+                a whole-model pass (a group holding a target outside the blocks):    L * T * (16 h + 2 kv + 5 i) * a
+                                                                                      + scores + logits chain
     gradient    one target's gradient while its square is added                      2 * a * largest target
     candidates  quantizing, dequantizing and costing the largest target              CANDIDATE_COPIES * 4 * largest target
     fisher      the group's float32 diagonal                                         4 * sum(numel of the group)
 
 The coefficients are upper bounds fitted to measured peaks (``benchmarks/bench_plan_memory.py``,
 ``tests/test_memory_bounds.py``), not a derivation: the saved activations depend on the attention
-kernel and on transformers' version. ``groups`` packs the targets, in layer order, into the fewest
-groups whose peak fits a budget; a budget below the peak with the largest target alone is refused.
+kernel and on transformers' version. ``groups`` gives one group of every target when all of their
+diagonals fit at once (then kept for the next plan of the same model), else one group per block and the
+targets outside the blocks packed, in layer order, into the fewest groups that fit; a budget below the
+peak of the largest such group is refused.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from qkit.methods.memory import (  # re-exported: the plan's estimate is built o
     QUANTIZE_COPIES,
     RETENTION,
     Dims,
+    block_of,
     default_budget,
 )
 
@@ -56,50 +67,56 @@ _LOGITS_FP32 = 14  # bytes per logit beyond the model's own logits: float32 copy
 
 @dataclass(frozen=True)
 class Estimate:
-    """The terms of the plan's peak (bytes), from the headers and config; ``fisher`` per target."""
+    """The terms of the plan's peak (bytes), from the headers and config; ``fisher`` per target, ``blocks``
+    each target's transformer block (None: outside the blocks, measured by a whole-model pass)."""
 
     baseline: int
     weights: int
     reference: int
+    kept: int
     load: int
     backward: int
+    backward_model: int
     gradient: int
     candidates: int
     fisher: dict[str, int]
+    blocks: dict[str, int | None]
 
     @property
     def fixed(self) -> int:
-        """What the whole plan holds: the process, the model, the check's reference."""
-        return self.baseline + self.weights + self.reference
+        """What the whole plan holds: the process, the model, the check's reference, the walk's kept inputs."""
+        return self.baseline + self.weights + self.reference + self.kept
 
-    @property
-    def transient(self) -> int:
-        """The largest working set of one step (the load, a backward pass, or a tensor's candidates), with
-        what the allocator keeps of it (``RETENTION``)."""
-        return int(RETENTION * max(self.load, self.backward + self.gradient, self.candidates))
+    def transient(self, group: Sequence[str] = ()) -> int:
+        """The largest working set of one step while ``group`` is measured (the load, a backward pass, or a
+        tensor's candidates), with what the allocator keeps of it (``RETENTION``): the walk's one block, or
+        the whole model's pass for a group that holds a target outside the blocks."""
+        backward = self.backward_model if any(self.blocks.get(t) is None for t in group) else self.backward
+        return int(RETENTION * max(self.load, backward + self.gradient, self.candidates))
 
     def peak(self, group: Sequence[str]) -> int:
         """The estimated peak while ``group``'s diagonal is held."""
-        return self.fixed + self.transient + sum(self.fisher[t] for t in group)
+        return self.fixed + self.transient(group) + sum(self.fisher[t] for t in group)
 
     @property
     def minimum(self) -> int:
-        """The least any budget must give: the largest target's diagonal alone."""
-        return self.fixed + self.transient + max(self.fisher.values(), default=0)
+        """The least any budget must give: the peak of the largest group that cannot be split (a block's
+        targets, or one target outside the blocks)."""
+        return max((self.peak(g) for g in _finest(self)), default=self.fixed + self.transient())
 
     def to_dict(self) -> dict[str, int]:
-        return {"baseline": self.baseline, "weights": self.weights, "reference": self.reference, "load": self.load,
-                "backward": self.backward, "gradient": self.gradient, "candidates": self.candidates,
-                "fisher_all": sum(self.fisher.values())}
+        return {"baseline": self.baseline, "weights": self.weights, "reference": self.reference, "kept": self.kept,
+                "load": self.load, "backward": self.backward, "backward_model": self.backward_model,
+                "gradient": self.gradient, "candidates": self.candidates, "fisher_all": sum(self.fisher.values())}
 
 
 def estimate(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.dtype | None], config: Mapping,
-             targets: Mapping[str, tuple[int, ...]], *, dtype: torch.dtype, seqlen: int, check_windows: int,
-             on_cpu: bool = True) -> Estimate:
+             targets: Mapping[str, tuple[int, ...]], *, dtype: torch.dtype, samples: int, seqlen: int,
+             check_windows: int, on_cpu: bool = True) -> Estimate:
     """The plan's peak terms (the module docstring's formula) for a model of stored ``shapes``/``dtypes``
-    and ``config``, planning ``targets``, loaded in ``dtype``, with calibration windows of ``seqlen`` tokens
-    of which ``check_windows`` are kept for the check. ``on_cpu`` False (a CUDA device): the baseline and
-    the reference, which stay in host memory, are not counted against the device."""
+    and ``config``, planning ``targets``, loaded in ``dtype``, with ``samples`` calibration windows of
+    ``seqlen`` tokens of which ``check_windows`` are kept for the check. ``on_cpu`` False (a CUDA device):
+    the baseline and the reference, which stay in host memory, are not counted against the device."""
     a = torch.empty((), dtype=dtype).element_size()
     numel = {n: math.prod(s) for n, s in shapes.items()}
     stored = {n: (dtypes.get(n) or torch.float32) for n in shapes}
@@ -109,54 +126,98 @@ def estimate(shapes: Mapping[str, tuple[int, ...]], dtypes: Mapping[str, torch.d
     d = Dims.of(config, shapes)
     hidden, inter, layers, heads, kv, vocab = d.hidden, d.inter, d.layers, d.heads, d.kv, d.vocab
     ch, ckv, ci = _PER_LAYER
-    backward = (layers * seqlen * (ch * hidden + ckv * kv + ci * inter) * a + 2 * heads * seqlen * seqlen * 4
-                + seqlen * vocab * (a + _LOGITS_FP32))
+    layer = seqlen * (ch * hidden + ckv * kv + ci * inter) * a
+    scores = 2 * heads * seqlen * seqlen * 4
+    logits = seqlen * vocab * (a + _LOGITS_FP32)
+    blocks = {n: block_of(n) for n in targets}
+    walk = any(b is not None for b in blocks.values())
     return Estimate(
         baseline=BASELINE if on_cpu else 0,
         weights=weights,
         reference=4 * check_windows * seqlen * vocab if on_cpu else 0,
+        kept=a * samples * seqlen * hidden * (layers + 2) if walk else 0,
         load=2 * largest_stored,
-        backward=backward,
+        backward=max(layer + scores, logits),
+        backward_model=layers * layer + scores + logits,
         gradient=2 * a * largest_target,
         candidates=CANDIDATE_COPIES * 4 * largest_target,
         fisher={n: 4 * math.prod(s) for n, s in targets.items()},
+        blocks=blocks,
     )
 
 
 def layer_order(name: str) -> list[tuple[int, int | str]]:
-    """A sort key that puts ``layers.2`` before ``layers.10``: the model's order, so that a later group's
-    backward pass stops at its first layer."""
+    """A sort key that puts ``layers.2`` before ``layers.10``: the model's order."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", name)]
 
 
+def _by_block(est: Estimate) -> tuple[list[list[str]], list[str]]:
+    """The targets inside the blocks, one list per block (in block order), and those outside, in layer order."""
+    inside: dict[int, list[str]] = {}
+    outside = []
+    for name in sorted(est.fisher, key=layer_order):
+        b = est.blocks.get(name)
+        if b is None:
+            outside.append(name)
+        else:
+            inside.setdefault(b, []).append(name)
+    return [inside[b] for b in sorted(inside)], outside
+
+
+def _finest(est: Estimate) -> list[list[str]]:
+    blocks, outside = _by_block(est)
+    return blocks + [[t] for t in outside]
+
+
 def groups(est: Estimate, budget: int) -> list[list[str]]:
-    """The targets in layer order, packed greedily into consecutive groups whose estimated peak is within
-    ``budget`` (one group when everything fits). The caller has refused a budget below ``est.minimum``."""
+    """The groups of targets whose diagonals are held at once within ``budget``: one group of every target
+    when it fits (the diagonals are then kept for the next plan of the same model); else each block's
+    targets (the walk's unit), then the targets outside the blocks packed greedily, in layer order, into
+    consecutive groups. The caller has refused a budget below ``est.minimum``."""
+    everything = sorted(est.fisher, key=layer_order)
+    if not everything or est.peak(everything) <= budget:
+        return [everything] if everything else []
+    blocks, outside = _by_block(est)
     out: list[list[str]] = [[]]
     held = 0
-    room = budget - est.fixed - est.transient
-    for name in sorted(est.fisher, key=layer_order):
+    room = budget - est.fixed - est.transient(outside[:1])
+    for name in outside:
         if out[-1] and held + est.fisher[name] > room:
             out.append([])
             held = 0
         out[-1].append(name)
         held += est.fisher[name]
-    return out if out[-1] else []
+    return blocks + (out if out[-1] else [])
+
+
+def passes(group_list: Sequence[Sequence[str]], est: Estimate) -> int:
+    """The passes over the calibration windows these groups take: one walk down the blocks for every
+    target inside them, and one whole-model pass per group holding targets outside them."""
+    inside = any(est.blocks.get(t) is not None for g in group_list for t in g)
+    return int(inside) + sum(any(est.blocks.get(t) is None for t in g) for g in group_list)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     """A budget (``given``: by ``--max-memory``, else the default from the memory available), the estimate,
-    and the Fisher's groups that honour it."""
+    and the groups of targets whose Fisher is held at once within it."""
 
     budget: int
     given: bool
     estimate: Estimate
     groups: list[list[str]]
 
+    @property
+    def keeps_all(self) -> bool:
+        """Every target's diagonal held at once (one group): kept for the next plan of the same model."""
+        return len(self.groups) == 1 and len(self.groups[0]) == len(self.estimate.fisher)
+
     def to_dict(self) -> dict:
         return {"budget_bytes": self.budget, "budget_from": "--max-memory" if self.given else "available memory",
-                "groups": len(self.groups), "estimated_peak_bytes": max((self.estimate.peak(g) for g in self.groups), default=0),
+                "fisher": "walked block by block" if any(b is not None for b in self.estimate.blocks.values())
+                else "whole-model passes",
+                "groups": len(self.groups), "passes": passes(self.groups, self.estimate),
+                "estimated_peak_bytes": max((self.estimate.peak(g) for g in self.groups), default=0),
                 "estimate": self.estimate.to_dict()}
 
 
@@ -164,15 +225,20 @@ def plan_memory(est: Estimate, budget: int, *, given: bool, available: int | Non
     """The groups for ``budget``; an ``InputError`` (one line) when even the largest target's group alone
     does not fit, naming what the estimate holds and what would help."""
     if budget < est.minimum:
-        parts = (f"the model's weights {gib(est.weights)} in {dtype}, one window's backward pass {gib(est.backward)}, "
-                 f"the largest tensor's Fisher {gib(max(est.fisher.values(), default=0))}, the process {gib(est.baseline)}")
-        helps = "pass --dtype bf16, a shorter --calibration-seqlen, or " if dtype == "fp32" else "pass a shorter --calibration-seqlen or "
+        largest = max(_finest(est), key=est.peak, default=[])
+        parts = (f"the model's weights {gib(est.weights)} in {dtype}, one window's backward pass "
+                 f"{gib(est.backward_model if any(est.blocks.get(t) is None for t in largest) else est.backward)}, "
+                 f"the blocks' inputs {gib(est.kept)}, the largest group's Fisher {gib(sum(est.fisher[t] for t in largest))}, "
+                 f"the process {gib(est.baseline)}")
+        helps = ("pass --dtype bf16, fewer --calibration-samples or a shorter --calibration-seqlen, or " if dtype == "fp32"
+                 else "pass fewer --calibration-samples or a shorter --calibration-seqlen, or ")
         if given:
-            raise InputError(f"--max-memory {gib(budget)} is below the {gib(est.minimum)} this plan needs with one tensor's "
+            raise InputError(f"--max-memory {gib(budget)} is below the {gib(est.minimum)} this plan needs with one block's "
                              f"Fisher at a time ({parts}); {helps}raise --max-memory")
-        raise InputError(f"this plan needs {gib(est.minimum)} with one tensor's Fisher at a time ({parts}), but only "
+        raise InputError(f"this plan needs {gib(est.minimum)} with one block's Fisher at a time ({parts}), but only "
                          f"{gib(available or 0)} is available; {helps}free memory (--max-memory SIZE overrides the check)")
     return MemoryPlan(budget, given, est, groups(est, budget))
 
 
-__all__ = ["BASELINE", "CANDIDATE_COPIES", "HEADROOM", "RETENTION", "Estimate", "MemoryPlan", "default_budget", "estimate", "groups", "layer_order", "plan_memory"]
+__all__ = ["BASELINE", "CANDIDATE_COPIES", "HEADROOM", "RETENTION", "Estimate", "MemoryPlan", "default_budget", "estimate", "groups",
+           "layer_order", "passes", "plan_memory"]

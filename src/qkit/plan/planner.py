@@ -23,9 +23,10 @@ The sensitivity table (steps 1-3) is kept for the last model, format, candidates
 (``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the Fisher is kept
 for the last model and calibration (``_FISHER``), so plans for another format or candidate set reuse it.
 
-Memory: the model, one group of targets' float32 Fisher and one window's backward pass at a time
-(``memory_plan``, ``qkit.plan.memory``); ``PlanOptions.max_memory`` (``--max-memory``) bounds it, and a
-budget too small even for one tensor's group is refused before the model loads.
+Memory: the model, one block's float32 Fisher (the walk down the blocks, ``qkit.plan.fisher_walk``), the
+blocks' kept inputs and one block's backward pass at a time (``memory_plan``, ``qkit.plan.memory``);
+``PlanOptions.max_memory`` (``--max-memory``) bounds it, and a budget too small even for one block's
+group is refused before the model loads.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from dataclasses import dataclass, field
 import torch
 
 from qkit.checkpoint import (
-    iter_tensors,
     tensor_reader,
     tensor_dtypes,
     tensor_shapes,
@@ -62,9 +62,11 @@ from qkit.plan.candidates import (
 from qkit.plan.costing import file_tensors, candidate_weights, costs_elsewhere
 from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
 from qkit.plan.planfile import Plan, TensorChoice, base_type, fingerprint, lossless_types, upgrades  # the last three re-exported
-from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal, measured_kl
+from qkit.plan.checking import check_mix
+from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
+from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
 from qkit.plan.solve import smallest, solve, tied_items  # tied_items re-exported
-from qkit.schemes import get_scheme, quantize_tensor
+from qkit.schemes import get_scheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.transform import Rules
 from qkit.version import __version__
@@ -218,7 +220,8 @@ def memory_plan(ref: ModelRef, options: PlanOptions, device: torch.device | str 
     if cached is not None and options.max_memory is None:
         return cached.memory
     est = estimate(dict(tensor_shapes(ref.directory)), tensor_dtypes(ref.directory), read_config(ref.directory), targets,
-                   dtype=LOAD_DTYPES[options.dtype], seqlen=options.seqlen, check_windows=options.check_windows,
+                   dtype=LOAD_DTYPES[options.dtype], samples=options.samples, seqlen=options.seqlen,
+                   check_windows=options.check_windows,
                    on_cpu=dev.type == "cpu")
     if options.max_memory is not None:
         return plan_memory(est, options.max_memory, given=True, dtype=options.dtype)
@@ -256,13 +259,15 @@ def sensitivity_table(
     ``gptq``: price the candidates for the codes GPTQ with these options writes (``qkit.plan.feedback``:
     each Fisher cost scaled by GPTQ's output-error ratio to RTN's; one more pass over the blocks).
 
-    Memory (``memory_plan``): the targets are measured in groups whose float32 Fisher fits the budget. Per
-    group, one pass over the calibration windows (the labels sampled in the first pass, reused: every
-    target gets exactly the value one pass over all would give), then that group's candidates are costed
-    and its diagonal freed before the next. With one group (everything fits) the diagonal is kept for the
-    next format or candidate set of the same model; with several, such a plan measures again.
+    Memory (``memory_plan``): the targets inside the transformer blocks are measured by one walk down the
+    blocks (``qkit.plan.fisher_walk``): each block's candidates are costed as soon as its diagonal is
+    complete, and the diagonal freed before the next block's. Targets outside the blocks (an embedding, a
+    head) take a whole-model pass per group that fits the budget, with the labels the first pass sampled
+    (every target gets exactly the value one pass over all would give). When every target's diagonal fits
+    at once they are kept for the next format or candidate set of the same model; otherwise such a plan
+    measures again.
 
-    ``executor`` (``qkit.executors``; ``--executor ray``): each group's candidate costs, after its Fisher,
+    ``executor`` (``qkit.executors``; ``--executor ray``): each block's (or group's) candidate costs,
     computed in other processes, one task per tensor (``costs_elsewhere``), the same numbers; the GPTQ
     feedback stays here."""
     fmt = check_format(options.format)
@@ -293,35 +298,54 @@ def sensitivity_table(
     else:  # another format or candidate set of the same model: the Fisher does not depend on them
         model, provenance, ids, first = measured.model, measured.provenance, measured.ids, measured.fisher
     whole = first is not None and set(first.diag) == set(targets)
-    plan_groups = [list(targets)] if whole else mem.groups
-    n, passes = int(ids.shape[0]), len(plan_groups)
     weights = dict(quant_weights or {})
     by_name: dict[str, tuple[list[float], list[bool]]] = {}
-    t_fisher = 0.0
-    for k, group in enumerate(plan_groups):
-        t1 = time.perf_counter()
-        if whole:
-            fisher = first
+    kept: dict[str, torch.Tensor] = {}
+    t_costs = [0.0]
+
+    def cost_group(diag: Mapping[str, torch.Tensor]) -> None:
+        """The candidates of ``diag``'s targets, costed now (here or as executor tasks); each diagonal kept
+        for the next plan of this model when every target's fits at once, else freed with ``diag``."""
+        t = time.perf_counter()
+        names = [n for n in targets if n in diag]
+        if executor.parallel:  # each tensor's candidates a task of their own, reading the files (costs_elsewhere)
+            costed_all = costs_elsewhere(executor, ref.directory, names, diag, opts, weights)
         else:
+            costed_all = ((name, [candidate_cost(w, diag[name], c.scheme, name=name,
+                                                 quant_weights=candidate_weights(weights, name, c)) for c in opts[name]])
+                          for name, w in file_tensors(ref.directory, set(names), str(device), whole=whole))
+        for name, costed in costed_all:
+            by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
+            say("candidates", len(by_name), len(targets))
+        if mem.keeps_all:
+            kept.update(diag)
+        t_costs[0] += time.perf_counter() - t
+
+    t1 = time.perf_counter()
+    if whole:
+        cost_group(first.diag)
+    else:
+        _, outside = block_targets(model, list(targets))
+        walked = [t for t in targets if t not in set(outside)]
+        outside_groups = [g for g in ([t for t in group if t in set(outside)] for group in mem.groups) if g]
+        if walked:  # one walk down the blocks for every target inside them (qkit.plan.fisher_walk)
+            walk = fisher_by_blocks(model, ids, walked, cost_group, seed=options.seed,
+                                    check_windows=options.check_windows if first is None else 0,
+                                    labels=None if first is None else first.labels,
+                                    on_step=lambda i, k: say("fisher", i, k + len(outside_groups) * int(ids.shape[0])))
+            first = first or walk
+        n = int(ids.shape[0])
+        for k, group in enumerate(outside_groups):  # an embedding, a head: whole-model passes, the same labels
             fisher = fisher_diagonal(model, ids, group, seed=options.seed,
                                      check_windows=options.check_windows if first is None else 0,
                                      labels=None if first is None else first.labels,
-                                     on_window=lambda i, _n, k=k: say("fisher", k * n + i, passes * n))
+                                     on_window=lambda i, _n, k=k: say("fisher", k * n + i, len(outside_groups) * n))
             first = first or fisher
-        t_fisher += time.perf_counter() - t1
-        if executor.parallel:  # each tensor's candidates a task of their own, reading the files (costs_elsewhere)
-            for name, costed in costs_elsewhere(executor, ref.directory, [n for n in targets if n in set(group)],
-                                                fisher, opts, weights):
-                by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
-                say("candidates", len(by_name), len(targets))
-        for name, w in (() if executor.parallel else file_tensors(ref.directory, set(group), str(device), whole=passes == 1)):
-            costed = [candidate_cost(w, fisher.diag[name], c.scheme, name=name, quant_weights=candidate_weights(weights, name, c))
-                      for c in opts[name]]
-            by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
-            del w
-            say("candidates", len(by_name), len(targets))
-        if passes > 1:
-            fisher.diag.clear()  # this group's diagonal freed before the next group's is allocated
+            cost_group(fisher.diag)
+            fisher.diag.clear()
+        if mem.keeps_all:
+            first.diag = kept
+    t_fisher = time.perf_counter() - t1 - t_costs[0]  # the walk and passes, without the candidates costed inside them
     assert first is not None
     if measured is None:
         _FISHER[fkey] = _Measured(first, model, provenance, ids, mem)
@@ -343,7 +367,7 @@ def sensitivity_table(
                   dtypes={n: d for n, d in tensor_dtypes(ref.directory).items() if n in targets},
                   seconds={"fisher": round(t_fisher, 3), "candidates": round(time.perf_counter() - t0 - t_fisher - t_gptq, 3),
                            **({"gptq": round(t_gptq, 3)} if gptq is not None else {})},
-                  memory={**mem.to_dict(), "groups": passes, "dtype": options.dtype}, ids=ids, gptq=gptq,
+                  memory={**mem.to_dict(), "dtype": options.dtype}, ids=ids, gptq=gptq,
                   feedback=record)
     _TABLE[key] = table
     return table
@@ -416,75 +440,15 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
 
 
 def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None) -> None:
-    """Step 5: the plan's mix swapped into the table's model (the same codes the file holds; for a table
-    priced for GPTQ, GPTQ's weights solved block after block, ``feedback.solved_weights``, on the sensitivity
-    windows after the check's, so that the check is not measured on the tokens GPTQ was fitted to), its KL
-    measured on the check windows beside the prediction, into ``plan.check``; the weights restored."""
-    fisher = table.fisher
-    if fisher is None or not fisher.reference:
-        plan.check = {"measured_kl": None, "windows": 0}
-        return
-    model = table.model
-    params = dict(model.named_parameters())
-    weights = dict(quant_weights or {})
-    t0 = time.perf_counter()
-    device = str(next(model.parameters()).device)
-    # A swapped parameter is restored from the file it was loaded from when it equals that file's tensor
-    # (checked before the swap; no second copy of the model's weights); any other one from a copy.
-    swapped: list[str] = []
-    copies: dict[str, torch.Tensor] = {}
-    try:
-        with torch.no_grad():
-            for name, w in iter_tensors(ref.directory, device=device):
-                t = plan.tensors.get(name)
-                if t is None or t.scheme is None:
-                    continue
-                p = params[name]
-                if not torch.equal(p, w.to(p.dtype)):
-                    copies[name] = p.detach().clone()
-                swapped.append(name)
-                if table.gptq is None:
-                    qt = quantize_tensor(w, t.scheme, name=name, quant_weights=candidate_weights(weights, name, Candidate(t.type, t.scheme, t.nbytes)))
-                    p.copy_(qt.dequantize(p.dtype))
-            solved_on = None
-            if table.gptq is not None:  # solved on the windows the check does not measure (all, if it measures all)
-                n_check = len(fisher.reference)
-                solve_ids = table.ids[n_check:] if int(table.ids.shape[0]) > n_check else table.ids
-                solved_on = {"windows": int(solve_ids.shape[0]), "held_out": solve_ids is not table.ids}
-                chosen = {n: Candidate(t.type, t.scheme, t.nbytes) for n, t in plan.tensors.items()}
-                feedback.solved_weights(model, solve_ids, chosen, tensor_reader(ref.directory, chosen, device),
-                                        gptq=table.gptq, quant_weights=lambda n, c: candidate_weights(weights, n, c),
-                                        device=torch.device(device))
-        kl, se = measured_kl(model, fisher)
-    finally:
-        _restore(params, swapped, copies, ref, device)
-    pred = plan.predicted_kl
-    plan.check = {"measured_kl": kl, "measured_kl_se": se, "predicted_kl": pred,
-                  "ratio": (pred / kl) if kl > 0 else None, "windows": len(fisher.reference),
-                  "positions": int(fisher.check_ids.numel()), "seconds": round(time.perf_counter() - t0, 3),
-                  "text": "calibration windows (the first check windows of the sensitivity pass), never the eval text",
-                  **({"gptq_solved_on": solved_on} if solved_on is not None else {})}
+    """Step 5 (``qkit.plan.checking.check_mix``): the plan's mix measured in the table's model, into
+    ``plan.check``; if the weights cannot be restored, the cached model is dropped so that no later plan
+    measures a changed one."""
+    check_mix(plan, table, ref, quant_weights, forget=_forget)
 
 
-def _restore(params: Mapping[str, torch.Tensor], names: Sequence[str], copies: Mapping[str, torch.Tensor],
-             ref: ModelRef, device: str) -> None:
-    """Put back the weights ``check`` swapped: from ``copies``, else from the model's file. If that fails
-    (an interrupt, a file gone), the cached model is dropped so that no later plan measures a changed one."""
-    todo = set(names)
-    try:
-        with torch.no_grad():
-            for name in todo & copies.keys():
-                params[name].copy_(copies[name])
-            todo -= copies.keys()
-            if todo:
-                for name, w in iter_tensors(ref.directory, device=device):
-                    if name in todo:
-                        params[name].copy_(w)
-                        todo.discard(name)
-    finally:
-        if todo:
-            _FISHER.clear()
-            _TABLE.clear()
+def _forget() -> None:
+    _FISHER.clear()
+    _TABLE.clear()
 
 
 __all__ = ["DEFAULT_CHECK_WINDOWS", "DEFAULT_DTYPE", "DEFAULT_SAMPLES", "DEFAULT_SEQLEN", "ESTIMATOR", "LOAD_DTYPES",
