@@ -3,7 +3,7 @@ bf16 (docs/scale.md).
 
     python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b,7b-2l] [--steps plan,quantize,rtn,imatrix,gptq,awq]
         [--samples 4] [--seqlen 256] [--candidates q4_0,q4_k,q6_k,q8_0,none] [--headroom 3GiB | --max-memory SIZE]
-        [--dir /tmp] [--json OUT] [--keep-going]
+        [--dir /tmp] [--json OUT] [--keep-going] [--src DIR]
 
 Each synthetic model is written by ``benchmarks/bench_eval_memory.py``'s writer (random normal weights, one
 shard in memory at a time) in bf16 with the default model's tokenizer (vocabulary 49,152), to a temporary
@@ -26,6 +26,9 @@ clock, which includes the imports):
 
 Each row also gets ``seconds / (params x tokens)`` (ns per parameter and calibration token) for the steps
 that run the model on the calibration tokens (plan, imatrix, gptq), the ratio to compare across sizes.
+
+``--src DIR`` runs another qkit tree's steps (``PYTHONPATH=DIR``: an earlier commit unpacked by ``git archive``),
+for a before/after on the same machine.
 
 A shape whose bf16 weights + headroom exceed ``MemAvailable``, or whose files do not fit in ``--dir``, is
 refused before it is written (``--keep-going`` skips it and goes on).
@@ -77,6 +80,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--keep-going", action="store_true")
+    ap.add_argument("--src", type=Path, default=None, help="another qkit tree's src/ to run (PYTHONPATH)")
     args = ap.parse_args()
 
     from qkit.checkpoint import tensor_shapes
@@ -135,10 +139,11 @@ def main() -> None:
                 else:
                     sys.exit(f"unknown step {step!r}: plan, quantize, rtn, imatrix, gptq or awq")
                 print(f"{name}: qkit {' '.join(argv[argv.index('-m') + 2:])}", flush=True)
-                r = bpm.run_child(argv, log=work / f"{step}.log")
+                r = bpm.run_child(argv, src=args.src, log=work / f"{step}.log")
                 row = {"shape": name, **shape, "parameters": params, "bf16_bytes": bf16, "step": step, "seconds": r["seconds"],
                        "peak_rss": r["peak_rss"], "exit_code": r["exit_code"],
-                       "command": "qkit " + " ".join(argv[argv.index("-m") + 2:])}
+                       "command": "qkit " + " ".join(argv[argv.index("-m") + 2:]),
+                       **({"src": str(args.src)} if args.src else {})}
                 if step not in ("quantize", "rtn"):  # the steps that run the model over the calibration tokens
                     row["ns_per_param_token"] = 1e9 * r["seconds"] / (params * args.samples * args.seqlen)
                 if step == "plan" and plan.is_file():

@@ -147,6 +147,14 @@ def llama128(tmp_path_factory) -> Path:
     return make_llama(tmp_path_factory.mktemp("llama128") / "llama128")
 
 
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """An eval corpus for the tiny model: its own text, three times."""
+    f = tmp_path_factory.mktemp("corpus") / "text.txt"
+    f.write_text(TINY_TEXT * 3)
+    return f
+
+
 @pytest.fixture(scope="module")
 def perturbed(tiny_model_dir):
     """``(ref_model, row, tokenizer)``: ``tiny_model_dir`` loaded twice, every matrix times 8 (the tiny random

@@ -25,13 +25,6 @@ FAST = ["--tokens", "64", "--agree-tokens", "1"]
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    f = tmp_path_factory.mktemp("corpus") / "text.txt"
-    f.write_text(TINY_TEXT * 3)
-    return f
-
-
-@pytest.fixture(scope="module")
 def calibration(tmp_path_factory) -> Path:
     """A calibration text sharing no run of 12 words with the corpus (nor with the pinned Ruth)."""
     f = tmp_path_factory.mktemp("calibration") / "cal.txt"

@@ -20,13 +20,6 @@ FAST = ["--tokens", "64", "--agree-tokens", "1", "--no-battery"]
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    f = tmp_path_factory.mktemp("corpus") / "text.txt"
-    f.write_text(TINY_TEXT * 3)
-    return f
-
-
-@pytest.fixture(scope="module")
 def q8_file(tiny_model_dir, tmp_path_factory) -> Path:
     """A GGUF of the tiny model, written by qkit: a good file row."""
     out = tmp_path_factory.mktemp("good") / "q8_0.gguf"

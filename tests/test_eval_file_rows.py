@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 import torch
 from adversarial import invoke
-from conftest import TINY_TEXT
 
 from qkit.checkpoint import iter_tensors
 from qkit.errors import InputError
@@ -30,13 +29,6 @@ from qkit.models import read_config
 
 SAME = ("perplexity", "perplexity_se", "perplexity_change_pct", "perplexity_change_se_pct", "kld", "kld_se",
         "top1_match", "battery_outputs", "battery_answers", "agreement", "bits_per_weight", "matrices")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    f = tmp_path_factory.mktemp("corpus") / "text.txt"
-    f.write_text(TINY_TEXT * 3)
-    return f
 
 
 def _written(model: Path, directory: Path, scheme: str) -> Path:

@@ -31,7 +31,7 @@ ray = pytest.importorskip("ray", reason="needs Ray (pip install 'qkit[ray]')")
 runner = CliRunner()
 RAY = str(Path(sys.executable).with_name("ray"))
 TIMING = {"seconds", "build_seconds", "seconds_total"}  # wall-clock fields: the only ones allowed to differ
-EVAL_FAST = ["--tokens", "128", "--device", "cpu", "--schemes", "int8-row,int4-g32,nf4,int4-tensor"]
+EVAL_FAST = ["--tokens", "128", "--device", "cpu", "--schemes", "int8-row,int4-g32,nf4,int4-tensor,int8-tensor,q8_0"]
 PLAN_FAST = ["--format", "gguf", "--target-bits", "4.6", "--calibration-samples", "2", "--calibration-seqlen", "32",
              "--check-windows", "2", "--device", "cpu"]
 
@@ -104,7 +104,7 @@ def test_eval_rows_on_ray_are_the_serial_rows(tiny, cluster, tmp_path):
         r = runner.invoke(app, ["eval", str(model), "--corpus", corpus, *EVAL_FAST, *extra, "--json", str(out[name])])
         assert r.exit_code == 0, r.output
     serial, fanned = (json.loads(out[k].read_text()) for k in ("serial", "ray"))
-    assert [r["scheme"] for r in fanned["rows"]] == ["reference", "int8-row", "int4-g32", "nf4", "int4-tensor"]
+    assert [r["scheme"] for r in fanned["rows"]] == ["reference", "int8-row", "int4-g32", "nf4", "int4-tensor", "int8-tensor", "q8_0"]
     a, b = _numbers(serial), _numbers(fanned)
     assert a.keys() == b.keys()
     differ = {k: (a[k], b[k]) for k in a if not _same(a[k], b[k])}

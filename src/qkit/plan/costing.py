@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from qkit.checkpoint import iter_tensors, open_safetensors, tensor_shards, weight_files
+from qkit.checkpoint import open_safetensors, tensor_shards, weight_files
 from qkit.executors import Executor
 from qkit.plan.candidates import Candidate
 from qkit.plan.sensitivity import candidate_cost
@@ -66,15 +66,11 @@ def costs_elsewhere(executor: Executor, directory, names: list[str], diag: Mappi
         yield from zip(names, executor.map(cost_item, items))
 
 
-def file_tensors(directory, names: set[str], device: str, *, whole: bool):
+def file_tensors(directory, names: set[str], device: str):
     """``(name, tensor)`` of the file's tensors named ``names`` (what quantize reads: the source weights, not
-    the loaded model's), one at a time. ``whole`` (every target in one group): ``iter_tensors``' one
-    streaming pass over the file. Otherwise only the group's tensors are read, each by itself from its
-    shard (``open_safetensors``: a private mapping of that tensor, released when it is dropped), so that
-    a plan in many groups reads the checkpoint about once in all, not once per group."""
-    if whole:
-        yield from ((n, w) for n, w in iter_tensors(directory, device=device) if n in names)
-        return
+    the loaded model's), one at a time, each by itself from its shard (``open_safetensors``: a private
+    mapping of that tensor, released when it is dropped), so that a plan costing block after block reads
+    the checkpoint once in all."""
     for path in weight_files(directory):
         with open_safetensors(path) as f:
             keys = sorted(names.intersection(f.keys()))

@@ -28,10 +28,9 @@ the layers; see docs/plan.md, Memory, for the measurements that set the constant
 
 The coefficients are upper bounds fitted to measured peaks (``benchmarks/bench_plan_memory.py``,
 ``tests/test_memory_bounds.py``), not a derivation: the saved activations depend on the attention
-kernel and on transformers' version. ``groups`` gives one group of every target when all of their
-diagonals fit at once (then kept for the next plan of the same model), else one group per block and the
-targets outside the blocks packed, in layer order, into the fewest groups that fit; a budget below the
-peak of the largest such group is refused.
+kernel and on transformers' version. ``groups`` gives one group per block and the targets outside the
+blocks packed, in layer order, into the fewest groups that fit; a budget below the peak of the largest
+such group is refused.
 """
 
 from __future__ import annotations
@@ -170,13 +169,10 @@ def _finest(est: Estimate) -> list[list[str]]:
 
 
 def groups(est: Estimate, budget: int) -> list[list[str]]:
-    """The groups of targets whose diagonals are held at once within ``budget``: one group of every target
-    when it fits (the diagonals are then kept for the next plan of the same model); else each block's
-    targets (the walk's unit), then the targets outside the blocks packed greedily, in layer order, into
-    consecutive groups. The caller has refused a budget below ``est.minimum``."""
-    everything = sorted(est.fisher, key=layer_order)
-    if not everything or est.peak(everything) <= budget:
-        return [everything] if everything else []
+    """The groups of targets whose diagonals are held at once within ``budget``: each block's targets (the
+    walk's unit: one block's diagonals at a time, never every target's), then the targets outside the
+    blocks packed greedily, in layer order, into consecutive groups (one whole-model pass each). The caller
+    has refused a budget below ``est.minimum``."""
     blocks, outside = _by_block(est)
     out: list[list[str]] = [[]]
     held = 0
@@ -206,11 +202,6 @@ class MemoryPlan:
     given: bool
     estimate: Estimate
     groups: list[list[str]]
-
-    @property
-    def keeps_all(self) -> bool:
-        """Every target's diagonal held at once (one group): kept for the next plan of the same model."""
-        return len(self.groups) == 1 and len(self.groups[0]) == len(self.estimate.fisher)
 
     def to_dict(self) -> dict:
         return {"budget_bytes": self.budget, "budget_from": "--max-memory" if self.given else "available memory",

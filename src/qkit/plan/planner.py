@@ -20,8 +20,9 @@ Steps (``make_plan``), each a function a script can call:
    on calibration windows, beside the prediction (the solver assumes costs add; this says how far they do).
 
 The sensitivity table (steps 1-3) is kept for the last model, format, candidates and calibration
-(``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the Fisher is kept
-for the last model and calibration (``_FISHER``), so plans for another format or candidate set reuse it.
+(``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the loaded model, its
+labels and the check's reference are kept for the last model and calibration (``_FISHER``), so a plan for
+another format or candidate set walks the Fisher again without loading the model.
 
 Memory: the model, one block's float32 Fisher (the walk down the blocks, ``qkit.plan.fisher_walk``), the
 blocks' kept inputs and one block's backward pass at a time (``memory_plan``, ``qkit.plan.memory``);
@@ -89,8 +90,9 @@ class PlanOptions:
     which tensors (``qkit.transform.Rules``); ``calibration`` the text, ``samples`` windows of
     ``seqlen`` tokens chosen with ``seed``, ``check_windows`` of them measured for the check; ``dtype``
     the model is loaded in for the Fisher (fp32, bf16, fp16; the diagonal is float32 either way);
-    ``max_memory`` the bytes the plan may peak at (None: a default from the memory available), which
-    decides only how many groups the Fisher is measured in, never the plan."""
+    ``max_memory`` the bytes the plan may peak at (None: a default from the memory available): refused
+    before the model loads when one block's Fisher does not fit, and deciding how many whole-model passes
+    the targets outside the blocks take, never the plan."""
 
     format: str = "qkit"
     target_bits: float | None = None
@@ -164,7 +166,7 @@ class Table:
 
 
 _TABLE: dict[tuple, Table] = {}
-_FISHER: dict[tuple, _Measured] = {}  # the last model's Fisher (with its model and calibration record): one entry
+_FISHER: dict[tuple, _Measured] = {}  # the last model's measurement (model, labels, calibration record): one entry
 
 
 def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int, ...]]:
@@ -233,8 +235,8 @@ def memory_plan(ref: ModelRef, options: PlanOptions, device: torch.device | str 
 
 @dataclass
 class _Measured:
-    """The cached Fisher of the last model: its first pass (check windows, labels; the diagonal only when
-    one group held every target), the loaded model, the calibration record and ids, the memory plan."""
+    """The last model's measurement: its first pass (check windows, labels; no diagonal: each was freed once
+    its candidates were costed), the loaded model, the calibration record and ids, the memory plan."""
 
     fisher: Fisher
     model: object
@@ -263,9 +265,9 @@ def sensitivity_table(
     blocks (``qkit.plan.fisher_walk``): each block's candidates are costed as soon as its diagonal is
     complete, and the diagonal freed before the next block's. Targets outside the blocks (an embedding, a
     head) take a whole-model pass per group that fits the budget, with the labels the first pass sampled
-    (every target gets exactly the value one pass over all would give). When every target's diagonal fits
-    at once they are kept for the next format or candidate set of the same model; otherwise such a plan
-    measures again.
+    (every target gets exactly the value one pass over all would give). No diagonal outlives its costs: a
+    plan of the same model for another format or candidate set walks again, with the loaded model, the
+    labels and the check's reference kept.
 
     ``executor`` (``qkit.executors``; ``--executor ray``): each block's (or group's) candidate costs,
     computed in other processes, one task per tensor (``costs_elsewhere``), the same numbers; the GPTQ
@@ -297,15 +299,13 @@ def sensitivity_table(
         first = None
     else:  # another format or candidate set of the same model: the Fisher does not depend on them
         model, provenance, ids, first = measured.model, measured.provenance, measured.ids, measured.fisher
-    whole = first is not None and set(first.diag) == set(targets)
     weights = dict(quant_weights or {})
     by_name: dict[str, tuple[list[float], list[bool]]] = {}
-    kept: dict[str, torch.Tensor] = {}
     t_costs = [0.0]
 
     def cost_group(diag: Mapping[str, torch.Tensor]) -> None:
-        """The candidates of ``diag``'s targets, costed now (here or as executor tasks); each diagonal kept
-        for the next plan of this model when every target's fits at once, else freed with ``diag``."""
+        """The candidates of ``diag``'s targets, costed now (here or as executor tasks); the diagonals are
+        freed with ``diag`` once the caller drops it."""
         t = time.perf_counter()
         names = [n for n in targets if n in diag]
         if executor.parallel:  # each tensor's candidates a task of their own, reading the files (costs_elsewhere)
@@ -313,38 +313,31 @@ def sensitivity_table(
         else:
             costed_all = ((name, [candidate_cost(w, diag[name], c.scheme, name=name,
                                                  quant_weights=candidate_weights(weights, name, c)) for c in opts[name]])
-                          for name, w in file_tensors(ref.directory, set(names), str(device), whole=whole))
+                          for name, w in file_tensors(ref.directory, set(names), str(device)))
         for name, costed in costed_all:
             by_name[name] = ([c for c, _ in costed], [x for _, x in costed])
             say("candidates", len(by_name), len(targets))
-        if mem.keeps_all:
-            kept.update(diag)
         t_costs[0] += time.perf_counter() - t
 
     t1 = time.perf_counter()
-    if whole:
-        cost_group(first.diag)
-    else:
-        _, outside = block_targets(model, list(targets))
-        walked = [t for t in targets if t not in set(outside)]
-        outside_groups = [g for g in ([t for t in group if t in set(outside)] for group in mem.groups) if g]
-        if walked:  # one walk down the blocks for every target inside them (qkit.plan.fisher_walk)
-            walk = fisher_by_blocks(model, ids, walked, cost_group, seed=options.seed,
-                                    check_windows=options.check_windows if first is None else 0,
-                                    labels=None if first is None else first.labels,
-                                    on_step=lambda i, k: say("fisher", i, k + len(outside_groups) * int(ids.shape[0])))
-            first = first or walk
-        n = int(ids.shape[0])
-        for k, group in enumerate(outside_groups):  # an embedding, a head: whole-model passes, the same labels
-            fisher = fisher_diagonal(model, ids, group, seed=options.seed,
-                                     check_windows=options.check_windows if first is None else 0,
-                                     labels=None if first is None else first.labels,
-                                     on_window=lambda i, _n, k=k: say("fisher", k * n + i, len(outside_groups) * n))
-            first = first or fisher
-            cost_group(fisher.diag)
-            fisher.diag.clear()
-        if mem.keeps_all:
-            first.diag = kept
+    _, outside = block_targets(model, list(targets))
+    walked = [t for t in targets if t not in set(outside)]
+    outside_groups = [g for g in ([t for t in group if t in set(outside)] for group in mem.groups) if g]
+    n = int(ids.shape[0])
+    if walked:  # one walk down the blocks for every target inside them (qkit.plan.fisher_walk)
+        walk = fisher_by_blocks(model, ids, walked, cost_group, seed=options.seed,
+                                check_windows=options.check_windows if first is None else 0,
+                                labels=None if first is None else first.labels,
+                                on_step=lambda i, k: say("fisher", i, k + len(outside_groups) * n))
+        first = first or walk
+    for k, group in enumerate(outside_groups):  # an embedding, a head: whole-model passes, the same labels
+        fisher = fisher_diagonal(model, ids, group, seed=options.seed,
+                                 check_windows=options.check_windows if first is None else 0,
+                                 labels=None if first is None else first.labels,
+                                 on_window=lambda i, _n, k=k: say("fisher", k * n + i, len(outside_groups) * n))
+        first = first or fisher
+        cost_group(fisher.diag)
+        fisher.diag.clear()
     t_fisher = time.perf_counter() - t1 - t_costs[0]  # the walk and passes, without the candidates costed inside them
     assert first is not None
     if measured is None:
