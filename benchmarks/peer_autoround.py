@@ -54,14 +54,15 @@ import time
 from pathlib import Path
 
 
-def dump_calibration(path: Path, model: str | None) -> None:
-    """qkit's default calibration windows of the model's tokenizer -> JSON (qkit's venv only)."""
+def dump_calibration(path: Path, model: str | None, samples: int, seqlen: int) -> None:
+    """qkit's calibration windows of the model's tokenizer (``samples`` x ``seqlen``; qkit's default
+    ``CalibrationOptions()`` is 32 x 512) -> JSON (qkit's venv only)."""
     from qkit.methods.calibration import CalibrationOptions, calibration_ids
     from qkit.models import resolve
     from qkit.models.loading import load_tokenizer
 
     directory = Path(model) if model else resolve(None).directory
-    ids, provenance = calibration_ids(load_tokenizer(directory), CalibrationOptions())
+    ids, provenance = calibration_ids(load_tokenizer(directory), CalibrationOptions(samples=samples, seqlen=seqlen))
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"model": str(directory), "provenance": provenance, "shape": list(ids.shape), "ids": ids.tolist()}
     path.write_text(json.dumps(record) + "\n")
@@ -149,7 +150,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="output folder; the file is OUT/<OUT's name>.gguf, its record .json")
     args = ap.parse_args()
     if args.dump_calibration:
-        dump_calibration(args.dump_calibration, str(args.model) if args.model else None)
+        dump_calibration(args.dump_calibration, str(args.model) if args.model else None, args.nsamples, args.seqlen)
         return
     if not (args.model and args.calibration and args.out):
         ap.error("--model, --calibration and --out are needed (or --dump-calibration)")

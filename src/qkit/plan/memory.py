@@ -217,10 +217,10 @@ def plan_memory(est: Estimate, budget: int, *, given: bool, available: int | Non
     does not fit, naming what the estimate holds and what would help."""
     if budget < est.minimum:
         largest = max(_finest(est), key=est.peak, default=[])
-        parts = (f"the model's weights {gib(est.weights)} in {dtype}, one window's backward pass "
-                 f"{gib(est.backward_model if any(est.blocks.get(t) is None for t in largest) else est.backward)}, "
-                 f"the blocks' inputs {gib(est.kept)}, the largest group's Fisher {gib(sum(est.fisher[t] for t in largest))}, "
-                 f"the process {gib(est.baseline)}")
+        parts = (f"the model's weights {gib(est.weights)} in {dtype}, the check's reference {gib(est.reference)}, "
+                 f"the blocks' inputs {gib(est.kept)}, the largest step's working set {gib(est.transient(largest))} "
+                 f"(loading, a window's backward pass or a tensor's candidates, with what the allocator keeps), "
+                 f"the largest group's Fisher {gib(sum(est.fisher[t] for t in largest))}, the process {gib(est.baseline)}")
         helps = ("pass --dtype bf16, fewer --calibration-samples or a shorter --calibration-seqlen, or " if dtype == "fp32"
                  else "pass fewer --calibration-samples or a shorter --calibration-seqlen, or ")
         if given:
