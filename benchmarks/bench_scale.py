@@ -1,7 +1,8 @@
 """Seconds and peak RSS per step of qkit on the default model and synthetic 0.5B/1.5B/7B-shaped llamas in
 bf16 (docs/scale.md).
 
-    python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b,7b-2l] [--steps plan,quantize,rtn,imatrix,gptq,awq]
+    python benchmarks/bench_scale.py [--shapes default,0.5b,1.5b,7b,7b-2l]
+        [--steps plan,quantize,rtn,imatrix,rtn-imatrix,ct,gptq,awq]
         [--samples 4] [--seqlen 256] [--candidates q4_0,q4_k,q6_k,q8_0,none] [--headroom 3GiB | --max-memory SIZE]
         [--dir /tmp] [--json OUT] [--keep-going] [--src DIR]
 
@@ -19,6 +20,10 @@ clock, which includes the imports):
 - ``quantize``: ``qkit quantize MODEL --plan plan.json --format gguf -o model.gguf``.
 - ``rtn``: ``qkit quantize MODEL -s q4_k_m --format gguf -o rtn.gguf`` (streamed, no plan).
 - ``imatrix``: ``qkit imatrix MODEL --dtype bf16 --chunks N --chunk-size L -o imatrix.gguf``.
+- ``rtn-imatrix``: ``qkit quantize MODEL -s q4_k_m --format gguf --imatrix imatrix.gguf -o rtn-imatrix.gguf``
+  (streamed, the matrix the ``imatrix`` step wrote earlier in the same ``--steps``).
+- ``ct``: ``qkit quantize MODEL -s int4-g64 --scale-dtype bf16 --format compressed-tensors -o ct`` (streamed; g64
+  divides the default model's 576; bf16 scales, which a bf16 checkpoint's dtype holds).
 - ``gptq``: ``qkit quantize MODEL -s q4_k_m --format gguf --method gptq --dtype bf16 --calibration-samples N
   --calibration-seqlen L -o gptq.gguf``.
 - ``awq``: ``qkit quantize MODEL -s int4-g128 --method awq --calibration-samples N --calibration-seqlen L -o awq``
@@ -64,6 +69,10 @@ SHAPES = {
 }
 
 
+STEPS = ("plan", "quantize", "rtn", "imatrix", "rtn-imatrix", "ct", "gptq", "awq")
+STREAMED = ("quantize", "rtn", "rtn-imatrix", "ct")  # one tensor at a time: no calibration tokens
+
+
 def parameters(vocab: int, **shape) -> int:
     return sum(math.prod(s) for _, s in bem.layout(**shape, vocab=vocab))
 
@@ -71,7 +80,7 @@ def parameters(vocab: int, **shape) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="default,0.5b,1.5b")
-    ap.add_argument("--steps", default="plan,quantize", help="of plan, quantize, rtn, imatrix, gptq, awq")
+    ap.add_argument("--steps", default="plan,quantize", help=f"of {', '.join(STEPS)}")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--candidates", default="q4_0,q4_k,q6_k,q8_0,none")
@@ -82,6 +91,11 @@ def main() -> None:
     ap.add_argument("--keep-going", action="store_true")
     ap.add_argument("--src", type=Path, default=None, help="another qkit tree's src/ to run (PYTHONPATH)")
     args = ap.parse_args()
+    steps = args.steps.split(",")
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown or ("rtn-imatrix" in steps and "imatrix" not in steps[: steps.index("rtn-imatrix")]):
+        sys.exit(f"--steps: unknown {', '.join(unknown)} (of {', '.join(STEPS)})" if unknown else
+                 "--steps: rtn-imatrix needs the imatrix step before it")
 
     from qkit.checkpoint import tensor_shapes
     from qkit.memory import parse_size
@@ -115,7 +129,7 @@ def main() -> None:
             bf16 = 2 * params
             budget = args.max_memory or str(bf16 + headroom)
             plan = work / "plan.json"
-            for step in args.steps.split(","):
+            for step in steps:
                 if step == "plan":
                     argv = bpm.plan_argv(model, plan, samples=args.samples, seqlen=args.seqlen, check_windows=1, dtype="bf16",
                                          max_memory=budget, extra=["--candidates", args.candidates])
@@ -128,6 +142,12 @@ def main() -> None:
                 elif step == "imatrix":
                     argv = [sys.executable, "-m", "qkit", "imatrix", str(model), "--dtype", "bf16", "--chunks",
                             str(args.samples), "--chunk-size", str(args.seqlen), "-o", str(work / "imatrix.gguf")]
+                elif step == "rtn-imatrix":
+                    argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "q4_k_m", "--format", "gguf",
+                            "--imatrix", str(work / "imatrix.gguf"), "-o", str(work / "rtn-imatrix.gguf")]
+                elif step == "ct":
+                    argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "int4-g64", "--scale-dtype", "bf16",
+                            "--format", "compressed-tensors", "-o", str(work / "ct")]
                 elif step == "gptq":
                     argv = [sys.executable, "-m", "qkit", "quantize", str(model), "-s", "q4_k_m", "--format", "gguf",
                             "--method", "gptq", "--dtype", "bf16", "--calibration-samples", str(args.samples),
@@ -137,14 +157,14 @@ def main() -> None:
                             "--calibration-samples", str(args.samples), "--calibration-seqlen", str(args.seqlen),
                             "-o", str(work / "awq")]
                 else:
-                    sys.exit(f"unknown step {step!r}: plan, quantize, rtn, imatrix, gptq or awq")
+                    raise AssertionError(step)
                 print(f"{name}: qkit {' '.join(argv[argv.index('-m') + 2:])}", flush=True)
                 r = bpm.run_child(argv, src=args.src, log=work / f"{step}.log")
                 row = {"shape": name, **shape, "parameters": params, "bf16_bytes": bf16, "step": step, "seconds": r["seconds"],
                        "peak_rss": r["peak_rss"], "exit_code": r["exit_code"],
                        "command": "qkit " + " ".join(argv[argv.index("-m") + 2:]),
                        **({"src": str(args.src)} if args.src else {})}
-                if step not in ("quantize", "rtn"):  # the steps that run the model over the calibration tokens
+                if step not in STREAMED:  # the steps that run the model over the calibration tokens
                     row["ns_per_param_token"] = 1e9 * r["seconds"] / (params * args.samples * args.seqlen)
                 if step == "plan" and plan.is_file():
                     doc = json.loads(plan.read_text())
