@@ -38,6 +38,7 @@ from qkit.methods.imatrix import gguf_names, imatrix_record, quant_weights_for
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.methods.memory import BASELINE, Model, Need, check_need, quantized_bytes, stream_parts
+from qkit.memory import check_bytes
 from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
@@ -155,6 +156,9 @@ def request(opts: QuantizeOptions) -> Request:
     if opts.max_memory is not None and not (isinstance(opts.max_memory, int) and not isinstance(opts.max_memory, bool)
                                             and opts.max_memory > 0):
         raise InputError(f"--max-memory must be a positive number of bytes, got {opts.max_memory!r}")
+    if opts.max_memory is not None:
+        check_bytes(opts.max_memory, "--max-memory")  # the upper bound: 1 EiB
+    check_bytes(opts.max_shard_bytes, "--max-shard-size")
     return Request(default, rules, method, typed, overrides, planned, matrix, fmt, opts.activations, opts.max_memory,
                    opts.max_shard_bytes, opts.device)
 

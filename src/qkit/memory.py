@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+from fractions import Fraction
 
+from qkit.bounds import MAX_BYTES, whole
 from qkit.errors import InputError
+from qkit.lists import shown
 from qkit.threads import available_memory
 
 GIB = 1 << 30
@@ -29,16 +32,31 @@ _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
 def parse_size(text: str, what: str = "--max-memory") -> int:
     """Bytes of a size written ``8GiB``, ``512MiB``, ``20G``, ``1.5GB``, ``100MB`` or ``1048576`` (see the
-    module's units); ``InputError`` naming ``what`` for anything else (a negative, zero, a fraction of a
-    byte, an unknown unit, an empty string)."""
+    module's units), from 1 byte to ``MAX_BYTES`` (1 EiB); ``InputError`` naming ``what`` for anything else
+    (a negative, zero, a fraction of a byte, an unknown unit, an empty string, a 309-digit number).
+
+    The number is read exactly (``Fraction``), never through a float: ``float("1" * 309)`` is finite but
+    ``float("1" * 310)`` is infinite, and ``int`` of it raised ``OverflowError``."""
     m = _SIZE.fullmatch(text) if isinstance(text, str) else None
     unit = m.group(2).upper() if m else ""
     if not m or unit not in _UNITS:
-        raise InputError(f"{what} {text!r} is not a size; write e.g. 8GiB, 512MiB, 20G or 1500MB")
-    n = int(float(m.group(1)) * _UNITS[unit])
+        raise InputError(f"{what} {shown(text)} is not a size; write e.g. 8GiB, 512MiB, 20G or 1500MB")
+    if len(m.group(1)) > 40:  # more digits than any size up to 1 EiB needs: refused before any arithmetic
+        n = MAX_BYTES + 1
+    else:
+        n = int(Fraction(m.group(1)) * _UNITS[unit])
     if n < 1:
-        raise InputError(f"{what} {text!r} is less than one byte; write e.g. 8GiB, 512MiB, 20G or 1500MB")
+        raise InputError(f"{what} {shown(text)} is less than one byte; write e.g. 8GiB, 512MiB, 20G or 1500MB")
+    if n > MAX_BYTES:
+        raise InputError(f"{what} {shown(text)} is more than 1 EiB (2**60 bytes), the largest size qkit takes; "
+                         "write e.g. 8GiB, 512MiB, 20G or 1500MB")
     return n
+
+
+def check_bytes(n: object, what: str) -> int:
+    """``n`` when it is a whole number of bytes from 1 to ``MAX_BYTES``, as a script passes a size to the
+    library (``max_memory=``, ``target_size=``, ``max_shard_bytes=``); else one ``InputError`` naming ``what``."""
+    return whole(n, what, 1, MAX_BYTES)
 
 
 def gib(n: float) -> str:
@@ -79,4 +97,4 @@ def available_ram() -> int | None:
     return min(found) if found else None
 
 
-__all__ = ["GIB", "available_ram", "gib", "parse_size", "process_rss"]
+__all__ = ["GIB", "available_ram", "check_bytes", "gib", "parse_size", "process_rss"]

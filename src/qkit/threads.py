@@ -14,6 +14,7 @@ import math
 import os
 from pathlib import Path
 
+from qkit.bounds import show_number
 from qkit.errors import InputError
 
 _CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
@@ -52,7 +53,7 @@ def check_threads(threads: int | None) -> None:
     cores = available_cores()
     if threads > cores:
         raise InputError(
-            f"--threads {threads} is more than the {cores} CPU core{'s' if cores != 1 else ''} this process may use "
+            f"--threads {show_number(threads)} is more than the {cores} CPU core{'s' if cores != 1 else ''} this process may use "
             f"(its CPU affinity and cgroup quota); pass --threads {cores} or fewer"
         )
 

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from qkit import console
+from qkit.bounds import MAX_COUNT, whole
 from qkit.cli import inspect_render as render
 from qkit.cli.common import (
     CalibrationOpt,
@@ -111,8 +112,7 @@ def inspect_matrix_(
     run = start(json_path, force, threads, reads(model))
     schemes = _split_schemes(scheme)
     _ierrors.check_schemes(schemes, scale_dtype)
-    if name is None:
-        _ierrors.check_top(top)
+    _ierrors.check_top(top)  # given with NAME too: every number given is checked
     run.use_threads()
     if name is None:
         stats = _ierrors.top_matrices(model, top=top)
@@ -143,7 +143,7 @@ def inspect_outliers_(
     """Residual-stream outliers: largest dimensions per layer, their persistence, a histogram, and tensor-wide INT8."""
     run = start(json_path, force, threads, reads(model))
     _iout.check_options(prompt=prompt, corpus_tokens=corpus_tokens, exclude_top=exclude_top, threshold=threshold,
-                        top=top, device=device, device_map=device_map)
+                        top=top, device=device, device_map=device_map, layer=layer)
     run.use_threads()
     ref = checked(model)  # a bad MODEL is refused in one line, before the status line
     if corpus_tokens is not None:  # so is more than the model's context
@@ -179,6 +179,7 @@ def inspect_sensitivity_(
         raise InputError("missing --scheme: the scheme whose damage to measure, e.g. --scheme int4-tensor")
     _isens.check_options(scheme=scheme, by=by, tokens=tokens, keep=keep, suggest=suggest, threshold=threshold,
                          scale_dtype=scale_dtype, device=device)
+    whole(rows, "--rows", 0, MAX_COUNT)  # what the table prints: the CLI's own option
     run.use_threads()
     ref = checked(model)  # a bad MODEL is refused in one line, before the status line
     _iout.check_context(tokens, _iout.resolve_with_context(ref)[1], "--tokens", ref.spec)  # so is more than its context

@@ -308,6 +308,7 @@ def verify(
         raise InputError("CHECKPOINT is empty; name the directory or .gguf file qkit quantize wrote")
     path = Path(checkpoint)
     engine = engine_options(tensor_parallel_size, pipeline_parallel_size, distributed_executor_backend, max_model_len)
+    engine.validate()  # every number given is checked, with --runtime or without
     if runtime is not None and runtime.strip().lower() not in ("vllm",):
         raise InputError(f"--runtime for qkit verify is vllm (or leave it out for the target library), got {runtime!r}")
     if runtime is None and engine.parallel:

@@ -17,6 +17,7 @@ from qkit.cli.common import (
 )
 from qkit.errors import InputError
 from qkit.outputs import check_output
+from qkit.threads import check_threads
 from qkit.report import build
 from qkit.report.inputs import read_inputs
 
@@ -57,6 +58,7 @@ def report(
         check_output(png, kind="dir", force=force, inputs=[*reads, ("the report", output)], what="--png",
                      owned=build.is_png_directory, describe="an empty directory or one of PNG files")
     build.parse_steps(run)
+    check_threads(threads)  # numbers first, as every command does
     read_inputs(files)  # a bad file is refused before threads are set or anything runs
     use_threads(threads)
     r = build.build_report(files, model=model, run=run, on_status=console.status)

@@ -13,12 +13,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.executors import SERIAL, ExecutorOptions
 from qkit.evaluation.engines import EngineOptions, check_runtimes, engines_named
 from qkit.evaluation.file_rows import check_file_runtimes
 from qkit.evaluation.inputs import InputSettings
-from qkit.evaluation.perplexity import check_scored
+from qkit.evaluation.perplexity import check_scored, min_tokens
 from qkit.evaluation.specs import RowSettings, RowSpec, SimulationSettings, check_rows
 from qkit.methods import RTN
 from qkit.models import check_device_map, parse_device
@@ -85,7 +86,10 @@ class EvalOptions:
                                    ("--window", self.window, 2), ("battery_tokens", self.battery_tokens, 1)):
             if value is not None and value < least:
                 raise InputError(f"{flag} must be at least {least}, got {value}")
+            if value is not None:
+                whole(value, flag, least, MAX_COUNT)  # the upper bound, named
         check_scored(self.tokens, self.window)  # a perplexity without a standard error is never reported
+        whole(self.tokens, "--tokens", min_tokens(self.window), MAX_COUNT)  # the upper bound, named
         check_runtimes(self.runtimes, self.dtype, self.engine)  # unknown names, an engine not installed, bad counts
         specs = check_rows(self.schemes, self.methods, dict(self.method_options), rows)  # names, simulations, plans, files
         check_file_runtimes(specs, engines_named(self.runtimes))  # a file row in a runtime that cannot load it

@@ -134,7 +134,7 @@ def parse_plan_word(word: str) -> tuple[str, float | None, str | None]:
     except ValueError:
         return fmt, None, get_scheme(target).name
     if not (bits > 0 and bits < 64):
-        raise InputError(f"{PLAN_PREFIX}{word}: {target} is not a number of bits per weight")
+        raise InputError(f"{PLAN_PREFIX}{word}: {target} is not a number of bits per weight above 0 and below 64")
     return fmt, bits, None
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from qkit.checkpoint import open_safetensors, tensor_shapes, weight_files
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow, PerTensor
 from qkit.inspect.matrix_stats import MatrixStats, int4_tensor_levels, matrix_stats, reconstruct, relative_error, sumsq64
@@ -274,6 +275,7 @@ def check_schemes(schemes: Sequence[str], scale_dtype: str = DEFAULT_SCALE_DTYPE
 def check_top(top: int) -> None:
     if top < 1:
         raise InputError(f"--top must be at least 1, got {top}")
+    whole(top, "--top", 1, MAX_COUNT)
 
 
 def weight_errors(

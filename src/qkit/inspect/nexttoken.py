@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, real, whole
 from qkit.errors import InputError
 from qkit.inspect.outliers import check_context, encode, model_context
 from qkit.lists import split_list
@@ -24,6 +25,8 @@ from qkit.models import load, parse_device
 
 TOP = 5
 TEMPERATURES = (1.0, 2.0)
+# logits / T stay finite in fp64 and softmax defined: 1e-320 made every logit infinite
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 1e3
 
 
 def parse_temperatures(value: str | Sequence[float]) -> list[float]:
@@ -35,7 +38,7 @@ def parse_temperatures(value: str | Sequence[float]) -> list[float]:
         raise InputError(f"--temperature takes comma-separated positive numbers such as 1,2; got {value!r}") from exc
     if not temps or any(not t > 0 for t in temps):
         raise InputError(f"--temperature takes comma-separated positive numbers such as 1,2; got {value!r}")
-    return temps
+    return [real(t, "--temperature", MIN_TEMPERATURE, MAX_TEMPERATURE) for t in temps]
 
 
 def top_k_at(logits: torch.Tensor, k: int, temperature: float) -> tuple[list[int], list[float]]:
@@ -61,6 +64,7 @@ def check_options(*, top: int = TOP, temperatures: Sequence[float] | str = TEMPE
     temps = parse_temperatures(temperatures)
     if top < 3:
         raise InputError(f"--top must be at least 3 (the ratio compares the first and the third), got {top}")
+    whole(top, "--top", 3, MAX_COUNT)
     parse_device(device)
     return temps
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, real, whole
 from qkit.errors import InputError
 from qkit.granularity import PerTensor
 from qkit.inspect.linear_inputs import linear_inputs_report
@@ -42,6 +43,7 @@ from qkit.texts import load_corpus
 
 PROMPT_NAME = "outliers_prompt.txt"  # in corpora/, installed as the package ``qkit.corpora``
 OUTLIER_THRESHOLD = 20.0
+MAX_THRESHOLD = 1e6  # --threshold: a dimension a million times the median one is past any measured outlier
 EXCLUDE_TOP = 4
 TOP_DIMS = 5
 PLATEAU = 0.05  # "almost the same value": within 5% of the dimension's peak
@@ -379,9 +381,11 @@ def check_options(
     top: int = TOP_DIMS,
     device: str | None = None,
     device_map: str | None = None,
+    layer: int | None = None,
 ) -> None:
     """Every check of ``residual_outliers``' options that needs no model (``--layer`` and the upper bound
-    of ``--exclude-top`` depend on the model and are checked once it is loaded)."""
+    of ``--exclude-top`` depend on the model and are checked again once it is loaded; here each number's
+    finite range)."""
     if prompt is not None and corpus_tokens is not None:
         raise InputError("pass either --prompt or --corpus-tokens, not both")
     if corpus_tokens is not None and corpus_tokens < 1:
@@ -392,9 +396,23 @@ def check_options(
         raise InputError(f"--threshold must be above 1 (a multiple of the median dimension), got {threshold}")
     if top < 1:
         raise InputError(f"--top must be at least 1, got {top}")
+    if corpus_tokens is not None:
+        whole(corpus_tokens, "--corpus-tokens", 1, MAX_COUNT)
+    whole(exclude_top, "--exclude-top", 0, MAX_COUNT)
+    check_threshold(threshold, "dimension")
+    whole(top, "--top", 1, MAX_COUNT)
+    if layer is not None:  # negative counts from the last layer, as a Python index
+        whole(layer, "--layer", -MAX_COUNT, MAX_COUNT)
     parse_device(device)
     if device_map is not None:
         check_device_map(device_map)
+
+
+def check_threshold(threshold: float, unit: str) -> float:
+    """``--threshold``, a multiple of the median ``unit`` (dimension, channel): above 1, at most ``MAX_THRESHOLD``."""
+    if not threshold > 1:  # NaN too
+        raise InputError(f"--threshold must be above 1 (a multiple of the median {unit}), got {threshold}")
+    return real(threshold, "--threshold", 1, MAX_THRESHOLD, above=True)
 
 
 def residual_outliers(

@@ -29,11 +29,13 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.evaluation.perplexity import MIN_SCORED
 from qkit.inspect.matrix_stats import matrix_stats
 from qkit.inspect.outliers import (
     check_context,
+    check_threshold,
     model_context,
     resolve_with_context,
     OUTLIER_THRESHOLD,
@@ -277,8 +279,9 @@ def check_options(
     check_tokens(tokens)
     if suggest is not None and suggest < 0:
         raise InputError(f"--suggest must be at least 0, got {suggest}")
-    if not threshold > 1:  # NaN too
-        raise InputError(f"--threshold must be above 1 (a multiple of the median channel), got {threshold}")
+    if suggest is not None:
+        whole(suggest, "--suggest", 0, MAX_COUNT)
+    check_threshold(threshold, "channel")
     parse_device(device)
     return s, k
 

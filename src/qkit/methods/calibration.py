@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.texts import Corpus, check_disjoint, load_calibration_text, load_corpus
 
@@ -49,6 +50,8 @@ class CalibrationOptions:
             raise InputError(f"--calibration-samples must be a positive integer, got {self.samples!r}")
         if not isinstance(self.seqlen, int) or self.seqlen < 2:
             raise InputError(f"--calibration-seqlen must be an integer of at least 2 tokens, got {self.seqlen!r}")
+        whole(self.samples, "--calibration-samples", 1, MAX_COUNT)  # the upper bounds (a 309-digit count overflowed a float)
+        whole(self.seqlen, "--calibration-seqlen", 2, MAX_COUNT)
 
 
 def _field(config: Any, key: str) -> Any:

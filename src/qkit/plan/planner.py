@@ -44,10 +44,12 @@ from qkit.checkpoint import (
     tensor_dtypes,
     tensor_shapes,
 )
+from qkit.bounds import real, show_number
 from qkit.errors import InputError
 from qkit.executors import SERIAL_EXECUTOR, Executor
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
 from qkit.dtypes import LOAD_DTYPES, load_dtype
+from qkit.memory import check_bytes
 from qkit.models import ModelRef, load, load_tokenizer, read_config
 from qkit.methods.gptq.method import GPTQOptions
 from qkit.plan import feedback
@@ -72,6 +74,7 @@ from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.transform import Rules
 from qkit.version import __version__
 
+MAX_TARGET_BITS = 64  # --target-bits: no stored type takes more bits per weight
 # Defaults, defined once. 8 windows of 512 tokens: the Fisher's noise averaged over ~4k positions; the
 # check measures the mix on the first 4 of them (their reference log-probabilities kept from step 3).
 DEFAULT_SAMPLES = 8
@@ -122,12 +125,19 @@ class PlanOptions:
         if self.target_bits is not None and not (isinstance(self.target_bits, (int, float)) and math.isfinite(self.target_bits)
                                                  and self.target_bits > 0):
             raise InputError(f"--target-bits must be a positive number, got {self.target_bits!r}")
+        if self.target_bits is not None:  # no format stores more than 64 bits per weight (fp32 with scales is far less)
+            real(self.target_bits, "--target-bits", 0, MAX_TARGET_BITS, above=True)
         if self.target_size is not None and not (isinstance(self.target_size, int) and self.target_size > 0):
             raise InputError(f"--target-size must be a positive number of bytes, got {self.target_size!r}")
+        if self.target_size is not None:
+            check_bytes(self.target_size, "--target-size")
+        if self.max_memory is not None:
+            check_bytes(self.max_memory, "--max-memory")
         if self.target_scheme is not None:
             get_scheme(self.target_scheme)  # an unknown name: refused with "did you mean"
         if not (isinstance(self.check_windows, int) and 0 <= self.check_windows <= self.samples):
-            raise InputError(f"check windows must be between 0 and --calibration-samples ({self.samples}), got {self.check_windows!r}")
+            raise InputError(f"--check-windows must be between 0 and --calibration-samples ({show_number(self.samples)}), "
+                             f"got {show_number(self.check_windows)}")
         self.calibration_options().check()
         parse_allowed(self.format, self.candidates) if self.candidates else None
 

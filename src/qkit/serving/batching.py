@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from qkit.bounds import real, show_number, whole
 from qkit.errors import InputError
 from qkit.threads import available_memory
 
@@ -42,6 +43,8 @@ LENGTH_MAX = 2048
 # their Python lists in the report and its JSON; measured: 100,000 requests add 38 MB of RSS and 1.7 s):
 # 10 million requests are minutes of work and about 4 GB. A length is at most 2**53 steps (an exact float).
 MAX_REQUESTS = 10_000_000
+MAX_SEED = 2**64 - 1  # numpy's generators take any 64-bit seed
+MIN_STEP_MS, MAX_STEP_MS = 1e-6, 1e9  # a nanosecond to 11 days per decode step: the times stay finite and printable
 BYTES_PER_REQUEST = 512
 MAX_LENGTH = 2**53
 
@@ -75,6 +78,7 @@ class StepCost:
 def constant_cost(seconds: float) -> StepCost:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise InputError(f"--step-ms must be a positive number of milliseconds (got {seconds * 1e3:g})")
+    real(seconds * 1e3, "--step-ms", MIN_STEP_MS, MAX_STEP_MS)
     return StepCost((1,), (seconds,), "s", f"{seconds * 1e3:g} ms per step (given)")
 
 
@@ -125,7 +129,7 @@ def check_requests(requests: int, what: str = "--requests") -> None:
         raise InputError(f"{what} must be at least 1 (got {requests})")
     if requests > MAX_REQUESTS:
         raise InputError(
-            f"{what} {requests:,} is more than the simulation takes ({MAX_REQUESTS:,}: one event step and about "
+            f"{what} {show_number(requests)} is more than the simulation takes ({MAX_REQUESTS:,}: one event step and about "
             f"{BYTES_PER_REQUEST} bytes per request); pass at most {MAX_REQUESTS:,} requests"
         )
     free = available_memory()
@@ -260,6 +264,8 @@ def simulate_batching(
         raise InputError(f"--slots must be at least 1 (got {slots})")
     if seed < 0:
         raise InputError(f"--seed must be a non-negative integer (got {seed})")
+    whole(slots, "--slots", 1, MAX_REQUESTS)  # more slots than requests change nothing; a 309-digit count overflowed
+    whole(seed, "--seed", 0, MAX_SEED)
     if lengths_file is not None:
         lengths = read_lengths(lengths_file)
         source = str(lengths_file)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import whole
 from qkit.errors import InputError
 from qkit.models import checked, load, parse_device
 from qkit.serving.kv import (
@@ -43,6 +44,7 @@ from qkit.threads import available_memory, check_threads
 from qkit.transform import is_block_projection
 
 BENCH_SEED = 0
+MAX_REPEATS = 100_000  # timed runs per figure: a median of more says nothing new
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class BenchConfig:
         sizes = (*self.gen_tokens, *self.prefill_tokens, *self.decode_cache, *self.batch_sizes, self.prompt_tokens, self.batch_cache)
         if self.repeats < 1 or self.warmup < 0 or min(sizes) < 1:
             raise InputError("bench sizes and --repeats must be positive integers")
+        whole(self.repeats, "--repeats", 1, MAX_REPEATS)
         return self
 
 

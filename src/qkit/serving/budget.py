@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from qkit.checkpoint import read_manifest, tensor_shapes
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, SchemeError
 from qkit.lists import numbers
 from qkit.models import check_complete, read_config, resolve
@@ -398,8 +399,10 @@ def budget(
         raise InputError(f"--gpu needs positive card sizes in GiB below {MAX_GIB:,.0f}, e.g. 8,16,24 (got {list(gpus_gib)})")
     if not 0 <= reserve_gib < MAX_GIB:
         raise InputError(f"--reserve must be >= 0 GiB and below {MAX_GIB:,.0f} (got {reserve_gib})")
+    reserve_gib = float(reserve_gib) + 0.0  # -0.0 would print as "-0 GiB reserve"
     if conversation < 1:
         raise InputError(f"--conversation must be at least 1 token (got {conversation})")
+    whole(conversation, "--conversation", 1, MAX_COUNT)
     kv_dtype = check_kv_dtype(kv_dtype)  # fp16, ..., int8 / int4 (codes + an fp16 scale per token and kv head)
     if not (models or presets or configs):
         presets = tuple(PRESETS)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, ModelLoadError
 from qkit.models import load, parse_device, read_config, resolve
 from qkit.threads import available_memory
@@ -303,6 +304,8 @@ def check_options(
     """Every check of ``kv_report``'s options; none needs the model."""
     if tokens < 1 or users < 1:
         raise InputError(f"--tokens and --users must be at least 1 (got {tokens} and {users})")
+    whole(tokens, "--tokens", 1, MAX_COUNT)
+    whole(users, "--users", 1, MAX_COUNT)
     check_kv_dtype(dtype)
     if model is not None and config is not None:
         raise InputError("give either MODEL or --config, not both")

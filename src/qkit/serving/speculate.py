@@ -28,11 +28,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from qkit.bounds import real, whole
 from qkit.errors import InputError
 from qkit.serving.batching import _read_text
 
 DEFAULT_GAMMAS: tuple[int, ...] = (1, 2, 4, 8)
 DEFAULT_COST = 0.1  # draft forward / target forward, when neither --cost nor --from gives one
+MAX_GAMMA = 1024  # draft tokens per pass: far beyond any acceptance rate's use (alpha**1024 is nothing)
+MAX_COST = 1000.0  # a draft 1000x the target's cost: already a slowdown; the bound keeps the table finite
 BANDWIDTH_ASSUMPTION = (
     "draft cost c = scheme bits per weight / reference bits per weight: decode is memory-bandwidth bound, "
     "so a forward costs about the bytes of weights it reads (dequantization work not counted)"
@@ -82,7 +85,7 @@ class SpeculateReport:
 def _check_alpha(alpha: float, where: str) -> float:
     if not (isinstance(alpha, (int, float)) and 0.0 <= alpha <= 1.0) or math.isnan(alpha):
         raise InputError(f"acceptance rate {alpha!r} ({where}) must be a fraction in [0, 1], e.g. 0.8")
-    return float(alpha)
+    return float(alpha) + 0.0  # -0.0 would print as "-0"
 
 
 def drafts_from_eval(path: str | Path) -> list[dict[str, Any]]:
@@ -146,15 +149,19 @@ def speculate(
         raise InputError("give acceptance rates with --alpha A (repeatable) or an eval JSON with --from, not both")
     if not gammas or any(int(g) != g or g < 1 for g in gammas):
         raise InputError(f"--gamma needs positive integers, e.g. 1,2,4,8 (got {list(gammas)})")
+    for g in gammas:
+        whole(int(g), "--gamma", 1, MAX_GAMMA)
     if cost is not None and not (cost >= 0 and math.isfinite(cost)):
         raise InputError(f"--cost must be a non-negative fraction of a target forward (got {cost})")
+    if cost is not None:
+        cost = real(cost, "--cost", 0, MAX_COST)
     if from_eval is not None:
         drafts = drafts_from_eval(from_eval)
         if cost is not None:
             drafts = [{**d, "cost": cost} for d in drafts]
         cost_source = "--cost" if cost is not None else "bits per weight ratio"
     else:
-        drafts = [{"draft": f"alpha={a:g}", "alpha": _check_alpha(a, "--alpha"), "n": 0,
+        drafts = [{"draft": f"alpha={_check_alpha(a, '--alpha'):g}", "alpha": _check_alpha(a, "--alpha"), "n": 0,
                    "cost": DEFAULT_COST if cost is None else cost} for a in alphas]
         cost_source = "default" if cost is None else "--cost"
     rows = []

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.simulate.base import SimulationContext, register_simulation
 from qkit.simulate.activations import fake_quantize, qmax_for
@@ -76,6 +77,7 @@ class KVCacheOptions:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise InputError(f"--{key.replace('_', '-')} must be an integer >= {low}, got {v!r}")
+            whole(v, f"--{key.replace('_', '-')}", low, MAX_COUNT)
 
 
 register_options("kv-cache", KVCacheOptions)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import real
 from qkit.errors import InputError
 from qkit.simulate.base import SimulationContext, register_simulation
 from qkit.simulate.activations import target_linears
@@ -45,6 +46,7 @@ from qkit.simulate.options import build, register_options
 
 QMAX = 127
 DEFAULT_THRESHOLD = 6.0  # bitsandbytes' and the paper's outlier threshold
+FP16_MAX = 65504.0  # the largest finite fp16: the --threshold's upper bound
 # Integer products |c_x c_w| <= 127 * 127 = 16,129; a sum of K of them stays an exact fp32 integer while
 # it is below 2**24, i.e. for K <= 2**24 // 16129 = 1040 terms. Longer sums are split into chunks of
 # at most this many columns, each chunk summed in fp32 (exact), the chunks added in fp64 (exact).
@@ -62,6 +64,7 @@ class LLMInt8Options:
         t = self.threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0 or t != t or t == float("inf"):
             raise InputError(f"--threshold must be a positive number (LLM.int8's default is {DEFAULT_THRESHOLD}), got {t!r}")
+        real(t, "--threshold", 0, FP16_MAX, above=True)  # activations are fp16: a larger threshold never splits a column
 
 
 register_options("llm-int8", LLMInt8Options)

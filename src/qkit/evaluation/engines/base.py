@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, QkitError
 from qkit.evaluation.measuring import Measured, Reference, RowFile
 from qkit.registry import Registry
@@ -35,6 +36,7 @@ TORCH = "torch"  # qkit's own forward pass (dequantized weights, simulation hook
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 EXECUTOR_BACKENDS = ("mp", "ray")  # vLLM's --distributed-executor-backend
+MAX_DEVICES = 65536  # --tensor-parallel-size, --pipeline-parallel-size: more devices than any cluster gives one model
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,11 @@ class EngineOptions:
                             ("--pipeline-parallel-size", self.pipeline_parallel_size)):
             if value < 1:
                 raise InputError(f"{flag} must be at least 1, got {value}")
+            whole(value, flag, 1, MAX_DEVICES)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise InputError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.max_model_len is not None:
+            whole(self.max_model_len, "--max-model-len", 2, MAX_COUNT)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.distributed_executor_backend is not None and self.distributed_executor_backend not in EXECUTOR_BACKENDS:

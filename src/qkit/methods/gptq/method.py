@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import show_number
 from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_reader, tensor_shapes
 from qkit.errors import InputError
 from qkit.methods import CalibratedOptions, MethodResult
@@ -78,7 +79,8 @@ class GPTQOptions(CalibratedOptions):
 
     def check(self) -> None:
         if not (isinstance(self.dampening, (int, float)) and 0 < self.dampening < 1e3 and math.isfinite(self.dampening)):
-            raise InputError(f"--dampening must be a positive fraction of the mean Hessian diagonal (e.g. 0.01), got {self.dampening!r}")
+            raise InputError(f"--dampening must be a positive fraction of the mean Hessian diagonal (e.g. 0.01) below 1000, "
+                             f"got {show_number(self.dampening)}")
         if self.scale_rule not in SCALE_RULES:
             raise InputError(f"unknown GPTQ scale rule {self.scale_rule!r}; use one of {', '.join(SCALE_RULES)}")
         if not isinstance(self.static_groups, bool):

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from qkit.bounds import MAX_COUNT, whole
 from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError
@@ -60,6 +61,7 @@ class ImatrixOptions:
                              ("--batch", self.batch, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise InputError(f"{name} must be an integer of at least {low}, got {v!r}")
+            whole(v, name, low, MAX_COUNT)  # the upper bound: a 309-digit count overflowed the memory estimate
 
 
 def imatrix_ids(tokenizer: Any, options: ImatrixOptions, evaluation: Corpus | None = None) -> tuple[torch.Tensor, dict]:
