@@ -19,6 +19,7 @@ container's PID 1 may not reap orphans).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import logging
@@ -472,8 +473,6 @@ def test_the_remote_code_refusal_names_every_command_that_takes_the_flag(tiny, t
 def test_every_subprocess_qkit_starts_goes_through_qkit_processes():
     """``subprocess.run/Popen/call/check_*``, ``os.system``, ``os.popen``, ``os.fork``, ``os.spawn*``,
     ``os.exec*``: only ``qkit/processes.py`` starts a process (in a group of its own, ended after)."""
-    import ast
-
     src = Path(__file__).resolve().parents[1] / "src" / "qkit"
     starters = {("subprocess", n) for n in ("run", "Popen", "call", "check_call", "check_output", "getoutput",
                                             "getstatusoutput")}
