@@ -281,6 +281,9 @@ def _write(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, res
             progress(QuantizeProgress("quantizing", result.matrices, len(targets), name))
     writer.close()
     config = read_config(ref.directory)
+    # where the source was read from (a GGUF's converted copy records qkit's cache): not a function of the
+    # inputs, so not written; transformers sets it again when the checkpoint is loaded
+    config.pop("_name_or_path", None)
     config["quantization_config"] = export.quantization_config() if export else {
         "quant_method": "qkit",
         "format_version": manifest["format_version"],
@@ -321,7 +324,7 @@ class PlanResult:
     def to_dict(self) -> dict:
         return {"output": str(self.output) if self.output else None,
                 "tensor_types": str(self.tensor_types) if self.tensor_types else None,
-                "seconds": self.seconds, "plan": self.plan.to_dict()}
+                "seconds": self.seconds, "plan": self.plan.to_dict(timings=True)}  # the file leaves timings out
 
 
 def plan_model(

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from qkit import outputs, staging
+from qkit import jsontext, outputs, staging
 from qkit.errors import CheckpointError, SchemeError
 from qkit.jsonfields import OBJECT, STRING, check, obj
 from qkit.outputs import Input
@@ -89,10 +89,37 @@ def atomic_directory(
 
 
 def write_json(path: Path, obj: Any) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    """``obj`` as strict, sorted JSON at ``path`` (``qkit.jsontext.dumps``: a non-finite number is refused)."""
+    path.write_text(jsontext.dumps(obj, what=path.name, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- writing
+
+
+def sort_header_metadata(path: Path) -> None:
+    """Rewrite a safetensors file's header in place with its ``__metadata__`` keys sorted: the same bytes
+    for the same tensors and metadata, whatever process wrote them.
+
+    safetensors keeps ``__metadata__`` in a Rust ``HashMap``, whose order is seeded per map at random: two
+    runs writing ``{"format": "pt", "qkit": ...}`` put the keys in either order (issue 48). The tensors'
+    entries are already in a fixed order (by dtype alignment, then name) and keep it, with their fields.
+    The rewritten header has the same content, so the same length; safetensors' compact JSON is written
+    again compactly, and the header stays padded with spaces to its recorded length (which keeps every
+    tensor's offset)."""
+    with open(path, "r+b") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        raw = fh.read(n)
+        header = json.loads(raw)  # a dict keeps the file's order of the tensor entries
+        meta = header.get("__metadata__")
+        if not isinstance(meta, dict) or len(meta) < 2:
+            return
+        ordered = {"__metadata__": dict(sorted(meta.items())), **{k: v for k, v in header.items() if k != "__metadata__"}}
+        text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > n:  # cannot happen for the same content; never write a header longer than its slot
+            raise CheckpointError(f"{path}: its rewritten header is {len(text)} bytes, more than the {n} it has; "
+                                  "this is a bug, please report it")
+        fh.seek(8)
+        fh.write(text + b" " * (n - len(text)))
 
 
 class ShardWriter:
@@ -128,12 +155,13 @@ class ShardWriter:
     def _shard_metadata(self, entries: dict[str, dict]) -> dict[str, str]:
         meta = {"format": "pt"}
         if self.manifest is not None:
-            meta[MANIFEST_KEY] = json.dumps({**self.manifest, "tensors": entries}, sort_keys=True)
+            meta[MANIFEST_KEY] = jsontext.dumps({**self.manifest, "tensors": entries}, what="the checkpoint's manifest")
         return meta
 
     def _flush(self) -> None:
         path = self.directory / f"model-{len(self._shards) + 1:05d}.safetensors.part"
         save_file(self._pending, str(path), metadata=self._shard_metadata(self._pending_entries))
+        sort_header_metadata(path)
         path.chmod(0o666 & ~_UMASK)  # safetensors creates files 0600; give them the usual permissions
         self._shards.append((path, sorted(self._pending)))
         self.entries.update(self._pending_entries)

@@ -1,14 +1,21 @@
 """The only module that imports rich: tables, progress bars, text histograms, one-line errors.
 
 Library code never prints; the CLI hands plain data (headers, rows of strings, notes) to these helpers.
+
+Every string printed here goes through ``printable`` first, whatever it is: a tensor name from a file,
+an importance matrix's dataset, a config's ``model_type``, an error message quoting any of them. A
+control character (C0 and C1, DEL, the bidirectional overrides and isolates, line and paragraph
+separators) is shown escaped (``\\x1b``, ``\\u202e``), never emitted: a name from a hostile file cannot
+recolour, retitle or rewrite the terminal. Text is handed to rich as ``Text``, never as markup, so a
+name holding ``[link=...]`` or ``[red]`` is printed as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -25,7 +32,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from qkit import staging
+from qkit import jsontext, staging
 
 # Where the output is not a terminal (a pipe, a file, CI), nothing is wrapped at an assumed width:
 # tables print at their natural width, titles and notes on one line, captions wrapped at the wider of
@@ -42,6 +49,28 @@ def _console(stderr: bool) -> Console:
 _out = _console(stderr=False)
 _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
+# What a terminal acts on instead of showing: C0 (tab and newline only where ``keep`` allows), DEL, C1, the
+# bidirectional marks, embeddings, overrides and isolates (a name can look like another: CVE-2021-42574),
+# and the Unicode line and paragraph separators.
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def printable(text: object, keep: str = "") -> str:
+    """``str(text)`` with every control character shown escaped, as Python writes it in a string literal:
+    ``"\\x1b]0;title\\x07"`` for ESC ] 0 ; title BEL, ``\\u202e`` for a right-to-left override. ``keep``:
+    the characters of ``"\\t\\n"`` left as they are (a multi-line note); a one-line message keeps none.
+    Text without control characters comes back unchanged (a backslash is not escaped)."""
+    def escape(m: re.Match) -> str:
+        c = m.group()
+        return c if c in keep else (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+    return _UNSAFE.sub(escape, str(text))
+
+
+def _text(text: object, style: str | None = None, keep: str = "\t\n") -> Text:
+    """``text`` made printable, as rich ``Text`` (never parsed as markup)."""
+    return Text(printable(text, keep), style=style or "")
+
 
 def use_stderr_for_tables(flag: bool) -> None:
     """With ``--json -`` the JSON owns stdout; tables and notes move to stderr."""
@@ -50,15 +79,16 @@ def use_stderr_for_tables(flag: bool) -> None:
 
 
 def error(message: str) -> None:
-    _err.print(Text("error: ", style="bold red") + Text(message))
+    """``error: MESSAGE`` on stderr, on one line: the message's control characters, newlines too, escaped."""
+    _err.print(Text("error: ", style="bold red") + _text(message, keep=""))
 
 
 def warn(message: str) -> None:
-    _err.print(Text("warning: ", style="bold yellow") + Text(message))
+    _err.print(Text("warning: ", style="bold yellow") + _text(message, keep=""))
 
 
 def note(message: str, style: str | None = None) -> None:
-    _out.print(Text(message, style=style) if style else message, soft_wrap=True)
+    _out.print(_text(message, style), soft_wrap=True)
 
 
 def table(
@@ -78,17 +108,17 @@ def table(
     t = Table(show_header=show_header)
     right_cols = set(range(1, len(headers)) if right is None else right)
     for i, h in enumerate(headers):
-        t.add_column(h, justify="right" if i in right_cols else "left", no_wrap=i != 0)
+        t.add_column(_text(h), justify="right" if i in right_cols else "left", no_wrap=i != 0)
     for i, row in enumerate(rows):
-        t.add_row(*[str(c) for c in row], style=(styles[i] if styles else None))
+        t.add_row(*[_text(c) for c in row], style=(styles[i] if styles else None))
     # Title and caption are printed around the table, not inside it: rich would wrap them at the table's
     # width (a title longer than a narrow table broke over two lines) and pad them with spaces.
     if title:
-        _out.print(Text(title, style="table.title"), soft_wrap=True)
+        _out.print(_text(title, "table.title"), soft_wrap=True)
     _out.print(t)
     if caption:
         width = _out.width if _out.is_terminal else max(MIN_FILE_WIDTH, _out.measure(t).maximum)
-        lines = Text(caption, style="table.caption").wrap(_out, width)
+        lines = _text(caption, "table.caption").wrap(_out, width)
         for line in lines:
             line.rstrip()  # the space a line was broken at
         _out.print(Text("\n").join(lines), soft_wrap=True)
@@ -97,12 +127,13 @@ def table(
 def histogram(labels: Sequence[str], counts: Sequence[int], width: int = 40, title: str | None = None) -> None:
     """Text bars with counts, one line per bin."""
     if title:
-        _out.print(title)
+        _out.print(_text(title))
+    labels = [printable(x) for x in labels]
     top = max(counts) if counts else 0
     lw = max((len(x) for x in labels), default=0)
     for label, c in zip(labels, counts):
         n = 0 if top == 0 else max(1 if c else 0, round(width * c / top))
-        _out.print(f"  {label:>{lw}} | {'#' * n:<{width}} {c}")
+        _out.print(Text(f"  {label:>{lw}} | {'#' * n:<{width}} {printable(c)}"))
 
 
 class ProgressHandle:
@@ -115,7 +146,7 @@ class ProgressHandle:
             return
         if self._task is not None:
             self._p.remove_task(self._task)
-        self._task = self._p.add_task(description, total=total)
+        self._task = self._p.add_task(printable(description), total=total)
 
     def advance(self, n: int = 1) -> None:
         if self._p is not None and self._task is not None:
@@ -123,7 +154,7 @@ class ProgressHandle:
 
     def describe(self, description: str) -> None:
         if self._p is not None and self._task is not None:
-            self._p.update(self._task, description=description)
+            self._p.update(self._task, description=printable(description))
 
     def callback(self) -> Callable[..., None]:
         return lambda *_a, **_k: self.advance()
@@ -135,7 +166,7 @@ def progress(enabled: bool = True) -> Iterator[ProgressHandle]:
     if not enabled or not _err.is_terminal or os.environ.get("CI"):
         yield ProgressHandle(None)
         return
-    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    cols = (TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*cols, console=_err, transient=True) as p:
         yield ProgressHandle(p)
 
@@ -146,7 +177,7 @@ def status(message: str) -> None:
     Everything printed to stdout so far is flushed first, so a log of both streams keeps their order.
     """
     _out.file.flush()
-    _err.print(Text(message, style="dim"))
+    _err.print(_text(message, "dim", keep=""))
 
 
 class _StatusHandler(logging.Handler):
@@ -169,13 +200,14 @@ def show_library_status() -> None:
 
 
 def write_json(path: str | Path, data: Any) -> None:
-    """Write ``data`` as sorted JSON to ``path`` atomically, or to stdout for ``-``.
+    """Write ``data`` as sorted, strict JSON to ``path`` atomically, or to stdout for ``-``: a number that
+    is not finite (not measured) is written ``null`` (``qkit.jsontext``), never ``NaN`` or ``Infinity``.
 
     The target was checked before any work (``qkit.outputs.check_output``, kind ``json``); a write that
     fails here (a disk filled meanwhile) is one ``OutputError`` and leaves no temporary file behind, and
     a killed run's hidden ``.NAME.qkit-tmp-PID-*`` file is removed by the next write into that directory.
     """
-    text = json.dumps(data, indent=2, sort_keys=True, default=str) + "\n"
+    text = jsontext.dumps(data, what=f"--json {path}", indent=2, nonfinite="null", default=str) + "\n"
     if str(path) == "-":
         sys.stdout.write(text)
         sys.stdout.flush()

@@ -42,7 +42,8 @@ BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' quantize_4b
 
 def quant_state_bytes(blocksize: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """The packed quant state exactly as bitsandbytes writes it (``json.dumps`` in its key order)."""
-    text = json.dumps({"quant_type": "nf4", "blocksize": blocksize, "dtype": dtype_name(dtype), "shape": list(shape)})
+    text = json.dumps({"quant_type": "nf4", "blocksize": blocksize, "dtype": dtype_name(dtype), "shape": list(shape)},
+                      allow_nan=False)  # strict JSON (no floats here); key order as bitsandbytes writes it, not sorted
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
 
 

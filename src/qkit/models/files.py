@@ -21,6 +21,7 @@ from typing import Any
 from qkit.checkpoint import weight_files
 from qkit.errors import ModelLoadError
 from qkit.jsonfields import BOOL, INT, NULL, NUMBER, STRING, Kind, check, list_of, obj
+from qkit.jsontext import first_nonfinite
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
 _PICKLED = ("*.bin", "*.pt", "*.pth")
@@ -90,6 +91,9 @@ def read_config(directory: Path) -> dict[str, Any]:
         raise ModelLoadError(f"malformed {path} ({exc}); fix the JSON or re-download the model") from exc
     if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
         raise ModelLoadError(f"malformed {path}: no 'model_type' key; fix it or re-download the model")
+    nonfinite = first_nonfinite(config)  # NaN or Infinity: copied into what quantize writes, which is strict JSON
+    if nonfinite is not None:
+        raise ModelLoadError(f"{path}: {nonfinite[0]} is {nonfinite[1]!r}, not a finite number; fix the config")
     check_config(config, str(path))
     check_architecture(config, str(path))
     return config

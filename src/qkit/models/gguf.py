@@ -77,7 +77,7 @@ def _convert_gguf(gguf: Path, sha256: str, out: Path) -> Path:
     # transformers refuses save_pretrained on a GGUF-loaded model: write config, weights and
     # tokenizer ourselves (tied weights once, like save_pretrained).
     config = model.config.to_dict()
-    for key in ("quantization_config", "_model_name_or_path", "transformers_version"):
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):  # no cache path
         config.pop(key, None)
     config["dtype"] = "float32"
     config["architectures"] = [type(model).__name__]

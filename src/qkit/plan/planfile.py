@@ -26,7 +26,10 @@ from typing import Any
 
 import torch
 
+from qkit import jsontext
+from qkit.bounds import MAX_BYTES
 from qkit.errors import InputError, SchemeError
+from qkit.jsonfields import show
 from qkit.plan.candidates import KEEP, ladder, native, plan_formats, stored_nbytes
 from qkit.schemes.base import Scheme
 from qkit.schemes.ggml import GGMLScheme
@@ -105,9 +108,14 @@ class Plan:
         return {n: t.scheme for n, t in self.tensors.items()}
 
     def sha256(self) -> str:
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(jsontext.dumps(self.to_dict(), what="the plan").encode()).hexdigest()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, timings: bool = False) -> dict[str, Any]:
+        """The plan file's document. The same model, options and inputs give the same document, so the same
+        file bytes and ``sha256``: how long each step took and a memory budget read from the machine are
+        left out (``stable``); ``timings`` keeps them, for a ``--json`` report."""
+        records = (self.sensitivity, self.solver, self.check)
+        sensitivity, solver, check = records if timings else (stable(r) for r in records)
         return {
             "format": PLAN_FORMAT, "format_version": PLAN_VERSION, "qkit_version": self.qkit_version,
             "model": self.model, "model_fingerprint": self.model_fingerprint, "target_format": self.format,
@@ -115,7 +123,7 @@ class Plan:
             "tensors": {n: t.to_dict() for n, t in sorted(self.tensors.items())},
             "totals": {"bytes": self.nbytes, "weights": self.weights, "bits_per_weight": self.bits_per_weight,
                        "predicted_kl": self.predicted_kl},
-            "sensitivity": self.sensitivity, "solver": self.solver, "check": self.check,
+            "sensitivity": sensitivity, "solver": solver, "check": check,
         }
 
     def record(self) -> dict[str, Any]:
@@ -131,6 +139,20 @@ class Plan:
                 **({"gptq": self.sensitivity["feedback"]["gptq"]} if self.method == "gptq" else {})}
 
 
+def stable(record: Any) -> Any:
+    """``record`` without what differs between two identical runs: every ``seconds`` (how long a step took,
+    at any depth) and a memory budget read from the machine (a record with ``budget_from: available
+    memory`` loses its ``budget_bytes``; one from ``--max-memory`` keeps it: the user gave it)."""
+    if isinstance(record, dict):
+        out = {k: stable(v) for k, v in record.items() if k != "seconds"}
+        if out.get("budget_from") == "available memory":
+            out.pop("budget_bytes", None)
+        return out
+    if isinstance(record, list):
+        return [stable(v) for v in record]
+    return record
+
+
 def plan_llama_types(plan: Plan, names: Mapping[str, str], dtypes: Mapping[str, torch.dtype | None]) -> dict[str, str]:
     """``{llama.cpp name: ggml type}`` of every planned tensor (``names``: its llama.cpp name; a kept one: its
     source float type, as qkit's GGUF writer stores it), for ``llama-quantize --tensor-type-file``."""
@@ -142,6 +164,7 @@ def plan_llama_types(plan: Plan, names: Mapping[str, str], dtypes: Mapping[str, 
     return out
 
 
+MAX_KL = 1e30  # a predicted or measured KL (nats/token) a plan may hold: past any model's, far below overflow
 MAX_PLAN_BYTES = 256 * 1024**2  # a plan of 50,000 tensors with every candidate is ~50 MB; a larger file is not one
 PLAN_METHODS = ("rtn", "imatrix", "gptq")  # what ``qkit plan`` measures candidates by (``qkit plan --method``)
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the source dtypes a kept tensor's bytes may count
@@ -152,7 +175,10 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_finite(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    """A number within ``MAX_KL``: finite, and summed over any plan's tensors still finite (1e308 + 1e308 is
+    infinity: a plan of finite KLs near a float's limit wrote ``Infinity`` into config.json). A JSON integer
+    of 400 digits is compared exactly, never made a float."""
+    return (_is_int(v) or isinstance(v, float)) and -MAX_KL <= v <= MAX_KL
 
 
 def _load(p: Path) -> Any:
@@ -210,9 +236,12 @@ def read_plan(path: str | Path) -> Plan:
     for key in ("measured_kl", "measured_kl_se"):
         v = (doc.get("check") or {}).get(key)
         if v is not None and not (_is_finite(v) and v >= 0):
-            raise InputError(f"--plan {p}: check.{key} is {v!r}, not a finite number >= 0; re-plan")
+            raise InputError(f"--plan {p}: check.{key} is {show(v)}, not a number from 0 to {MAX_KL:g}; re-plan")
     if not isinstance(doc.get("qkit_version", ""), str):
         raise InputError(f"--plan {p}: qkit_version is not a string; re-plan")
+    nonfinite = jsontext.first_nonfinite(doc)  # NaN, Infinity or 1e999 in a field the checks above do not read
+    if nonfinite is not None:  # (the target, the records): it would reach the checkpoint's config.json
+        raise InputError(f"--plan {p}: {nonfinite[0]} is {nonfinite[1]!r}, not a finite number; re-plan")
     out: dict[str, TensorChoice] = {name: _choice(p, fmt, name, t) for name, t in tensors.items()}
     return Plan(doc["model"], doc["model_fingerprint"], fmt, doc["method"], doc["target"], out,
                 imatrix=doc.get("imatrix"), sensitivity=doc.get("sensitivity") or {}, solver=doc.get("solver") or {},
@@ -228,18 +257,19 @@ def _entry_fields(path: Path, name: str, t: Any) -> None:
         raise InputError(f"{bad} is not an object; re-plan")
     shape, nbytes, kl, type_ = t.get("shape"), t.get("bytes"), t.get("predicted_kl"), t.get("type")
     if not (isinstance(shape, list) and shape and all(_is_int(d) and d > 0 for d in shape)):
-        raise InputError(f"{bad} has shape {shape!r}, not positive integers; re-plan")
-    if not (_is_int(nbytes) and nbytes > 0):
-        raise InputError(f"{bad} has bytes {nbytes!r}, not a positive integer; re-plan")
+        raise InputError(f"{bad} has shape {show(shape)}, not positive integers; re-plan")
+    if not (_is_int(nbytes) and nbytes > 0):  # exact: _choice compares it with what the format stores
+        raise InputError(f"{bad} has bytes {show(nbytes)}, not a positive integer; re-plan")
     if not (_is_finite(kl) and kl >= 0):
-        raise InputError(f"{bad} has predicted_kl {kl!r}, not a finite number >= 0; re-plan")
+        raise InputError(f"{bad} has predicted_kl {show(kl)}, not a number from 0 to {MAX_KL:g}; re-plan")
     if not isinstance(type_, str):
         raise InputError(f"{bad} has type {type_!r}, not a type name; re-plan")
     if not isinstance(t.get("lossless", False), bool):
         raise InputError(f"{bad} has lossless {t.get('lossless')!r}, not true or false; re-plan")
     cands = t.get("candidates", {})
     if not (isinstance(cands, dict) and all(
-            isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and v[0] > 0 and _is_finite(v[1]) for v in cands.values())):
+            isinstance(v, list) and len(v) == 2 and _is_int(v[0]) and 0 < v[0] <= MAX_BYTES and _is_finite(v[1])
+            for v in cands.values())):
         raise InputError(f"{bad} has candidates that are not {{type: [bytes, predicted_kl]}}; re-plan")
 
 
@@ -247,7 +277,7 @@ def _choice(path: Path, fmt: str, name: str, t: dict) -> TensorChoice:
     bad = f"--plan {path}: the entry of {name}"
     shape, nbytes, kl, type_ = t["shape"], t["bytes"], t["predicted_kl"], t["type"]
     if len(shape) != 2:
-        raise InputError(f"{bad} has shape {shape!r}; a planned tensor is 2-D [out, in]: re-plan")
+        raise InputError(f"{bad} has shape {show(shape)}; a planned tensor is 2-D [out, in]: re-plan")
     if type_ not in ladder(fmt):
         raise InputError(f"{bad} has type {type_!r}, which --format {fmt} does not plan ({', '.join(ladder(fmt))}); re-plan")
     scheme = None
@@ -262,11 +292,11 @@ def _choice(path: Path, fmt: str, name: str, t: dict) -> TensorChoice:
         raise InputError(f"{bad} has type {type_} and no scheme; re-plan")
     shape2 = (shape[0], shape[1])
     if scheme is not None and not native(fmt, scheme, shape2):
-        raise InputError(f"{bad}: {type_} does not store a {shape} tensor as itself; re-plan")
+        raise InputError(f"{bad}: {type_} does not store a {show(shape)} tensor as itself; re-plan")
     # the bytes the format writes for it: exact, whatever the source dtype was (only a kept tensor's and
     # compressed-tensors' scales depend on it)
     if nbytes not in {stored_nbytes(fmt, scheme, shape2, d) for d in _SOURCE_DTYPES}:
-        raise InputError(f"{bad} has bytes {nbytes:,}, not what --format {fmt} stores for a {shape} {type_} tensor; re-plan")
+        raise InputError(f"{bad} has bytes {nbytes:,}, not what --format {fmt} stores for a {show(shape)} {type_} tensor; re-plan")
     return TensorChoice(type_, scheme, shape2, nbytes, float(kl), t.get("lossless", False))
 
 
@@ -285,7 +315,7 @@ def check_plan_matches(plan: Plan, shapes: Mapping[str, tuple[int, ...]], spec: 
 
 
 def write_plan(plan: Plan, path: str | Path) -> None:
-    write_text(path, json.dumps(plan.to_dict(), indent=1, sort_keys=True) + "\n", what="-o")
+    write_text(path, jsontext.dumps(plan.to_dict(), what=f"-o {path}", indent=1) + "\n", what="-o")
     plan.path = Path(path)
 
 
@@ -335,4 +365,4 @@ def upgrades(plan: Plan) -> list[dict]:
 
 
 __all__ = ["plan_llama_types", "base_type", "lossless_types", "upgrades", "MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
-           "read_plan", "write_plan"]
+           "read_plan", "stable", "write_plan"]

@@ -72,15 +72,23 @@ def frontier_points(eval_doc: dict) -> list[dict]:
     return out
 
 
+def fixed(v: float, digits: int, sign: bool = False) -> str:
+    """``v`` with ``digits`` decimals and thousands separators (``sign``: a ``+`` before a positive number);
+    from 1e9 up in 4 significant digits (``1.5e+12``): a checked input is at most 1e30, and even that is never
+    printed as 31 digits."""
+    plus = "+" if sign else ""
+    return f"{v:{plus},.{digits}f}" if abs(v) < 1e9 else f"{v:{plus}.4g}"
+
+
 def _est(value: Any, se: Any, digits: int, unit: str = "") -> str:
     v, s = _num(value), _num(se)
     if v is None:
         return "-"
     if s is None:
-        return f"{v:,.{digits}f}{unit}"
+        return f"{fixed(v, digits)}{unit}"
     # an SE below the value's last digit keeps one significant digit (never a bare "± 0.0000")
-    se = f"{s:,.{digits}f}" if s == 0 or s >= 10**-digits else f"{s:.1g}"
-    return f"{v:,.{digits}f}{unit} ± {se}"
+    se = fixed(s, digits) if s == 0 or s >= 10**-digits else f"{s:.1g}"
+    return f"{fixed(v, digits)}{unit} ± {se}"
 
 
 def quality_table(eval_doc: dict) -> tuple[list[str], list[list[str]]]:
@@ -97,7 +105,7 @@ def quality_table(eval_doc: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([
             str(r.get("scheme")), str(r.get("runtime") or "torch"),
             f"{bits:.3f}" if bits is not None else "-",
-            f"{size / 1e6:,.1f}" if size is not None else "-",
+            fixed(size / 1e6, 1) if size is not None else "-",
             _est(r.get("perplexity"), r.get("perplexity_se"), 3),
             "" if i == 0 else _est(r.get("perplexity_change_pct"), r.get("perplexity_change_se_pct"), 2),
             "" if i == 0 else _est(r.get("kld"), r.get("kld_se"), 4),
@@ -179,8 +187,8 @@ def error_summary(errors_doc: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for s in errors_doc.get("schemes") or []:
         rows.append([str(s.get("scheme")), f"{_num(s.get('bits_per_weight')) or 0:.3f}", f"{s.get('matrices')}",
-                     f"{_num(s.get('mean')) or 0:.4f}", f"{_num(s.get('median')) or 0:.4f}",
-                     f"{_num(s.get('worst')) or 0:.4f}", str(s.get("worst_matrix"))])
+                     fixed(_num(s.get('mean')) or 0, 4), fixed(_num(s.get('median')) or 0, 4),
+                     fixed(_num(s.get('worst')) or 0, 4), str(s.get("worst_matrix"))])
     return ["scheme", "bits/w", "matrices", "mean", "median", "worst", "worst matrix"], rows
 
 
@@ -233,7 +241,7 @@ def persistence_table(out_doc: dict) -> tuple[list[str], list[list[str]]]:
     n = len(out_doc.get("per_layer") or [])
     for d in out_doc.get("outlier_dims") or []:
         rows.append([str(d["dim"]), f"{d.get('n_layers')} of {n}", str(d.get("layer_ranges")),
-                     f"{_num(d.get('peak')) or 0:,.0f} (layer {d.get('peak_layer')})", str(d.get("near_peak_layers"))])
+                     f"{fixed(_num(d.get('peak')) or 0, 0)} (layer {d.get('peak_layer')})", str(d.get("near_peak_layers"))])
     return ["dim", "outlier in", "layers", "peak max |h|", "within 5% of peak"], rows
 
 
@@ -328,13 +336,13 @@ def provenance_rows(docs: dict[str, dict], paths: dict[str, str | None], seconds
             secs = _num((prov or {}).get("seconds_total")) if prov else _num(doc.get("seconds"))
         rows.append([kind, paths.get(kind) or "computed by this run", str(model), str(version),
                      str((prov or {}).get("torch_version") or ""), str(model_sha), str(corpus_sha),
-                     f"{secs:,.1f}" if secs is not None else "not recorded"])
+                     fixed(secs, 1) if secs is not None else "not recorded"])
     return rows
 
 
 PROVENANCE_HEADERS = ["kind", "file", "model", "qkit", "torch", "model sha256 / fingerprint", "corpus sha256", "seconds"]
 
 __all__ = ["MATRIX_ORDER", "PROVENANCE_HEADERS", "Grid", "budget_bars", "engine_rows", "error_grid", "error_schemes",
-           "error_summary", "frontier_points", "grid", "int8_levels", "kv_variants", "outlier_histogram",
+           "error_summary", "fixed", "frontier_points", "grid", "int8_levels", "kv_variants", "outlier_histogram",
            "outlier_persistence", "persistence_table", "plan_grid", "plan_types", "provenance_rows", "quality_table",
            "row_kind", "sensitivity_grid", "sensitivity_units", "split_name"]

@@ -9,10 +9,12 @@ and the file records no date; the same values give byte-identical SVG.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,9 @@ _RC = {
     "text.parse_math": False,  # a name from a JSON ("$\\foo$", "a$b$") is text, never mathtext to parse
 }
 PNG_DPI = 150
+# The smallest value a log axis or colour scale takes: a denormal (5e-324) made LogNorm's inverse fail
+# ("Invalid vmin or vmax"); below it the scale is linear. The inputs' checks bound every value by 1e30.
+LOG_MIN = 1e-30
 
 
 def _with_runtime(point: dict) -> str:
@@ -70,7 +75,7 @@ class Figure:
         import matplotlib  # already imported by require_matplotlib
 
         buf = io.StringIO()
-        with matplotlib.rc_context({**_RC, "svg.hashsalt": f"qkit-report-{self.name}"}):
+        with matplotlib.rc_context({**_RC, "svg.hashsalt": f"qkit-report-{self.name}"}), _quiet():
             self.fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
         text = buf.getvalue()
         start = text.find("<svg")  # drop the XML prolog and DOCTYPE: the SVG is inlined in HTML
@@ -79,7 +84,7 @@ class Figure:
     def png(self, path: str | Path) -> None:
         import matplotlib
 
-        with matplotlib.rc_context(_RC):
+        with matplotlib.rc_context(_RC), _quiet():
             self.fig.savefig(path, format="png", dpi=PNG_DPI, metadata={"Software": None}, bbox_inches="tight")
 
     def close(self) -> None:
@@ -108,13 +113,24 @@ def _new(plt: Any, name: str, w: float, h: float, ncols: int = 1, **kw: Any) -> 
     return Figure(name, fig), axes[0]
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """matplotlib's and numpy's warnings kept off stderr while a figure is drawn or saved (see ``_drawn``)."""
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        yield
+
+
 def _drawn(draw: Callable[..., Figure]) -> Callable[..., Figure]:
-    """Draw under the report's rc settings (fonts, sizes) so every figure looks alike."""
+    """Draw under the report's rc settings (fonts, sizes) so every figure looks alike, with matplotlib's and
+    numpy's warnings kept off stderr: the inputs were range-checked (``qkit.report.inputs``), so what is
+    left is about drawing (a degenerate axis, an overflow in a tick computation), not about the numbers,
+    and a command's stderr holds qkit's own lines only."""
 
     def wrapper(*args: Any, **kwargs: Any) -> Figure:
         import matplotlib
 
-        with matplotlib.rc_context(_RC):
+        with matplotlib.rc_context(_RC), _quiet():
             return draw(*args, **kwargs)
 
     wrapper.__name__, wrapper.__doc__ = draw.__name__, draw.__doc__
@@ -152,7 +168,7 @@ def frontier(points: list[dict]) -> Figure:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3, which="both")
     kl = [p["kld"] for p in points if p["kld"] is not None]
-    if kl and min(kl) > 0:
+    if kl and min(kl) >= LOG_MIN:
         ax_kl.set_yscale("log")
     if any(p["dppl"] is not None for p in points):
         ax_pp.set_yscale("symlog", linthresh=1.0)
@@ -180,7 +196,7 @@ def heatmaps(name: str, grids: list[tuple[str, Grid]], colorbar: str, log: bool 
     f, axes = _new(plt, name, min(2.2 * n + 1.2, 16), height, ncols=n)
     values = [v for _, g in grids for v in g.values()]
     positive = [v for v in values if v > 0]
-    if log and positive and len(positive) == len(values):
+    if log and positive and len(positive) == len(values) and min(positive) >= LOG_MIN:
         norm = mcolors.LogNorm(vmin=min(positive), vmax=max(positive))
     else:
         norm = mcolors.Normalize(vmin=min(values, default=0.0), vmax=max(values, default=1.0))

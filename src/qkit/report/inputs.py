@@ -25,13 +25,13 @@ model is named by what the user passed (``ModelRef.spec``), so a path is compare
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qkit.errors import InputError
+from qkit.jsontext import first_nonfinite
 from qkit.jsonfields import BOOL, LIST, NULL, NUMBER, STRING, Kind, check, list_of, obj
 from qkit.plan.planfile import PLAN_FORMAT, PLAN_VERSION
 from qkit.version import __version__
@@ -62,14 +62,33 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-FINITE = Kind("a finite number", "finite numbers", lambda v: (_is_int(v) or isinstance(v, float)) and math.isfinite(v))
+# a plotted number: finite and far from overflow (a 400-digit JSON integer is compared exactly, never made a float)
+FINITE = Kind("a number from -1e30 to 1e30", "numbers from -1e30 to 1e30",
+              lambda v: (_is_int(v) or isinstance(v, float)) and -1e30 <= v <= 1e30)
 COUNT = Kind("a whole number from 0 to 2**53", "whole numbers from 0 to 2**53", lambda v: _is_int(v) and 0 <= v <= 2**53)
 SCALAR = STRING | NUMBER | BOOL | NULL  # shown as text (``str()``): anything but an object or a list
 TEXT = STRING | NULL
-# a standard error (drawn as an error bar) or a measured error or KL (drawn on a log colour scale): never
-# negative, and far from float overflow; NaN (not drawn) and null pass
-MEASURE = Kind("a number from 0 to 1e30, NaN or null", "numbers from 0 to 1e30", lambda v: v is None or (
-    (_is_int(v) or isinstance(v, float)) and not v < 0 and not v > 1e30))
+
+
+def ranged(lo: float, hi: float) -> Kind:
+    """A finite number from ``lo`` to ``hi``, or null (not measured). NaN and infinities fail: a number the page
+    shows or draws is in its range, never a 309-digit figure or a negative KL."""
+    return Kind(f"a number from {lo:g} to {hi:g} or null", f"numbers from {lo:g} to {hi:g}",
+                lambda v: v is None or ((_is_int(v) or isinstance(v, float)) and lo <= v <= hi))
+
+
+# What each number means bounds it: a standard error (drawn as an error bar), a measured error or KL (drawn
+# on a log colour scale), seconds: never negative, and far from float overflow (1e30: a sum of a million
+# of them stays finite). A perplexity is at least 1; its change at least -100%; a probability in [0, 1];
+# bits per weight at most 64 (no stored type takes more); sizes whole bytes up to 1 EiB.
+MEASURE = ranged(0, 1e30)
+PERPLEXITY = ranged(1, 1e30)
+CHANGE_PCT = ranged(-100, 1e30)
+SIGNED = ranged(-1e30, 1e30)
+PROBABILITY = ranged(0, 1)
+BITS = ranged(0, 64)
+BYTES = Kind("a whole number from 0 to 2**60 or null", "whole numbers from 0 to 2**60",
+             lambda v: v is None or (_is_int(v) and 0 <= v <= 2**60))
 
 
 def _needs(kind: Kind, *keys: str) -> Kind:
@@ -82,38 +101,48 @@ _ARCH = obj({"name": SCALAR}) | NULL
 # a row's spec names its simulations ``simulation``; an eval JSON written before they had that word, ``runtime``
 _SPEC = obj({"plan": SCALAR, "simulation": LIST | SCALAR, "runtime": LIST | SCALAR}) | NULL
 _ROW = obj({"scheme": SCALAR, "runtime": TEXT, "refused": SCALAR, "spec": _SPEC,
+            "bits_per_weight": BITS, "size_bytes": BYTES, "perplexity": PERPLEXITY, "perplexity_change_pct": CHANGE_PCT,
+            "kld": MEASURE, "top1_match": PROBABILITY, "battery_ci95": list_of(PROBABILITY) | NULL,
             "perplexity_se": MEASURE, "perplexity_change_se_pct": MEASURE, "kld_se": MEASURE,
-            "versus_torch": obj({"against": SCALAR, "perplexity_change_se_pct": MEASURE, "kld_change_se": MEASURE}) | NULL,
+            "versus_torch": obj({"against": SCALAR, "perplexity_change_pct": CHANGE_PCT, "perplexity_change_se_pct": MEASURE,
+                                 "kld_change": SIGNED, "kld_change_se": MEASURE}) | NULL,
             "engine": obj({"version": SCALAR}) | NULL,
-            "battery_correct": SCALAR, "battery_total": SCALAR, "agreement": SCALAR, "agreement_total": SCALAR})
+            "battery_correct": COUNT | NULL, "battery_total": COUNT | NULL, "agreement": COUNT | NULL,
+            "agreement_total": COUNT | NULL})
 _TYPICAL = list_of(_needs(obj({"dim": SCALAR, "levels": SCALAR}), "dim", "levels"))
-_INT8_PART = obj({"levels_used": SCALAR, "levels_total": SCALAR, "typical": _TYPICAL | NULL}) | NULL
+_INT8_PART = obj({"levels_used": SCALAR, "levels_total": SCALAR, "typical": _TYPICAL | NULL, "scale": MEASURE}) | NULL
 SCHEMAS: dict[str, Kind] = {
     "eval": obj({"rows": list_of(_ROW), "notes": list_of(SCALAR) | NULL,
                  "provenance": obj({"model": SCALAR, "qkit_version": TEXT, "torch_version": SCALAR, "window": SCALAR,
+                                    "scored_tokens": COUNT | SCALAR, "seconds_total": MEASURE,
                                     "corpus": obj({"name": SCALAR, "sha256": SCALAR}) | NULL,
                                     "model_source": obj({"sha256": SCALAR}) | NULL})}),
-    "errors": obj({"model": SCALAR, "matrices": list_of(_needs(obj({"name": STRING, "scheme": SCALAR, "rel_error": MEASURE}), "name", "scheme")),
-                   "schemes": list_of(_needs(obj({"scheme": STRING, "matrices": SCALAR, "worst_matrix": SCALAR}), "scheme"))}),
+    "errors": obj({"model": SCALAR, "seconds": MEASURE,
+                   "matrices": list_of(_needs(obj({"name": STRING, "scheme": SCALAR, "rel_error": MEASURE}), "name", "scheme")),
+                   "schemes": list_of(_needs(obj({"scheme": STRING, "matrices": SCALAR, "worst_matrix": SCALAR, "bits_per_weight": BITS,
+                                                  "mean": MEASURE, "median": MEASURE, "worst": MEASURE}), "scheme"))}),
     "outliers": obj({"model": SCALAR, "layer": SCALAR, "hidden": SCALAR, "tokens": SCALAR, "source": SCALAR, "threshold": SCALAR,
+                     "seconds": MEASURE,
                      "histogram": list_of(_needs(obj({"lo": FINITE, "hi": FINITE, "count": COUNT}), "lo", "hi", "count")),
                      "per_layer": list_of(_needs(obj({"layer": COUNT, "median_dim_max": FINITE}), "layer", "median_dim_max")),
                      "outlier_dims": list_of(_needs(obj({"dim": COUNT, "values": list_of(FINITE) | NULL, "layers": LIST | NULL,
+                                                         "peak": MEASURE,
                                                          "n_layers": COUNT | NULL, "layer_ranges": SCALAR, "peak_layer": SCALAR,
                                                          "near_peak_layers": SCALAR}), "dim")),
                      "int8": obj({"excluded_dims": LIST | NULL, "all": _INT8_PART, "without_top": _INT8_PART}) | NULL}),
     "sensitivity": obj({"model": SCALAR, "by": TEXT, "scheme": SCALAR, "tokens": SCALAR, "source": SCALAR, "note": SCALAR,
+                        "seconds": MEASURE,
                         "suggestion": obj({"sentence": SCALAR}) | NULL,
                         "units": list_of(obj({"name": SCALAR, "kl": MEASURE, "rel_error": MEASURE, "input_outlier_dims": LIST | NULL}))}),
     "plan": obj({"model": SCALAR, "model_fingerprint": SCALAR, "target_format": SCALAR, "target": obj(values=SCALAR) | NULL,
                  "tensors": obj(values=_needs(obj({"type": SCALAR, "shape": list_of(COUNT), "bytes": COUNT}), "shape", "bytes")) | NULL,
-                 "totals": obj({"bytes": COUNT | NULL, "predicted_kl": FINITE | NULL}) | NULL}),
+                 "totals": obj({"bytes": COUNT | NULL, "predicted_kl": MEASURE, "bits_per_weight": BITS}) | NULL}),
     "kv": obj({"architecture": _ARCH, "tokens": COUNT, "users": SCALAR, "dtype": SCALAR,
                "variants": list_of(_needs(obj({"attention": STRING, "kv_heads": COUNT, "bytes_per_token": COUNT,
                                                "total_bytes": COUNT}), "attention", "kv_heads", "bytes_per_token", "total_bytes"))}),
     "budget": obj({"conversation": COUNT, "reserve_gib": SCALAR, "kv_dtype": SCALAR,
                    "models": list_of(obj({"label": SCALAR, "architecture": _ARCH})),
-                   "tables": list_of(_needs(obj({"gpu_gib": FINITE, "rows": list_of(_needs(obj({
+                   "tables": list_of(_needs(obj({"gpu_gib": ranged(0, 2**20), "rows": list_of(_needs(obj({
                        "model": SCALAR, "format": SCALAR, "status": SCALAR, "max_tokens": COUNT, "weight_bytes": COUNT,
                        "conversations": COUNT}), "format", "max_tokens", "weight_bytes", "conversations"))}), "gpu_gib"))}),
 }
@@ -222,6 +251,10 @@ def read_json(path: str | os.PathLike) -> tuple[str, dict]:
         raise InputError(f"{p} is a plan of format_version {doc.get('format_version')!r}; this qkit reads "
                          f"{PLAN_VERSION}: re-plan with this qkit")
     check(doc, SCHEMAS[kind], str(p), error=InputError, fix=f"give the file {COMMANDS[kind].split(' --')[0]} wrote")
+    nonfinite = first_nonfinite(doc)  # NaN or Infinity anywhere else: qkit writes null, never these (qkit.jsontext)
+    if nonfinite is not None:
+        raise InputError(f"{p}: {nonfinite[0]} is {nonfinite[1]!r}, not a finite number; give the file "
+                         f"{COMMANDS[kind].split(' --')[0]} wrote")
     version = version_of(kind, doc)
     if version is not None and version != __version__:
         raise InputError(f"{p} was written by qkit {version}, this is qkit {__version__}: its numbers may not mean "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from collections.abc import Callable
 
+from qkit.console import printable
 from qkit.report import data, figures
 from qkit.report.inputs import COMMANDS, Inputs
 from qkit.version import __version__
@@ -48,7 +49,21 @@ def _count(x: object) -> str:
 
 
 def _esc(x: object) -> str:
-    return html.escape(str(x), quote=True)
+    """``x`` as page text: control characters shown escaped (``qkit.console.printable``), then HTML-escaped."""
+    return html.escape(printable(x), quote=True)
+
+
+def printable_strings(value: object) -> object:
+    """A parsed JSON document with every string in it (keys too) made printable (``qkit.console.printable``):
+    what the tables, the figures' labels and the SVG text are drawn from. An SVG holding a raw control
+    character is not even well-formed XML."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(k): printable_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [printable_strings(v) for v in value]
+    return value
 
 
 def table(headers: list[str], rows: list[list[str]], caption: str | None = None) -> str:
@@ -100,8 +115,8 @@ class _Page:
         if not points:
             return note("the eval JSON has no measured quantized row to place on the frontier")
         rows = [[p["name"], p["kind"], p["runtime"], f"{p['bits']:.3f}",
-                 "-" if p["kld"] is None else f"{p['kld']:.4f} ± {2 * (p['kld_se'] or 0):.4f}",
-                 "-" if p["dppl"] is None else f"{p['dppl']:+.2f} ± {2 * (p['dppl_se'] or 0):.2f}"] for p in points]
+                 "-" if p["kld"] is None else f"{data.fixed(p['kld'], 4)} ± {data.fixed(2 * (p['kld_se'] or 0), 4)}",
+                 "-" if p["dppl"] is None else f"{data.fixed(p['dppl'], 2, sign=True)} ± {data.fixed(2 * (p['dppl_se'] or 0), 2)}"] for p in points]
         t = table(["row", "kind", "runtime", "bits/w", "KL ± 2 SE", "Δ ppl % ± 2 SE"], rows,
                   "the points drawn: each row's bits/w, KL and Δ perplexity from the eval JSON, bars ± 2 standard errors")
         return pair(self.fig(figures.frontier(points)), t)
@@ -121,7 +136,7 @@ class _Page:
     def sensitivity(self, doc: dict) -> str:
         units = data.sensitivity_units(doc)
         ranked = sorted((u for u in units if u["kl"] is not None), key=lambda u: -u["kl"])
-        rows = [[u["name"], f"{u['kl']:.4f}", "-" if u["rel_error"] is None else f"{u['rel_error']:.4f}",
+        rows = [[u["name"], data.fixed(u['kl'], 4), "-" if u["rel_error"] is None else data.fixed(u['rel_error'], 4),
                  ", ".join(map(str, u["outlier_dims"])) or "-"] for u in ranked]
         sug = (doc.get("suggestion") or {}).get("sentence")
         cap = f"KL (nats/token) from the reference with only this {doc.get('by')} at {doc.get('scheme')}, on {doc.get('tokens')} tokens of {doc.get('source')}; ranked"
@@ -154,7 +169,7 @@ class _Page:
         headers, rows = data.plan_types(doc)
         target = doc.get("target") or {}
         cap = (f"{doc.get('target_format')} plan for {', '.join(f'{k} {v}' for k, v in sorted(target.items()))}; "
-               f"predicted KL {((doc.get('totals') or {}).get('predicted_kl') or 0):.4f} nats/token")
+               f"predicted KL {data.fixed((doc.get('totals') or {}).get('predicted_kl') or 0, 4)} nats/token")
         t = table(headers, rows, cap) + f"<details><summary>every tensor</summary>{grid_table(g)}</details>"
         if not g.values():
             return t
@@ -188,9 +203,9 @@ class _Page:
             return note("no row of the eval JSON was measured in an engine (qkit eval --runtime vllm or llama.cpp adds them)")
         t = table(["row", "runtime", "engine version", "perplexity", "Δ ppl vs torch % ± 2 SE", "ΔKL vs torch ± 2 SE",
                    "refused"],
-                  [[r["name"], r["runtime"], r["version"] or "-", "-" if r["perplexity"] is None else f"{r['perplexity']:.3f}",
-                    "-" if r["dppl_vs_torch"] is None else f"{r['dppl_vs_torch']:+.2f} ± {2 * (r['dppl_vs_torch_se'] or 0):.2f}",
-                    "-" if r["kld_vs_torch"] is None else f"{r['kld_vs_torch']:+.4f} ± {2 * (r['kld_vs_torch_se'] or 0):.4f}",
+                  [[r["name"], r["runtime"], r["version"] or "-", "-" if r["perplexity"] is None else data.fixed(r['perplexity'], 3),
+                    "-" if r["dppl_vs_torch"] is None else f"{data.fixed(r['dppl_vs_torch'], 2, sign=True)} ± {data.fixed(2 * (r['dppl_vs_torch_se'] or 0), 2)}",
+                    "-" if r["kld_vs_torch"] is None else f"{data.fixed(r['kld_vs_torch'], 4, sign=True)} ± {data.fixed(2 * (r['kld_vs_torch_se'] or 0), 4)}",
                     r["refused"] or ""] for r in rows],
                   "each engine row against the torch row of the same spec (paired on the same positions)")
         f = self.fig(figures.engine_versus(rows)) if any(r["dppl_vs_torch"] is not None for r in rows) else None
@@ -210,6 +225,7 @@ def _absent_note(kinds: tuple[str, ...]) -> str:
 def render(inputs: Inputs) -> tuple[str, list[figures.Figure]]:
     """The page's HTML and the figures drawn in it (for ``--png``). Deterministic: the same inputs give the
     same bytes."""
+    inputs = Inputs({k: printable_strings(d) for k, d in inputs.docs.items()}, dict(inputs.paths), dict(inputs.seconds))
     page = _Page(inputs)
     model = inputs.model() or "unknown model"
     builders: dict[str, Callable[[], str]] = {

@@ -13,7 +13,6 @@ copied after it. Writes are atomic: everything happens in a hidden sibling, rena
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,7 +24,7 @@ import gguf
 import numpy as np
 import torch
 
-from qkit import outputs, staging
+from qkit import jsontext, outputs, staging
 from qkit.checkpoint import atomic_directory, tensor_dtypes, write_json
 from qkit.errors import ExportError
 from qkit.export.common import (
@@ -385,7 +384,7 @@ class GGUFFileWriter:
             self.gw.add_int32("quantize.imatrix.entries_count", int(imatrix.get("entries", 0)))
             if int(imatrix.get("chunk_count") or 0) > 0:
                 self.gw.add_int32("quantize.imatrix.chunks_count", int(imatrix["chunk_count"]))
-        self.gw.add_string(RECORD_KEY, json.dumps(self.record, sort_keys=True))
+        self.gw.add_string(RECORD_KEY, jsontext.dumps(self.record, what="the GGUF's qkit.export record"))
         path = self.directory / FILE
         self.gw.write_header_to_file(path)
         self.gw.write_kv_data_to_file()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qkit import jsontext
 from qkit.errors import InputError
 
 GENERAL_TYPE = "imatrix"
@@ -98,7 +99,7 @@ def write_gguf(imatrix: Imatrix, path: Path) -> None:
     w.add_uint32(KEY_CHUNK_COUNT, int(imatrix.chunk_count))
     w.add_uint32(KEY_CHUNK_SIZE, int(imatrix.chunk_size))
     if imatrix.record is not None:
-        w.add_string(KEY_QKIT, json.dumps(imatrix.record, sort_keys=True))
+        w.add_string(KEY_QKIT, jsontext.dumps(imatrix.record, what=f"{path}: its {KEY_QKIT} record"))
     for name in sorted(imatrix.entries):
         e = imatrix.entries[name]
         w.add_tensor(name + SUMS, np.ascontiguousarray(e.sums, dtype=np.float32).reshape(-1, e.width))
@@ -184,6 +185,8 @@ def _read_gguf(path: Path) -> Imatrix:
             record = json.loads(text(KEY_QKIT) or "")
         except ValueError:
             raise _bad(path, f"its {KEY_QKIT} record is not JSON") from None
+        if jsontext.first_nonfinite(record) is not None:  # it is copied into the manifest qkit writes, strict JSON
+            raise _bad(path, f"its {KEY_QKIT} record holds a number that is not finite")
     return Imatrix(entries, scalar(KEY_CHUNK_COUNT) or 0, scalar(KEY_CHUNK_SIZE) or 0, datasets, False, str(path), record)
 
 
