@@ -217,11 +217,20 @@ def written(tiny_model_dir, llama128, corpus, tmp_path_factory) -> Path:
     return root
 
 
-def test_every_json_a_command_writes_is_strict(written):
-    docs = _every_json(written / "out")
+def test_every_json_a_command_writes_is_strict(written, tiny_model_dir, tmp_path):
+    """What every writing command wrote (``written``), and the --json of the commands that only report
+    (eval's goes through the same ``console.write_json``, tested by itself below: one eval costs seconds)."""
+    m = str(tiny_model_dir)
+    for name, args in {"budget": ["budget", m], "batching": ["simulate", "batching"],
+                       "matrix": ["inspect", "matrix", m, "model.layers.0.mlp.up_proj.weight"],
+                       "next-token": ["inspect", "next-token", m, "hello"], "outliers": ["inspect", "outliers", m]}.items():
+        r = invoke(*args, "--json", str(tmp_path / f"{name}.json"))
+        assert r.code == 0, (args, r.text)
+    docs = {**_every_json(written / "out"), **_every_json(tmp_path)}
     kinds = {Path(k.split(":")[0]).suffix for k in docs}
     assert {".json", ".safetensors", ".gguf"} <= kinds, kinds
     assert any("qkit.export" in k for k in docs) and any("qkit.imatrix" in k for k in docs)
+    assert len(docs) > 20
 
 
 def test_a_json_report_writes_null_for_what_was_not_measured(tmp_path):
