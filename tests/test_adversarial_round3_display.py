@@ -428,8 +428,9 @@ def test_an_importance_matrix_name_reaches_the_terminal_escaped(tiny_model_dir, 
     assert not _unsafe(line) and "\\x1b]0;PWNED\\x07" in line and "\\u202e" in line
 
 
-def test_a_config_field_reaches_the_terminal_escaped(tiny_model_dir, tmp_path):
-    """model_type and architectures from a config.json, in a table (kv) and in a refusal (quantize)."""
+def test_a_config_field_reaches_the_terminal_escaped(tiny_model_dir, tmp_path, corpus, capfd):
+    """model_type and architectures from a config.json, in a table (kv) and in a refusal (quantize); a
+    rope_type that transformers logs through its own handler (eval), escaped too."""
     import shutil
 
     evil = tmp_path / "evil"
@@ -440,6 +441,36 @@ def test_a_config_field_reaches_the_terminal_escaped(tiny_model_dir, tmp_path):
     for args in (["kv", str(evil)], ["quantize", str(evil), "-s", "int8-row", "-o", str(tmp_path / "q")]):
         r = invoke(*args)
         assert not _unsafe(r.text) and "\\x1b" in r.text, r.text
+    cfg["model_type"], cfg["architectures"] = "llama", ["LlamaForCausalLM"]
+    cfg["rope_scaling"] = {"rope_type": "linear" + ESC, "factor": 2.0}
+    (evil / "config.json").write_text(json.dumps(cfg))
+    r = invoke("eval", str(evil), "--corpus", str(corpus), "--schemes", "int8-row", "--tokens", "32")
+    assert r.code == 2 and not _unsafe(r.text), r.text
+    err = capfd.readouterr().err  # what libraries wrote to the process's stderr past the CLI runner
+    assert not _unsafe(err), err
+
+
+def test_library_logs_and_warnings_are_escaped():
+    """transformers and huggingface_hub log through handlers of their own, and Python's warnings print
+    themselves: the command line makes every record and warning printable first (one sanitiser)."""
+    import io
+    import logging
+    import warnings
+
+    from qkit import console
+
+    console.show_library_status()
+    stream = io.StringIO()
+    log = logging.getLogger("qkit_test_library")  # a library's logger with its own handler, as transformers has
+    handler = logging.StreamHandler(stream)
+    log.addHandler(handler)
+    try:
+        log.warning("config says %s", ESC)
+    finally:
+        log.removeHandler(handler)
+    shown = warnings.formatwarning("field " + ESC + "\u202e", UserWarning, "lib.py", 7)
+    assert "config says \\x1b]0;PWNED" in stream.getvalue() and not _unsafe(stream.getvalue())
+    assert "field \\x1b]0;PWNED" in shown and not _unsafe(shown)
 
 
 def test_a_plan_field_reaches_the_terminal_escaped(tiny_model_dir, written, tmp_path):

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -191,12 +192,42 @@ class _StatusHandler(logging.Handler):
 
 
 def show_library_status() -> None:
-    """Route the ``qkit`` logger's INFO records (downloads, GGUF conversion) to status lines; idempotent."""
+    """Route the ``qkit`` logger's INFO records (downloads, GGUF conversion) to status lines, and make what
+    other libraries log or warn printable (``printable_library_output``); idempotent."""
     log = logging.getLogger("qkit")
     if not any(isinstance(h, _StatusHandler) for h in log.handlers):
         log.addHandler(_StatusHandler())
     log.setLevel(logging.INFO)
     log.propagate = False
+    printable_library_output()
+
+
+def printable_library_output() -> None:
+    """Every log record of any library (transformers, huggingface_hub, ...) and every Python warning, made
+    printable before any handler writes it: those libraries write to stderr through handlers of their own,
+    and their messages quote config fields (transformers logged a config's ``rope_type`` with its ESC
+    sequence raw). Newlines and tabs are kept; the format is theirs. Idempotent; the command line calls it
+    for every command, a script using the library is left as it is."""
+    if getattr(logging.getLogRecordFactory(), "qkit_printable", False):
+        return
+    make_record = logging.getLogRecordFactory()
+
+    def printable_record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        try:
+            record.msg, record.args = printable(record.getMessage(), keep="\t\n"), None
+        except Exception:  # a malformed record is the logging module's to report, as it would be without us
+            pass
+        return record
+
+    printable_record.qkit_printable = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(printable_record)
+    format_warning = warnings.formatwarning
+
+    def printable_warning(message: Any, category: Any, filename: str, lineno: int, line: str | None = None) -> str:
+        return printable(format_warning(message, category, filename, lineno, line), keep="\t\n")
+
+    warnings.formatwarning = printable_warning
 
 
 def write_json(path: str | Path, data: Any) -> None:
