@@ -119,6 +119,14 @@ def test_a_number_out_of_range_is_one_line_naming_the_option(tiny_model_dir, cor
     assert BIG not in line, f"a 309-digit number printed whole: {line}"
 
 
+def test_minus_zero_is_zero(tiny_model_dir):
+    """``-0`` is a number in range where 0 is, and prints as 0 (it printed ``alpha=-0`` and ``-0 GiB``)."""
+    r = invoke("speculate", "--alpha", "-0", "--cost", "-0")
+    assert r.code == 0 and "-0" not in r.stdout, r.text
+    r = invoke("budget", str(tiny_model_dir), "--reserve", "-0")
+    assert r.code == 0 and "-0 GiB" not in r.stdout and " 0 GiB reserve" in r.stdout, r.text
+
+
 def test_report_threads(tmp_path):
     doc = tmp_path / "kv.json"
     doc.write_text("{}")
