@@ -44,6 +44,7 @@ import numpy as np
 
 from qkit.assets import cache_dir
 
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 LLAMA_CPP_PYTHON = "0.3.36"  # its sdist vendors llama.cpp at the commit below
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"  # ggml 0.25.3
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,11 @@ def build_tools(jobs: int = 2) -> dict:
     if not (out / "CMakeCache.txt").exists():
         cmds.append(["cmake", "-S", str(src), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
                      "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"])
+                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+                     # llama.cpp's AMX matmul (ggml_backend_amx_mul_mat) dies with SIGSEGV on the project's machine,
+                     # whose CPU reports AMX: the tools are built without it (AVX-512 and VNNI stay on); an
+                     # explicit -mno-* wins over -march=native's features in GCC and clang
+                     f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"])
         _run(cmds[-1])
     cmds.append(["cmake", "--build", str(out), "--config", "Release", "--target", *TOOLS, "-j", str(jobs)])
     _run(cmds[-1])
