@@ -1,4 +1,4 @@
-"""JSON text: the one writer of every JSON qkit writes, and the strict reader of the JSON it takes in.
+"""JSON text: the one writer of every JSON qkit writes, and the check for a non-finite number in what it reads.
 
 Layer 1 (beside ``jsonfields``, which checks what a document holds). Python's ``json`` writes ``NaN``,
 ``Infinity`` and ``-Infinity`` by default (``allow_nan=True``) and reads them back, but they are not JSON:
@@ -12,8 +12,9 @@ GGUF and importance-matrix records, a plan, every ``--json``) goes through ``dum
 * in a ``--json`` report (``nonfinite="null"``) it is a number that was not measured: written ``null``, the
   same word the reports use for it everywhere (docs/guarantees.md, "no number is silently wrong").
 
-``loads`` reads strictly: ``NaN``, ``Infinity`` and a number too large for a float (``1e999``, which
-Python's parser reads as infinity) are refused in one line naming the file.
+``first_nonfinite`` finds a NaN or an infinity in a parsed document (Python's parser reads ``NaN``,
+``Infinity`` and ``1e999``): the plan, report and config readers refuse such a file in one line naming the
+field, before its numbers can reach a file qkit writes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from qkit.errors import InputError, OutputError, QkitError
+from qkit.errors import OutputError
 
 
 def first_nonfinite(value: Any, path: str = "") -> tuple[str, float] | None:
@@ -69,20 +70,4 @@ def dumps(value: Any, *, what: str, indent: int | None = None, nonfinite: str = 
     return json.dumps(value, indent=indent, sort_keys=True, allow_nan=False, default=default)
 
 
-def loads(text: str | bytes, where: str, *, error: type[QkitError] = InputError, fix: str = "fix the file") -> Any:
-    """The parsed JSON of ``text`` (read from ``where``), strictly: ``NaN``, ``Infinity``, ``-Infinity`` and a
-    number beyond a float's range are refused, one ``error`` line naming ``where``. Malformed JSON raises
-    ``json.JSONDecodeError`` (a ``ValueError``) as ``json.loads`` does: each reader words that itself."""
-    def constant(word: str) -> Any:
-        raise error(f"{where}: {word} is not a JSON number (a strict parser refuses the file); {fix}")
-
-    def number(word: str) -> float:
-        x = float(word)
-        if not math.isfinite(x):
-            raise error(f"{where}: the number {word[:40]} is beyond a float's range; {fix}")
-        return x
-
-    return json.loads(text, parse_constant=constant, parse_float=number)
-
-
-__all__ = ["dumps", "first_nonfinite", "loads"]
+__all__ = ["dumps", "first_nonfinite"]
