@@ -1,4 +1,4 @@
-"""A write killed with SIGKILL leaves only its hidden temporary sibling; the next quantize removes it."""
+"""A write killed with SIGKILL leaves only its hidden temporary sibling and its claim; the next quantize removes both."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import textwrap
 
 from typer.testing import CliRunner
 
+from qkit import claims
 from qkit.checkpoint import TMP_MARK, atomic_directory, remove_stale_siblings, stale_siblings
 from qkit.cli import app
 
@@ -60,7 +61,7 @@ WRITER = textwrap.dedent(
 )
 
 
-def test_sigkill_mid_write_leaves_only_the_sibling_and_the_next_run_removes_it(tiny_model_dir, tmp_path):
+def test_sigkill_mid_write_leaves_only_the_sibling_and_its_claim_and_the_next_run_removes_them(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tiny_model_dir), str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -73,7 +74,9 @@ def test_sigkill_mid_write_leaves_only_the_sibling_and_the_next_run_removes_it(t
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == -signal.SIGKILL
-    left = sorted(tmp_path.iterdir())
+    # the claim on -o (qkit.claims) cannot be released by a killed run: the next run removes it, its holder gone
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(claims.MARK)) == [".out" + claims.MARK]
+    left = sorted(p for p in tmp_path.iterdir() if not p.name.endswith(claims.MARK))
     assert [p.name for p in left] == [p.name for p in left if p.name.startswith(f".out{TMP_MARK}{proc.pid}-")]
     assert len(left) == 1 and not out.exists()
     assert list(left[0].glob("*.safetensors.part"))  # it died mid-write, with shards on disk

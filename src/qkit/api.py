@@ -43,7 +43,7 @@ from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod, matrix_for
 from qkit.models import ModelRef, copy_aux_files, load_tokenizer, parse_device, read_config, resolve_clear_of
 from qkit.models import load as _load
-from qkit.outputs import file_inputs, model_inputs
+from qkit.outputs import check_apart, claim_output, file_inputs, model_inputs, scoped
 from qkit.outputs import check_output as check_output_path
 from qkit.plan import (
     Plan,
@@ -137,6 +137,7 @@ def block_progress(on_block: Callable[[int, int], None]) -> Progress:
     return forward
 
 
+@scoped  # the outputs it claims are released when it returns or raises
 def quantize_model(
     model: str | Path | ModelRef | None = None,
     *,
@@ -194,6 +195,7 @@ def quantize_model(
     given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
              *file_inputs("the calibration text", opts.calibration()), *file_inputs("the importance matrix", opts.imatrix)]
     check_output(opts.format, out, opts.force, given)
+    claim_output(out, "-o")  # a second run writing it refuses until this one has put it in place
     req = request(opts)  # every option parsed and checked before the model is read
     dev = parse_device(opts.device)
     ref, inputs = resolve_clear_of(model, given, partial(check_output, opts.format, out, opts.force),
@@ -327,6 +329,7 @@ class PlanResult:
                 "seconds": self.seconds, "plan": self.plan.to_dict(timings=True)}  # the file leaves timings out
 
 
+@scoped
 def plan_model(
     model: str | Path | ModelRef | None = None,
     *,
@@ -388,7 +391,9 @@ def plan_model(
                                           "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
             if path is not None:
                 check_output_path(path, kind="file", force=force, inputs=inputs, what=option, owned=owned, describe=what)
+                claim_output(path, option)  # a second run writing it refuses until this one has put it in place
 
+    check_apart([("-o", output), ("--emit-tensor-types", emit_tensor_types)])
     check(given)
     matrix = read_imatrix(imatrix) if imatrix is not None else None
     ref, _ = resolve_clear_of(model, given, check, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
@@ -442,6 +447,7 @@ class ImatrixResult:
         return dataclasses.asdict(self) | {"output": str(self.output)}
 
 
+@scoped
 def imatrix_model(
     model: str | Path | ModelRef | None = None,
     *,
@@ -469,6 +475,7 @@ def imatrix_model(
     check = partial(check_output_path, output, kind="file", force=force, owned=is_qkit_imatrix,
                     describe="an importance matrix qkit wrote")
     check(inputs=given)
+    claim_output(output, "-o")
     dev = parse_device(device)
     ref, inputs = resolve_clear_of(model, given, lambda found: check(inputs=found), allow_pickle=allow_pickle,
                                    trust_remote_code=trust_remote_code,

@@ -17,6 +17,12 @@ It refuses, in this order:
    the first block) and removed where the output's staging sibling will be created. Nothing is created
    on a refusal: no parent directory, no probe left behind.
 
+Before that, ``check_apart`` refuses two outputs of one command that are one path or one inside the other
+(``plan -o p.json --json p.json``); after it, ``claim_output`` claims the output for this run
+(``qkit.claims``), so that a second qkit process writing it refuses in one line while the first runs. An
+existing output that is not a regular file (a FIFO, a device, a socket) is refused without being opened:
+the ``owned`` checks below read it, and a FIFO would block them.
+
 The staging of a write (the hidden sibling, its cleanup, what this process published, scratch
 directories) is ``qkit.staging``.
 """
@@ -30,7 +36,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Union
 
-from qkit import assets, jsonfields
+from qkit import assets, claims, jsonfields, reading
 from qkit.errors import OutputError, OutputExistsError, QkitError
 from qkit.staging import _WRITE_ERRORS, TMP_MARK, sibling_name
 
@@ -154,8 +160,7 @@ def is_qkit_directory(path: PathLike) -> bool:
         return True
     try:
         config_path = os.path.join(os.fspath(path), "config.json")
-        with open(config_path, "rb") as f:
-            config = json.loads(f.read(_MAX_JSON_BYTES))
+        config = json.loads(reading.read_bytes(config_path, config_path, limit=_MAX_JSON_BYTES))
         qc = jsonfields.field(config, "quantization_config", jsonfields.OBJECT | jsonfields.NULL, config_path) or {}
         return qc.get("quant_method") == "qkit"
     except (OSError, ValueError, RecursionError, QkitError):  # unreadable or of the wrong shape: not qkit's
@@ -165,12 +170,9 @@ def is_qkit_directory(path: PathLike) -> bool:
 def is_json_file(path: PathLike) -> bool:
     """A file that parses as JSON (what every ``--json`` writes)."""
     try:
-        if os.path.getsize(path) > _MAX_JSON_BYTES:
-            return False
-        with open(path, "rb") as f:
-            json.loads(f.read())
+        json.loads(reading.read_bytes(path, os.fspath(path), limit=_MAX_JSON_BYTES))
         return True
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError, QkitError):  # not a regular file, too large, not JSON
         return False
 
 
@@ -211,12 +213,19 @@ def check_output(
         owned = {"dir": is_qkit_directory, "json": is_json_file}.get(kind, lambda _p: False)
     describe = describe or _DESCRIBE.get(kind, "a qkit output")
     if os.path.lexists(path):
+        if reading.is_link_loop(path):
+            raise OutputExistsError(f"{what} {path} is a symbolic link loop (it points back to itself); remove it or "
+                                    f"choose another {what}")
         if not os.path.exists(path):
             raise OutputExistsError(f"{what} {path} is a symbolic link to a missing path; remove it or choose another {what}")
         if kind == "dir" and not path.is_dir():
             raise OutputExistsError(f"{what} {path} exists and is not a directory; choose another {what}")
         if kind != "dir" and path.is_dir():
             raise OutputExistsError(f"{what} {path} is a directory; give a file path")
+        other = kind != "dir" and reading.kind_of(os.stat(path))
+        if other:  # a FIFO would block the check below and the write; a device or socket is no file to replace
+            raise OutputExistsError(f"{what} {path} is {other}, not a regular file; qkit writes only regular files: "
+                                    f"choose another {what}")
         if not owned(path):
             raise OutputExistsError(f"{what} {path} already exists and is not something qkit wrote (not {describe}); "
                                     f"qkit replaces only its own outputs: move it away or choose another {what}")
@@ -229,6 +238,60 @@ def check_output(
         raise OutputError(f"cannot write {what} {path}: {probe_dir} does not accept new files ({cause}); "
                           f"choose a writable location")
     return path
+
+
+# --------------------------------------------------------------------------- a command's outputs together
+
+
+Output = tuple[str, Union[PathLike, None]]  # (the option, e.g. "--json"; its path, or None/"-": not a file)
+
+
+def _spelled(path: PathLike) -> str:
+    """The path as it will be written: absolute, with ``..`` and the symbolic links of its parents resolved."""
+    return os.path.realpath(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def check_apart(targets: Iterable[Output], *, may_hold: Iterable[str] = ()) -> None:
+    """Refuse two outputs of one command that would write over each other, before any work.
+
+    Two are one when their real paths are equal (``..``, relative paths and symbolic links resolved) or, where
+    both exist, when they are one file (device and inode: a hard link); one lies inside the other when its
+    real path continues the other's, or its existing parents include the other (``overlap``). Only an output
+    whose option is in ``may_hold`` (``quantize -o``: a directory put in place before the ``--json`` report
+    is written into it) may hold another. ``None``, ``""`` and ``"-"`` (stdout) are not files and are skipped.
+    Raises ``OutputError`` naming both options.
+    """
+    given = [(what, p) for what, p in targets if p is not None and os.fspath(p) not in ("", "-")]
+    holders = set(may_hold)
+    for i, (a_what, a) in enumerate(given):
+        for b_what, b in given[i + 1:]:
+            ra, rb = _spelled(a), _spelled(b)
+            sa, sb = _stat(Path(ra)), _stat(Path(rb))
+            if ra == rb or (sa is not None and sb is not None and _same(sa, sb)):
+                raise OutputError(f"{b_what} {b} is the same path as {a_what} {a}; one would replace the other: give "
+                                  "each output its own path")
+            for (o_what, o), (i_what, inner) in (((a_what, a), (b_what, b)), ((b_what, b), (a_what, a))):
+                if o_what not in holders and _inside(inner, o):
+                    raise OutputError(f"{o_what} {o} contains {i_what} {inner}; one would replace the other: give "
+                                      "each output its own path")
+
+
+def _inside(inner: PathLike, outer: PathLike) -> bool:
+    """Whether ``inner`` lies below ``outer``: by spelling (real paths), or by the inodes of its existing parents."""
+    if _spelled(inner).startswith(_spelled(outer).rstrip(os.sep) + os.sep):
+        return True
+    found = overlap(inner, [("", outer)])
+    return found is not None and found[0] == "lies inside"
+
+
+def claim_output(out: PathLike, what: str = "-o") -> None:
+    """Claim ``out`` for this run (``qkit.claims.claim``): refused in one line while another live qkit process
+    writes it; held until the caller's ``claims.scope`` (or ``scoped`` function) ends. Call right after
+    ``check_output``."""
+    claims.claim(out, what)
+
+
+scoped = claims.scoped  # a library entry point that claims its outputs releases them when it returns or raises
 
 
 def _writable_ancestor(path: Path, what: str) -> Path:
@@ -265,5 +328,6 @@ def _probe(directory: Path, name: str) -> OSError | None:
     return error
 
 
-__all__ = ["EXPORT_MANIFEST", "SOURCE_FILE", "Input", "check_output", "directory_inputs", "file_inputs",
+__all__ = ["EXPORT_MANIFEST", "SOURCE_FILE", "Input", "Output", "check_apart", "check_output", "claim_output",
+           "directory_inputs", "file_inputs", "scoped",
            "is_json_file", "is_qkit_directory", "model_inputs", "overlap"]

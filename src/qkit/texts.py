@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from qkit import assets
+from qkit import assets, reading
 from qkit.errors import AssetError, InputError, ModelLoadError
 from qkit.lists import split_list
 
@@ -153,12 +153,10 @@ def load_corpus(spec: str | None = None, *, what: str = "corpus file", option: s
     if spec.startswith("kjv:"):
         return kjv_corpus(spec[4:], option)
     path = Path(spec).expanduser()
-    if not path.exists():
-        raise InputError(f"{what} {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] to {option}")
-    if not path.is_file():
-        raise InputError(f"{what} {spec} is not a file (a directory?); pass a UTF-8 text file to {option}")
-    try:
-        text = path.read_text(encoding="utf-8")
+    try:  # a FIFO, a device, a directory or a link loop: refused before it is opened (qkit.reading)
+        text = reading.read_text(path, f"{what} {spec}", f"pass a UTF-8 text file to {option}")
+    except FileNotFoundError:
+        raise InputError(f"{what} {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] to {option}") from None
     except UnicodeDecodeError as exc:
         raise InputError(f"{what} {spec} is not UTF-8 text ({exc.reason}); convert it to UTF-8") from exc
     except OSError as exc:  # permission denied, an I/O error: the real cause, not "does not exist"

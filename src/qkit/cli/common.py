@@ -17,7 +17,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from qkit import console, outputs
+from qkit import claims, console, outputs
 from qkit.errors import QkitError
 from qkit.lists import check_words, numbers, split_list  # noqa: F401 (check_words, numbers: for the commands)
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
@@ -130,12 +130,14 @@ def calibration_options(calibration: str | None, samples: int | None, seqlen: in
 
 
 def handles_errors(fn):
-    """Turn ``QkitError`` into one line and its exit code."""
+    """Turn ``QkitError`` into one line and its exit code; release the outputs the command claimed
+    (``qkit.claims.scope``) when it ends, however it ends."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with claims.scope():
+                return fn(*args, **kwargs)
         except QkitError as exc:
             console.error(str(exc))
             raise typer.Exit(exc.exit_code) from None
@@ -146,9 +148,11 @@ def handles_errors(fn):
 def json_target(json_path: str | None, force: bool = False, inputs: Iterable[outputs.Input] = ()) -> None:
     """Check the ``--json`` target before any work: not empty, not a directory, not one of ``inputs`` (or
     inside one) whatever ``force``, an existing file only with ``force`` and only if it is JSON, a writable
-    place (``qkit.outputs.check_output``). With ``--json -`` the JSON owns stdout and the tables move to stderr."""
+    place (``qkit.outputs.check_output``); then claim it for this run (``qkit.outputs.claim_output``: a
+    second qkit process writing it refuses). With ``--json -`` the JSON owns stdout and the tables move to stderr."""
     if json_path is not None and json_path != "-":
         outputs.check_output(json_path, kind="json", force=force, inputs=inputs, what="--json")
+        outputs.claim_output(json_path, "--json")
     console.use_stderr_for_tables(json_path == "-")
 
 
@@ -191,11 +195,15 @@ class Run:
             console.write_json(self.json_path, doc)
 
 
-def start(json_path: str | None, force: bool, threads: int | None = None, inputs: Iterable[outputs.Input] = ()) -> Run:
-    """Every command's first line: check the ``--json`` target against ``inputs`` (``json_target``) before
-    any work, and return what the rest of the command needs."""
+def start(json_path: str | None, force: bool, threads: int | None = None, inputs: Iterable[outputs.Input] = (),
+          writes: Iterable[outputs.Output] = (), may_hold: Iterable[str] = ()) -> Run:
+    """Every command's first line, before any work: the ``--json`` target against ``inputs`` (``json_target``),
+    then the command's outputs against each other (``--json`` and ``writes``, its other outputs as ``(option,
+    path)``; ``qkit.outputs.check_apart``, where only the options in ``may_hold`` may hold another). Returns
+    what the rest of the command needs."""
     inputs = tuple(inputs)
     json_target(json_path, force, inputs)
+    outputs.check_apart([*writes, ("--json", json_path)], may_hold=may_hold)
     return Run(json_path, threads, inputs)
 
 

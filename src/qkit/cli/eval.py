@@ -43,7 +43,7 @@ from qkit.cli.common import (
 from qkit.evaluation import EvalOptions
 from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
-from qkit.evaluation.specs import file_paths
+from qkit.evaluation.specs import file_paths, plan_paths
 from qkit.executors import executor_options
 from qkit.methods import method_names
 from qkit.simulate.kv_cache import KVCacheOptions
@@ -110,7 +110,8 @@ def eval_(
     words = parse_list(schemes, "--schemes", what="scheme", where="qkit eval --help lists them")
     run = start(json_path, force, threads, [*model_inputs(model), *model_inputs(reference, "the reference"),
                                             *file_inputs("the corpus", corpus), *file_inputs("the calibration text", calibration),
-                                            *(i for p in file_paths(words or ()) for i in file_inputs("a file row", p))])
+                                            *(i for p in file_paths(words or ()) for i in file_inputs("a file row", p)),
+                                            *(i for p in plan_paths(words or ()) for i in file_inputs("a plan row's file", p))])
     given = {
         "schemes": words,
         "methods": parse_list(methods, "--methods", what="method", where=", ".join(method_names())),

@@ -58,7 +58,7 @@ def imatrix(
     max_memory: MaxMemoryOpt = None,
 ) -> None:
     """Collect MODEL's importance matrix (sums of x² per input column, token counts) as llama-imatrix does."""
-    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)))
+    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)), writes=[("-o", output)])
     if output is None:
         raise InputError("missing -o/--output: the importance matrix file to write (e.g. imatrix.gguf)")
     check_output(output, kind="file", force=force, inputs=run.inputs, describe="an importance matrix qkit wrote",

@@ -103,7 +103,8 @@ def plan(
     ray_address: RayAddressOpt = None,
 ) -> None:
     """Choose each tensor's type for a byte budget: measured sensitivity, an exact solve, a measured check."""
-    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration), ("the importance matrix", imatrix)))
+    run = start(json_path, force, threads, reads(model, ("the calibration text", calibration), ("the importance matrix", imatrix)),
+                writes=[("-o", output), ("--emit-tensor-types", emit_tensor_types)])
     if output is None:
         raise InputError("missing -o/--output: the plan file to write (e.g. plan.json)")
     for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"), (emit_tensor_types,

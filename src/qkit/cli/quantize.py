@@ -42,6 +42,7 @@ from qkit.cli.common import (
 )
 from qkit.errors import InputError
 from qkit.export import QKIT, check_output, format_help, get_format
+from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import (
     is_tensor_type_file,
     read_tensor_type_file,
@@ -53,6 +54,7 @@ from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.outputs import check_output as check_output_path
+from qkit.outputs import claim_output
 from qkit.plan import PlanOptions
 from qkit.plan.planner import DEFAULT_CHECK_WINDOWS
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
@@ -128,19 +130,22 @@ def quantize(
     # Every check that needs no model comes first: both outputs against what the arguments name (an output
     # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
     # resolved model, and the scheme, rules and device, before it reads the model.
+    # --json and --emit-tensor-types may go inside a directory -o (written after it is in place), never be it
+    # or hold it; the outputs against each other first (qkit.outputs.check_apart)
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration),
                                                   ("the importance matrix", imatrix), ("the tensor-type file", tensor_type_file),
-                                                  ("the plan", plan)))
+                                                  ("the plan", plan)),
+                writes=[("-o", output), ("--emit-tensor-types", emit_tensor_types)],
+                may_hold=() if output is None or is_gguf_name(output) else ("-o",))
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
     if fmt != QKIT:
         get_format(fmt)
     check_output(fmt, output, force, run.inputs)
-    _check_json_beside_output(json_path, output)
     if emit_tensor_types is not None:
         check_output_path(emit_tensor_types, kind="file", force=force, inputs=run.inputs, what="--emit-tensor-types",
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
-        _check_json_beside_output(emit_tensor_types, output)
+        claim_output(emit_tensor_types, "--emit-tensor-types")
     words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
     dtype = dtype.lower() if dtype is not None else None
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
@@ -215,15 +220,6 @@ def _plan_option(plan: str | None, target_bits: float | None, target_size: str |
                           **sizes)
     options.check()
     return options
-
-
-def _check_json_beside_output(json_path: str | None, output: str) -> None:
-    """--json may go inside -o (written after it), never be -o itself or one of its parents."""
-    if json_path in (None, "-"):
-        return
-    j, o = (os.path.realpath(os.path.abspath(p)) for p in (json_path, output))
-    if o == j or o.startswith(j.rstrip(os.sep) + os.sep):
-        raise InputError(f"--json {json_path} {'is' if o == j else 'contains'} -o {output}; give the JSON another path")
 
 
 def render_quantize(result) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qkit import reading
 from qkit.errors import InputError
 from qkit.export.gguf.reader import read_header
 from qkit.lists import check_words, empty, split_list
@@ -274,13 +275,24 @@ def file_paths(names: Iterable[str]) -> list[str]:
     return [w.strip()[len(FILE_PREFIX):].strip() for w in names if _key(w).startswith(FILE_PREFIX)]
 
 
+def plan_paths(names: Iterable[str]) -> list[str]:
+    """The plan files ``--schemes`` words name as rows (``plan:PATH.json[+METHOD]``), as given: what the command
+    reads, which no output of it may be."""
+    words = [w.strip()[len(PLAN_PREFIX):].partition("+")[0].strip() for w in names if _key(w).startswith(PLAN_PREFIX)]
+    return [w for w in words if w.lower().endswith(".json")]
+
+
 def check_file(path: str) -> None:
     """A file row's file: it exists, is a file, and its header is GGUF's (``read_header``: milliseconds)."""
     word, p = f"{FILE_PREFIX}{path}", Path(path)
-    if not p.exists():
+    if not os.path.lexists(p):
         raise InputError(f"{word}: no such file; pass an existing GGUF file of the reference model")
-    if not p.is_file():
-        raise InputError(f"{word} is not a file" + ("; pass the .gguf file inside the directory" if p.is_dir() else ""))
+    if p.is_dir():
+        raise InputError(f"{word} is not a file; pass the .gguf file inside the directory")
+    try:  # a FIFO, a device or a link loop: refused before it is opened (qkit.reading)
+        reading.check_file(p, word, "pass an existing GGUF file of the reference model")
+    except FileNotFoundError:  # a dangling link
+        raise InputError(f"{word}: no such file; pass an existing GGUF file of the reference model") from None
     try:
         read_header(p, word)
     except OSError as exc:
@@ -386,4 +398,4 @@ def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(w for w in comma_words(words) if w in offered)
 
 
-__all__ = ["FILE_PREFIX", "PLAN_PREFIX", "check_file", "file_labels", "file_path", "file_paths", "name_files", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+__all__ = ["FILE_PREFIX", "PLAN_PREFIX", "check_file", "file_labels", "file_path", "file_paths", "plan_paths", "name_files", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

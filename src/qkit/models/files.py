@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkit import reading
 from qkit.checkpoint import weight_files
 from qkit.errors import ModelLoadError
 from qkit.jsonfields import BOOL, INT, NULL, NUMBER, STRING, Kind, check, list_of, obj
@@ -68,17 +69,23 @@ def _denied(path: Path | str, exc: OSError) -> ModelLoadError:
     return ModelLoadError(f"permission denied reading {exc.filename or path}; make it readable "
                           "(chmod/chown) or run as a user who may read it")
 
+_CONFIG_FIX = "pass the model directory or its config.json"
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     """The parsed config.json of a model directory (or the config file itself, if given one).
 
     Also ``check_architecture``: sizes transformers would crash on are refused here, for every reader.
     """
     path = Path(directory)
-    try:
+    try:  # a FIFO, a device or a link loop, as the config or in its place: refused before it is opened
+        if not path.is_dir():
+            reading.check_existing(path, str(path), _CONFIG_FIX)
         path = path if path.is_file() else path / "config.json"
+        reading.check_existing(path, str(path), _CONFIG_FIX)
         if not path.is_file():
             raise ModelLoadError(f"{directory} has no config.json; pass a Hugging Face model directory, a .gguf file or a hub id")
-        text = path.read_text()
+        text = reading.read_bytes(path, str(path), _CONFIG_FIX, limit=reading.MAX_JSON_BYTES)
     except PermissionError as exc:
         raise _denied(path, exc) from exc
     except IsADirectoryError as exc:

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from qkit import assets
+from qkit import assets, reading
 from qkit.checkpoint import weight_files
 from qkit.errors import InputError, ModelLoadError
 from qkit.models.files import (
@@ -27,17 +27,23 @@ from qkit.models.files import (
 )
 from qkit.models.gguf import _gguf_directory
 
+_MODEL_FIX = "pass a model directory, a .gguf file or a hub id"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def _exists(path: Path) -> str | None:
-    """``"file"``, ``"dir"``, another kind, or None; a path qkit may not look at is a permission error."""
+    """``"file"``, ``"dir"``, another kind, or None; a path qkit may not look at is a permission error, a
+    symbolic link loop or a FIFO, socket or device is refused in one line (``qkit.reading``), never opened."""
     try:
         if path.is_dir():
             return "dir"
         if path.is_file():
             return "file"
-        return "other" if path.exists() else None
+        if reading.is_link_loop(path):
+            raise reading.refusal(str(path), "a symbolic link loop", _MODEL_FIX)
+        if path.exists():
+            raise reading.refusal(str(path), reading.kind_of(path.stat()) or "not a regular file", _MODEL_FIX)
+        return None
     except PermissionError as exc:
         raise _denied(path, exc) from exc
 
@@ -77,6 +83,10 @@ def resolve(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = 
             raise _denied(path, exc) from exc
         return ModelRef("gguf", spec, _gguf_directory(path, sha), {"gguf": str(path), "sha256": sha})
     if kind == "dir":
+        try:  # a FIFO among the model's files would block whichever library opens it: refused up front
+            reading.check_entries(path, spec, "a model directory holds regular files")
+        except PermissionError as exc:
+            raise _denied(path, exc) from exc
         config = read_config(path)
         check_remote_code(path, spec, trust_remote_code, config)
         try:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from qkit import jsontext
+from qkit import jsontext, reading
 from qkit.bounds import MAX_BYTES
 from qkit.errors import InputError, SchemeError
 from qkit.jsonfields import show
@@ -186,10 +186,11 @@ def _load(p: Path) -> Any:
     try:
         if p.is_dir():
             raise InputError(f"--plan {p} is a directory; give the plan file qkit plan -o wrote")
-        size = p.stat().st_size
+        fix = "give the file qkit plan -o wrote"
+        size = reading.check_file(p, f"--plan {p}", fix).st_size  # a FIFO or a device: refused before it is opened
         if size > MAX_PLAN_BYTES:  # refused by its size, before a byte is read
-            raise InputError(f"--plan {p} is {size:,} bytes, larger than any plan ({MAX_PLAN_BYTES:,}); give the file qkit plan -o wrote")
-        return json.loads(p.read_bytes().decode("utf-8"))
+            raise InputError(f"--plan {p} is {size:,} bytes, larger than any plan ({MAX_PLAN_BYTES:,}); {fix}")
+        return json.loads(reading.read_bytes(p, f"--plan {p}", fix, limit=MAX_PLAN_BYTES).decode("utf-8"))
     except FileNotFoundError:
         raise InputError(f"--plan {p}: no such file; write one with qkit plan") from None
     except RecursionError:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkit import reading
 from qkit.errors import InputError
 from qkit.jsontext import first_nonfinite
 from qkit.jsonfields import BOOL, LIST, NULL, NUMBER, STRING, Kind, check, list_of, obj
@@ -233,9 +234,11 @@ def read_json(path: str | os.PathLike) -> tuple[str, dict]:
     try:
         if p.is_dir():
             raise InputError(f"{p} is a directory; give the JSON files qkit eval, inspect, plan, kv or budget wrote")
-        if p.stat().st_size > _MAX_BYTES:
-            raise InputError(f"{p} is larger than any qkit JSON ({p.stat().st_size:,} bytes); give the --json output of a qkit command")
-        doc = json.loads(p.read_bytes())
+        fix = "give the --json output of a qkit command"
+        size = reading.check_file(p, str(p), fix).st_size  # a FIFO or a device: refused before it is opened
+        if size > _MAX_BYTES:
+            raise InputError(f"{p} is larger than any qkit JSON ({size:,} bytes); {fix}")
+        doc = json.loads(reading.read_bytes(p, str(p), fix, limit=_MAX_BYTES))
     except RecursionError:
         raise InputError(f"{p} is nested too deeply to be a qkit JSON; give the --json output of a qkit command") from None
     except FileNotFoundError:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from qkit import reading
 from qkit.bounds import real, show_number, whole
 from qkit.errors import InputError
 from qkit.threads import available_memory
@@ -105,10 +106,11 @@ def _read_text(path: str | Path, what: str, fix: str, max_bytes: int | None = No
     """A UTF-8 file's text, or one line: missing, unreadable (permission, a directory), larger than
     ``max_bytes``, or not UTF-8."""
     p = Path(path)
-    try:
-        if max_bytes is not None and p.stat().st_size > max_bytes:
-            raise InputError(f"{what} {path} is larger than {max_bytes:,} bytes (more than {MAX_REQUESTS:,} requests); {fix}")
-        return p.read_text(encoding="utf-8")
+    try:  # a FIFO or a device is refused before it is opened (qkit.reading)
+        if reading.check_file(p, f"{what} {path}", fix).st_size > (max_bytes or reading.MAX_TEXT_BYTES):
+            raise InputError(f"{what} {path} is larger than {max_bytes or reading.MAX_TEXT_BYTES:,} bytes"
+                             + (f" (more than {MAX_REQUESTS:,} requests)" if max_bytes else "") + f"; {fix}")
+        return reading.read_text(p, f"{what} {path}", fix, limit=max_bytes or reading.MAX_TEXT_BYTES)
     except FileNotFoundError:
         raise InputError(f"no such {what}: {path}; {fix}") from None
     except IsADirectoryError:

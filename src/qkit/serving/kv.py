@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from qkit import reading
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, ModelLoadError
 from qkit.models import load, parse_device, read_config, resolve
@@ -254,7 +255,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """A config.json given with ``--config`` (a file, or a directory holding one)."""
 
     p = Path(path).expanduser()
-    if not p.exists():
+    if not p.exists() and not reading.is_link_loop(p):  # a loop is refused as one by read_config
         raise InputError(f"no such config file: {path}; pass the path of a model's config.json")
     return read_config(p)
 

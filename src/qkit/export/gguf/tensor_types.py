@@ -13,9 +13,11 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from qkit import reading
 from qkit.errors import InputError
 from qkit.staging import write_text
 
+MAX_TENSOR_TYPE_BYTES = 64 * 1024**2  # one PATTERN=TYPE line per tensor: a 70B model's take ~50 kB
 _WORD = re.compile(r"\^[^\s=]+\$=[A-Za-z0-9_]+")
 _LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 
@@ -24,8 +26,8 @@ def read_tensor_type_file(path: str | None) -> list[str]:
     """The ``PATTERN=TYPE`` words of ``path`` (``[]`` for None); one line for an unreadable file."""
     if path is None:
         return []
-    try:
-        words = Path(path).read_text(encoding="utf-8").split()
+    try:  # a FIFO or a device: refused before it is opened (qkit.reading)
+        words = reading.read_text(path, f"--tensor-type-file {path}", limit=MAX_TENSOR_TYPE_BYTES).split()
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"--tensor-type-file {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     if not words:
@@ -48,8 +50,8 @@ def write_tensor_type_file(path: str | Path, llama_types: Mapping[str, str]) -> 
 def is_tensor_type_file(path: Path) -> bool:
     """Whether ``path`` looks like a file :func:`write_tensor_type_file` wrote (what --force may replace)."""
     try:
-        words = Path(path).read_text(encoding="utf-8").split()
-    except (OSError, UnicodeDecodeError):
+        words = reading.read_text(path, str(path), limit=MAX_TENSOR_TYPE_BYTES).split()
+    except (OSError, UnicodeDecodeError, InputError):  # not a regular file, too large, unreadable
         return False
     return bool(words) and all(_WORD.fullmatch(w) for w in words)
 

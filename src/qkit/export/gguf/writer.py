@@ -146,7 +146,7 @@ class GGUFFormat:
     def recognises(self, path: Path) -> bool:
         """A ``.gguf`` file, or a directory holding ``model.gguf`` (may raise ``PermissionError``)."""
         path = Path(path)
-        return (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / FILE).is_file())
+        return (path.is_file() and is_gguf_name(path)) or (path.is_dir() and (path / FILE).is_file())
 
     # ---- the tensors
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -207,7 +207,7 @@ def check_output(out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
     ``model.gguf``, replaced only if it is a qkit export. Either is refused, whatever ``force``, if it is,
     contains or lies inside one of ``inputs`` (the source GGUF among them)."""
     out = Path(out)
-    if out.suffix == ".gguf":
+    if is_gguf_name(out):
         outputs.check_output(out, kind="file", force=force, inputs=inputs, owned=is_qkit_gguf,
                              describe="a GGUF file with qkit's qkit.export record")
     else:
@@ -226,7 +226,7 @@ def atomic_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) 
     """
     out = Path(out)
     check_output(out, force, inputs)
-    if out.suffix != ".gguf":
+    if not is_gguf_name(out):
         with atomic_directory(out, force, inputs=inputs) as tmp:
             yield tmp
             for p in list(tmp.iterdir()):
@@ -399,11 +399,16 @@ class GGUFFileWriter:
         return [path]
 
 
+def is_gguf_name(out: str | Path) -> bool:
+    """Whether OUT names one GGUF file (``.gguf``, in any case: ``x.GGUF`` too), not a directory for ``model.gguf``."""
+    return Path(out).suffix.lower() == ".gguf"
+
+
 def gguf_path(out: Path) -> Path:
     """The ``.gguf`` file of an export: OUT itself, or ``OUT/model.gguf``."""
     out = Path(out)
-    return out if out.suffix == ".gguf" and not out.is_dir() else out / FILE
+    return out if is_gguf_name(out) and not out.is_dir() else out / FILE
 
 
 __all__ = ["FORMAT", "GGUFExport", "GGUFFileWriter", "GGUFFormat", "TensorOut", "atomic_output", "check_output",
-           "gguf_path", "prepare"]
+           "gguf_path", "is_gguf_name", "prepare"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkit import jsontext
+from qkit import jsontext, reading
 from qkit.errors import InputError
 
 GENERAL_TYPE = "imatrix"
@@ -116,8 +116,8 @@ def write_gguf(imatrix: Imatrix, path: Path) -> None:
 def read(path: str | Path) -> Imatrix:
     """Read a GGUF or legacy ``.dat`` importance matrix (by its magic), refusing a malformed one in one line."""
     p = Path(path)
-    try:
-        with open(p, "rb") as fh:
+    try:  # a FIFO, a device, a directory or a link loop: refused before it is opened (qkit.reading)
+        with reading.open_file(p, f"--imatrix {path}", "give a file written by llama-imatrix or qkit imatrix") as fh:
             magic = fh.read(4)
     except OSError as exc:
         raise InputError(f"--imatrix {path}: cannot read it ({exc.strerror or exc})") from None
