@@ -297,6 +297,7 @@ def _input_cases(m: str, f: str, o: Path) -> dict[str, list]:
         "speculate --from": ["speculate", "--from", f],
         "simulate batching --lengths": ["simulate", "batching", "--lengths", f],
         "simulate batching --bench": ["simulate", "batching", "--bench", f],
+        "verify": ["verify", f],
     }
 
 

@@ -46,8 +46,10 @@ that format's container.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from qkit import reading
 from qkit.errors import InputError
 from qkit.export import recognise
 from qkit.export.verify.gguf_file import verify_gguf
@@ -68,13 +70,18 @@ def verify_checkpoint(
     without it such a checkpoint is refused first, and every transformers call is told ``False``.
     """
     path = Path(checkpoint)
-    try:
+    fix = "pass the -o directory of qkit quantize --format ..."
+    try:  # a FIFO, a device or a link loop (or one among its files) is refused before a reader opens it
+        if path.is_dir():
+            reading.check_entries(path, str(checkpoint), fix)
+        elif os.path.lexists(path):
+            reading.check_existing(path, str(checkpoint), fix)
         fmt = recognise(path)
         is_dir = path.is_dir()
     except PermissionError as exc:
         raise InputError(f"permission denied reading {exc.filename or path}; make it readable") from exc
     if fmt is None and not is_dir:
-        raise InputError(f"no such checkpoint directory: {checkpoint}; pass the -o directory of qkit quantize --format ...")
+        raise InputError(f"no such checkpoint directory: {checkpoint}; {fix}")
     # A directory no format recognises goes to the safetensors reader, which says in one line what it is not.
     read = READERS[fmt.container if fmt is not None else "safetensors"]
     return read(checkpoint, device=device, fast_cpu_kernel=fast_cpu_kernel, trust_remote_code=trust_remote_code)
