@@ -105,6 +105,15 @@ def test_emit_tensor_types_equal_to_o_names_emit_tensor_types(tiny_model_dir, tm
     assert "--json" not in line
 
 
+def test_json_inside_an_empty_output_directory_is_claimed_without_blocking_it(tiny_model_dir, tmp_path):
+    """``--json D/r.json`` is claimed inside an existing empty ``-o D``: the claim is not content of D."""
+    d = tmp_path / "d"
+    d.mkdir()
+    r = invoke("quantize", tiny_model_dir, "-s", "int8-row", "-o", d, "--json", d / "r.json", "--force")
+    assert r.code == 0, r.text
+    assert json.loads((d / "r.json").read_text())["output"] == str(d) and _claims(tmp_path, d) == []
+
+
 def test_a_plan_row_file_is_an_input_of_eval(tiny_model_dir, tmp_path, no_work):
     plan = tmp_path / "p.json"
     plan.write_text('{"format": "qkit-plan"}\n')  # JSON: --force would replace it as a --json target

@@ -152,8 +152,8 @@ def file_inputs(label: str, value: str | None) -> list[Input]:
 def is_qkit_directory(path: PathLike) -> bool:
     """A directory qkit may replace: empty, a qkit checkpoint, an export (``qkit-export.json``) or a
     converted GGUF in the cache (``qkit-source.json``)."""
-    try:
-        names = os.listdir(path)
+    try:  # a claim on an output inside it (quantize -o D --json D/r.json) is this run's, not content
+        names = [n for n in os.listdir(path) if not n.endswith(claims.MARK)]
     except OSError:
         return False
     if not names or EXPORT_MANIFEST in names or SOURCE_FILE in names:
