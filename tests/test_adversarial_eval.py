@@ -97,14 +97,16 @@ def test_an_unreadable_corpus_names_the_cause(tiny_model_dir, tmp_path, no_load,
     if os.geteuid() == 0:  # root reads a mode-0 file: give the read the error the kernel gives everyone else
         import errno
 
-        real = Path.read_text
+        from qkit import reading  # every read of a user's file goes through it
 
-        def read_text(self, *a, **k):
-            if self == f:
-                raise PermissionError(errno.EACCES, "Permission denied", str(self))
-            return real(self, *a, **k)
+        real = reading.read_text
 
-        monkeypatch.setattr(Path, "read_text", read_text)
+        def read_text(path, *a, **k):
+            if Path(path) == f:
+                raise PermissionError(errno.EACCES, "Permission denied", str(path))
+            return real(path, *a, **k)
+
+        monkeypatch.setattr(reading, "read_text", read_text)
     try:
         _refused([tiny_model_dir, "--corpus", f], ["cannot read corpus file", "permission denied"], [tiny_model_dir], [tmp_path])
     finally:

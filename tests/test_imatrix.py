@@ -278,7 +278,7 @@ def test_quantize_refusals_of_imatrix_and_tensor_types(tiny_model_dir, tmp_path)
         (["--tensor-type", "(=q8_0"], "not a regular expression"),
         (["--tensor-type", "no_such_tensor=q8_0"], "matches no tensor"),
         (["--imatrix", str(tmp_path / "missing.gguf")], "cannot read"),
-        (["--imatrix", str(tiny_model_dir.parent)], "cannot read"),  # a directory
+        (["--imatrix", str(tiny_model_dir.parent)], "is a directory"),  # refused unopened (qkit.reading)
         (["--imatrix", str(im), "-s", "nf4", "--format", "qkit"], "is not one"),
     ]
     for extra, message in cases:

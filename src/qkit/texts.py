@@ -153,7 +153,9 @@ def load_corpus(spec: str | None = None, *, what: str = "corpus file", option: s
     if spec.startswith("kjv:"):
         return kjv_corpus(spec[4:], option)
     path = Path(spec).expanduser()
-    try:  # a FIFO, a device, a directory or a link loop: refused before it is opened (qkit.reading)
+    if path.is_dir():
+        raise InputError(f"{what} {spec} is not a file (a directory?); pass a UTF-8 text file to {option}")
+    try:  # a FIFO, a device or a link loop: refused before it is opened (qkit.reading)
         text = reading.read_text(path, f"{what} {spec}", f"pass a UTF-8 text file to {option}")
     except FileNotFoundError:
         raise InputError(f"{what} {spec} does not exist; pass a UTF-8 text file or hf:DATASET[:CONFIG[:SPLIT]] to {option}") from None
