@@ -182,6 +182,18 @@ def test_an_output_claimed_by_a_live_process_is_refused(tiny_model_dir, tmp_path
     assert _claims(out) == []  # the holder released its claim when it ended
 
 
+def test_a_claim_made_before_its_parent_existed_is_seen(tiny_model_dir, tmp_path, no_work):
+    """A run that claimed ``new/p.json`` before ``new/`` was made (its claim is ``.new%2Fp.json.qkit-claim`` in the
+    parent) still holds it once ``new/`` exists: a second run, claiming inside ``new/``, sees it and refuses."""
+    p = tmp_path / "new" / "p.json"
+    with _held(p) as pid:
+        assert [c.name for c in _claims(tmp_path)] == [".new%2Fp.json" + CLAIM]
+        (tmp_path / "new").mkdir()
+        with Unchanged(inputs=[tiny_model_dir], dirs=[tmp_path, tmp_path / "new"]):
+            assert_refused(invoke("plan", tiny_model_dir, "--target-bits", "6", *PLAN_FAST, "-o", p),
+                           "another qkit process", str(pid))
+
+
 def test_a_claim_left_by_a_killed_run_is_removed_and_the_run_goes_on(tiny_model_dir, tmp_path):
     g = tmp_path / "m.gguf"
     proc = subprocess.Popen([sys.executable, "-c", HOLD, str(g)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -37,6 +37,7 @@ import functools
 import hashlib
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -126,7 +127,7 @@ def _inspect(file: Path, what: str, target: PathLike) -> _Found:
                           "remove it") from None
     try:
         st = os.fstat(fd)
-        if not (st.st_mode & 0o170000 == 0o100000):
+        if not stat.S_ISREG(st.st_mode):
             raise OutputError(f"cannot claim {what} {target}: {file} exists and is not a qkit claim; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
