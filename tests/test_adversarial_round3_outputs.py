@@ -259,8 +259,9 @@ def test_two_concurrent_imatrix_runs_on_one_output(tiny_model_dir, tmp_path):
 
 
 def _guarded(*args, fifos=(), timeout: float = float(os.environ.get("QKIT_TEST_FIFO_SECONDS", "20"))) -> Outcome:
-    """``invoke(*args)`` in a thread; if it has not returned after ``timeout`` s it is stuck on a FIFO: open the
-    other end of each of ``fifos`` until it returns, and fail."""
+    """``invoke(*args)`` in a thread; if it has not returned after ``timeout`` s (``$QKIT_TEST_FIFO_SECONDS``, 20:
+    lower it to see the old code fail quickly) it is stuck on a FIFO: open the other end of each of ``fifos``
+    until it returns, and fail."""
     box: list[Outcome] = []
     t = threading.Thread(target=lambda: box.append(invoke(*args)), daemon=True)
     t.start()
