@@ -123,4 +123,13 @@ def test_malformed_numbers_are_refused(field, value):
 
 
 def test_defaults_are_documented_values():
-    assert (DEFAULT_SAMPLES, DEFAULT_SEQLEN) == (CalibrationOptions().samples, CalibrationOptions().seqlen)
+    assert (DEFAULT_SAMPLES, DEFAULT_SEQLEN) == (CalibrationOptions().samples, CalibrationOptions().window)
+
+
+@pytest.mark.parametrize("given,context,want", [(None, 256, 256), (None, 4096, DEFAULT_SEQLEN), (None, None, DEFAULT_SEQLEN),
+                                                (300, 256, 300), (128, 4096, 128)])
+def test_the_default_window_is_fitted_to_the_context_and_a_given_one_kept(given, context, want):
+    """A default never asks for positions the model does not have; a given window is kept (and refused by
+    check_fits when it is too long, like the default would have been before it was fitted)."""
+    config = {} if context is None else {"max_position_embeddings": context}
+    assert CalibrationOptions(seqlen=given).fitted(config).seqlen == want

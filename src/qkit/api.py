@@ -25,7 +25,7 @@ from qkit.errors import InputError, OutputError
 from qkit.executors import SERIAL, ExecutorOptions
 from qkit.export import QKIT, atomic_output, check_output, find_format, output_bytes, prepare_export
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
-from qkit.methods import RTN, get_method
+from qkit.methods import RTN, CalibratedOptions, get_method
 from qkit.methods.calibration import model_context
 from qkit.methods.gptq import GPTQMethod, GPTQOptions
 from qkit.methods.imatrix import (
@@ -58,9 +58,11 @@ from qkit.plan import (
 )
 from qkit.plan.planfile import plan_llama_types
 from qkit.plan import check as check_plan
-from qkit.schemes import QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
+from qkit.schemes.fidelity import check_written
 from qkit.schemes.ggml import GGMLScheme
 from qkit.staging import staged
+from qkit.transform import shapes_fingerprint
 from qkit.version import __version__
 
 load = _load
@@ -90,26 +92,14 @@ class QuantizeResult:
     llama_types: dict[str, str] = field(default_factory=dict)  # llama.cpp name -> ggml type, for llama.cpp types
     imatrix: dict | None = None  # the importance matrix used (file, sha256, chunks), when one was
     plan: dict | None = None  # the plan written (Plan.record), when one was
+    notes: list[str] = field(default_factory=list)  # what a user should know of the inputs (shown, never silent)
 
     def to_dict(self) -> dict:
-        return {
-            "output": str(self.output) if self.output else None,
-            "model": self.model,
-            "scheme": self.scheme,
-            "matrices": self.matrices,
-            "parameters": self.parameters,
-            "bits_per_weight": self.bits_per_weight,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "seconds": self.seconds,
-            "schemes_used": dict(sorted(self.schemes_used.items())),
-            "format": self.format,
-            "method": self.method,
-            "method_record": self.method_record,
-            "types": dict(sorted(self.types.items())),
-            "imatrix": self.imatrix,
-            "plan": self.plan,
-        }
+        """Every field but the tensors (``quantized``, ``replaced``) and ``llama_types``, as JSON values."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("quantized", "replaced", "llama_types")}
+        return {**out, "output": str(self.output) if self.output else None, "notes": list(self.notes),
+                "schemes_used": dict(sorted(self.schemes_used.items())), "types": dict(sorted(self.types.items()))}
 
 
 @dataclass(frozen=True)
@@ -202,6 +192,8 @@ def quantize_model(
                                    allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code,
                                    quantized="{spec} is already a qkit checkpoint; quantize the original model instead")
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
+    if isinstance(req.method_options, CalibratedOptions):  # a default window fitted to the context, then checked
+        req = dataclasses.replace(req, method_options=req.method_options.fitted(config))
     if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
         check_memory(req, ref, shapes, config)
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
@@ -211,7 +203,7 @@ def quantize_model(
     result = QuantizeResult(out, ref.spec, choice.default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0,
                             format=QKIT if export is None else export.format.name, method=req.method.name if req.method else RTN,
                             method_record=choice.manifest.get("method", {}), imatrix=choice.manifest.get("imatrix"),
-                            plan=choice.manifest.get("plan"))
+                            plan=choice.manifest.get("plan"), notes=list(choice.notes))
     with atomic_output(export, out, opts.force, inputs) as tmp:
         _write(tmp, ref, choice, export, done, result, opts, dev, progress, collect)
     result.bytes_after = output_bytes(out)
@@ -255,6 +247,7 @@ def _write(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, res
     if progress is not None:
         progress(QuantizeProgress("quantizing", 0, len(targets)))
     precomputed, replaced = (done.quantized, done.replaced) if done is not None else (None, {})
+    checked = done.checked if done is not None else {}
     result.method_record = manifest.get("method", {})
     result.imatrix = manifest.get("imatrix")
     qbytes = 0
@@ -268,7 +261,13 @@ def _write(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, res
                     result.replaced[name] = tensor
             writer.add(name, tensor)
             continue
-        qt = precomputed[name] if precomputed is not None else _quantize_on(tensor, s, name, dev, choice.weights.get(name))
+        if precomputed is not None:
+            qt = precomputed[name]
+        else:
+            tensor = tensor.to(dev) if tensor.device != dev else tensor
+            qt = quantize_tensor(tensor, s, name=name, quant_weights=choice.weights.get(name))
+        if name not in checked:  # a tensor that decodes to garbage refuses the run before anything is in place
+            check_written(name, tensor, qt, cause=choice.likely_cause(name, qt.scheme.name, result.method))
         writer.add(name, qt)
         result.matrices += 1
         result.parameters += qt.numel
@@ -303,12 +302,6 @@ def _write(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, res
 
 def _report(progress: Progress, stage: str, done: int, total: int) -> None:
     progress(QuantizeProgress(stage, done, total))
-
-
-def _quantize_on(tensor: torch.Tensor, scheme: Scheme, name: str, device: torch.device,
-                 quant_weights: torch.Tensor | None = None) -> QuantizedTensor:
-    return quantize_tensor(tensor.to(device) if tensor.device != device else tensor, scheme, name=name,
-                           quant_weights=quant_weights)
 
 
 # --------------------------------------------------------------------------- planning
@@ -401,6 +394,7 @@ def plan_model(
     dev = parse_device(device)
     shapes = dict(tensor_shapes(ref.directory))
     config = read_config(ref.directory)
+    options = options.fitted(config)  # the default window fitted to the context; a given one checked against it
     precheck(ref, options, config, device=dev)  # the byte budget and the memory (--max-memory): from the headers
     if collects:
         refuse_unsupported(config)
@@ -491,6 +485,7 @@ def imatrix_model(
     loaded = _load(ref=ref, device=dev, trust_remote_code=trust_remote_code, dtype=load_dtype(opts.dtype))
     matrix = collect(loaded.model, config, chunks, opts, on_chunk=progress, provenance=provenance)
     matrix.record = {"qkit_version": __version__, "model": ref.spec, "calibration": provenance,
+                     "model_fingerprint": shapes_fingerprint(tensor_shapes(ref.directory)),
                      "process_output": opts.process_output, "dtype": opts.dtype}
     out = Path(output)
     with staged(out, directory=False, what="-o") as tmp:

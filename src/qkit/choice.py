@@ -43,8 +43,9 @@ from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
+from qkit.schemes.recipes import expert_count
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
-from qkit.transform import Rules, TensorTypes, new_manifest, plan
+from qkit.transform import Rules, TensorTypes, new_manifest, plan, shapes_fingerprint
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,20 @@ class Choice:
     weights: dict[str, torch.Tensor]  # tensor -> importance vector (``--imatrix``)
     plan: Plan | None
     manifest: dict = field(default_factory=dict)  # the record the writers store (rules, plan, imatrix)
+    notes: list[str] = field(default_factory=list)  # what the user should know of the inputs (shown by the CLI)
+
+    def likely_cause(self, name: str, scheme: str, method: str) -> str | None:
+        """What most likely made ``name``'s codes (of type ``scheme``) degenerate, for ``check_written``'s
+        refusal: the importance matrix entry that weighted its search, the method that chose its codes,
+        else None (the scheme itself: ``check_written`` says so)."""
+        qw = self.weights.get(name)
+        if qw is not None:
+            imatrix = (self.manifest.get("imatrix") or {}).get("file") or "the importance matrix"
+            return (f"{imatrix}'s entry for it (values {float(qw.min()):.3g} to {float(qw.max()):.3g}), which weights "
+                    f"{scheme}'s search; collect the matrix again or --exclude the tensor")
+        if method != RTN:
+            return f"the codes {method} chose; compare --method rtn"
+        return None
 
 
 def request(opts: QuantizeOptions) -> Request:
@@ -210,10 +225,16 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
                          "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
     weights = quant_weights_for(req.matrix, config, shapes, targets) if req.matrix is not None else {}
     if req.method is not None:
+        if expert_count(config) > 1:  # until calibration is routed to experts: refused, never a silent RTN
+            raise InputError(
+                f"{ref.spec} is a mixture-of-experts model ({expert_count(config)} experts per layer); --method "
+                f"{req.method.name} calibrates each linear from the tokens that reach it, and qkit does not route "
+                "calibration to experts yet, so its experts would be written by rtn under the method's name: "
+                "quantize it with --method rtn (every expert is quantized)")
         for s in {s.name: s for s in targets.values()}.values():
             req.method.check(s)
         if req.method.calibrated:  # windows beyond the model's context, activations beyond memory: refused now
-            check_fits(req.method_options.calibration_options(), config)
+            check_fits(req.method_options.calibration_options(config), config)
     check_memory(req, ref, shapes, config, targets)  # the estimate above --max-memory (or what is free): refused
     manifest = new_manifest(default, rules)
     if req.overrides:
@@ -222,7 +243,24 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         manifest["plan"] = planned.record()
     if req.matrix is not None:
         manifest["imatrix"] = imatrix_record(req.matrix, len(weights))
-    return Choice(default, rules, targets, llama_names, weights, planned, manifest)
+    notes = imatrix_notes(req.matrix, ref.spec, shapes) if req.matrix is not None else []
+    return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes)
+
+
+def imatrix_notes(matrix: Any, spec: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """A note when ``matrix``'s own record (qkit wrote it) says it was collected from another model: its
+    tensors' fingerprint differs from this model's (or, in a record without one, its model is named
+    otherwise). Its entries fit this model's names and widths (checked before), so it is a sibling, and
+    its statistics are that model's activations, not these."""
+    record = matrix.record or {}
+    theirs = record.get("model_fingerprint")
+    other = (theirs != shapes_fingerprint(shapes.items())) if isinstance(theirs, str) else (
+        isinstance(record.get("model"), str) and record["model"] != spec)
+    if not other:
+        return []
+    how = "a model with other tensors than" if isinstance(theirs, str) else "not"
+    return [f"the importance matrix {matrix.source} was collected from {record.get('model')!s} (its record), {how} "
+            f"{spec}: its statistics are that model's activations"]
 
 
 def memory_need(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...]], config: dict,

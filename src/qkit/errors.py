@@ -51,6 +51,16 @@ class NonFiniteWeightError(QkitError):
     """A weight tensor holds NaN or infinity; quantizing it would silently poison the checkpoint."""
 
 
+class NonFiniteActivationError(QkitError):
+    """The model's activations became NaN or infinite while qkit ran it (an fp16 overflow, or a broken
+    model): every statistic gathered from them (a Hessian, an importance matrix, a Fisher) would be garbage."""
+
+
+class DegenerateOutputError(QkitError):
+    """A tensor qkit was about to write decodes to garbage: all zeros, one constant, non-finite values, or a
+    relative error of 1 or more against its source. Nothing is written."""
+
+
 class ExportError(QkitError):
     """A scheme that an export format cannot express."""
 

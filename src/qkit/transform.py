@@ -7,6 +7,7 @@ Every command is a view of this layer: ``quantize`` writes what ``quantize_state
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -289,3 +290,12 @@ def entry_to_spec(entry: dict, name: str = "<tensor>") -> tuple[Scheme, tuple[in
     except SchemeError as exc:
         raise CheckpointError(f"tensor {name}: {exc}") from None
     return scheme, tuple(shape), dtype
+
+
+def shapes_fingerprint(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """sha256 of every tensor's ``name:shape`` line, sorted by name: which model a plan or an importance
+    matrix was made for, without its weights."""
+    lines = "".join(f"{n}:{','.join(map(str, s))}\n" for n, s in sorted(shapes))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+

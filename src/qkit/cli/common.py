@@ -108,7 +108,8 @@ CalibrationSamplesOpt = Annotated[
 ]
 CalibrationSeqlenOpt = Annotated[
     Optional[int],
-    typer.Option("--calibration-seqlen", help=f"Tokens per calibration window (default {_CAL_SEQLEN}).", metavar="L", show_default=False),
+    typer.Option("--calibration-seqlen", help=f"Tokens per calibration window (default {_CAL_SEQLEN}, or the model's context "
+                 "where that is shorter).", metavar="L", show_default=False),
 ]
 
 # SmoothQuant's migration strength and AWQ's clipping search; defaults in their options dataclasses.

@@ -65,8 +65,8 @@ PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn; imatrix (coll
 PlanImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix file (qkit imatrix, llama-imatrix) that llama.cpp's types are measured and written with.", metavar="FILE")]
 PlanEmitOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types", help="With --format gguf: also write the --tensor-type-file with which llama-quantize writes every planned tensor's type.", metavar="FILE")]
 SamplesOpt = Annotated[int, typer.Option("--calibration-samples", help="Calibration windows the Fisher is measured on.", metavar="N")]
-SeqlenOpt = Annotated[int, typer.Option("--calibration-seqlen", help="Tokens per calibration window.", metavar="N")]
-CheckOpt = Annotated[int, typer.Option("--check-windows", help="Calibration windows the chosen mix's KL is measured on, beside the prediction.", metavar="N")]
+SeqlenOpt = Annotated[Optional[int], typer.Option("--calibration-seqlen", help=f"Tokens per calibration window [default: {DEFAULT_SEQLEN}, or the model's context where shorter].", metavar="N", show_default=False)]
+CheckOpt = Annotated[Optional[int], typer.Option("--check-windows", help=f"Calibration windows the chosen mix's KL is measured on, beside the prediction [default: {DEFAULT_CHECK_WINDOWS}, or --calibration-samples where fewer].", metavar="N", show_default=False)]
 IncludePlanOpt = Annotated[list[str], typer.Option("--include", help="Also plan tensors matching this glob (repeatable).")]
 ExcludePlanOpt = Annotated[list[str], typer.Option("--exclude", help="Never plan (nor quantize) tensors matching this glob (repeatable).")]
 PlanDtypeOpt = Annotated[str, typer.Option("--dtype", help=f"The dtype the model is loaded in for the Fisher ({', '.join(LOAD_DTYPES)}; bf16 halves the model's memory; the Fisher is float32 either way).")]
@@ -88,8 +88,8 @@ def plan(
     exclude: ExcludePlanOpt = [],
     calibration: CalibrationOpt = None,
     calibration_samples: SamplesOpt = DEFAULT_SAMPLES,
-    calibration_seqlen: SeqlenOpt = DEFAULT_SEQLEN,
-    check_windows: CheckOpt = DEFAULT_CHECK_WINDOWS,
+    calibration_seqlen: SeqlenOpt = None,
+    check_windows: CheckOpt = None,
     dtype: PlanDtypeOpt = DEFAULT_DTYPE,
     max_memory: MaxMemoryOpt = None,
     scale_dtype: ScaleDtypeOpt = DEFAULT_SCALE_DTYPE,

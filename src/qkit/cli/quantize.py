@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-import os
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -184,6 +184,8 @@ def quantize(
                                   tensor_types=tuple(words), plan=planned, max_memory=limit, **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
+    for note in result.notes:
+        console.warn(note)
     if emit_tensor_types is not None:
         write_tensor_type_file(emit_tensor_types, result.llama_types)
         console.note(f"wrote {emit_tensor_types}: llama-quantize --tensor-type-file {emit_tensor_types} gives every "
@@ -267,6 +269,11 @@ def _method_rows(result) -> list[list[str]]:
         got = sum(v[f"{result.method}_error"] for v in layers) / len(layers)
         rows.append(["output error ||WX-ŴX||²/||WX||²", f"{got:.5f} ({result.method}) vs {rtn:.5f} (rtn), "
                                                         f"mean of {len(layers)} matrices on the calibration inputs"])
+    reasons = rec.get("rtn_fallback_reasons") or {}
+    if reasons:  # a fallback is never silent: how many, and why
+        why = Counter(reasons.values())
+        rows.append(["written by rtn instead", f"{len(reasons)} of {result.matrices} matrices ("
+                     + ", ".join(f"{k}: {v}" for k, v in sorted(why.items())) + ")"])
     groups = [v for v in (rec.get("groups") or {}).values() if "loss_rtn" in v and "loss_final" in v]
     if groups:  # awq: each group's output error, its final (scaled, clipped) weights against plain RTN
         ratio = math.exp(sum(math.log(v["loss_final"] / v["loss_rtn"]) for v in groups if v["loss_rtn"] > 0

@@ -53,6 +53,7 @@ def check_calibrations(specs: list[RowSpec], tokenizer, corpus, config=None,
             if callable(wants) and wants() is not None:
                 chosen += [wants()]
         for options in chosen:
+            options = options.fitted(config)  # the window the row will use: a default fitted to the context
             if options not in seen:
                 check_fits(options, config)
                 seen[options] = calibration_ids(tokenizer, options, evaluation=corpus)[1]

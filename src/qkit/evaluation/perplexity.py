@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkit.dtypes import dtype_of, non_finite_activations
 from qkit.errors import InputError, OutputError
 
 
@@ -41,6 +42,8 @@ class TokenScores:
     nll: torch.Tensor
     kl: torch.Tensor
     top1: torch.Tensor
+    # False when some log-probability was NaN (an overflowed row): its argmax, hence its top-1, means nothing
+    measurable: bool = True
 
     @property
     def n(self) -> int:
@@ -64,7 +67,9 @@ class TokenScores:
 
     @property
     def top1_match(self) -> float:
-        return self.top1.double().mean().item()
+        """The share of positions whose argmax is the reference's; NaN ("not measured") for a row whose
+        log-probabilities were not all numbers."""
+        return self.top1.double().mean().item() if self.measurable else math.nan
 
     def change_against(self, reference: TokenScores) -> tuple[float, float]:
         """Perplexity change vs ``reference`` in percent, with its paired standard error.
@@ -377,6 +382,9 @@ class CorpusReference:
                 tops, nlls = [], []
                 for s, e in win.spans:
                     lp = win.chunk(s, e)
+                    if bool(torch.isnan(lp).any()):  # log_softmax of an inf or a NaN logit
+                        # every row is compared with these: a reference of NaN or inf measures nothing (an fp16 overflow)
+                        raise non_finite_activations("the reference's log-probabilities on the corpus", dtype_of(model))
                     self._store.append(lp)
                     tops.append(lp.argmax(-1))
                     nlls.append(-lp.gather(1, w[1 + s : 1 + s + lp.shape[0], None]).squeeze(1).double())
@@ -420,6 +428,7 @@ class CorpusReference:
         own logits and log-softmax."""
         chunk = chunk or self.chunk
         nll, kl, top1 = [], [], []
+        measurable = True
         ref_buf = diff = torch.empty(0)
         for i, w in enumerate(self.windows):
             win = _WindowLogprobs(model, w, self.split, chunk)
@@ -432,12 +441,13 @@ class CorpusReference:
                         diff = torch.empty_like(ref_buf)
                 nll.append(-lp.gather(1, w[1 + s : 1 + s + m, None]).squeeze(1).double())
                 top1.append(lp.argmax(-1) == self.ref_argmax[i][s : s + m])
+                measurable = measurable and not bool(torch.isnan(lp).any())
                 ref = self._store.read(self.offsets[i] + s, ref_buf[:m])
                 with torch.inference_mode():
                     kl.append(_kl_rows(ref, lp, diff[:m], ref).double())  # exp(p) over p: read already
                 del lp  # freed before the next chunk's logits
             del win
-        return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1))
+        return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1), measurable)
 
     def share(self, path) -> None:
         """The log-probabilities copied to the named file ``path``, read from there from now on: this

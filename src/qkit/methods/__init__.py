@@ -34,7 +34,7 @@ import torch
 
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError
-from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions
+from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEED, DEFAULT_SEQLEN, CalibrationOptions, fit_seqlen
 from qkit.registry import Registry
 from qkit.schemes import QuantizedTensor, Scheme
 
@@ -51,12 +51,17 @@ class MethodResult:
     ``quantized``: every target tensor's ``QuantizedTensor``. ``replaced``: full-precision tensors the
     method changed (AWQ / SmoothQuant fold per-channel scales into a preceding norm or linear); the
     writer stores them instead of the source's. ``record``: JSON-able facts for the manifest and
-    ``--json`` (options, calibration text and its sha256, per-layer seconds and errors).
+    ``--json`` (options, calibration text and its sha256, per-layer seconds and errors). ``checked``: see
+    below; every quantized tensor is checked once before it is written (``check_written``).
     """
 
     quantized: dict[str, QuantizedTensor]
     replaced: dict[str, torch.Tensor] = field(default_factory=dict)
     record: dict[str, Any] = field(default_factory=dict)
+    # tensor -> its relative error against the weight the method quantized (``qkit.schemes.fidelity``),
+    # for the tensors the method checked itself: a folded weight (AWQ, SmoothQuant) is not the file's, and
+    # a solver has its decoded weights at hand (GPTQ). The writer checks every other against the file's.
+    checked: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -68,14 +73,27 @@ class CalibratedOptions:
 
     calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
     calibration_samples: int = DEFAULT_SAMPLES
-    calibration_seqlen: int = DEFAULT_SEQLEN
+    # None: DEFAULT_SEQLEN, or the model's context where that is shorter (``fitted``, ``fit_seqlen``)
+    calibration_seqlen: int | None = None
     calibration_seed: int = DEFAULT_SEED
     dtype: str = "fp32"
 
-    def calibration_options(self) -> CalibrationOptions:
-        """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` is checked here too)."""
+    def calibration_options(self, config: Any = None) -> CalibrationOptions:
+        """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` is checked here too),
+        with the default window fitted to ``config``'s context when a config is given."""
         load_dtype(self.dtype)
-        return CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen, self.calibration_seed)
+        options = CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen,
+                                     self.calibration_seed)
+        return options if config is None else options.fitted(config)
+
+    def fitted(self, config: Any) -> Any:
+        """These options with the default window fitted to the model (``fit_seqlen``): what a method runs with."""
+        return dataclasses.replace(self, calibration_seqlen=fit_seqlen(self.calibration_seqlen, config))
+
+    @property
+    def seqlen(self) -> int:
+        """Tokens per calibration window: as given or fitted, else ``DEFAULT_SEQLEN`` (memory estimates)."""
+        return DEFAULT_SEQLEN if self.calibration_seqlen is None else self.calibration_seqlen
 
     @property
     def load_dtype(self) -> torch.dtype:

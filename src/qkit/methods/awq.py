@@ -68,6 +68,7 @@ from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
 from qkit.models import ModelRef, load, read_config
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
 from qkit.schemes.absmax import absmax_scales
+from qkit.schemes.fidelity import check_written
 
 # Defaults of the reference implementations (AutoAWQ ``_compute_best_scale`` / ``_compute_best_clip``).
 N_GRID = 20
@@ -350,7 +351,7 @@ class AWQMethod:
         window's block inputs and outputs, one block's recorded group inputs and outputs
         (``N * T * (7h + i)`` floats), and the clipping search of the largest linear (its float32 copies and
         ``_group_output_error``'s chunk)."""
-        N, T, d = options.calibration_samples, options.calibration_seqlen, model.dims
+        N, T, d = options.calibration_samples, options.seqlen, model.dims
         recorded = N * T * (7 * d.hidden + d.inter) * 4
         search = AWQ_COPIES * 4 * largest(targets, model) + 4 * 4 * (1 << 24)
         work = max(model.load, model.block_forward(min(options.batch_size, N), T) + recorded + search)
@@ -372,7 +373,7 @@ class AWQMethod:
         # Loaded in the files' own dtype (memory-mapped), each block upcast to fp32 as it is processed and freed
         # after: the same fp32 computation as loading the model whole in fp32, one block in memory at a time.
         loaded = load(ref=ref, device="cpu", dtype=walk_dtype(tensor_dtypes(ref.directory)))
-        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
+        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options(loaded.model.config))
         result = awq_model(loaded.model, ids, targets, options, device=device, on_block=on_block, release=True)
         del loaded
         result.quantized = in_source_dtypes(result.quantized, ref.directory)
@@ -399,6 +400,7 @@ def awq_model(
     left unusable; ``sequential.walk_blocks``)."""
     all_groups = fold_groups(model.config, (n for n, _ in model.named_parameters()), linear_groups=options.linear_groups)
     quantized: dict[str, QuantizedTensor] = {}
+    checked: dict[str, float] = {}  # folded targets: their relative error against the folded weight
     changed: dict[str, torch.Tensor] = {}
     per_group: dict[str, dict[str, Any]] = {}
     per_block: dict[str, float] = {}
@@ -430,7 +432,7 @@ def awq_model(
                 scheme = schemes[n]
                 if scheme is None:
                     continue
-                w = block.get_submodule(n).weight.data
+                w = folded = block.get_submodule(n).weight.data
                 clip_note = None
                 if options.clip and not n.endswith(NO_CLIP):
                     width = clip_width(scheme, w.shape[1])
@@ -447,6 +449,9 @@ def awq_model(
                 qt = quantize_tensor(w, scheme, name=name)
                 quantized[name] = qt
                 final[n] = qt.dequantize(w.dtype)
+                # against the folded weight before clipping: what the stored tensor must still be
+                checked[name] = check_written(name, folded, qt, decoded=final[n], cause=(
+                    "AWQ's scales and clipping for it; compare --method rtn or pass --no-clip"))
                 if clip_note is not None:
                     per_group[g.name].setdefault("clipped", {})[n.rpartition(".")[2]] = clip_note
         # The loss with the final weights (folded, clipped, quantized) of each group, the rest of the block at
@@ -485,7 +490,7 @@ def awq_model(
             if key in g:
                 g[key] = float(f"{g[key]:.6g}")
     return MethodResult(quantized, replaced, {"groups": per_group, "block_seconds": per_block,
-                                              "next_inputs": options.next_inputs})
+                                              "next_inputs": options.next_inputs}, checked)
 
 
 METHOD = AWQMethod()

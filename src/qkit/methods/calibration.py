@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,17 +42,36 @@ class CalibrationOptions:
 
     source: str | None = None
     samples: int = DEFAULT_SAMPLES
-    seqlen: int = DEFAULT_SEQLEN
+    seqlen: int | None = None  # None: DEFAULT_SEQLEN, or the model's context where that is shorter (fit_seqlen)
     seed: int = DEFAULT_SEED
+
+    @property
+    def window(self) -> int:
+        """Tokens per window: ``seqlen`` as given or fitted (``fitted``), else ``DEFAULT_SEQLEN``."""
+        return DEFAULT_SEQLEN if self.seqlen is None else self.seqlen
+
+    def fitted(self, config: Any) -> CalibrationOptions:
+        """These options with the default window fitted to the model (``fit_seqlen``); a given one is kept."""
+        return dataclasses.replace(self, seqlen=fit_seqlen(self.seqlen, config))
 
     def check(self) -> None:
         """Refuse malformed numbers in one line (before any model is loaded)."""
         if not isinstance(self.samples, int) or self.samples < 1:
             raise InputError(f"--calibration-samples must be a positive integer, got {self.samples!r}")
-        if not isinstance(self.seqlen, int) or self.seqlen < 2:
+        if self.seqlen is not None and (not isinstance(self.seqlen, int) or self.seqlen < 2):
             raise InputError(f"--calibration-seqlen must be an integer of at least 2 tokens, got {self.seqlen!r}")
         whole(self.samples, "--calibration-samples", 1, MAX_COUNT)  # the upper bounds (a 309-digit count overflowed a float)
-        whole(self.seqlen, "--calibration-seqlen", 2, MAX_COUNT)
+        whole(self.window, "--calibration-seqlen", 2, MAX_COUNT)
+
+
+def fit_seqlen(seqlen: int | None, config: Any) -> int:
+    """The calibration window for a model: ``seqlen`` as given (``check_fits`` refuses one beyond the
+    context), or for None the default, ``DEFAULT_SEQLEN``, shortened to the model's context where that is
+    shorter: a default is never a window the model cannot take, and never skips the check."""
+    if seqlen is not None:
+        return seqlen
+    context = model_context(config) if config is not None else None
+    return DEFAULT_SEQLEN if context is None else min(DEFAULT_SEQLEN, context)
 
 
 def _field(config: Any, key: str) -> Any:
@@ -84,22 +104,20 @@ def check_fits(options: CalibrationOptions, config: Any) -> None:
     if config is None:
         return
     context = model_context(config)
-    # The default (512) is not refused on a model with a shorter context (tiny test models): the user did not
-    # choose it, and a named eval row cannot be given another. TODO: a default of min(512, context) needs
-    # the methods' options to say "not given" (seqlen None).
-    if context is not None and options.seqlen > context and options.seqlen != DEFAULT_SEQLEN:
-        raise InputError(f"--calibration-seqlen {options.seqlen} exceeds the model's maximum context {context}; "
+    seqlen = fit_seqlen(options.seqlen, config)  # the default fitted to the context, then checked like a given one
+    if context is not None and seqlen > context:
+        raise InputError(f"--calibration-seqlen {seqlen} exceeds the model's maximum context {context}; "
                          f"pass --calibration-seqlen {context} or less")
     hidden = _field(config, "hidden_size")
     if hidden is None and _field(config, "text_config") is not None:
         hidden = _field(_field(config, "text_config"), "hidden_size")
     memory = _memory_bytes()
     if isinstance(hidden, int) and hidden > 0 and memory:
-        need = 2 * options.samples * options.seqlen * hidden * 4
+        need = 2 * options.samples * seqlen * hidden * 4
         if need > memory:
-            fits = max(1, memory // (2 * options.seqlen * hidden * 4))
+            fits = max(1, memory // (2 * seqlen * hidden * 4))
             raise InputError(
-                f"--calibration-samples {options.samples} x --calibration-seqlen {options.seqlen} needs about "
+                f"--calibration-samples {options.samples} x --calibration-seqlen {seqlen} needs about "
                 f"{need / 2**30:,.1f} GiB of calibration activations (hidden size {hidden}), more than this machine's "
                 f"{memory / 2**30:,.1f} GiB of memory; pass --calibration-samples {fits} or less, or a smaller --calibration-seqlen"
             )
@@ -141,14 +159,14 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; calibrated methods need one (tokenizer.json or similar)")
     ids = torch.tensor(tokenizer(text.text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    chosen = sample_windows(ids, options.samples, options.seqlen, options.seed, f"calibration text {text.name}")
+    chosen = sample_windows(ids, options.samples, options.window, options.seed, f"calibration text {text.name}")
     provenance = {
         "name": text.name,
         "source": text.source,
         "sha256": text.sha256,
         "tokens": int(ids.numel()),
         "samples": options.samples,
-        "seqlen": options.seqlen,
+        "seqlen": options.window,
         "seed": options.seed,
         "ids_sha256": hashlib.sha256(chosen.numpy().astype("<i8").tobytes()).hexdigest(),
         "disjoint_from": {"name": evaluation.name, "sha256": evaluation.sha256},
@@ -163,6 +181,7 @@ __all__ = [
     "CalibrationOptions",
     "calibration_ids",
     "check_fits",
+    "fit_seqlen",
     "model_context",
     "sample_windows",
 ]

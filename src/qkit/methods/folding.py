@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from qkit.checkpoint import tensor_dtypes
+from qkit.dtypes import check_finite
 from qkit.errors import InputError
 
 # Model families whose blocks have the llama layout (pre-norm RMSNorm, q/k/v/o, gate/up/down).
@@ -288,6 +289,9 @@ def collect_channel_stats(
     finally:
         for h in hooks:
             h.remove()
+    for g in groups:  # scales from NaN or inf maxima would fold garbage into the norms: refused, never written
+        if stats[g.name].absmax is not None:
+            check_finite(stats[g.name].absmax, f"the input of {g.linears[0]}")
     return stats
 
 

@@ -73,6 +73,7 @@ from typing import Any
 
 import torch
 
+from qkit.dtypes import check_finite
 from qkit.errors import InputError
 
 DEFAULT_BATCH_SIZE = 8  # calibration windows per forward call
@@ -367,6 +368,8 @@ def walk_blocks(
     if compute_dtype is not None:
         upcast_outside_blocks(model, compute_dtype)
     hidden, kwargs = capture_block_inputs(model, ids, device, batch_size)
+    for h in hidden:  # statistics of NaN or inf (an fp16 overflow) are garbage: refused, never written
+        check_finite(h, f"the input of {blocks_name}.0")
     total = len(blocks)
     for i, block in enumerate(blocks):
         if compute_dtype is not None:
@@ -375,6 +378,8 @@ def walk_blocks(
         inputs = BlockInputs(block, f"{blocks_name}.{i}.", hidden, kwargs[i])
         outputs = process_block(i, block, inputs)
         hidden = inputs.forward() if outputs is None else list(outputs)
+        for h in hidden:
+            check_finite(h, f"the output of {blocks_name}.{i}")
         block.to("cpu")
         if release:
             release_parameters(block)

@@ -48,6 +48,7 @@ from qkit.methods.memory import RETENTION, Model, one_quantize, quantized_bytes
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE
 from qkit.models import ModelRef, load
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, quantize_tensor
+from qkit.schemes.fidelity import check_written
 
 DEFAULT_ALPHA = 0.5  # the paper's default for most models (section 4.2)
 
@@ -88,7 +89,7 @@ class SmoothQuantMethod:
     def memory(self, model: Model, targets: Mapping[str, Scheme], options: SmoothQuantOptions) -> dict[str, int]:
         """Beside the process (``qkit.methods.memory``): the model in fp32, the quantized targets, and the
         larger of one batch's forward through the whole model (with its logits) and one target's quantize."""
-        batch, T, d = min(options.batch_size, options.calibration_samples), options.calibration_seqlen, model.dims
+        batch, T, d = min(options.batch_size, options.calibration_samples), options.seqlen, model.dims
         forward = model.block_forward(batch, T) + batch * T * d.vocab * (model.a + 4)
         work = max(int(RETENTION * max(model.load, forward)), one_quantize(model, targets))
         return {"the model's weights in fp32": model.loaded(), "the quantized tensors": quantized_bytes(model, targets),
@@ -106,7 +107,7 @@ class SmoothQuantMethod:
         t0 = time.perf_counter()
         loaded = load(ref=ref, device=device)
         model = loaded.model
-        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options())
+        ids, provenance = calibration_ids(loaded.tokenizer, options.calibration_options(model.config))
         result = smooth_model(model, ids, targets, options, on_block=on_block)
         result.quantized = in_source_dtypes(result.quantized, ref.directory)
         result.record = {
@@ -151,10 +152,13 @@ def smooth_model(
             on_block(k + 1, len(groups))
     state = model.state_dict()
     quantized: dict[str, QuantizedTensor] = {}
-    for name, scheme in targets.items():
+    checked: dict[str, float] = {}
+    for name, scheme in targets.items():  # checked against the smoothed weight, which the file does not hold
         quantized[name] = quantize_tensor(state[name].detach(), scheme, name=name)
+        checked[name] = check_written(name, state[name].detach(), quantized[name], cause=(
+            "SmoothQuant's migration of the activations' range into it; compare --method rtn or a smaller --alpha"))
     replaced = {n: t.detach().clone() for n, t in changed.items() if n not in targets}
-    return MethodResult(quantized, replaced, {"groups": per_group, "folded": len(groups)})
+    return MethodResult(quantized, replaced, {"groups": per_group, "folded": len(groups)}, checked)
 
 
 METHOD = SmoothQuantMethod()

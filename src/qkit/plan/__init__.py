@@ -24,7 +24,6 @@ from qkit.plan.planfile import (
     Plan,
     TensorChoice,
     check_plan_matches,
-    fingerprint,
     is_plan_file,
     read_plan,
     write_plan,
@@ -44,5 +43,5 @@ from qkit.plan.planner import (
 from qkit.plan.solve import Solution, solve
 
 __all__ = ["KEEP", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
-           "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "fingerprint", "is_plan_file",
+           "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "is_plan_file",
            "ladder", "parse_allowed", "plan_formats", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]

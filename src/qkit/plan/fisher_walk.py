@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from qkit.dtypes import dtype_of, non_finite_activations
 from qkit.methods.sequential import find_blocks, first_output
 from qkit.plan.sensitivity import Fisher
 
@@ -183,6 +184,8 @@ def _forward(model, blocks: torch.nn.ModuleList, lowest: int, ids: torch.Tensor,
             at["window"] = w
             with torch.enable_grad():
                 lp = torch.log_softmax(model(input_ids=ids[w][None].to(device), use_cache=False).logits[0].float(), dim=-1)
+            if not bool(torch.isfinite(lp).all()):  # an fp16 overflow: a Fisher of NaN would price every type alike
+                raise non_finite_activations(f"the model's log-probabilities on calibration window {w}", dtype_of(model))
             if sample:
                 with torch.no_grad():
                     sampled[w] = torch.multinomial(lp.detach().exp().cpu(), 1, generator=g)[:, 0]

@@ -1,7 +1,7 @@
 """A plan: per tensor, the chosen type, its exact bytes and its predicted cost, as a versioned JSON file.
 
 ``qkit plan`` writes it; ``qkit quantize --plan`` reads it back and writes exactly those types. A plan
-names the model it was made for by a fingerprint of every tensor's name and shape (``fingerprint``):
+names the model it was made for by a fingerprint of every tensor's name and shape (``qkit.transform.shapes_fingerprint``):
 one made for another model is refused in one line, naming the first tensor that differs.
 
 Layout (``format: "qkit-plan"``, ``format_version: 1``, keys sorted)::
@@ -35,15 +35,11 @@ from qkit.schemes.base import Scheme
 from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.registry import scheme_from_dict
 from qkit.staging import write_text
+from qkit.transform import shapes_fingerprint
 
 PLAN_FORMAT = "qkit-plan"
 PLAN_VERSION = 1
 
-
-def fingerprint(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
-    """sha256 of every tensor's ``name:shape`` line, sorted by name: what a plan is made for."""
-    lines = "".join(f"{n}:{','.join(map(str, s))}\n" for n, s in sorted(shapes))
-    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 @dataclass
@@ -310,7 +306,7 @@ def check_plan_matches(plan: Plan, shapes: Mapping[str, tuple[int, ...]], spec: 
         if tuple(shapes[name]) != tuple(t.shape):
             raise InputError(f"--plan {plan.path or ''} was made for {plan.model}: {name} is {list(t.shape)} there and "
                              f"{list(shapes[name])} in {spec}; plan for this model with qkit plan")
-    if fingerprint(shapes.items()) != plan.model_fingerprint:
+    if shapes_fingerprint(shapes.items()) != plan.model_fingerprint:
         raise InputError(f"--plan {plan.path or ''} was made for {plan.model}, whose tensors differ from {spec}'s; "
                          "plan for this model with qkit plan")
 
@@ -365,5 +361,5 @@ def upgrades(plan: Plan) -> list[dict]:
     return out
 
 
-__all__ = ["plan_llama_types", "base_type", "lossless_types", "upgrades", "MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "fingerprint", "is_plan_file",
+__all__ = ["plan_llama_types", "base_type", "lossless_types", "upgrades", "MAX_PLAN_BYTES", "PLAN_FORMAT", "PLAN_METHODS", "PLAN_VERSION", "Plan", "TensorChoice", "check_plan_matches", "is_plan_file",
            "read_plan", "stable", "write_plan"]

@@ -32,10 +32,12 @@ group is refused before the model loads.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,8 +49,8 @@ from qkit.checkpoint import (
 from qkit.bounds import real, show_number
 from qkit.errors import InputError
 from qkit.executors import SERIAL_EXECUTOR, Executor
-from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits
-from qkit.dtypes import LOAD_DTYPES, load_dtype
+from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits, fit_seqlen
+from qkit.dtypes import LOAD_DTYPES, load_dtype, non_finite_activations
 from qkit.memory import check_bytes
 from qkit.models import ModelRef, load, load_tokenizer, read_config
 from qkit.methods.gptq.method import GPTQOptions
@@ -64,14 +66,14 @@ from qkit.plan.candidates import (
 )
 from qkit.plan.costing import file_tensors, candidate_weights, costs_elsewhere
 from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
-from qkit.plan.planfile import Plan, TensorChoice, base_type, fingerprint, lossless_types, upgrades  # the last three re-exported
+from qkit.plan.planfile import Plan, TensorChoice, base_type, lossless_types, upgrades  # the last three re-exported
 from qkit.plan.checking import check_mix
 from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
 from qkit.plan.solve import smallest, solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.transform import Rules
+from qkit.transform import Rules, shapes_fingerprint
 from qkit.version import __version__
 
 MAX_TARGET_BITS = 64  # --target-bits: no stored type takes more bits per weight
@@ -107,9 +109,9 @@ class PlanOptions:
     scale_dtype: str = DEFAULT_SCALE_DTYPE
     calibration: str | None = None
     samples: int = DEFAULT_SAMPLES
-    seqlen: int = DEFAULT_SEQLEN
+    seqlen: int | None = None  # None: DEFAULT_SEQLEN, or the model's context where shorter (``fitted``)
     seed: int = 0
-    check_windows: int = DEFAULT_CHECK_WINDOWS
+    check_windows: int | None = None  # None: DEFAULT_CHECK_WINDOWS, or every window where there are fewer
     dtype: str = DEFAULT_DTYPE
     max_memory: int | None = None
 
@@ -135,11 +137,26 @@ class PlanOptions:
             check_bytes(self.max_memory, "--max-memory")
         if self.target_scheme is not None:
             get_scheme(self.target_scheme)  # an unknown name: refused with "did you mean"
-        if not (isinstance(self.check_windows, int) and 0 <= self.check_windows <= self.samples):
+        self.calibration_options().check()  # the windows first: --check-windows is bounded by them
+        if self.check_windows is not None and not (isinstance(self.check_windows, int)
+                                                   and 0 <= self.check_windows <= self.samples):
             raise InputError(f"--check-windows must be between 0 and --calibration-samples ({show_number(self.samples)}), "
                              f"got {show_number(self.check_windows)}")
-        self.calibration_options().check()
         parse_allowed(self.format, self.candidates) if self.candidates else None
+
+    @property
+    def windows_checked(self) -> int:
+        """``check_windows`` as given, else ``DEFAULT_CHECK_WINDOWS`` or all ``samples`` where fewer."""
+        return min(DEFAULT_CHECK_WINDOWS, self.samples) if self.check_windows is None else self.check_windows
+
+    @property
+    def window(self) -> int:
+        """Tokens per window: ``seqlen`` as given or fitted, else ``DEFAULT_SEQLEN``."""
+        return DEFAULT_SEQLEN if self.seqlen is None else self.seqlen
+
+    def fitted(self, config: Any) -> PlanOptions:
+        """These options with the default window fitted to the model's context (``fit_seqlen``)."""
+        return dataclasses.replace(self, seqlen=fit_seqlen(self.seqlen, config))
 
     def calibration_options(self) -> CalibrationOptions:
         return CalibrationOptions(self.calibration, self.samples, self.seqlen, self.seed)
@@ -216,7 +233,7 @@ def budget_bytes(options: PlanOptions, weights: int, shapes: Mapping[str, tuple[
 
 
 def _fisher_key(ref: ModelRef, options: PlanOptions, targets: Mapping[str, tuple[int, ...]], device) -> tuple:
-    return (str(ref.directory), tuple(targets), options.calibration_options(), options.check_windows, str(device),
+    return (str(ref.directory), tuple(targets), options.calibration_options(), options.windows_checked, str(device),
             options.dtype)
 
 
@@ -232,8 +249,8 @@ def memory_plan(ref: ModelRef, options: PlanOptions, device: torch.device | str 
     if cached is not None and options.max_memory is None:
         return cached.memory
     est = estimate(dict(tensor_shapes(ref.directory)), tensor_dtypes(ref.directory), read_config(ref.directory), targets,
-                   dtype=LOAD_DTYPES[options.dtype], samples=options.samples, seqlen=options.seqlen,
-                   check_windows=options.check_windows,
+                   dtype=LOAD_DTYPES[options.dtype], samples=options.samples, seqlen=options.window,
+                   check_windows=options.windows_checked,
                    on_cpu=dev.type == "cpu")
     if options.max_memory is not None:
         return plan_memory(est, options.max_memory, given=True, dtype=options.dtype)
@@ -286,7 +303,7 @@ def sensitivity_table(
     targets = planned_targets(ref, options)
     allowed = parse_allowed(fmt, options.candidates) if options.candidates else None
     key = (str(ref.directory), fmt, allowed, tuple(options.include), tuple(options.exclude), options.scale_dtype,
-           options.calibration_options(), options.check_windows, imatrix_key, str(device), options.dtype,
+           options.calibration_options(), options.windows_checked, imatrix_key, str(device), options.dtype,
            None if gptq is None else tuple(sorted(feedback.record(gptq).items())))
     if key in _TABLE:
         return _TABLE[key]
@@ -336,13 +353,13 @@ def sensitivity_table(
     n = int(ids.shape[0])
     if walked:  # one walk down the blocks for every target inside them (qkit.plan.fisher_walk)
         walk = fisher_by_blocks(model, ids, walked, cost_group, seed=options.seed,
-                                check_windows=options.check_windows if first is None else 0,
+                                check_windows=options.windows_checked if first is None else 0,
                                 labels=None if first is None else first.labels,
                                 on_step=lambda i, k: say("fisher", i, k + len(outside_groups) * n))
         first = first or walk
     for k, group in enumerate(outside_groups):  # an embedding, a head: whole-model passes, the same labels
         fisher = fisher_diagonal(model, ids, group, seed=options.seed,
-                                 check_windows=options.check_windows if first is None else 0,
+                                 check_windows=options.windows_checked if first is None else 0,
                                  labels=None if first is None else first.labels,
                                  on_window=lambda i, _n, k=k: say("fisher", k * n + i, len(outside_groups) * n))
         first = first or fisher
@@ -385,19 +402,23 @@ def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candid
             for n, s in planned_targets(ref, options).items()}
 
 
-def check_budget(budget: int, options: Sequence[Sequence[Candidate]], weights: int) -> None:
-    """Refuse a budget below the smallest mix or above the unquantized size, in one line."""
+def check_budget(budget: int, options: Sequence[Sequence[Candidate]], weights: int) -> int:
+    """The budget the solve gets: ``budget``, refused in one line below the smallest mix, or, where keeping a
+    tensor unquantized is a candidate, above the unquantized size (nothing needs quantizing); where it is
+    not (``--candidates q4_k,q6_k``), a budget above the largest mix binds nothing and the solve gets that
+    mix's bytes (every tensor free to take its best candidate)."""
     low = smallest([[c.nbytes for c in row] for row in options])
     if budget < low:
         raise InputError(
             f"the budget of {budget:,} bytes ({8 * budget / weights:.3f} bits/w) is below the smallest mix, {low:,} bytes "
             f"({8 * low / weights:.3f} bits/w: every tensor at its smallest candidate); raise the target")
-    # unquantized: every tensor at its KEEP size (the source dtype), or at its largest candidate without KEEP
-    unquantized = sum(next((c.nbytes for c in row if c.name == KEEP), max(c.nbytes for c in row)) for row in options)
-    if budget > unquantized:
-        raise InputError(
-            f"the budget of {budget:,} bytes ({8 * budget / weights:.3f} bits/w) is above the unquantized size of these "
-            f"tensors, {unquantized:,} bytes ({8 * unquantized / weights:.3f} bits/w): nothing needs quantizing")
+    if all(any(c.name == KEEP for c in row) for row in options):
+        unquantized = sum(next(c.nbytes for c in row if c.name == KEEP) for row in options)
+        if budget > unquantized:
+            raise InputError(
+                f"the budget of {budget:,} bytes ({8 * budget / weights:.3f} bits/w) is above the unquantized size of these "
+                f"tensors, {unquantized:,} bytes ({8 * unquantized / weights:.3f} bits/w): nothing needs quantizing")
+    return min(budget, sum(max(c.nbytes for c in row) for row in options))
 
 
 def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
@@ -405,6 +426,7 @@ def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
     """Everything the headers decide, before any model work: the byte budget against the smallest and the
     unquantized mix, and the memory (``memory_plan`` on ``device``, None: the CPU; a ``--max-memory`` too
     small for one tensor's group refused). Returns the byte budget."""
+    check_fits(options.calibration_options(), config)  # windows beyond the context, a default's too: before the budget
     sets = candidate_sets(ref, options)
     shapes = planned_targets(ref, options)
     weights = sum(math.prod(s) for s in shapes.values())
@@ -418,9 +440,15 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
            method: str = "rtn", imatrix: dict | None = None, config: Mapping | None = None) -> Plan:
     """Step 4: the exact solve of ``table`` for ``options``' budget, as a ``Plan`` (no check yet)."""
     weights = table.weights
+    for i, row in enumerate(table.costs):  # a plan priced with NaN or inf (an overflowed Fisher) is never written
+        bad = [table.options[i][k].name for k, c in enumerate(row) if not (math.isfinite(c) and c >= 0)]
+        if bad:
+            raise non_finite_activations(f"the predicted KL of {table.names[i]} as {', '.join(bad)} (from the "
+                                         "Fisher's gradients)", LOAD_DTYPES.get(table.memory.get("dtype", DEFAULT_DTYPE),
+                                                                            torch.float32))
     budget = budget_bytes(options, weights, table.shapes, config, table.dtypes)
     groups, items, costs = tied_items(table.names, table.options, options.format, table.costs)
-    check_budget(budget, items, weights)
+    budget = check_budget(budget, items, weights)
     sol = solve(costs, [[c.nbytes for c in row] for row in items], budget)
     picked = {i: items[g][sol.choice[g]].name for g, members in enumerate(groups) for i in members}
     tensors = {}
@@ -438,7 +466,7 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
                    "dtype": table.memory.get("dtype", DEFAULT_DTYPE), "memory": table.memory,
                    **({"feedback": table.feedback} if table.gptq is not None else {})}
     solver = {**sol.to_dict(), "items": len(groups), "tied": [[table.names[i] for i in g] for g in groups if len(g) > 1]}
-    return Plan(model_spec, fingerprint(shapes_all.items()), check_format(options.format), method, target, tensors,
+    return Plan(model_spec, shapes_fingerprint(shapes_all.items()), check_format(options.format), method, target, tensors,
                 imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
 
 

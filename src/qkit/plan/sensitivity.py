@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkit.dtypes import dtype_of, non_finite_activations
 from qkit.schemes import quantize_tensor
 from qkit.schemes.base import Scheme
 
@@ -110,6 +111,8 @@ def fisher_diagonal(
         hooks = [params[t].register_post_accumulate_grad_hook(accumulate(params[t], f)) for t, f in diag.items()]
         for i, window in enumerate(ids):
             lp = _logprobs(model, window.to(device))
+            if not bool(torch.isfinite(lp).all()):  # an fp16 overflow: a Fisher of NaN would price every type alike
+                raise non_finite_activations(f"the model's log-probabilities on calibration window {i}", dtype_of(model))
             if labels is None:
                 with torch.no_grad():
                     sampled[i] = torch.multinomial(lp.detach().exp().cpu(), 1, generator=g)[:, 0]

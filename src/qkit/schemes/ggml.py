@@ -375,9 +375,39 @@ _WEIGHTED: dict[Any, Any] = {}
 # --------------------------------------------------------------------------- with an importance matrix
 
 
+# The range of an importance vector's largest value within which llama.cpp's weighted searches (fp32
+# sums of qw * sqrt(sigma2 + x^2) * x^2 and their products) give the same codes whatever the vector's
+# scale: scaling a real entry (the wide test model's ffn_down) by powers of two changed no code of any
+# weighted type while its largest value stayed in [5.2e-14, 2.5e11] (q4_k, the narrowest); beyond, the
+# sums flush to zero or overflow and whole tensors come out as zeros (3e38 sums: every block tensor of a
+# q4_k_m file). The bounds keep a margin of 20x below and 25x above; a real matrix is far inside (the
+# default model's entries peak between 0.085 and 1.65e4, mean squares of its layer inputs).
+IMPORTANCE_RANGE = (1e-12, 1e10)
+
+
+def importance_problem(qw: torch.Tensor) -> str | None:
+    """Why the importance vector ``qw`` (fp32 ``[cols]``) cannot weight a search, in words, or None: a NaN,
+    an inf or a negative value (it holds mean squares of activations), all zeros (every block's weights
+    vanish: llama.cpp writes the tensor as zeros), or a largest value outside ``IMPORTANCE_RANGE``."""
+    bad = ~torch.isfinite(qw) | (qw < 0)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        return f"importance value {qw[i].item()} for column {i} is not a finite non-negative number"
+    top = float(qw.max()) if qw.numel() else 0.0
+    if top == 0.0:
+        return "its importance values are all zero (no column would weigh anything: the tensor would be written as zeros)"
+    lo, hi = IMPORTANCE_RANGE
+    if not lo <= top <= hi:
+        return (f"its largest importance value {top:.3g} lies outside [{lo:g}, {hi:g}], where llama.cpp's fp32 "
+                "searches stay exact (beyond it their sums flush to zero or overflow and the codes come out as zeros)")
+    return None
+
+
 def check_importance(qw: torch.Tensor, what: str) -> None:
     """``SchemeError`` (one line) when the importance vector ``qw`` holds a NaN, an inf or a negative value
-    (an importance matrix holds mean squares of activations)."""
+    (an importance matrix holds mean squares of activations). The encoders accept what llama.cpp's accept
+    (all zeros, any scale: their bytes are tested against the C on such vectors); what a user's matrix
+    may hold beyond that is ``importance_problem``'s, checked where a matrix file meets a model."""
     bad = ~torch.isfinite(qw) | (qw < 0)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])

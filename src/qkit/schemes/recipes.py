@@ -124,6 +124,12 @@ ARCHITECTURES = ("llama", "qwen2")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
+def expert_count(config: dict[str, Any]) -> int:
+    """How many experts a model's ``config.json`` gives each mixture-of-experts layer (its largest count
+    under transformers' names); 0 for a dense model. A malformed count raises ``ValueError``/``TypeError``."""
+    return max(int(config.get(k) or 0) for k in _EXPERT_KEYS)
+
+
 def _block(t: T) -> int:
     return gguf.GGML_QUANT_SIZES[t][0]
 
@@ -330,7 +336,7 @@ class LlamaRecipe:
             heads = None if heads is None else int(heads)
             kv = model_config.get("num_key_value_heads")
             kv = heads if kv is None else int(kv)
-            experts = max(int(model_config.get(k) or 0) for k in _EXPERT_KEYS)
+            experts = expert_count(model_config)
         except (KeyError, TypeError, ValueError) as exc:
             raise SchemeError(f"{self.name} needs num_hidden_layers (and integer head counts) in the model config ({exc})") from exc
         if n_layers < 1:
@@ -471,6 +477,7 @@ __all__ = [
     "RECIPES",
     "WRITTEN",
     "LlamaRecipe",
+    "expert_count",
     "Q4KMRecipe",
     "assignment",
     "llama_quantize_types",

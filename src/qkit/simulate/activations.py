@@ -197,7 +197,9 @@ def calibrate_static(
         if tok is None:
             raise InputError("static activation scales need the model's tokenizer to encode the calibration text; use act-int8-token")
         # disjoint from the text the model is evaluated on (``qkit eval --corpus``; default: the pinned Ruth)
-        ids, provenance = calibration_ids(tok, options.calibration_options(), evaluation=context.extra.get("corpus"))
+        # the default window fitted to the model's context, as every calibrated method's
+        ids, provenance = calibration_ids(tok, options.calibration_options().fitted(model.config),
+                                          evaluation=context.extra.get("corpus"))
     qmax = qmax_for(bits)
     device = next(model.parameters()).device
     maxima: dict[str, torch.Tensor] = {n: torch.zeros((), dtype=torch.float32, device=device) for n in linears}

@@ -203,6 +203,14 @@ def read_weights(path: str | Path, reference: Path, config: dict, *, what: str |
                          f"reference is a {model_type!r} model")
     arch = header.fields.get("general.architecture")
     arch = arch.decode("utf-8", "replace") if isinstance(arch, bytes) else arch
+    kind = header.fields.get("general.type")
+    kind = kind.decode("utf-8", "replace") if isinstance(kind, bytes) else kind
+    if arch is None and kind is not None and kind != "model":  # an importance matrix, an adapter: not a model at all
+        raise InputError(f"{what} is a GGUF of general.type {kind!r}, not a model (an importance matrix goes to "
+                         "--imatrix); pass a GGUF model file of the reference")
+    if arch is None:
+        raise InputError(f"{what} is a GGUF without general.architecture, not a model file; pass a GGUF model "
+                         "of the reference")
     if arch != arch_name(model_type):
         raise InputError(f"{what} is a GGUF of a {arch!r} model and the reference is {arch_name(model_type)!r}: "
                          "pass a GGUF of the reference model")

@@ -29,6 +29,7 @@ import torch
 
 from qkit.bounds import show_number
 from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_reader, tensor_shapes
+from qkit.dtypes import check_finite
 from qkit.errors import InputError
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
@@ -45,9 +46,10 @@ from qkit.methods.gptq.solver import (
 )
 from qkit.methods.memory import RETENTION, Model, largest, walked_weights
 from qkit.methods.sequential import BlockInputs, walk_blocks
-from qkit.models import load, load_tokenizer
+from qkit.models import load, load_tokenizer, read_config
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, is_llama_type, quantize_tensor
 from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
+from qkit.schemes.fidelity import check_written
 from qkit.schemes.observers import SCALE_RULES as _RULES
 from qkit.schemes.base import as_2d
 from qkit.threads import one_torch_thread
@@ -132,7 +134,8 @@ class HessianInputs:
     (q/k/v on the attention norm's output, gate/up on the MLP norm's) share one accumulator and one
     prepared factor."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix  # the block's, for messages
         self._sums: dict[str, torch.Tensor] = {}
         self._complete: set[str] = set()
         self.owner: dict[str, str] = {}
@@ -144,6 +147,7 @@ class HessianInputs:
         if self._last is not None and self._last[0] is x:
             self.owner[name] = self._last[1]
             return self._last[1]
+        check_finite(x, f"the input of {self.prefix}{name}")  # a Gram of NaN or inf is garbage, never a fallback
         self._last = (x, name)
         self.owner[name] = name
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
@@ -182,6 +186,7 @@ class GPTQRun:
     # None: the model's own fp32 weights are the source
     read: Callable[[str], torch.Tensor] | None = None
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    checked: dict[str, float] = field(default_factory=dict)  # tensor -> relative error (check_written)
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
     blocks: list[dict[str, Any]] = field(default_factory=list)
 
@@ -214,6 +219,8 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
     # The solve's dequantized weights are what the stored parts decode to (bit for bit: tested), so
     # the codes need not be unpacked again here.
     W_hat = solved.dequantized
+    run.checked[full] = check_written(full, W, qt, decoded=W_hat, cause=(
+        f"GPTQ's solve on {tokens} calibration tokens (dampening {solved.dampening:g}); compare --method rtn"))
     rtn_err, gptq_err = output_errors(W, [rtn, W_hat], XtX)
     run.layers[full] = {
         "rtn_error": rtn_err,
@@ -276,7 +283,7 @@ def quantize_block(run: GPTQRun, i: int, block: torch.nn.Module, inputs: BlockIn
     linears = {n: m for n, m in inputs.linears().items() if inputs.prefix + n + ".weight" in run.targets}
     if not linears:
         return None
-    acc = HessianInputs()
+    acc = HessianInputs(inputs.prefix)
     if run.one_pass:
         outputs = quantize_in_forward(run, inputs, linears, acc)
     else:
@@ -301,7 +308,10 @@ def gptq_record(run: GPTQRun, provenance: dict[str, Any], rtn_fallback: list[str
         "layers": dict(sorted(run.layers.items())),
         "blocks": run.blocks,
         "dampening_retries": {n: r["dampening_retries"] for n, r in sorted(run.layers.items()) if r["dampening_retries"]},
-        "rtn_fallback": rtn_fallback,
+        # every tensor written by rtn instead of GPTQ's solve, and why (the summary counts them)
+        "rtn_fallback": sorted({*rtn_fallback, *(n for n, r in run.layers.items() if "fallback" in r)}),
+        "rtn_fallback_reasons": {**{n: "outside the blocks (not a block linear)" for n in rtn_fallback},
+                                 **{n: r["fallback"] for n, r in sorted(run.layers.items()) if "fallback" in r}},
         "seconds": round(seconds, 3),
     }
 
@@ -325,7 +335,7 @@ class GPTQMethod:
         and one block's working set: its forward, a float32 Gram per distinct input (q/k/v and gate/up share
         one), and the solver (``prepare_hessian``: the Gram and three factors of the widest input; the
         column loop: the widest input's factor and six float32 copies of the largest linear)."""
-        N, T = options.calibration_samples, options.calibration_seqlen
+        N, T = options.calibration_samples, options.seqlen
         blocks = model.blocks()
         inside = {n for ns in blocks.values() for n in ns if n in targets}
         weights = walked_weights(model, targets)
@@ -363,7 +373,8 @@ class GPTQMethod:
                 raise InputError(f"an importance matrix weights llama.cpp's block types; {name} is not one")
         t_start = time.perf_counter()
         # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.
-        ids, provenance = calibration_ids(load_tokenizer(ref.directory, ref.trust_remote_code), options.calibration_options())
+        ids, provenance = calibration_ids(load_tokenizer(ref.directory, ref.trust_remote_code),
+                                          options.calibration_options(read_config(ref.directory)))
         loaded = load(ref=ref, device="cpu", dtype=options.load_dtype)
         batch = options.batch_size or ids.shape[0]
         read = None if options.load_dtype == torch.float32 else tensor_reader(ref.directory, targets)
@@ -381,7 +392,7 @@ class GPTQMethod:
         record = gptq_record(run, provenance, rtn_fallback, time.perf_counter() - t_start)
         if weights:
             record["imatrix_tensors"] = len(weights)
-        return MethodResult(quantized=run.quantized, replaced={}, record=record)
+        return MethodResult(quantized=run.quantized, replaced={}, record=record, checked=run.checked)
 
 
 METHOD = GPTQMethod()

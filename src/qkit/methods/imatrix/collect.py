@@ -29,7 +29,7 @@ import torch
 
 from qkit.bounds import MAX_COUNT, whole
 from qkit.checkpoint import tensor_dtypes, tensor_shapes
-from qkit.dtypes import load_dtype
+from qkit.dtypes import load_dtype, non_finite_activations
 from qkit.errors import InputError
 from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
@@ -139,6 +139,8 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
             else:
                 x2 = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
                 sq = x2.mul_(x2).sum(dim=0).cpu()
+                if not bool(torch.isfinite(sq).all()):  # an fp16 overflow: a matrix of NaN is never written
+                    raise non_finite_activations(f"the input of {names.get(name, name)}", x.dtype)
                 last[0], last[1] = x, sq
             sums[name] += sq
             counts[name] += tokens

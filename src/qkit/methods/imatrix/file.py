@@ -202,7 +202,7 @@ def is_qkit_imatrix(path: Path) -> bool:
 
 
 def _check_values(path: Path, name: str, sums: np.ndarray, counts: np.ndarray) -> None:
-    """Sums of squares are finite and never negative, and so are token counts. A count of 0 is read (llama.cpp
+    """Sums of squares are finite and never negative; token counts too, and whole numbers. A count of 0 is read (llama.cpp
     writes it for a row no token reached, and llama-quantize weights that row by 1s); ``quant_weights_for``
     refuses it for a tensor it would weight."""
     if not np.isfinite(sums).all() or not np.isfinite(counts).all():
@@ -211,6 +211,9 @@ def _check_values(path: Path, name: str, sums: np.ndarray, counts: np.ndarray) -
         raise _bad(path, f"entry {name} holds negative sums of squares")
     if (counts < 0).any():
         raise _bad(path, f"entry {name} counts {float(counts.min()):g} tokens, a negative count")
+    frac = counts[counts != np.rint(counts)]
+    if frac.size:  # llama-imatrix counts whole tokens; 0.4 would round to 0 and be weighted as if absent
+        raise _bad(path, f"entry {name} counts {float(frac[0]):g} tokens, not a whole number")
 
 
 def _read_legacy(path: Path) -> Imatrix:

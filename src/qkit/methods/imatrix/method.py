@@ -35,7 +35,7 @@ class ImatrixMethodOptions(CalibratedOptions):
 
     def collection(self) -> ImatrixOptions:
         return ImatrixOptions(source=self.calibration, chunks=self.calibration_samples,
-                              chunk_size=self.calibration_seqlen, batch=self.batch_size, dtype=self.dtype)
+                              chunk_size=self.seqlen, batch=self.batch_size, dtype=self.dtype)
 
     def __post_init__(self) -> None:
         self.collection().check()

@@ -9,6 +9,9 @@ weights columns, so it applies unchanged.
 
 * an entry that names no tensor of the model, or whose width differs from the tensor's: a matrix from
   another model (llama-quantize aborts on a width mismatch too);
+* an entry that cannot weight a search (``qkit.schemes.ggml.importance_problem``: all zeros, a largest value
+  outside the range where llama.cpp's fp32 searches stay exact, NaN, inf or negative values): llama-quantize
+  writes such a tensor as zeros;
 * a quantized tensor with no entry, or whose entry counts no token (llama-quantize weights it by 1s). llama-quantize instead logs "did not find weights for ..." and
   quantizes that tensor without weights, so one file silently mixes weighted and unweighted tensors;
   qkit refuses, and ``--exclude`` (or a matrix that covers the tensor) is the way through.
@@ -25,15 +28,13 @@ import torch
 from qkit.errors import InputError
 from qkit.llama_names import ARCHITECTURES, tensor_names
 from qkit.methods.imatrix.file import Imatrix
-from qkit.schemes.ggml import GGMLScheme, uses_importance
-
-_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-
+from qkit.schemes.ggml import GGMLScheme, importance_problem, uses_importance
+from qkit.schemes.recipes import expert_count
 
 def refuse_unsupported(config: Mapping) -> None:
     """One line for a model whose importance matrix qkit does not collect: mixture-of-experts (llama.cpp
     keeps one row per expert; qkit does not route), and architectures without llama.cpp names here."""
-    experts = max(int(config.get(k) or 0) for k in _EXPERT_KEYS)
+    experts = expert_count(config)
     if experts > 1:
         raise InputError(f"importance matrices of mixture-of-experts models ({experts} experts) are not supported; "
                          "use llama-imatrix, whose file qkit reads")
@@ -81,11 +82,14 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
         if qw is None:
             missing.append(g or name)
             continue
-        if (imatrix.entries[g].counts <= 0).any():  # no token reached it: llama-quantize weights it by 1s
+        # llama-quantize rounds a count to whole tokens (std::lround) and weights a row of 0 by 1s
+        if (np.rint(imatrix.entries[g].counts.astype(np.float64)) <= 0).any():
             raise InputError(f"--imatrix {src}: entry {g} counts 0 tokens, so it holds no statistics and {name} would be "
                              "quantized without weights; collect a matrix whose calibration reaches it, or --exclude it")
-        if not np.isfinite(qw).all() or (qw < 0).any():
-            raise InputError(f"--imatrix {src}: entry {g} holds negative or non-finite values")
+        problem = importance_problem(torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32)))
+        if problem is not None:  # all zeros, 3e38s, denormals: the searches would write the tensor as zeros
+            raise InputError(f"--imatrix {src}: entry {g} cannot weight {name}: {problem}; no file of llama-imatrix on a "
+                             "finite model holds it: collect the matrix again (qkit imatrix) or --exclude the tensor")
         out[name] = torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32))
     if missing:
         raise InputError(
