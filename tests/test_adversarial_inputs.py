@@ -336,12 +336,14 @@ def test_upper_bounds(tiny_model_dir, tmp_path):
 
 
 def test_huge_slots_allocate_nothing_per_slot():
-    """--slots beyond the requests: the arrays are as wide as the requests, the utilisation still counts every slot."""
-    r = invoke("simulate", "batching", "--requests", "4", "--slots", str(10**11), "--json", "-")
+    """--slots beyond the requests: the arrays are as wide as the requests, the utilisation still counts every
+    slot; beyond the range every count has (10,000,000, the most requests), one line naming it."""
+    r = invoke("simulate", "batching", "--requests", "4", "--slots", str(10**7), "--json", "-")
     assert r.code == 0, r.text
     report = json.loads(r.stdout)
-    assert report["slots"] == 10**11 and report["requests"] == 4
-    assert report["static"]["utilisation"] == pytest.approx(sum(report["lengths"]) / (max(report["lengths"]) * 10**11))
+    assert report["slots"] == 10**7 and report["requests"] == 4
+    assert report["static"]["utilisation"] == pytest.approx(sum(report["lengths"]) / (max(report["lengths"]) * 10**7))
+    assert_refused(invoke("simulate", "batching", "--requests", "4", "--slots", str(10**11)), "--slots", "10,000,000")
 
 
 @pytest.mark.parametrize("args,needle", [
