@@ -15,9 +15,10 @@ For a finite source ``W`` that is not all zeros, the decoded ``Ŵ`` must be
 Why 1: rounding to the nearest point of a grid that holds 0 moves no weight further than to 0, so
 ``|ŵ - w| <= |w|`` element by element and ``rel <= 1``, with equality only when every weight rounds to
 0. Writing zeros everywhere scores exactly 1, so a tensor at 1 or beyond carries no information about
-its source. On the default model every scheme's RTN stays below: int4-tensor, the coarsest, peaks at
-0.93 (its layer-28 down_proj: a scheme that collapses the model is still what was asked for), q2_k at
-0.31, int4-g128 at 0.13, q4_k at 0.02 (docs/guarantees.md). A source of all zeros must decode to zeros.
+its source. On the default model's 210 projections every scheme's RTN stays below: int4-tensor, the
+coarsest, peaks at 0.985 on one matrix (a scheme that collapses the model is still what was asked for),
+q2_k at 0.31, int4-g128 at 0.16, q4_k at 0.05 (``benchmarks/bench_fidelity.py``). A source of all zeros
+must decode to zeros.
 
 :func:`check_written` raises ``DegenerateOutputError`` naming the tensor, what its codes decode to and
 the likely cause; the caller refuses the whole run before anything is renamed into place.
