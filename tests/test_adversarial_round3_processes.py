@@ -38,26 +38,18 @@ import pytest
 import typer
 
 from adversarial import Unchanged, assert_refused, invoke, listing, make_untrusted, tripwire
-from conftest import make_tiny_llama
 
 TERMINATED = "error: terminated (SIGTERM); nothing was written"
 PROBE_ENV = "QKIT_ENGINE_PROBE_TIMEOUT"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("r3p") / "tiny"
-    make_tiny_llama(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tiny, tmp_path_factory) -> Path:
+def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
     """A GGUF file of the tiny model, a MODEL that qkit converts into its cache on first use."""
     from qkit.api import quantize_model
 
     out = tmp_path_factory.mktemp("r3p-gguf") / "tiny.gguf"
-    quantize_model(tiny, output=out, scheme="q8_0", format="gguf")
+    quantize_model(tiny_model_dir, output=out, scheme="q8_0", format="gguf")
     return out
 
 
@@ -163,13 +155,13 @@ def _answering_python(d: Path, token: str) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("runtime", ["llama.cpp", "vllm"])
-def test_a_hanging_engine_python_is_refused_at_the_probe_limit_and_its_whole_group_ends(tiny, tmp_path, monkeypatch,
-                                                                                        runtime, token):
+def test_a_hanging_engine_python_is_refused_at_the_probe_limit_and_its_whole_group_ends(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch, runtime, token):
     wrapper, pids = _hanging_python(tmp_path / "py", token)
     tripwire(monkeypatch, "qkit.evaluation.runner.resolve", "the model was resolved")
     t0 = time.monotonic()
-    with Unchanged(inputs=[tiny], dirs=[tmp_path]):
-        line = assert_refused(invoke("eval", tiny, "--schemes", "q8_0", "--runtime", runtime, "--tokens", "64",
+    with Unchanged(inputs=[tiny_model_dir], dirs=[tmp_path]):
+        line = assert_refused(invoke("eval", tiny_model_dir, "--schemes", "q8_0", "--runtime", runtime, "--tokens", "64",
                                      "--agree-tokens", "1", env={"QKIT_ENGINE_PYTHON": str(wrapper), PROBE_ENV: "2"}),
                               "did not answer within 2 s", "QKIT_ENGINE_PYTHON")
     assert time.monotonic() - t0 < 30, line
@@ -177,14 +169,14 @@ def test_a_hanging_engine_python_is_refused_at_the_probe_limit_and_its_whole_gro
 
 
 @pytest.mark.parametrize("runtime", ["llama.cpp", "vllm"])
-def test_an_engine_python_that_answers_but_leaves_a_child_is_not_waited_for_and_the_child_ends(tiny, tmp_path,
+def test_an_engine_python_that_answers_but_leaves_a_child_is_not_waited_for_and_the_child_ends(tiny_model_dir, tmp_path,
                                                                                              monkeypatch, runtime, token):
     # the background sleep holds the probe's stdout open: reading it to its end would wait for the sleep
     wrapper, pids = _answering_python(tmp_path / "py", token)
     tripwire(monkeypatch, "qkit.evaluation.runner.resolve", "the model was resolved")
     t0 = time.monotonic()
-    with Unchanged(inputs=[tiny], dirs=[tmp_path]):
-        assert_refused(invoke("eval", tiny, "--schemes", "q8_0", "--runtime", runtime, "--tokens", "64",
+    with Unchanged(inputs=[tiny_model_dir], dirs=[tmp_path]):
+        assert_refused(invoke("eval", tiny_model_dir, "--schemes", "q8_0", "--runtime", runtime, "--tokens", "64",
                               "--agree-tokens", "1", env={"QKIT_ENGINE_PYTHON": str(wrapper), PROBE_ENV: "20"}),
                        "lacks")
     assert time.monotonic() - t0 < 15
@@ -192,11 +184,11 @@ def test_an_engine_python_that_answers_but_leaves_a_child_is_not_waited_for_and_
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e400", "ten", ""])
-def test_a_bad_probe_limit_is_one_line_naming_the_variable(tiny, tmp_path, monkeypatch, value, token):
+def test_a_bad_probe_limit_is_one_line_naming_the_variable(tiny_model_dir, tmp_path, monkeypatch, value, token):
     wrapper, _ = _hanging_python(tmp_path / "py", token)
     tripwire(monkeypatch, "qkit.evaluation.runner.resolve", "the model was resolved")
-    with Unchanged(inputs=[tiny], dirs=[tmp_path]):
-        assert_refused(invoke("eval", tiny, "--schemes", "q8_0", "--runtime", "llama.cpp", "--tokens", "64",
+    with Unchanged(inputs=[tiny_model_dir], dirs=[tmp_path]):
+        assert_refused(invoke("eval", tiny_model_dir, "--schemes", "q8_0", "--runtime", "llama.cpp", "--tokens", "64",
                               "--agree-tokens", "1", env={"QKIT_ENGINE_PYTHON": str(wrapper), PROBE_ENV: value}),
                        PROBE_ENV)
 
@@ -262,11 +254,11 @@ def _qkit_leftovers(*dirs: Path) -> list[str]:
     return sorted(p for p in listing(*dirs) if ".qkit-tmp-" in p or Path(p).name.startswith("qkit-"))
 
 
-def test_sigterm_while_working_is_one_line_exit_143_and_writes_nothing(tiny, tmp_path):
+def test_sigterm_while_working_is_one_line_exit_143_and_writes_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    args = ["imatrix", tiny, "-o", out / "i.gguf", "--json", out / "i.run.json", "--chunk-size", "32", "--chunks", "4"]
-    with Unchanged(inputs=[tiny]):
+    args = ["imatrix", tiny_model_dir, "-o", out / "i.gguf", "--json", out / "i.run.json", "--chunk-size", "32", "--chunks", "4"]
+    with Unchanged(inputs=[tiny_model_dir]):
         code, text = _signal_at_mark(_start(args, tmp_path, "work"), tmp_path / "mark", signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, text
     assert [ln for ln in text.splitlines() if ln.strip()] == [TERMINATED], text
@@ -293,11 +285,11 @@ def _stub_engine(d: Path, token: str) -> Path:
     """)
 
 
-def test_sigterm_while_the_engine_worker_runs_ends_its_whole_group(tiny, tmp_path, token):
+def test_sigterm_while_the_engine_worker_runs_ends_its_whole_group(tiny_model_dir, tmp_path, token):
     # Ctrl-C takes the same path (the worker's group is ended as the KeyboardInterrupt unwinds); SIGTERM alone
     # is run here, to keep this file fast
     engine = _stub_engine(tmp_path, token)
-    proc = _start(["eval", tiny, "--schemes", "q8_0", "--runtime", "llama.cpp", "--tokens", "64", "--agree-tokens",
+    proc = _start(["eval", tiny_model_dir, "--schemes", "q8_0", "--runtime", "llama.cpp", "--tokens", "64", "--agree-tokens",
                    "1"], tmp_path, "", QKIT_ENGINE_PYTHON=str(engine))
     code, text = _signal_at_mark(proc, tmp_path / "mark", signal.SIGTERM)
     assert code == 128 + signal.SIGTERM, text
@@ -359,8 +351,9 @@ def _resolve_beside(holder: subprocess.Popen, gguf: Path, records: _Records, mon
     return mine, got
 
 
-def test_two_processes_converting_one_gguf_into_a_fresh_cache_convert_it_once(tiny_gguf, tmp_path, monkeypatch,
-                                                                              records):
+def _holding_a_conversion(tiny_gguf: Path, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path, subprocess.Popen]:
+    """A fresh cache (this process's too), and a real ``qkit kv GGUF`` that holds the conversion's lock until
+    ``go`` exists: ``(cache, count, go, holder)``, ``count`` listing the PIDs that converted."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("QKIT_CACHE", str(cache))
     count, go = tmp_path / "count", tmp_path / "go"
@@ -368,6 +361,12 @@ def test_two_processes_converting_one_gguf_into_a_fresh_cache_convert_it_once(ti
                     QKIT_TEST_GO=str(go))
     while not (tmp_path / "mark").exists() and holder.poll() is None:
         time.sleep(0.02)
+    return cache, count, go, holder
+
+
+def test_two_processes_converting_one_gguf_into_a_fresh_cache_convert_it_once(tiny_gguf, tmp_path, monkeypatch,
+                                                                              records):
+    cache, count, go, holder = _holding_a_conversion(tiny_gguf, tmp_path, monkeypatch)
     mine, got = _resolve_beside(holder, tiny_gguf, records, monkeypatch, go.touch)
     out, err = holder.communicate(timeout=120)
     assert holder.returncode == 0, out + err
@@ -382,13 +381,7 @@ def test_two_processes_converting_one_gguf_into_a_fresh_cache_convert_it_once(ti
 
 
 def test_a_holder_killed_while_converting_is_taken_over(tiny_gguf, tmp_path, monkeypatch, records):
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("QKIT_CACHE", str(cache))
-    count, go = tmp_path / "count", tmp_path / "go"
-    holder = _start(["kv", tiny_gguf], tmp_path, "hold", QKIT_CACHE=str(cache), QKIT_TEST_COUNT=str(count),
-                    QKIT_TEST_GO=str(go))
-    while not (tmp_path / "mark").exists() and holder.poll() is None:
-        time.sleep(0.02)
+    cache, _count, _go, holder = _holding_a_conversion(tiny_gguf, tmp_path, monkeypatch)
 
     def kill() -> None:
         holder.kill()
@@ -457,8 +450,8 @@ def _commands_with(option: str) -> set[str]:
     return found
 
 
-def test_the_remote_code_refusal_names_every_command_that_takes_the_flag(tiny, tmp_path):
-    evil = make_untrusted(tiny, tmp_path / "evil", tmp_path / "marker")
+def test_the_remote_code_refusal_names_every_command_that_takes_the_flag(tiny_model_dir, tmp_path):
+    evil = make_untrusted(tiny_model_dir, tmp_path / "evil", tmp_path / "marker")
     line = assert_refused(invoke("quantize", evil, "-o", tmp_path / "out"), "--trust-remote-code")
     listed = line.split("--trust-remote-code (", 1)[1].split(")", 1)[0]
     named = {name.strip().removeprefix("qkit ") for name in listed.split(",")}
