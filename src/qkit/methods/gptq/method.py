@@ -75,6 +75,9 @@ class GPTQOptions(CalibratedOptions):
     block_size: int = DEFAULT_BLOCK_SIZE
     # calibration windows per forward call; None: all in one batch, one pass per block (true sequential)
     batch_size: int | None = None
+    # calibration windows kept out of the Hessian, spread evenly over the windows; on them each tensor's GPTQ
+    # codes and RTN's are compared by output error and the better is written (0: GPTQ's always)
+    holdout: int = 0
 
     def __post_init__(self) -> None:
         self.check()  # malformed options are refused when the options are made, before any model is read
@@ -92,6 +95,19 @@ class GPTQOptions(CalibratedOptions):
         if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise InputError(f"calibration batch size must be a positive integer, got {self.batch_size!r}")
         self.calibration_options().check()
+        if not (isinstance(self.holdout, int) and not isinstance(self.holdout, bool)
+                and 0 <= self.holdout < self.calibration_samples):
+            raise InputError(f"--holdout must be a whole number of windows from 0 to --calibration-samples - 1 "
+                             f"({show_number(self.calibration_samples - 1)}), got {show_number(self.holdout)}")
+
+    def held_out(self) -> torch.Tensor:
+        """bool ``[calibration_samples]``: the windows kept out of the Hessian, ``holdout`` of them spread evenly
+        (window ``floor((j + 1/2) N / holdout)`` for ``j < holdout``), so they span the whole text (a mix's
+        parts, not its last)."""
+        n = self.calibration_samples
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[[int((j + 0.5) * n / self.holdout) for j in range(self.holdout)]] = True
+        return mask
 
 
 # --------------------------------------------------------------------------- errors for the record
@@ -134,37 +150,59 @@ class HessianInputs:
     (q/k/v on the attention norm's output, gate/up on the MLP norm's) share one accumulator and one
     prepared factor."""
 
-    def __init__(self, prefix: str = "") -> None:
+    def __init__(self, prefix: str = "", held_out: torch.Tensor | None = None) -> None:
         self.prefix = prefix  # the block's, for messages
+        # bool [windows]: those accumulated apart (``held``), never into the Hessian; None: none
+        self.held_out = held_out
         self._sums: dict[str, torch.Tensor] = {}
+        self._held: dict[str, torch.Tensor] = {}
         self._complete: set[str] = set()
         self.owner: dict[str, str] = {}
         self.tokens: dict[str, int] = {}
+        self._windows: dict[str, int] = {}  # windows seen per owner: where the next batch starts
         self._last: tuple[torch.Tensor, str] | None = None
 
     def add(self, name: str, x: torch.Tensor) -> str:
-        """Account ``x`` (the input of linear ``name``); returns the name owning its accumulator."""
+        """Account ``x`` (the input of linear ``name``, ``[windows, L, in]``, the batches in window order);
+        returns the name owning its accumulator."""
         if self._last is not None and self._last[0] is x:
             self.owner[name] = self._last[1]
             return self._last[1]
         check_finite(x, f"the input of {self.prefix}{name}")  # a Gram of NaN or inf is garbage, never a fallback
         self._last = (x, name)
         self.owner[name] = name
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         if name not in self._sums:
-            self._sums[name] = torch.zeros(x2.shape[1], x2.shape[1], device=x2.device)
-            self.tokens[name] = 0
+            self._sums[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+            self.tokens[name], self._windows[name] = 0, 0
         self._complete.discard(name)
+        fit = x
+        if self.held_out is not None:
+            start = self._windows[name]
+            mask = self.held_out[start : start + x.shape[0]].to(x.device)
+            self._windows[name] = start + x.shape[0]
+            if bool(mask.any()):
+                if name not in self._held:
+                    self._held[name] = torch.zeros_like(self._sums[name])
+                accumulate_gram(self._held[name], x[mask].reshape(-1, x.shape[-1]).to(torch.float32))
+                fit = x[~mask]
+        x2 = fit.reshape(-1, x.shape[-1]).to(torch.float32)
         accumulate_gram(self._sums[name], x2)
         self.tokens[name] += x2.shape[0]
         return name
 
     def gram(self, owner: str) -> torch.Tensor:
-        """The full ``Xᵀ X`` of ``owner``'s input."""
+        """The full ``Xᵀ X`` of ``owner``'s input (the held-out windows' not in it)."""
         if owner not in self._complete:
             symmetrize(self._sums[owner])
+            if owner in self._held:
+                symmetrize(self._held[owner])
             self._complete.add(owner)
         return self._sums[owner]
+
+    def held(self, owner: str) -> torch.Tensor | None:
+        """``Xᵀ X`` of ``owner``'s input over the held-out windows, or None without any."""
+        self.gram(owner)
+        return self._held.get(owner)
 
     def release(self) -> None:
         self._last = None
@@ -198,7 +236,7 @@ def prepare(run: GPTQRun, XtX: torch.Tensor) -> PreparedHessian:
 
 
 def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Tensor, prepared: PreparedHessian,
-                 tokens: int, shared_seconds: float) -> None:
+                 tokens: int, shared_seconds: float, held: torch.Tensor | None = None) -> None:
     """Solve the weight ``full`` of ``linear``, keep its ``QuantizedTensor`` and its record, and put the
     dequantized weights into ``linear`` (later linears and blocks see the quantized layer)."""
     scheme = run.targets[full]
@@ -219,6 +257,14 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
     # The solve's dequantized weights are what the stored parts decode to (bit for bit: tested), so
     # the codes need not be unpacked again here.
     W_hat = solved.dequantized
+    chosen = {}
+    if held is not None:  # RTN's codes where they do better on windows the solve never saw
+        gptq_held, rtn_held = output_errors(W, [W_hat, rtn], held)
+        chosen = {"gptq_error_held_out": gptq_held, "rtn_error_held_out": rtn_held}
+        if rtn_held < gptq_held and not solved.fallback:
+            qt = quantize_tensor(W, scheme, name=full, quant_weights=qw)
+            qt = QuantizedTensor.from_parts(qt.scheme, qt.parts, tuple(linear.weight.shape), dtype)
+            W_hat, chosen["fallback"] = rtn, "rtn (lower output error on the held-out windows)"
     run.checked[full] = check_written(full, W, qt, decoded=W_hat, cause=(
         f"GPTQ's solve on {tokens} calibration tokens (dampening {solved.dampening:g}); compare --method rtn"))
     rtn_err, gptq_err = output_errors(W, [rtn, W_hat], XtX)
@@ -231,6 +277,7 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
         "dampening_retries": solved.retries,
         "dead_columns": solved.dead,
         **({"fallback": "rtn (H not positive definite)"} if solved.fallback else {}),
+        **chosen,
     }
     run.quantized[full] = qt
     linear.weight.data.copy_(W_hat.to(linear.weight.device))
@@ -252,7 +299,7 @@ class _PreHookSolver:
             self.cache[owner] = prepare(self.run, self.acc.gram(owner))
         shared = time.perf_counter() - tp
         solve_linear(self.run, self.inputs.prefix + n + ".weight", self.linears[n], self.acc.gram(owner),
-                     self.cache[owner], self.acc.tokens[owner], shared)
+                     self.cache[owner], self.acc.tokens[owner], shared, self.acc.held(owner))
 
 
 def quantize_in_forward(run: GPTQRun, inputs: BlockInputs, linears: dict[str, torch.nn.Linear],
@@ -274,7 +321,7 @@ def quantize_after_forward(run: GPTQRun, inputs: BlockInputs, linears: dict[str,
         if owner not in prepared:
             prepared[owner] = prepare(run, acc.gram(owner))
         solve_linear(run, inputs.prefix + n + ".weight", linears[n], acc.gram(owner), prepared[owner],
-                     acc.tokens[owner], time.perf_counter() - tp)
+                     acc.tokens[owner], time.perf_counter() - tp, acc.held(owner))
 
 
 def quantize_block(run: GPTQRun, i: int, block: torch.nn.Module, inputs: BlockInputs) -> list[torch.Tensor] | None:
@@ -283,7 +330,7 @@ def quantize_block(run: GPTQRun, i: int, block: torch.nn.Module, inputs: BlockIn
     linears = {n: m for n, m in inputs.linears().items() if inputs.prefix + n + ".weight" in run.targets}
     if not linears:
         return None
-    acc = HessianInputs(inputs.prefix)
+    acc = HessianInputs(inputs.prefix, run.options.held_out() if run.options.holdout else None)
     if run.one_pass:
         outputs = quantize_in_forward(run, inputs, linears, acc)
     else:
@@ -341,7 +388,7 @@ class GPTQMethod:
         weights = walked_weights(model, targets)
         cols = {n: as_2d(model.shapes[n])[1] for n in inside}
         grams = max((4 * sum(cols[n] ** 2 for n in ns if n in cols and not _SHARES_INPUT.search(n))
-                     for ns in blocks.values()), default=0)
+                     for ns in blocks.values()), default=0) * (2 if options.holdout else 1)  # the held-out Grams
         widest, big = max(cols.values(), default=0), largest(inside, model)
         solver = max(4 * 4 * widest**2, 4 * widest**2 + 6 * 4 * big)
         work = model.block_forward(min(options.batch_size or N, N), T) + grams + solver + 4 * big
