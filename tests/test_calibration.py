@@ -105,7 +105,8 @@ def test_calibration_ids_from_a_file_with_provenance(tmp_path, tokenizer):
     import hashlib
 
     assert prov["sha256"] == hashlib.sha256((TINY_TEXT * 20).encode()).hexdigest()
-    assert prov["disjoint_from"]["name"] == "kjv-ruth"
+    assert prov["disjoint_from"]["name"] == "qkit-heldout-v1"  # the default eval suite's four texts, Ruth first
+    assert [t["name"] for t in prov["disjoint_from"]["texts"]] == ["kjv-ruth", "gpl-3.0", "argparse", "much-ado"]
     assert prov["ids_sha256"] == hashlib.sha256(ids.numpy().astype("<i8").tobytes()).hexdigest()
 
 

@@ -121,9 +121,11 @@ def _tiny(tiny_model_dir):
 
 
 def test_chunks_are_consecutive_from_the_start_with_bos_first(tiny_model_dir):
+    """One text (here KJV Genesis+Exodus, the calibration text before the default mix): llama-imatrix's
+    chunks, consecutive from its start. The default mix is sampled instead (tests/test_corpora.py)."""
     loaded, _ = _tiny(tiny_model_dir)
     tok = loaded.tokenizer
-    ids, prov = imatrix_ids(tok, ImatrixOptions(chunks=3, chunk_size=32))
+    ids, prov = imatrix_ids(tok, ImatrixOptions(source="kjv:Genesis,Exodus", chunks=3, chunk_size=32))
     from qkit.texts import load_calibration_text
 
     plain = tok(load_calibration_text(None).text, add_special_tokens=False)["input_ids"]
@@ -133,7 +135,7 @@ def test_chunks_are_consecutive_from_the_start_with_bos_first(tiny_model_dir):
     if bos is not None:
         want[:, 0] = bos
     assert torch.equal(ids, want)
-    assert prov["chunks"] == 3 and prov["chunk_size"] == 32 and prov["disjoint_from"]["name"] == "kjv-ruth"
+    assert prov["chunks"] == 3 and prov["chunk_size"] == 32 and prov["disjoint_from"]["name"] == "qkit-heldout-v1"
 
 
 def test_collection_equals_an_independent_sum_of_squares(tiny_model_dir):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Union
 
@@ -139,11 +139,15 @@ def model_inputs(model: PathLike | None, label: str = "the model") -> list[Input
     return found
 
 
-def file_inputs(label: str, value: str | None) -> list[Input]:
-    """An option naming a file or a dataset (``hf:...``): the file, if it is one."""
-    if value is None or str(value).startswith("hf:"):
+def file_inputs(label: str, value: str | Sequence[str] | None) -> list[Input]:
+    """An option naming a file or a dataset (``hf:...``, ``kjv:...``): the file, if it is one; an option naming
+    several (``--calibration a.txt,b.txt``, or repeated: ``texts.split_sources``), each, and the whole value
+    too (a file whose name holds a comma is one file to ``--corpus``)."""
+    if value is None:
         return []
-    return [(label, value)]
+    values = [str(value)] if isinstance(value, (str, os.PathLike)) else [str(v) for v in value]
+    entries = [e for v in values for e in dict.fromkeys([v, *v.split(",")])]
+    return [(label, e) for e in entries if e and not e.startswith(("hf:", "kjv:"))]
 
 
 # --------------------------------------------------------------------------- what qkit wrote

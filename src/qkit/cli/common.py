@@ -23,6 +23,7 @@ from qkit.lists import check_words, numbers, split_list  # noqa: F401 (check_wor
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
 from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
+from qkit.texts import joined_sources
 from qkit.threads import set_threads
 from qkit.version import __version__
 
@@ -89,16 +90,19 @@ ThreadsOpt = Annotated[
     ),
 ]
 
-# Calibration text of the calibrated methods (gptq, awq, smoothquant): shared by quantize and eval. The
-# defaults live in qkit.methods.calibration; a value not given is not passed, so each method's options
-# dataclass applies its own default.
+# Calibration text of the calibrated methods (gptq, awq, smoothquant), imatrix and plan: shared by quantize,
+# eval, imatrix and plan. The defaults live in qkit.methods.calibration and qkit.catalog; a value not given
+# is not passed, so each method's options dataclass applies its own default. Repeatable: a list, which
+# calibration_options and the options dataclasses join into one value (qkit.texts.joined_sources).
 CalibrationOpt = Annotated[
-    Optional[str],
+    Optional[list[str]],
     typer.Option(
         "--calibration",
-        help="Calibration text of a calibrated method: a UTF-8 file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (default: the "
-        "pinned KJV Genesis+Exodus; a text sharing any 12-word run with the eval text is refused).",
-        metavar="FILE|hf:DATASET",
+        help="Calibration text: a UTF-8 file, a directory (its files), several (comma-separated, or repeat the option), "
+        "kjv:BOOK[,BOOK...] or hf:DATASET[:CONFIG[:SPLIT]]; several are mixed (default: qkit's mix of prose, technical "
+        "prose, code, dialogue and other languages, docs/corpora.md; a text sharing any 12-word run with an eval text "
+        "is refused).",
+        metavar="TEXTS",
         show_default=False,
     ),
 ]
@@ -121,9 +125,11 @@ AlphaOpt = Annotated[
 NoClipOpt = Annotated[bool, typer.Option("--no-clip", help="awq: skip the clipping search (on by default, as in AutoAWQ).")]
 
 
-def calibration_options(calibration: str | None, samples: int | None, seqlen: int | None, **more) -> dict:
-    """The method options the user gave (None: not given, the method's default applies)."""
-    given = {"calibration": calibration, "calibration_samples": samples, "calibration_seqlen": seqlen, **more}
+def calibration_options(calibration: str | list[str] | None, samples: int | None, seqlen: int | None, **more) -> dict:
+    """The method options the user gave (None: not given, the method's default applies); a repeated
+    ``--calibration`` as one value (``texts.joined_sources``)."""
+    given = {"calibration": joined_sources(calibration), "calibration_samples": samples, "calibration_seqlen": seqlen,
+             **more}
     return {k: v for k, v in given.items() if v is not None}
 
 

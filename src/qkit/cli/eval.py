@@ -41,6 +41,7 @@ from qkit.cli.common import (
     start,
 )
 from qkit.evaluation import EvalOptions
+from qkit.evaluation.domains import worst
 from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
 from qkit.evaluation.specs import file_paths, plan_paths
@@ -53,8 +54,8 @@ from qkit.simulate.llm_int8 import LLMInt8Options
 SchemesOpt = Annotated[Optional[str], typer.Option("--schemes", help="Comma-separated schemes (default: all six), named rows, presets, plan:FORMAT@TARGET, or file:PATH.gguf (an existing GGUF file of the model, scored as it is).", metavar="LIST")]
 MethodsOpt = Annotated[Optional[str], typer.Option("--methods", help=f"Comma-separated methods, one row per method for each scheme: {', '.join(method_names())} (default: rtn); calibrated ones use --calibration.", metavar="LIST")]
 ReferenceOpt = Annotated[Optional[str], typer.Option("--reference", help="When MODEL is a qkit checkpoint: the model it was made from (default: the default model).")]
-CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="A UTF-8 text file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (books of the pinned King James Version, e.g. kjv:Luke) (default: the pinned Book of Ruth).")]
-TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score, at least 3 (a standard error needs 2 scored positions; the first token of each window is context only) [default: 2048].")]
+CorpusOpt = Annotated[Optional[str], typer.Option("--corpus", help="One text instead of the held-out domains: a UTF-8 text file, hf:DATASET[:CONFIG[:SPLIT]] or kjv:BOOK[,BOOK...] (books of the pinned King James Version, e.g. kjv:Luke) (default: four held-out domains, the Book of Ruth, the GPL-3 text, argparse.py and a play's dialogue, each scored on its own; docs/corpora.md).")]
+TokensOpt = Annotated[Optional[int], typer.Option("--tokens", help="Corpus tokens to score, split evenly across the default's domains, at least 3 per text (a standard error needs 2 scored positions; the first token of each window is context only) [default: 2048].")]
 WindowOpt = Annotated[Optional[int], typer.Option("--window", help="Window length in tokens [default: min(2048, the model's context)].")]
 AgreeTokensOpt = Annotated[Optional[int], typer.Option("--agree-tokens", help="Reference tokens per battery prompt for greedy agreement [default: 9].")]
 NoBatteryOpt = Annotated[bool, typer.Option("--no-battery", help="Skip the 16-question battery (its greedy answers cost about 0.6 of a forward pass per row; agreement is still measured): for a frontier read by KL and perplexity.")]
@@ -181,9 +182,45 @@ def _fmt_number(value: float, spec: str) -> str:
     return format(value, spec) if math.isfinite(value) else "-"
 
 
+def _corpus_cells(r, ref, scored: int) -> list[str]:
+    """The corpus columns of a row: perplexity, its change, KL and top-1 over one text; over an eval suite,
+    the worst domain's change, KL and top-1, each naming its domain (``evaluation.domains.worst``)."""
+    is_ref = r is ref
+    if not r.domains:
+        return [_fmt_estimate(r.perplexity, r.perplexity_se, scored),
+                "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
+                _fmt_number(r.kld, ".4f"),
+                _fmt_number(100 * r.top1_match, ".1f") + ("%" if math.isfinite(r.top1_match) else "")]
+    change, kl, top1 = (worst(r.domains, k) for k in ("perplexity_change_pct", "kld", "top1_match"))
+    return ["" if is_ref else f"{_fmt_change(change['perplexity_change_pct'], change['perplexity_change_se_pct'])} {change['name']}",
+            "" if is_ref else f"{_fmt_number(kl['kld'], '.4f')} {kl['name']}",
+            "" if is_ref else f"{_fmt_number(100 * top1['top1_match'], '.1f')}% {top1['name']}"]
+
+
+def render_domains(report) -> None:
+    """An eval suite's rows per domain: KL and the perplexity change with its paired SE (the reference's
+    perplexity ± SE in its row), each domain scored on its own positions."""
+    rows = [r for r in report.rows if r.domains]
+    if not rows:
+        return
+    names = [d["name"] for d in rows[0].domains]
+    table = []
+    for r in rows:
+        cells = [f"ppl {_fmt_estimate(d['perplexity'], d['perplexity_se'], d['scored_tokens'])}" if r is report.rows[0]
+                 else f"{_fmt_number(d['kld'], '.4f')} · {_fmt_change(d['perplexity_change_pct'], d['perplexity_change_se_pct'])}"
+                 for d in r.domains]
+        table.append([_literal(r.scheme), *cells])
+    scored = {d["name"]: d["scored_tokens"] for d in rows[0].domains}
+    console.table(["scheme", *names], table, title="per domain: KL (nats) · Δ ppl ± paired SE",
+                  caption=f"each domain scored on its own {', '.join(f'{n:,}' for n in dict.fromkeys(scored.values()))} "
+                          "positions; the reference's row: its perplexity ± SE.")
+
+
 def render_eval(report) -> None:
     ref = report.rows[0]
-    headers = ["scheme", "bits/w", "size", "perplexity", "Δ ppl", "KL (nats)", "top-1", "battery (95% CI)", "agreement"]
+    suite = bool(ref.domains)
+    headers = ["scheme", "bits/w", "size", *(("worst Δ ppl", "worst KL", "worst top-1") if suite else
+                                             ("perplexity", "Δ ppl", "KL (nats)", "top-1")), "battery (95% CI)", "agreement"]
     # Rows that simulate run-time quantization get one more column: bits/w stays a weight figure.
     simulated = any(r.act_bits is not None or r.kv_bits is not None for r in report.rows)
     if simulated:
@@ -202,10 +239,7 @@ def render_eval(report) -> None:
             _fmt_number(r.bits_per_weight, ".3f"),  # "-": a model with no block projection to count bits of
             *([_fmt_simulated_bits(r.act_bits, r.kv_bits)] if simulated else []),
             human_bytes(r.size_bytes),
-            _fmt_estimate(r.perplexity, r.perplexity_se, report.provenance["scored_tokens"]),
-            "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
-            _fmt_number(r.kld, ".4f"),
-            _fmt_number(100 * r.top1_match, ".1f") + ("%" if math.isfinite(r.top1_match) else ""),
+            *_corpus_cells(r, ref, report.provenance["scored_tokens"]),
             (f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)"
              if r.battery_total else "-"),
             f"{r.agreement}/{r.agreement_total}",
@@ -217,8 +251,11 @@ def render_eval(report) -> None:
         rows,
         title=f"qkit eval: {p['model']}",
         caption=(
-            f"perplexity ± SE over {p['scored_tokens']:,} scored tokens of {p['corpus']['name']} (window {p['window']}); "
-            "Δ ppl ± paired SE; KL(reference || row) and top-1 match on the same tokens; "
+            (f"worst of {len(ref.domains)} held-out domains ({p['corpus']['name']}: "
+             f"{', '.join(d['name'] for d in ref.domains)}), each row's own worst, {p['scored_tokens']:,} scored tokens "
+             f"in all (window {p['window']}); " if suite else
+             f"perplexity ± SE over {p['scored_tokens']:,} scored tokens of {p['corpus']['name']} (window {p['window']}); ")
+            + "Δ ppl ± paired SE; KL(reference || row) and top-1 match on the same tokens; "
             + (f"battery: {p['battery']['questions']} questions, greedy, repetition penalty {p['battery']['repetition_penalty']:g}; "
                if p["battery"]["questions"] else "battery: not run (--no-battery); ")
             + f"agreement: teacher-forced argmax vs the reference's greedy tokens. {p['seconds_total']:.0f} s."
@@ -227,6 +264,7 @@ def render_eval(report) -> None:
         ),
         styles=styles,
     )
+    render_domains(report)
     render_versus_torch(report)
     for line in report.notes:
         console.note(_literal(f"- {line}"))

@@ -28,6 +28,7 @@ from qkit.memory import parse_size
 from qkit.methods.imatrix import ImatrixOptions
 from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.outputs import check_output
+from qkit.texts import joined_sources
 from qkit.threads import check_threads
 
 _D = ImatrixOptions()
@@ -63,7 +64,7 @@ def imatrix(
         raise InputError("missing -o/--output: the importance matrix file to write (e.g. imatrix.gguf)")
     check_output(output, kind="file", force=force, inputs=run.inputs, describe="an importance matrix qkit wrote",
                  owned=is_qkit_imatrix)
-    options = ImatrixOptions(source=calibration, chunks=chunks, chunk_size=chunk_size, batch=batch,
+    options = ImatrixOptions(source=joined_sources(calibration), chunks=chunks, chunk_size=chunk_size, batch=batch,
                              process_output=process_output, dtype=dtype.lower())
     options.check()
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None

@@ -53,6 +53,7 @@ from qkit.plan.planner import (
     lossless_types,
 )
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
+from qkit.texts import joined_sources
 from qkit.threads import check_threads
 
 PlanOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="The plan to write (JSON): per tensor its type, exact bytes and predicted KL.", metavar="PLAN.json")]
@@ -118,7 +119,7 @@ def plan(
                                                 spaces=True) or (),
                           include=tuple(check_words(include, "--include", what="glob", where="e.g. '*.mlp.*'")),
                           exclude=tuple(check_words(exclude, "--exclude", what="glob", where="e.g. '*.layers.0.*'")),
-                          scale_dtype=scale_dtype, calibration=calibration,
+                          scale_dtype=scale_dtype, calibration=joined_sources(calibration),
                           samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows,
                           dtype=dtype.lower(),
                           max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None)

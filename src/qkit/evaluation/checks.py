@@ -36,7 +36,8 @@ def read_config(ref: ModelRef):
 def check_calibrations(specs: list[RowSpec], tokenizer, corpus, config=None,
                        simulation_options: Callable[[RowSpec], dict] | None = None) -> list[dict]:
     """Every calibrated row's calibration text (a calibrated method's, and a simulation's such as
-    ``act-int8-static``'s scales), read, checked disjoint from the eval ``corpus`` and sampled
+    ``act-int8-static``'s scales), read, checked disjoint from the eval ``corpus`` (one text, or the suite's
+    texts) and sampled
     (``qkit.methods.calibration.calibration_ids``) before the model is loaded, so an unreadable, overlapping
     or too short text, or windows beyond the model's context (``config``), is refused in one line before
     the reference row. ``simulation_options(spec)``: the options each row's simulations are built with. Returns

@@ -8,7 +8,7 @@ token ids, battery prompts) is what the eval then uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from qkit.evaluation.perplexity import check_corpus_tokens, choose_window
 from qkit.evaluation.specs import RowSpec, SimulationSettings
 from qkit.models import ModelRef, check_complete, load_tokenizer
 from qkit.plan import check_plan_matches, read_plan
-from qkit.texts import Corpus, load_corpus
+from qkit.catalog import eval_texts, model_text, suite_name
+from qkit.texts import Corpus, sha256_text
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,9 @@ class Inputs:
     """Everything read and checked before the reference model loads: the corpus and its token ids (int64
     ``[tokens]``), the reference's config (None: transformers cannot read it; ``load`` says why), the
     window (None until the config is known), the tokenizer, the calibration texts' provenance, the
-    battery's questions and their prompts (agreement's prompts too), and the settings they were read with."""
+    battery's questions and their prompts (agreement's prompts too), and the settings they were read with.
+    An eval suite (the default): ``texts`` its domains, ``corpus`` their summary (``suite_corpus``),
+    ``ids`` the domains' tokens one after another and ``segments`` each one's ``(name, tokens)``."""
 
     corpus: Corpus
     config: Any
@@ -82,6 +85,35 @@ class Inputs:
     questions: list[Question]
     prompts: list[str]
     settings: InputSettings
+    texts: list[Corpus] = field(default_factory=list)
+    segments: tuple[tuple[str, int], ...] = ()
+
+
+def suite_corpus(texts: list[Corpus]) -> Corpus:
+    """One text as it is; several (an eval suite) as one ``Corpus`` named after the suite, whose sha256 is of
+    the texts' names and sha256s, one per line (its text: theirs joined by blank lines, for a simulation)."""
+    if len(texts) == 1:
+        return texts[0]
+    text = "\n\n".join(t.text for t in texts)
+    return Corpus(suite_name(texts), text, sha256_text("".join(f"{t.name} {t.sha256}\n" for t in texts)),
+                  ", ".join(t.source for t in texts), "suite")
+
+
+def suite_ids(tok, texts: list[Corpus], tokens: int, window: int | None) -> tuple[torch.Tensor, tuple]:
+    """The scored token ids: one text's first ``tokens``; a suite's first ``tokens // len(texts)`` of each
+    domain, one after another, with each domain's ``(name, tokens)`` (windows never cross a domain). A
+    domain too short to score a standard error is refused, naming it."""
+    per = tokens // len(texts)
+    ids = [torch.tensor(tok(model_text(t, tok), add_special_tokens=False)["input_ids"][:per], dtype=torch.long)
+           for t in texts]
+    if window is not None:
+        for t, i in zip(texts, ids):
+            if len(texts) > 1 and int(i.numel()) < 3:
+                raise InputError(f"--tokens {tokens} gives {per} token(s) to each of the {len(texts)} domains of "
+                                 f"{suite_name(texts)}, too few for a standard error; pass --tokens {3 * len(texts)} or more")
+            check_corpus_tokens(t, int(i.numel()), window)
+    segments = tuple((t.name, int(i.numel())) for t, i in zip(texts, ids)) if len(texts) > 1 else ()
+    return torch.cat(ids), segments
 
 
 def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], settings: InputSettings) -> Inputs:
@@ -92,7 +124,8 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     enough corpus tokens, the calibration texts, the engines' ``--max-model-len`` against the window and
     the battery prompts."""
     ref, checkpoint = models.ref, models.checkpoint
-    corpus = load_corpus(settings.corpus)
+    texts = eval_texts(settings.corpus)  # the default suite's domains, or the one --corpus
+    corpus = suite_corpus(texts)
     config = read_config(ref)  # None: transformers cannot read it; ``load`` says why in one line
     window = choose_window(settings.window, settings.tokens, config) if config is not None else None
     check_complete(ref)  # the reference too, before the status line of the load (load() reuses the build)
@@ -107,17 +140,15 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     tok = load_tokenizer(ref.directory)
     if tok is None:
         raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
-    ids = torch.tensor(tok(corpus.text, add_special_tokens=False)["input_ids"][: settings.tokens], dtype=torch.long)
-    if window is not None:
-        check_corpus_tokens(corpus, int(ids.numel()), window)
-    calibrations = check_calibrations(specs, tok, corpus, config, settings.simulations.for_row)
+    ids, segments = suite_ids(tok, texts, settings.tokens, window)
+    calibrations = check_calibrations(specs, tok, texts, config, settings.simulations.for_row)
     questions = load_battery()
     prompts = build_prompts(tok, [q.question for q in questions])  # agreement's prompts too
     if window is not None:  # the engines' context: the window, the longest prompt and its new tokens
         lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         check_engine_lengths(engines, settings.engine, min(window, int(ids.numel())), lengths, settings.battery_tokens,
                              settings.agree_tokens)
-    return Inputs(corpus, config, window, tok, ids, calibrations, questions, prompts, settings)
+    return Inputs(corpus, config, window, tok, ids, calibrations, questions, prompts, settings, texts, segments)
 
 
-__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "pair_models"]
+__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "pair_models", "suite_corpus", "suite_ids"]

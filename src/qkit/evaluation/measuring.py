@@ -20,6 +20,7 @@ import torch
 from qkit.checkpoint import iter_quantized
 from qkit.evaluation.agreement import ReferenceContinuation
 from qkit.evaluation.battery import Question, is_correct
+from qkit.evaluation.domains import domain_rows
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec
@@ -37,7 +38,8 @@ class Reference:
     ``corpus``: the reference's log-probabilities over the corpus windows; ``ref_scores`` / ``ref_row``: its
     own scores and table row; ``battery``: the questions answered (empty with ``--no-battery``);
     ``prompts``: the battery prompts (agreement reads them either way); ``continuation``: the reference's
-    greedy tokens after each prompt; ``text``: the eval corpus (a simulation's context); ``model``: the
+    greedy tokens after each prompt; ``text``: the eval texts (a list: one, or the suite's; a simulation's
+    context, what its calibration is checked against); ``model``: the
     loaded reference model, into which the torch engine swaps each row's weights, released (None) before an
     engine that loads its own copy runs; ``device``: where it was loaded; ``started``: when its measuring
     began (``time.perf_counter()``)."""
@@ -124,7 +126,7 @@ def assemble_row(name: str, measured: Measured, battery: list[Question], against
         battery_answers=answers, battery_outputs=measured.outputs,
         mcnemar_only_reference=only_ref, mcnemar_only_row=only_row, mcnemar_p=p,
         agreement=k, agreement_total=n, agreement_ci95=wilson_interval(k, n),
-        seconds=seconds, **facts,
+        seconds=seconds, domains=domain_rows(scores, against.ref_scores if against is not None else None), **facts,
     )
 
 

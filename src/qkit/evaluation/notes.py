@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from qkit.evaluation.domains import worst
 from qkit.evaluation.report import Row
 
 COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the reference's has collapsed
@@ -53,6 +54,9 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
     for r in others:
         if r in collapsed:
             continue
+        if r.domains:  # an eval suite: stated per domain, the worst named
+            notes.append(domain_note(r))
+            continue
         if not (finite(r.perplexity_change_pct) and finite(r.perplexity_change_se_pct)):
             notes.append(f"{r.scheme}: perplexity change {r.perplexity_change_pct:+.2f}% has no standard error{on}; "
                          "it is neither a difference nor a match: score more tokens (--tokens).")
@@ -65,9 +69,13 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
             notes.append(f"{r.scheme}: perplexity {r.perplexity_change_pct:+.2f}% (±{2 * r.perplexity_change_se_pct:.2f}%, 2 paired SE) against the reference, a real difference on these tokens.")
     for runtime in dict.fromkeys(r.runtime for r in others):  # ranked within each runtime: like with like
         survivors = sorted((r for r in others if r.runtime == runtime and r not in collapsed and r.bits_per_weight < 6),
-                           key=lambda r: r.perplexity)
+                           key=lambda r: worst(r.domains, "kld")["kld"] if r.domains else r.perplexity)
         where = "" if runtime == "torch" else f" in {runtime}"
-        if len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
+        if len(survivors) > 1 and survivors[0].domains:
+            notes.append(f"rows below 6 bits per weight{where} from best to worst KL on their worst domain (bits/w): "
+                         + " < ".join(f"{r.scheme} ({worst(r.domains, 'kld')['kld']:.4f} {worst(r.domains, 'kld')['name']}, "
+                                      f"{r.bits_per_weight:.2f})" for r in survivors) + ".")
+        elif len(survivors) > 1 and all(r.bits_per_weight < 5 for r in survivors):
             notes.append(f"4-bit rows{where} from best to worst perplexity: "
                          + " < ".join(f"{r.scheme} ({r.perplexity:.2f})" for r in survivors) + ".")
         elif len(survivors) > 1:  # a mixed recipe (q4_k_m on 576-wide rows: mostly Q5_0) is not a 4-bit row: say its bits
@@ -105,6 +113,23 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
         notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
                      f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
     return notes
+
+
+def domain_note(r: Row) -> str:
+    """A row over an eval suite: its worst domain's KL, and on how many domains its perplexity change is
+    beyond two paired SE (each named with its change)."""
+    real = [d for d in r.domains if math.isfinite(d["perplexity_change_pct"]) and math.isfinite(d["perplexity_change_se_pct"])
+            and abs(d["perplexity_change_pct"]) > 2 * d["perplexity_change_se_pct"]]
+    unknown = [d["name"] for d in r.domains if not math.isfinite(d["perplexity_change_se_pct"])]
+    w = worst(r.domains, "kld")
+    text = (f"{r.scheme}: KL worst on {w['name']} ({w['kld']:.4f} ± {w['kld_se']:.4f}); perplexity change beyond two "
+            f"paired SE on {len(real)} of {len(r.domains)} domains")
+    if real:
+        text += " (" + ", ".join(f"{d['name']} {d['perplexity_change_pct']:+.1f}% ± {2 * d['perplexity_change_se_pct']:.1f}%"
+                                 for d in real) + ")"
+    if unknown:
+        text += f"; no standard error on {', '.join(unknown)}"
+    return text + "."
 
 
 def engine_notes(rows: list[Row]) -> list[str]:
@@ -154,4 +179,4 @@ def _min_discordant(alpha: float) -> int:
     return n
 
 
-__all__ = ["engine_notes", "interpret"]
+__all__ = ["domain_note", "engine_notes", "interpret"]

@@ -10,10 +10,13 @@ error far tighter than two independent ones:
   and perplexity differences (what gptq, awq, the importance matrix or the planner bought);
 - ``Row.versus_torch``: an engine's row against the torch row of the same spec (or the torch reference):
   engine minus torch, the perplexity change and, with the full distribution, the KL difference.
+
+Over an eval suite each also holds ``domains``: the same differences on each domain's positions.
 """
 
 from __future__ import annotations
 
+from qkit.evaluation.domains import paired_domains
 from qkit.evaluation.engines import TORCH
 from qkit.evaluation.measuring import REFERENCE
 from qkit.evaluation.perplexity import TokenScores
@@ -41,7 +44,7 @@ def pair_rows(rows: list[Row], specs: list[RowSpec], scores: dict[str, TokenScor
         against = row.spec.get("name") or REFERENCE
         if row.runtime != TORCH and row.refused is None and row.scheme in scores and against in scores:
             full = bool(row.engine.get("full_distribution", True))
-            row.versus_torch = {"against": against, **scores[row.scheme].paired(scores[against], kl=full)}
+            row.versus_torch = _paired(scores[row.scheme], scores[against], against, full)
 
 
 def compare_methods(rows: list[Row], specs: list[RowSpec], scores: dict[str, TokenScores]) -> None:
@@ -50,7 +53,14 @@ def compare_methods(rows: list[Row], specs: list[RowSpec], scores: dict[str, Tok
     for row in rows:
         base = bases.get(row.scheme)
         if row.runtime == TORCH and base in scores and row.scheme in scores:
-            row.versus = {"against": base, **scores[row.scheme].paired(scores[base])}
+            row.versus = _paired(scores[row.scheme], scores[base], base)
+
+
+def _paired(scores: TokenScores, other: TokenScores, against: str, kl: bool = True) -> dict:
+    """``scores`` minus ``other``: over every position, and per domain of an eval suite (``domains``)."""
+    out = {"against": against, **scores.paired(other, kl=kl)}
+    by_domain = paired_domains(scores, other, kl)
+    return {**out, "domains": by_domain} if by_domain else out
 
 
 __all__ = ["compare_methods", "method_base", "pair_rows"]

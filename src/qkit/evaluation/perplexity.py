@@ -44,6 +44,8 @@ class TokenScores:
     top1: torch.Tensor
     # False when some log-probability was NaN (an overflowed row): its argmax, hence its top-1, means nothing
     measurable: bool = True
+    # (name, positions) of each domain of an eval suite, in order (qkit.evaluation.domains); () for one text
+    domains: tuple[tuple[str, int], ...] = ()
 
     @property
     def n(self) -> int:
@@ -363,8 +365,14 @@ class CorpusReference:
     block (default ``chunk_positions(V)``). Memory beyond the model: one window's final hidden states
     and a few ``[chunk, V]`` float32 blocks, whatever the corpus length."""
 
-    def __init__(self, model, ids: torch.Tensor, window: int, chunk: int | None = None):
-        self.windows = split_windows(ids, window)
+    def __init__(self, model, ids: torch.Tensor, window: int, chunk: int | None = None,
+                 segments: tuple[tuple[str, int], ...] = ()):
+        # segments: (name, tokens) of each domain, in order: windows never cross one (one text: ())
+        starts = torch.tensor([0, *(n for _, n in segments)]).cumsum(0).tolist()
+        parts = [ids[a:b] for a, b in zip(starts, starts[1:])] if segments else [ids]
+        per = [split_windows(part, window) for part in parts]
+        self.windows = [w for ws in per for w in ws]
+        self.domains = tuple((name, sum(int(w.numel()) - 1 for w in ws)) for (name, _), ws in zip(segments, per))
         if self.scored_tokens < MIN_SCORED:  # the runner refuses this before loading; a library caller here
             raise InputError(f"the corpus scores {self.scored_tokens} position(s) in windows of {window} tokens; a "
                              f"standard error needs {MIN_SCORED}: pass a longer text")
@@ -418,7 +426,7 @@ class CorpusReference:
     def own_scores(self) -> TokenScores:
         """The reference's own scores, from the stored NLLs (no second forward pass)."""
         nll = torch.cat(self.ref_nll)
-        return TokenScores(nll, torch.zeros_like(nll), torch.ones(nll.numel(), dtype=torch.bool))
+        return TokenScores(nll, torch.zeros_like(nll), torch.ones(nll.numel(), dtype=torch.bool), domains=self.domains)
 
     def score(self, model, chunk: int | None = None) -> TokenScores:
         """Score ``model`` on the same windows against the stored reference: one forward pass per window
@@ -447,7 +455,7 @@ class CorpusReference:
                     kl.append(_kl_rows(ref, lp, diff[:m], ref).double())  # exp(p) over p: read already
                 del lp  # freed before the next chunk's logits
             del win
-        return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1), measurable)
+        return TokenScores(torch.cat(nll), torch.cat(kl).clamp_(min=0.0), torch.cat(top1), measurable, self.domains)
 
     def share(self, path) -> None:
         """The log-probabilities copied to the named file ``path``, read from there from now on: this

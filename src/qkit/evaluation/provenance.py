@@ -31,6 +31,9 @@ def provenance(rows: list[Row], reference: Reference, inputs: Inputs, models: Mo
         "model_source": models.ref.provenance,
         "checkpoint": str(models.checkpoint.directory) if models.checkpoint else None,
         "corpus": inputs.corpus.provenance(),
+        # an eval suite's domains: each text, its tokens and its scored positions (one text: [])
+        "domains": [{**t.provenance(), "tokens": n, "scored_tokens": scored}
+                    for t, (_, n), (_, scored) in zip(inputs.texts, inputs.segments, corpus.domains)],
         "calibration": inputs.calibrations,
         "tokenizer": getattr(tok, "name_or_path", None) or type(tok).__name__,
         "tokenizer_class": type(tok).__name__,

@@ -58,6 +58,10 @@ class Row:
     # seconds of ``seconds`` spent writing the row's weights (quantize_model, or the engine's file): the
     # rest is measuring. None for a row that writes nothing (the torch reference, a saved checkpoint).
     build_seconds: float | None = None
+    # an eval suite's domains (qkit.evaluation.domains.domain_rows): each one's perplexity, change against the
+    # reference with its paired SE, KL and top-1, as if it were the only text; [] for one text. The row's own
+    # corpus numbers above pool every domain's positions; the table's headline is the worst domain.
+    domains: list = field(default_factory=list)
 
 
 @dataclass

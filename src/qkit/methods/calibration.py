@@ -1,14 +1,19 @@
-"""Calibration tokens for calibrated methods (GPTQ, AWQ, SmoothQuant): pinned, disjoint from the eval text.
+"""Calibration tokens for calibrated methods (GPTQ, AWQ, SmoothQuant): pinned, disjoint from the eval texts.
 
-Layer 5 (``methods``). The texts themselves, pinned and checked for overlap with the eval text, are
-data below every layer that uses them: ``qkit.texts`` (the default is KJV Genesis+Exodus; Ruth, the
-evaluation text, is never in it, and ``texts.check_disjoint`` refuses any calibration text that shares
-a run of ``texts.SHINGLE_WORDS`` words with it). This module chooses the tokens.
+Layer 5 (``methods``). The texts themselves, pinned and checked for overlap with the eval texts, are
+data below every layer that uses them: ``qkit.catalog`` (the default is ``DEFAULT_MIX``, ten registered
+corpora of seven domains; ``catalog.check_calibration`` refuses any part that shares a run of
+``texts.SHINGLE_WORDS`` words with an eval text). This module chooses the tokens.
 
-Sampling. The text is tokenized once (no special tokens), cut into ``floor(tokens / seqlen)``
-non-overlapping windows of ``seqlen`` tokens, and ``samples`` of them are chosen by a ``torch.randperm``
-seeded with ``seed`` (then kept in text order), so the same options give the same ids everywhere.
-A text with fewer than ``samples`` windows is refused with the number that fits.
+Sampling. Each part of the calibration set is given to the model as it would be (``catalog.model_text``:
+dialogue in the chat template), tokenized once (no special tokens) and cut into ``floor(tokens / seqlen)``
+non-overlapping windows of ``seqlen`` tokens. The ``samples`` windows are shared out among the parts by
+their weights, largest remainder first (``allocate``; a part without a weight, such as one of several
+files, weighs the windows it holds), and each part's are chosen by a ``torch.randperm`` of its windows
+from one generator seeded with ``seed``, drawn part by part (then kept in text order; the parts in
+order), so the same options give the same ids everywhere. A single text is one part: the windows are
+``torch.randperm(fits)[:samples]``, as they always were. A part with fewer windows than its share is
+refused with the number of samples that fits.
 
     calibration_ids(tokenizer, CalibrationOptions()) -> (ids LongTensor [samples, seqlen], provenance dict)
 """
@@ -24,8 +29,9 @@ from typing import Any
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
+from qkit.catalog import CalibrationSet, calibration_set, check_calibration, disjoint_record, eval_texts, model_text
 from qkit.errors import InputError
-from qkit.texts import Corpus, check_disjoint, load_calibration_text, load_corpus
+from qkit.texts import Corpus, joined_sources
 
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
 # was measured with in issue 9; on the 2-core reference machine it keeps GPTQ on the default model near
@@ -37,13 +43,19 @@ DEFAULT_SEED = 0
 
 @dataclass(frozen=True)
 class CalibrationOptions:
-    """Which calibration tokens: ``source`` None (the pinned default), a UTF-8 file path, or
-    ``hf:DATASET[:CONFIG[:SPLIT]]``; ``samples`` windows of ``seqlen`` tokens chosen with ``seed``."""
+    """Which calibration tokens: ``source`` None (the default mix, ``catalog.DEFAULT_MIX``), a UTF-8 file, a
+    directory or several files (comma-separated, or the values of a repeated ``--calibration``), ``kjv:``
+    or ``hf:DATASET[:CONFIG[:SPLIT]]`` (``catalog.calibration_set``); ``samples`` windows of ``seqlen``
+    tokens chosen with ``seed``."""
 
     source: str | None = None
     samples: int = DEFAULT_SAMPLES
     seqlen: int | None = None  # None: DEFAULT_SEQLEN, or the model's context where that is shorter (fit_seqlen)
     seed: int = DEFAULT_SEED
+
+    def __post_init__(self) -> None:
+        # a repeated --calibration's list of values, as one hashable value (texts.joined_sources)
+        object.__setattr__(self, "source", joined_sources(self.source))
 
     @property
     def window(self) -> int:
@@ -142,35 +154,113 @@ def sample_windows(ids: torch.Tensor, samples: int, seqlen: int, seed: int, name
     return ids[: fits * seqlen].view(fits, seqlen)[chosen].clone()
 
 
+def allocate(samples: int, weights: list[int]) -> list[int]:
+    """``samples`` shared out in proportion to ``weights`` (largest remainder; ties to the earlier part):
+    ``sum == samples``, each share ``floor`` or ``ceil`` of ``samples * w / sum(weights)``."""
+    total = sum(weights)
+    exact = [samples * w / total for w in weights]
+    shares = [int(x) for x in exact]
+    order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - shares[i]), i))
+    for i in order[: samples - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def sample_parts(parts: list[torch.Tensor], weights: list[int | None], samples: int, seqlen: int, seed: int,
+                 names: list[str], flags: tuple[str, str] = ("--calibration-samples", "--calibration-seqlen"),
+                 ) -> tuple[torch.Tensor, list[int]]:
+    """``samples`` windows of ``seqlen`` tokens from several parts (1-D token ids each): ``[samples, seqlen]``
+    and each part's share. Weights None: each part weighs the windows it holds (as if the parts were one
+    text). One generator seeded with ``seed`` draws each part's ``randperm`` in turn. ``flags``: the options
+    a refusal names (imatrix's are ``--chunks`` and ``--chunk-size``)."""
+    fits = [int(ids.numel()) // seqlen for ids in parts]
+    if len(parts) == 1:
+        return sample_windows(parts[0], samples, seqlen, seed, names[0]), [samples]
+    if sum(fits) < samples:
+        raise InputError(f"the calibration texts ({', '.join(names)}) hold {sum(fits)} windows of {seqlen} tokens, "
+                         f"{samples} asked; pass {flags[0]} {sum(fits)} or less, or a smaller {flags[1]}")
+    shares = allocate(samples, [f if w is None else w for f, w in zip(fits, weights)])
+    short = [(n, f, s) for n, f, s in zip(names, fits, shares) if s > f]
+    if short:
+        name, fit, share = short[0]
+        most = min(f * samples // s for _, f, s in short)  # the largest count whose shares all fit, about
+        raise InputError(f"calibration part {name} holds {fit} windows of {seqlen} tokens, {share} of the {samples} "
+                         f"samples asked are its share; pass {flags[0]} {most} or less, or a smaller {flags[1]}")
+    g = torch.Generator().manual_seed(seed)
+    chosen = []
+    for ids, fit, share in zip(parts, fits, shares):
+        pick = torch.randperm(fit, generator=g)[:share].sort().values
+        chosen.append(ids[: fit * seqlen].view(fit, seqlen)[pick])
+    return torch.cat(chosen).clone(), shares
+
+
+_TOKENIZED: dict[tuple, torch.Tensor] = {}  # the last few parts tokenized: the default mix is ~1M tokens
+_TOKENIZED_KEPT = 32
+
+
+def part_ids(tokenizer: Any, calibration: CalibrationSet) -> list[torch.Tensor]:
+    """Each part as the model is given it (``catalog.model_text``), tokenized without special tokens: 1-D int64.
+    Kept for the process by tokenizer (class, path, size, chat template) and text (sha256): the default mix
+    takes seconds to tokenize, and a plan, an eval or a test suite asks for it more than once."""
+    out = []
+    for p in calibration.parts:
+        path = getattr(tokenizer, "name_or_path", None)
+        key = (type(tokenizer).__name__, str(path), getattr(tokenizer, "vocab_size", None),
+               str(getattr(tokenizer, "chat_template", None)), p.corpus.sha256, bool(p.corpus.conversations))
+        if not path:  # not a tokenizer read from files (a stand-in): not kept
+            out.append(torch.tensor(tokenizer(model_text(p.corpus, tokenizer), add_special_tokens=False)["input_ids"],
+                                    dtype=torch.long))
+            continue
+        if key not in _TOKENIZED:
+            while len(_TOKENIZED) >= _TOKENIZED_KEPT:
+                del _TOKENIZED[next(iter(_TOKENIZED))]
+            ids = tokenizer(model_text(p.corpus, tokenizer), add_special_tokens=False)["input_ids"]
+            _TOKENIZED[key] = torch.tensor(ids, dtype=torch.long)
+        out.append(_TOKENIZED[key])
+    return out
+
+
+def checked_set(source: str | None, evaluation: Corpus | list[Corpus] | None) -> tuple[CalibrationSet, list[Corpus]]:
+    """The calibration set ``source`` names, checked disjoint from ``evaluation`` (default: every text of
+    the default eval suite, ``catalog.eval_texts``): refused in one line where a part overlaps one."""
+    calibration = calibration_set(source)
+    texts = eval_texts(None) if evaluation is None else [evaluation] if isinstance(evaluation, Corpus) else list(evaluation)
+    check_calibration(calibration, texts)
+    return calibration, texts
+
+
+def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares: list[int], texts: list[Corpus]) -> dict:
+    """The set's name, source, sha256 and tokens, each part's (name, domain, sha256, tokens, windows chosen)
+    where there are several, and the eval texts it was checked against (``disjoint_from``)."""
+    out = {"name": calibration.name, "source": calibration.source, "sha256": calibration.sha256,
+           "tokens": int(sum(int(t.numel()) for t in ids)), "disjoint_from": disjoint_record(texts)}
+    if len(calibration.parts) > 1:
+        out["parts"] = [{"name": p.corpus.name, "domain": p.corpus.domain, "sha256": p.corpus.sha256,
+                         "tokens": int(t.numel()), "windows": k} for p, t, k in zip(calibration.parts, ids, shares)]
+    return out
+
+
 def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOptions(),
-                    evaluation: Corpus | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                    evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The calibration token ids ``LongTensor [samples, seqlen]`` and their provenance.
 
-    ``evaluation``: the text the model will be evaluated on (default: qkit eval's pinned text, Ruth);
-    a calibration text that overlaps it is refused. Provenance (for the manifest): ``name``, ``source``,
-    ``sha256`` (of the whole text), ``tokens`` (of the whole text), ``samples``, ``seqlen``, ``seed``,
-    ``ids_sha256`` (of the chosen ids as little-endian int64 bytes), ``disjoint_from`` (the eval text's
-    name and sha256).
+    ``evaluation``: the text(s) the model will be evaluated on (default: every domain of qkit eval's suite);
+    a calibration part that overlaps one is refused. Provenance (for the manifest): ``name``, ``source``,
+    ``sha256`` (of the whole text; of the parts' for a mix), ``tokens`` (of the whole text), ``parts`` (a
+    mix's), ``samples``, ``seqlen``, ``seed``, ``ids_sha256`` (of the chosen ids as little-endian int64
+    bytes), ``disjoint_from`` (the eval texts' names and sha256).
     """
     options.check()
-    text = load_calibration_text(options.source)
-    evaluation = evaluation or load_corpus(None)
-    check_disjoint(text, evaluation)
+    calibration, texts = checked_set(options.source, evaluation)
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; calibrated methods need one (tokenizer.json or similar)")
-    ids = torch.tensor(tokenizer(text.text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    chosen = sample_windows(ids, options.samples, options.window, options.seed, f"calibration text {text.name}")
-    provenance = {
-        "name": text.name,
-        "source": text.source,
-        "sha256": text.sha256,
-        "tokens": int(ids.numel()),
-        "samples": options.samples,
-        "seqlen": options.window,
-        "seed": options.seed,
-        "ids_sha256": hashlib.sha256(chosen.numpy().astype("<i8").tobytes()).hexdigest(),
-        "disjoint_from": {"name": evaluation.name, "sha256": evaluation.sha256},
-    }
+    ids = part_ids(tokenizer, calibration)
+    names = [f"calibration text {p.corpus.name}" if len(ids) == 1 else p.corpus.name for p in calibration.parts]
+    chosen, shares = sample_parts(ids, [p.weight for p in calibration.parts], options.samples, options.window,
+                                  options.seed, names)
+    provenance = {**set_provenance(calibration, ids, shares, texts), "samples": options.samples,
+                  "seqlen": options.window, "seed": options.seed,
+                  "ids_sha256": hashlib.sha256(chosen.numpy().astype("<i8").tobytes()).hexdigest()}
     return chosen, provenance
 
 
@@ -179,9 +269,14 @@ __all__ = [
     "DEFAULT_SEED",
     "DEFAULT_SEQLEN",
     "CalibrationOptions",
+    "allocate",
     "calibration_ids",
+    "checked_set",
     "check_fits",
     "fit_seqlen",
     "model_context",
+    "part_ids",
+    "sample_parts",
     "sample_windows",
+    "set_provenance",
 ]

@@ -77,7 +77,8 @@ def engine_scores(scores: EngineScores, corpus: CorpusReference, runtime: str) -
             kl.append(torch.full((w.numel() - 1,), math.nan, dtype=torch.float64))
     nll_all = torch.cat(nll)
     # a NaN log-probability: the engine's argmax (its top-1) means nothing for this row
-    return TokenScores(nll_all, torch.cat(kl), torch.cat(top1), measurable=not bool(torch.isnan(nll_all).any()))
+    return TokenScores(nll_all, torch.cat(kl), torch.cat(top1), measurable=not bool(torch.isnan(nll_all).any()),
+                       domains=corpus.domains)
 
 
 def agreement_of(scores: EngineScores, continuation: ReferenceContinuation, runtime: str) -> torch.Tensor:

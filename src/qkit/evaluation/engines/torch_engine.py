@@ -140,11 +140,11 @@ def measure_reference(model, ref: ModelRef, inputs, answering, say: Callable[[st
     if inputs.window is None:  # only when the config could not be read before but transformers loaded it anyway
         inputs.window = choose_window(settings.window, settings.tokens, model.config)
         check_corpus_tokens(inputs.corpus, int(inputs.ids.numel()), inputs.window)
-    if inputs.ids.numel() < settings.tokens:
+    if not inputs.segments and inputs.ids.numel() < settings.tokens:
         say(f"note: the corpus has only {inputs.ids.numel()} tokens; using all of them")
     t0 = time.perf_counter()
-    say("reference: perplexity")
-    corpus = CorpusReference(model, inputs.ids, inputs.window)
+    say("reference: perplexity" + (f" on {len(inputs.segments)} domains" if inputs.segments else ""))
+    corpus = CorpusReference(model, inputs.ids, inputs.window, segments=inputs.segments)
     rp = model_repetition_penalty(model) if answering.repetition_penalty else 1.0
     say("reference: greedy continuations for agreement")
     tok, prompts = inputs.tokenizer, inputs.prompts
@@ -153,7 +153,8 @@ def measure_reference(model, ref: ModelRef, inputs, answering, say: Callable[[st
     continuation = reference_continuation(model, tok, prompts, answering.agree_tokens, prompt_cache=cache)
     battery = inputs.questions if answering.battery else []  # the questions answered (--no-battery: none)
     reference = Reference(ref, tok, corpus, corpus.own_scores(), None, battery, prompts, continuation, rp,
-                          answering.battery_tokens, inputs.corpus, model, str(next(model.parameters()).device), t0)
+                          answering.battery_tokens, inputs.texts or [inputs.corpus], model,
+                          str(next(model.parameters()).device), t0)
     outputs, agree = answer(model, reference, cache, REFERENCE, say)
     targets = [n for n, s in tensor_shapes(ref.directory) if is_block_projection(n, s)]
     bits = 8 * model.get_parameter(targets[0]).element_size() if targets else float("nan")

@@ -7,10 +7,14 @@ column ``j``, and the number of tokens. Tied heads are ``token_embd.weight`` in 
 never collects. Batches under 16 tokens are skipped (llama.cpp's ``src1->ne[1] < 16``); with
 ``chunk_size >= 16`` there are none.
 
-The tokens (``compute_imatrix``): the text tokenized once (with llama.cpp's ``add_special``: a BOS
-first when the tokenizer adds one), cut into consecutive chunks of ``chunk_size`` tokens from the start
-(not sampled: llama-imatrix takes the first ``--chunks``), the first token of every chunk replaced by
-BOS when the model adds one. A text shorter than two chunks is refused, as llama-imatrix refuses it.
+The tokens (``compute_imatrix``): one text (a file, ``kjv:``, ``hf:``) is tokenized once (with
+llama.cpp's ``add_special``: a BOS first when the tokenizer adds one) and cut into consecutive chunks of
+``chunk_size`` tokens from the start (not sampled: llama-imatrix takes the first ``--chunks``). The
+default calibration mix (``qkit.catalog.DEFAULT_MIX``) and several texts are sampled instead, as the
+calibrated methods sample them (``qkit.methods.calibration.sample_parts``, seed 0: ``--chunks`` windows
+of ``--chunk-size`` tokens shared out among the parts by their weights), since the first chunks of a mix
+would be its first part. Either way the first token of every chunk is replaced by BOS when the model
+adds one. A text shorter than two chunks is refused, as llama-imatrix refuses it.
 
 The statistics are accumulated in float64 and stored as float32 (llama.cpp adds fp32 squares one token
 at a time); the difference against llama-imatrix on the same tokens is measured in
@@ -31,19 +35,28 @@ from qkit.bounds import MAX_COUNT, whole
 from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype, non_finite_activations
 from qkit.errors import InputError
-from qkit.methods.calibration import DEFAULT_SAMPLES, DEFAULT_SEQLEN
+from qkit.methods.calibration import (
+    DEFAULT_SAMPLES,
+    DEFAULT_SEED,
+    DEFAULT_SEQLEN,
+    checked_set,
+    part_ids,
+    sample_parts,
+    set_provenance,
+)
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
 from qkit.methods.imatrix.names import gguf_names, refuse_unsupported
 from qkit.methods.memory import BASELINE, RETENTION, Model, Need, check_need
 from qkit.methods.sequential import find_blocks
-from qkit.texts import Corpus, check_disjoint, load_calibration_text, load_corpus
+from qkit.texts import Corpus
 
 MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens)?"
 
 
 @dataclass(frozen=True)
 class ImatrixOptions:
-    """``source``: the calibration text (None: the pinned default; a UTF-8 file; ``hf:...``); ``chunks``
+    """``source``: the calibration text (None: the default mix; a UTF-8 file, a directory or several files;
+    ``kjv:``, ``hf:...``: ``qkit.catalog.calibration_set``); ``chunks``
     of ``chunk_size`` tokens (llama-imatrix's ``--chunks`` and ``-c``); ``batch`` chunks per forward pass;
     ``process_output``: also collect the untied ``output.weight`` (llama-imatrix's ``--process-output``);
     ``dtype``: what the model runs in (``--dtype``: fp32, bf16, fp16; the sums are accumulated in fp32)."""
@@ -64,36 +77,39 @@ class ImatrixOptions:
             whole(v, name, low, MAX_COUNT)  # the upper bound: a 309-digit count overflowed the memory estimate
 
 
-def imatrix_ids(tokenizer: Any, options: ImatrixOptions, evaluation: Corpus | None = None) -> tuple[torch.Tensor, dict]:
-    """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate, and their provenance."""
+def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
+                evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict]:
+    """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate (one text), or the mix's
+    sampled windows (several: see the module docstring), and their provenance."""
     options.check()
-    text = load_calibration_text(options.source)
-    evaluation = evaluation or load_corpus(None)
-    check_disjoint(text, evaluation)  # a calibration text never contains the eval text
+    calibration, texts = checked_set(options.source, evaluation)  # a calibration text never contains an eval text
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; qkit imatrix needs one (tokenizer.json or similar)")
-    ids = tokenizer(text.text, add_special_tokens=False)["input_ids"]
     bos = _bos(tokenizer)
-    if bos is not None:
-        ids = [bos, *ids]
-    ids_t = torch.tensor(ids, dtype=torch.long)
     n = options.chunk_size
-    if ids_t.numel() < 2 * n:
-        raise InputError(f"calibration text {text.name} has {ids_t.numel()} tokens, fewer than two chunks of {n} "
-                         "(llama-imatrix refuses it too); pass a smaller --chunk-size")
-    fits = ids_t.numel() // n
-    if options.chunks > fits:
-        raise InputError(f"calibration text {text.name} holds {fits} chunks of {n} tokens, not {options.chunks}; "
-                         f"pass --chunks {fits} or less")
-    chunks = ids_t[: options.chunks * n].view(options.chunks, n).clone()
+    parts = part_ids(tokenizer, calibration)
+    if len(parts) == 1:
+        ids_t = torch.cat([torch.tensor([bos]), parts[0]]) if bos is not None else parts[0]
+        name = calibration.name
+        if ids_t.numel() < 2 * n:
+            raise InputError(f"calibration text {name} has {ids_t.numel()} tokens, fewer than two chunks of {n} "
+                             "(llama-imatrix refuses it too); pass a smaller --chunk-size")
+        fits = ids_t.numel() // n
+        if options.chunks > fits:
+            raise InputError(f"calibration text {name} holds {fits} chunks of {n} tokens, not {options.chunks}; "
+                             f"pass --chunks {fits} or less")
+        chunks, shares = ids_t[: options.chunks * n].view(options.chunks, n).clone(), [options.chunks]
+    else:
+        chunks, shares = sample_parts(parts, [p.weight for p in calibration.parts], options.chunks, n, DEFAULT_SEED,
+                                      [p.corpus.name for p in calibration.parts], ("--chunks", "--chunk-size"))
     if bos is not None:
         chunks[:, 0] = bos
     provenance = {
-        "name": text.name, "source": text.source, "sha256": text.sha256, "tokens": int(ids_t.numel()),
-        "chunks": options.chunks, "chunk_size": n, "bos": bos,
+        **set_provenance(calibration, parts, shares, texts), "chunks": options.chunks, "chunk_size": n, "bos": bos,
         "ids_sha256": hashlib.sha256(chunks.numpy().astype("<i8").tobytes()).hexdigest(),
-        "disjoint_from": {"name": evaluation.name, "sha256": evaluation.sha256},
     }
+    if len(parts) == 1:
+        provenance["tokens"] = int(ids_t.numel())  # with the BOS, as llama-imatrix counts them
     return chunks, provenance
 
 
