@@ -23,7 +23,7 @@ from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError, OutputExistsError, QkitError
 from qkit.export import gguf as gg
 from qkit.export.verify import verify_checkpoint
-from qkit.schemes import get_scheme, quantize_tensor, register, scheme_names
+from qkit.schemes import Recipe, get_scheme, quantize_tensor, register, scheme_names
 
 T = gguf.GGMLQuantizationType
 PROMPT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
@@ -174,6 +174,7 @@ def test_gguf_package_dequantizes_bit_identically(tiny_model_dir, exports, schem
     assert set(stored) == {v for v in names.values() if v}
     config = json.loads((tiny_model_dir / "config.json").read_text())
     quantized = 0
+    whole = isinstance(get_scheme(scheme), Recipe)  # a recipe's file quantizes the (tied) embedding too, as llama.cpp's
     for name, w in src.items():
         t = stored[names[name]]
         assert [int(d) for d in t.shape] == list(reversed(w.shape))  # GGUF lists ne0 (columns) first
@@ -181,14 +182,14 @@ def test_gguf_package_dequantizes_bit_identically(tiny_model_dir, exports, schem
         heads = gg.permutation_heads("llama", config, name)
         if heads:
             back = back[gg.inverse_permutation(w.shape[0], heads)]
-        if name.endswith(".weight") and ".layers." in name and "norm" not in name:
+        if (name.endswith(".weight") and ".layers." in name and "norm" not in name) or (whole and "embed" in name):
             qt = quantize_tensor(w, get_scheme(scheme).bind(config), name=name)  # a recipe needs the layer count
             assert t.tensor_type == T(int(qt.scheme.ggml_type)), name
             assert torch.equal(back, qt.dequantize(torch.float32)), name
             quantized += 1
         else:
-            assert t.tensor_type == T.F32 and torch.equal(back, w), name  # embeddings and norms stay F32
-    assert quantized == 14
+            assert t.tensor_type == T.F32 and torch.equal(back, w), name  # other embeddings and norms stay F32
+    assert quantized == 14 + whole
 
 
 @pytest.mark.parametrize("scheme", GGML)
@@ -197,8 +198,9 @@ def test_transformers_loads_gguf_with_qkits_weights_and_logits(tiny_model_dir, e
     path = exports[scheme]
     src = _source(tiny_model_dir)
     s = get_scheme(scheme).bind(json.loads((tiny_model_dir / "config.json").read_text()))
+    whole = isinstance(s, Recipe)  # a recipe's file quantizes the (tied) embedding too
     quantized = {n: quantize_tensor(w, s, name=n).dequantize(torch.float32)
-                 for n, w in src.items() if ".layers." in n and n.endswith("proj.weight")}
+                 for n, w in src.items() if (".layers." in n and n.endswith("proj.weight")) or (whole and "embed" in n)}
     ours = _qkit_model(tiny_model_dir, quantized)
     theirs = _transformers_gguf(path)
     for n, w in quantized.items():

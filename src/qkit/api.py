@@ -11,7 +11,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_choice, llama_names_of, request
-from qkit.checkpoint import ShardWriter, checkpoint_bytes, iter_tensors, tensor_dtypes, tensor_shapes, write_json
+from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
 from qkit.executors import SERIAL, ExecutorOptions
@@ -41,7 +41,7 @@ from qkit.methods.imatrix import (
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.file import is_qkit_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod, matrix_for
-from qkit.models import ModelRef, copy_aux_files, load_tokenizer, parse_device, read_config, resolve_clear_of
+from qkit.models import ModelRef, load_tokenizer, parse_device, read_config, resolve_clear_of
 from qkit.models import load as _load
 from qkit.outputs import check_apart, claim_output, file_inputs, model_inputs, scoped
 from qkit.outputs import check_output as check_output_path
@@ -58,73 +58,17 @@ from qkit.plan import (
 )
 from qkit.plan.planfile import plan_llama_types
 from qkit.plan import check as check_plan
-from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
-from qkit.schemes.fidelity import check_written
+from qkit.schemes import get_scheme
 from qkit.schemes.ggml import GGMLScheme
 from qkit.staging import staged
 from qkit.transform import shapes_fingerprint
 from qkit.version import __version__
+from qkit.writing import Progress, QuantizeProgress, QuantizeResult, block_progress, report, write_checkpoint
+
+__all__ = ["ImatrixOptions", "ImatrixResult", "PlanResult", "QuantizeOptions", "QuantizeProgress", "QuantizeResult",
+           "block_progress", "imatrix_model", "load", "plan_model", "quantize_model", "resolve_clear_of"]
 
 load = _load
-
-
-@dataclass
-class QuantizeResult:
-    """What ``quantize_model`` did. ``quantized`` holds the tensors when ``collect=True``."""
-
-    output: Path | None
-    model: str
-    scheme: str
-    matrices: int
-    parameters: int  # weights quantized
-    bits_per_weight: float  # of the quantized matrices, scales included
-    bytes_before: int
-    bytes_after: int
-    seconds: float
-    schemes_used: dict[str, int] = field(default_factory=dict)
-    quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
-    format: str = QKIT  # or an export format (qkit.export.FORMATS)
-    method: str = RTN
-    # full-precision tensors a method changed (folded scales); with ``collect=True``, for the eval swap
-    replaced: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    method_record: dict = field(default_factory=dict)
-    types: dict[str, str] = field(default_factory=dict)  # tensor -> the stored type it got (recipes, fallbacks)
-    llama_types: dict[str, str] = field(default_factory=dict)  # llama.cpp name -> ggml type, for llama.cpp types
-    imatrix: dict | None = None  # the importance matrix used (file, sha256, chunks), when one was
-    plan: dict | None = None  # the plan written (Plan.record), when one was
-    notes: list[str] = field(default_factory=list)  # what a user should know of the inputs (shown, never silent)
-
-    def to_dict(self) -> dict:
-        """Every field but the tensors (``quantized``, ``replaced``) and ``llama_types``, as JSON values."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("quantized", "replaced", "llama_types")}
-        return {**out, "output": str(self.output) if self.output else None, "notes": list(self.notes),
-                "schemes_used": dict(sorted(self.schemes_used.items())), "types": dict(sorted(self.types.items()))}
-
-
-@dataclass(frozen=True)
-class QuantizeProgress:
-    """One step of ``quantize_model``: ``stage`` ``"calibrating"`` (a method finished block ``done`` of
-    ``total``) or ``"quantizing"`` (``done == 0``: ``total`` tensors are about to be written; then tensor
-    ``name`` was written, ``done`` of ``total``)."""
-
-    stage: str
-    done: int
-    total: int
-    name: str | None = None
-
-
-Progress = Callable[[QuantizeProgress], None]
-
-
-def block_progress(on_block: Callable[[int, int], None]) -> Progress:
-    """A ``progress`` that passes only a calibrated method's blocks on, as ``on_block(done, total)``."""
-
-    def forward(step: QuantizeProgress) -> None:
-        if step.stage == "calibrating":
-            on_block(step.done, step.total)
-
-    return forward
 
 
 @scoped  # the outputs it claims are released when it returns or raises
@@ -205,7 +149,7 @@ def quantize_model(
                             method_record=choice.manifest.get("method", {}), imatrix=choice.manifest.get("imatrix"),
                             plan=choice.manifest.get("plan"), notes=list(choice.notes))
     with atomic_output(export, out, opts.force, inputs) as tmp:
-        _write(tmp, ref, choice, export, done, result, opts, dev, progress, collect)
+        write_checkpoint(tmp, ref, choice, export, done, result, opts, dev, progress, collect)
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
@@ -228,7 +172,7 @@ def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: t
     export's copy of it)."""
     if req.method is None:
         return None
-    on_block = None if progress is None else partial(_report, progress, "calibrating")
+    on_block = None if progress is None else partial(report, progress, "calibrating")
     done = req.method.run(ref, choice.targets, req.method_options, device=dev, on_block=on_block,
                           **({"quant_weights": choice.weights} if req.matrix is not None else {}))
     choice.manifest["method"] = {"name": req.method.name, **done.record}
@@ -238,70 +182,6 @@ def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: t
         export.manifest.update({k: choice.manifest[k] for k in ("method", "imatrix") if k in choice.manifest})
     return done
 
-
-def _write(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, result: QuantizeResult,
-           opts: QuantizeOptions, dev: torch.device, progress: Progress | None, collect: bool) -> None:
-    """Stream every tensor of ``ref`` into ``tmp``: the targets quantized (or the method's), the rest as read
-    (or as the method replaced them); then config.json and the model's other files. Fills ``result``."""
-    targets, manifest = choice.targets, choice.manifest
-    if progress is not None:
-        progress(QuantizeProgress("quantizing", 0, len(targets)))
-    precomputed, replaced = (done.quantized, done.replaced) if done is not None else (None, {})
-    checked = done.checked if done is not None else {}
-    result.method_record = manifest.get("method", {})
-    result.imatrix = manifest.get("imatrix")
-    qbytes = 0
-    writer = export.writer(tmp, opts.max_shard_bytes) if export else ShardWriter(tmp, manifest, opts.max_shard_bytes)
-    for name, tensor in iter_tensors(ref.directory):
-        s = targets.get(name)
-        if s is None:
-            if name in replaced:
-                tensor = replaced[name].to(tensor.dtype)
-                if collect:
-                    result.replaced[name] = tensor
-            writer.add(name, tensor)
-            continue
-        if precomputed is not None:
-            qt = precomputed[name]
-        else:
-            tensor = tensor.to(dev) if tensor.device != dev else tensor
-            qt = quantize_tensor(tensor, s, name=name, quant_weights=choice.weights.get(name))
-        if name not in checked:  # a tensor that decodes to garbage refuses the run before anything is in place
-            check_written(name, tensor, qt, cause=choice.likely_cause(name, qt.scheme.name, result.method))
-        writer.add(name, qt)
-        result.matrices += 1
-        result.parameters += qt.numel
-        qbytes += qt.nbytes
-        result.schemes_used[qt.scheme.name] = result.schemes_used.get(qt.scheme.name, 0) + 1
-        result.types[name] = qt.scheme.name
-        if name in choice.llama_names and isinstance(qt.scheme, GGMLScheme):
-            result.llama_types[choice.llama_names[name]] = qt.scheme.ggml_type.name
-        if collect:
-            result.quantized[name] = qt
-        if progress is not None:
-            progress(QuantizeProgress("quantizing", result.matrices, len(targets), name))
-    writer.close()
-    config = read_config(ref.directory)
-    # where the source was read from (a GGUF's converted copy records qkit's cache): not a function of the
-    # inputs, so not written; transformers sets it again when the checkpoint is loaded
-    config.pop("_name_or_path", None)
-    config["quantization_config"] = export.quantization_config() if export else {
-        "quant_method": "qkit",
-        "format_version": manifest["format_version"],
-        "qkit_version": __version__,
-        "scheme": choice.default.to_dict(),
-        "rules": manifest["rules"],
-        **({"method": manifest["method"]} if "method" in manifest else {}),
-        **({"plan": manifest["plan"]} if "plan" in manifest else {}),
-    }
-    write_json(tmp / "config.json", config)
-    # a trusted model's own code files too: its config names them, the copy cannot load without them
-    copy_aux_files(ref.directory, tmp, trust_remote_code=opts.trust_remote_code or ref.trust_remote_code)
-    result.bits_per_weight = 8 * qbytes / max(result.parameters, 1)
-
-
-def _report(progress: Progress, stage: str, done: int, total: int) -> None:
-    progress(QuantizeProgress(stage, done, total))
 
 
 # --------------------------------------------------------------------------- planning
@@ -407,7 +287,8 @@ def plan_model(
         table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress,
                                   gptq=gptq, executor=ex)
     record = imatrix_record(matrix, len(weights)) if matrix is not None else None
-    plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=method, imatrix=record, config=config)
+    plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=method, imatrix=record, config=config,
+                  dtypes_all=tensor_dtypes(ref.directory))
     check_plan(plan, table, ref, weights)
     out = Path(output) if output is not None else None
     if out is not None:

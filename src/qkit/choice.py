@@ -32,6 +32,7 @@ from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes
 from qkit.errors import InputError, QkitError
 from qkit.export import QKIT, get_format
 from qkit.export.compressed_tensors_w8a8 import check_activations
+from qkit.head_types import Heads, unweighted
 from qkit.methods import RTN, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
 from qkit.methods.imatrix import gguf_names, imatrix_record, quant_weights_for
@@ -62,7 +63,9 @@ class QuantizeOptions:
     qkit wrote. ``imatrix``: an importance-matrix file (llama-imatrix's GGUF or legacy ``.dat``, or
     ``qkit imatrix``'s) that llama.cpp's block types quantize through (``quantize_row_*_impl``);
     ``tensor_types``: ``PATTERN=TYPE`` overrides in ``llama-quantize --tensor-type``'s terms
-    (``qkit.transform.TensorTypes``). ``plan``: a plan file or ``Plan`` to write, or ``PlanOptions`` to plan
+    (``qkit.transform.TensorTypes``). ``token_embedding_type`` / ``output_tensor_type``: llama-quantize's
+    ``--token-embedding-type`` / ``--output-tensor-type`` over a recipe's whole file (``qkit.head_types``: a
+    ggml type, or ``f32``/``f16``/``bf16`` to keep the tensor unquantized in that dtype). ``plan``: a plan file or ``Plan`` to write, or ``PlanOptions`` to plan
     first (``quantize --target-bits``). ``max_memory``: the bytes the quantize may peak at (``--max-memory``;
     None: what is available); a step whose estimate (``check_memory``) is above it is refused before any work.
     """
@@ -85,6 +88,8 @@ class QuantizeOptions:
     tensor_types: Sequence[str] = ()
     plan: str | Path | Plan | PlanOptions | None = None
     max_memory: int | None = None
+    token_embedding_type: str | None = None
+    output_tensor_type: str | None = None
 
     def calibration(self) -> str | None:
         """The calibration file the method options name (an input the output must stay clear of), or None."""
@@ -109,6 +114,7 @@ class Request:
     max_memory: int | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     device: str | None = "cpu"
+    heads: Heads = Heads()  # --token-embedding-type / --output-tensor-type
 
     @property
     def weighted(self) -> bool:
@@ -128,6 +134,7 @@ class Choice:
     plan: Plan | None
     manifest: dict = field(default_factory=dict)  # the record the writers store (rules, plan, imatrix)
     notes: list[str] = field(default_factory=list)  # what the user should know of the inputs (shown by the CLI)
+    kept_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # kept unquantized, stored in this dtype (f16)
 
     def likely_cause(self, name: str, scheme: str, method: str) -> str | None:
         """What most likely made ``name``'s codes (of type ``scheme``) degenerate, for ``check_written``'s
@@ -161,6 +168,9 @@ def request(opts: QuantizeOptions) -> Request:
         typed = given if isinstance(given, method.options_type) else make_options(method, given)
     overrides = TensorTypes.parse(opts.tensor_types)
     overrides.check_format(QKIT if fmt == QKIT else get_format(fmt).name)
+    heads = Heads.parse(opts.token_embedding_type, opts.output_tensor_type)
+    if opts.plan is None:  # with a plan: refused there, in the plan's words
+        heads.check_scheme(default)
     planned = _plan_request(opts)
     matrix = read_imatrix(opts.imatrix) if opts.imatrix is not None else None  # a malformed file: refused now
     if matrix is not None and method is not None and method.name != "gptq":  # gptq: the matrix weights its scale search
@@ -175,7 +185,7 @@ def request(opts: QuantizeOptions) -> Request:
         check_bytes(opts.max_memory, "--max-memory")  # the upper bound: 1 EiB
     check_bytes(opts.max_shard_bytes, "--max-shard-size")
     return Request(default, rules, method, typed, overrides, planned, matrix, fmt, opts.activations, opts.max_memory,
-                   opts.max_shard_bytes, opts.device)
+                   opts.max_shard_bytes, opts.device, heads)
 
 
 def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
@@ -185,6 +195,9 @@ def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
     if opts.keep or opts.tensor_types or opts.include or opts.exclude:
         raise InputError("a plan sets every planned tensor's type; drop --keep/--tensor-type/--include/--exclude "
                          "(plan with --include/--exclude instead)")
+    if opts.token_embedding_type is not None or opts.output_tensor_type is not None:
+        raise InputError("a plan sets every planned tensor's type; drop --token-embedding-type/--output-tensor-type "
+                         "(plan the embedding with --include instead)")
     if isinstance(planned, (str, Path)):
         planned = read_plan(planned)  # a malformed file: refused now
     if isinstance(planned, Plan) and opts.format != QKIT and check_format(opts.format) != planned.format:
@@ -220,6 +233,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         if not llama_names:
             raise InputError(f"--tensor-type matches llama.cpp tensor names; {ref.spec} is not a llama/qwen2 model qkit names")
         targets = req.overrides.apply(targets, llama_names)
+    targets, kept, head_notes = req.heads.apply(targets, shapes, config)  # llama.cpp's options before --tensor-type's
     if req.matrix is not None and not any(is_llama_type(s) for s in targets.values()):
         raise InputError(f"--imatrix weights llama.cpp's block types' searches; {default.name} is not one (use q2_k ... q8_0, "
                          "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
@@ -239,12 +253,15 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
     manifest = new_manifest(default, rules)
     if req.overrides:
         manifest["rules"]["tensor_types"] = list(req.overrides.words)
+    manifest["rules"].update(req.heads.record())
     if planned is not None:
         manifest["plan"] = planned.record()
     if req.matrix is not None:
         manifest["imatrix"] = imatrix_record(req.matrix, len(weights))
-    notes = imatrix_notes(req.matrix, ref.spec, shapes) if req.matrix is not None else []
-    return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes)
+        if without := unweighted(targets, shapes, weights):  # token_embd, output: as llama-quantize writes them
+            manifest["imatrix"]["unweighted"] = without
+    notes = [*head_notes, *(imatrix_notes(req.matrix, ref.spec, shapes) if req.matrix is not None else [])]
+    return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept)
 
 
 def imatrix_notes(matrix: Any, spec: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 
 from qkit.errors import CheckpointError, InputError, SchemeError
 from qkit.lists import check_words, empty, shown
-from qkit.schemes import GGMLScheme, QuantizedTensor, Scheme, get_scheme, quantize_tensor
+from qkit.schemes import GGMLScheme, QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import scheme_from_dict
 from qkit.version import __version__
 
@@ -42,8 +42,9 @@ _KEEP_ALIASES = {"int8": "int8-row", "int4": "int4-g128"}
 class Rules:
     """Which tensors get which scheme.
 
-    A tensor is a candidate when it is a block projection (``is_block_projection``) or matches an
-    ``include`` glob, and is not matched by an ``exclude`` glob. A candidate gets the scheme of the
+    A tensor is a candidate when it is a block projection (``is_block_projection``), a tensor the default
+    scheme's file quantizes beyond them (a recipe's ``token_embd`` and ``output``: ``Recipe.quantizes``,
+    llama-quantize's whole file), or matches an ``include`` glob, and is not matched by an ``exclude`` glob. A candidate gets the scheme of the
     first ``overrides`` glob it matches (``--keep SCHEME:GLOB``; scheme ``none`` keeps it unquantized),
     else the default scheme. Globs are ``fnmatch`` patterns over full tensor names (``*`` crosses dots).
     """
@@ -53,7 +54,8 @@ class Rules:
     overrides: tuple[tuple[str, Scheme | None], ...] = field(default=())
 
     def scheme_for(self, name: str, shape: tuple[int, ...], default: Scheme) -> Scheme | None:
-        candidate = is_block_projection(name, shape) or any(fnmatch.fnmatchcase(name, g) for g in self.include)
+        candidate = (is_block_projection(name, shape) or (isinstance(default, Recipe) and default.quantizes(name, shape))
+                     or any(fnmatch.fnmatchcase(name, g) for g in self.include))
         if not candidate or any(fnmatch.fnmatchcase(name, g) for g in self.exclude):
             return None
         for glob, scheme in self.overrides:

@@ -58,8 +58,8 @@ from qkit.threads import check_threads
 
 PlanOutOpt = Annotated[Optional[str], typer.Option("--output", "-o", help="The plan to write (JSON): per tensor its type, exact bytes and predicted KL.", metavar="PLAN.json")]
 TargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Budget in bits per weight over the planned tensors (the block projections), scales included.", metavar="B")]
-TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget in bytes of the planned tensors: 105454208, 100MB, 1GiB.", metavar="SIZE")]
-TargetSchemeOpt = Annotated[Optional[str], typer.Option("--target-scheme", help="Budget: the bytes this scheme (a recipe such as q4_k_m, or a type) stores for the same tensors in --format.", metavar="SCHEME")]
+TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget in bytes of the whole file's tensors (the tensors outside the plan, kept as they are, count against it): 105454208, 100MB, 1GiB.", metavar="SIZE")]
+TargetSchemeOpt = Annotated[Optional[str], typer.Option("--target-scheme", help="Budget: the tensor bytes of the file this scheme writes in --format (a recipe such as q4_k_m: its whole file, whose token_embd/output the plan then chooses for too; or a type).", metavar="SCHEME")]
 PlanFormatOpt = Annotated[str, typer.Option("--format", help=f"What the plan is written as, which decides its candidates and byte counts: {', '.join(plan_formats())}.")]
 CandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="Only these types (comma-separated; default: the format's whole ladder; 'none' keeps a tensor unquantized).", metavar="LIST")]
 PlanMethodOpt = Annotated[str, typer.Option("--method", help="rtn; imatrix (collect the importance matrix and measure llama.cpp's types through their weighted searches); or gptq (price every candidate for the codes --method gptq writes; quantize the plan with --method gptq).")]
@@ -157,7 +157,9 @@ def render_plan(p: Plan) -> None:
               else human_bytes(t["size"]))
     measured = chk.get("measured_kl")
     rows = [
-        ["target", f"{target}: {t['budget_bytes']:,} bytes over {len(p.tensors)} tensors ({t['weights']:,} weights)"],
+        ["target", f"{target}: {t['budget_bytes']:,} bytes over {len(p.tensors)} tensors ({t['weights']:,} weights)"
+                   + (f", the file's {t['file_bytes']:,} less {t['outside_bytes']:,} for {t['outside_tensors']} tensors "
+                      "outside the plan" if t.get("file_bytes") is not None else "")],
         ["planned", f"{p.nbytes:,} bytes, {p.bits_per_weight:.3f} bits/w ({p.format})"],
         ["predicted KL", f"{p.predicted_kl:.5f} nats/token (diagonal Fisher"
                          + (" x GPTQ's held-out output-error ratio" if p.method == "gptq" else "") + ", sum over tensors)"],

@@ -73,13 +73,16 @@ MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and 
 ActOrderOpt = Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help=f"gptq: quantize columns by descending Hessian diagonal, scales as static groups; the checkpoint keeps the original column order (default: {'on' if GPTQOptions.act_order else 'off'}; off: the reference's order, group scales from the error-updated weights).", show_default=False)]
 ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help=f"gptq: how absmax scales are chosen: {', '.join(SCALE_RULES)} (default absmax: qkit's rule, what rtn writes; full-range: absmax/(qmax+0.5) with codes in [-qmax-1, qmax], compressed-tensors' rule; mse: per-group shrink search). Every rule writes the same scheme.", show_default=False)]
 DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
+HoldoutOpt = Annotated[Optional[int], typer.Option("--holdout", help=f"gptq: calibration windows kept out of the Hessian, spread over the text; on them each tensor's GPTQ codes and RTN's are compared by output error and the better is written (default {GPTQOptions.holdout}: GPTQ's always).", metavar="N", show_default=False)]
 ImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix (qkit imatrix, or llama-imatrix's .gguf / legacy .dat): llama.cpp's block types quantize through their weighted searches, as llama-quantize --imatrix does.", metavar="FILE")]
 TensorTypeOpt = Annotated[list[str], typer.Option("--tensor-type", help="PATTERN=TYPE as llama-quantize --tensor-type: a regex searched in llama.cpp's tensor names (blk.3.attn_v.weight), a ggml type (repeatable; the first match wins).", metavar="PATTERN=TYPE")]
 TensorTypeFileOpt = Annotated[Optional[str], typer.Option("--tensor-type-file", help="A file of PATTERN=TYPE words separated by spaces or newlines (llama-quantize's --tensor-type-file).", metavar="FILE")]
+TokenEmbeddingTypeOpt = Annotated[Optional[str], typer.Option("--token-embedding-type", help="A recipe's token_embd in this type instead of llama.cpp's (as llama-quantize's option): a ggml type (q8_0, q6_k, ...) or f32/f16/bf16 to keep it unquantized.", metavar="TYPE")]
+OutputTensorTypeOpt = Annotated[Optional[str], typer.Option("--output-tensor-type", help="A recipe's output head (and a tied token_embd, without --token-embedding-type) in this type instead of llama.cpp's: a ggml type or f32/f16/bf16.", metavar="TYPE")]
 EmitTensorTypesOpt = Annotated[Optional[str], typer.Option("--emit-tensor-types", help="Also write the --tensor-type-file with which llama-quantize gives every quantized tensor the type qkit gave it.", metavar="PATH")]
 PlanFileOpt = Annotated[Optional[str], typer.Option("--plan", help="Write every planned tensor in the type a plan chose (qkit plan -o PLAN.json); replaces --scheme.", metavar="PLAN.json")]
 QTargetBitsOpt = Annotated[Optional[float], typer.Option("--target-bits", help="Plan (as qkit plan does, for this --format) and quantize in one step: bits per weight over the block projections.", metavar="B")]
-QTargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Plan and quantize in one step: bytes of the block projections, e.g. 100MB.", metavar="SIZE")]
+QTargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Plan and quantize in one step: bytes of the whole file's tensors (the tensors outside the plan count against it), e.g. 100MB.", metavar="SIZE")]
 QCandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help="With --target-bits/--target-size: only these types (comma-separated; default: the format's whole ladder).", metavar="LIST")]
 MaxShardOpt = Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest output shard, e.g. 500MB or 2GB (default 2GiB); bounds peak memory.", metavar="SIZE")]
 
@@ -104,6 +107,7 @@ def quantize(
     calibration_seqlen: CalibrationSeqlenOpt = None,
     act_order: ActOrderOpt = None,
     dampening: DampeningOpt = None,
+    holdout: HoldoutOpt = None,
     scale_rule: ScaleRuleOpt = None,
     alpha: AlphaOpt = None,
     no_clip: NoClipOpt = False,
@@ -112,6 +116,8 @@ def quantize(
     imatrix: ImatrixOpt = None,
     tensor_type: TensorTypeOpt = [],
     tensor_type_file: TensorTypeFileOpt = None,
+    token_embedding_type: TokenEmbeddingTypeOpt = None,
+    output_tensor_type: OutputTensorTypeOpt = None,
     emit_tensor_types: EmitTensorTypesOpt = None,
     plan: PlanFileOpt = None,
     target_bits: QTargetBitsOpt = None,
@@ -163,7 +169,7 @@ def quantize(
         console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
                        f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
-                                         act_order=act_order, dampening=dampening, scale_rule=scale_rule,
+                                         act_order=act_order, dampening=dampening, holdout=holdout, scale_rule=scale_rule,
                                          alpha=alpha, clip=False if no_clip else None,
                                          dtype=dtype if method != RTN else None)
     run.use_threads()
@@ -181,7 +187,8 @@ def quantize(
                                   format=fmt, activations=activations, method=method,
                                   method_options=method_options or None, device=device, allow_pickle=allow_pickle,
                                   trust_remote_code=trust_remote_code, force=force, imatrix=imatrix,
-                                  tensor_types=tuple(words), plan=planned, max_memory=limit, **shard)
+                                  tensor_types=tuple(words), plan=planned, max_memory=limit,
+                                  token_embedding_type=token_embedding_type, output_tensor_type=output_tensor_type, **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
     for note in result.notes:
@@ -238,6 +245,7 @@ def render_quantize(result) -> None:
             ["bits per weight", f"{result.bits_per_weight:.3f}"],
             ["size before", human_bytes(result.bytes_before)],
             ["size after", human_bytes(result.bytes_after)],
+            ["kept unquantized", kept_row(result.kept, result.bytes_after)],
             ["seconds", f"{result.seconds:.1f}"],
             *_method_rows(result),
             *([["importance matrix", f"{imatrix['file']} ({imatrix['entries']} entries, {imatrix['chunk_count']} chunks; "
@@ -251,6 +259,23 @@ def render_quantize(result) -> None:
         names = sorted({t for per in kinds.values() for t in per})
         console.table(["tensor", *names], [[k, *(str(per.get(t, "")) for t in names)] for k, per in kinds.items()],
                       title="types written, by tensor (count of layers)")
+
+
+def kept_row(kept: dict[str, int], file_bytes: int) -> str:
+    """What stays unquantized and its share of the file: "61 tensors (model.layers.N.input_layernorm x30,
+    ...), 140.5 kB, 0.1% of the file" (the two kinds of tensor that take the most bytes first)."""
+    if not kept:
+        return "nothing"
+    by_kind: dict[str, list[int]] = {}
+    for name, n in kept.items():
+        (kind,) = types_by_kind({name: ""})  # the name without its layer index
+        count = by_kind.setdefault(kind, [0, 0])
+        count[0], count[1] = count[0] + 1, count[1] + n
+    kinds = sorted(by_kind.items(), key=lambda kv: (-kv[1][1], kv[0]))
+    shown = ", ".join(f"{k} x{c}" for k, (c, _) in kinds[:2]) + (", ..." if len(kinds) > 2 else "")
+    total = sum(kept.values())
+    share = 100 * total / file_bytes if file_bytes else 0.0
+    return f"{len(kept):,} tensors ({shown}), {human_bytes(total)}, {share:.1f}% of the file"
 
 
 def _method_rows(result) -> list[list[str]]:

@@ -315,6 +315,10 @@ class PreparedExport:
     def quantization_config(self) -> dict:
         return self.format.quantization_config(self.plan)
 
+    def kept_nbytes(self, name: str, tensor: torch.Tensor) -> int:
+        """Bytes the checkpoint stores for ``name`` kept unquantized as ``tensor`` (a safetensors file: as given)."""
+        return tensor.numel() * tensor.element_size()
+
 
 class SafetensorsFormat:
     """The members every safetensors-directory format shares: the container (``checkpoint.atomic_directory``),

@@ -7,7 +7,7 @@ one made for another model is refused in one line, naming the first tensor that 
 Layout (``format: "qkit-plan"``, ``format_version: 1``, keys sorted)::
 
     model, model_fingerprint, format (gguf | compressed-tensors | qkit), method, imatrix,
-    target {bits | size, budget_bytes, counts},
+    target {bits | size | scheme, budget_bytes, file_bytes, outside_bytes, outside_tensors, weights, counts},
     tensors {name: {type, scheme (the scheme's dict, or null: unquantized), shape, bytes, predicted_kl,
                     lossless, candidates {type: [bytes, predicted_kl]}}},
     totals {bytes, weights, bits_per_weight, predicted_kl},

@@ -3,10 +3,12 @@
 Steps (``make_plan``), each a function a script can call:
 
 1. **Targets**: the tensors the transform quantizes (``qkit.transform.Rules``: the block projections,
-   with ``--include``/``--exclude``). **The budget counts exactly these tensors' stored bytes** (codes,
-   scales, minimums, global scales and shape tensors, as the format writes them; see
-   ``candidates``); embeddings, norms and every tensor left out are outside it, as they are outside
-   every table's bits per weight. ``--target-bits B`` is ``floor(B * weights / 8)`` bytes over them.
+   with ``--include``/``--exclude``; for ``--target-scheme RECIPE`` in a format that stores llama.cpp's
+   types, also what the recipe's whole file quantizes, ``token_embd`` and ``output``). **The budget is the
+   whole file's tensors** (``qkit.plan.budget``): ``--target-size`` and ``--target-scheme`` name the file's
+   bytes, and the tensors outside the plan (kept as they are: the embedding of a plan of the projections,
+   the norms) count against it; ``--target-bits B`` is ``floor(B * weights / 8)`` bytes over the planned
+   tensors alone, as every table's bits per weight counts them.
 2. **Candidates** per tensor: the format's ladder that the tensor's shape takes natively
    (``candidates.candidates``), optionally restricted (``--candidates``).
 3. **Sensitivity**: the diagonal Fisher of the reference's output distribution on calibration windows
@@ -64,16 +66,17 @@ from qkit.plan.candidates import (
     parse_allowed,
     stored_nbytes,
 )
+from qkit.plan.budget import budget_bytes, check_budget, file_budget  # the first two re-exported
 from qkit.plan.costing import file_tensors, candidate_weights, costs_elsewhere
 from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
 from qkit.plan.planfile import Plan, TensorChoice, base_type, lossless_types, upgrades  # the last three re-exported
 from qkit.plan.checking import check_mix
 from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
-from qkit.plan.solve import smallest, solve, tied_items  # tied_items re-exported
+from qkit.plan.solve import solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
-from qkit.transform import Rules, shapes_fingerprint
+from qkit.transform import TENSOR_TYPE_FORMATS, Rules, shapes_fingerprint
 from qkit.version import __version__
 
 MAX_TARGET_BITS = 64  # --target-bits: no stored type takes more bits per weight
@@ -90,7 +93,8 @@ DEFAULT_DTYPE = "fp32"
 @dataclass(frozen=True)
 class PlanOptions:
     """What ``make_plan`` plans: ``format`` (gguf, compressed-tensors, qkit); exactly one of
-    ``target_bits`` (bits per weight over the planned tensors) and ``target_size`` (their bytes);
+    ``target_bits`` (bits per weight over the planned tensors), ``target_size`` (the whole file's tensor bytes)
+    and ``target_scheme`` (those of the file that scheme writes; ``qkit.plan.budget``);
     ``candidates`` the types allowed (default: the format's whole ladder); ``include``/``exclude``
     which tensors (``qkit.transform.Rules``); ``calibration`` the text, ``samples`` windows of
     ``seqlen`` tokens chosen with ``seed``, ``check_windows`` of them measured for the check; ``dtype``
@@ -102,7 +106,7 @@ class PlanOptions:
     format: str = "qkit"
     target_bits: float | None = None
     target_size: int | None = None
-    target_scheme: str | None = None  # the bytes this scheme (a recipe such as q4_k_m) stores for the same tensors
+    target_scheme: str | None = None  # the bytes of the file this scheme (a recipe such as q4_k_m: its whole file) writes
     candidates: tuple[str, ...] = ()
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
@@ -201,35 +205,16 @@ def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int,
     shapes = tensor_shapes(ref.directory)
     rules = Rules(tuple(options.include), tuple(options.exclude))
     rules.check_matches((n for n, _ in shapes), ref.spec)  # a glob that matches no tensor: a typo, refused
-    sentinel = object()
-    chosen = {n: s for n, s in shapes if rules.scheme_for(n, tuple(s), sentinel) is not None}  # type: ignore[arg-type]
+    # a recipe's bytes in a format of llama.cpp's types: the tensors its whole file quantizes (token_embd, output)
+    whole = options.target_scheme is not None and check_format(options.format) in TENSOR_TYPE_FORMATS
+    default = get_scheme(options.target_scheme) if whole else object()
+    chosen = {n: s for n, s in shapes if rules.scheme_for(n, tuple(s), default) is not None}  # type: ignore[arg-type]
     if not chosen:
         raise InputError(f"no tensor of {ref.spec} matches the plan's rules; check --include/--exclude")
     bad = [n for n, s in chosen.items() if len(s) != 2]
     if bad:
         raise InputError(f"{bad[0]} is not a 2-D matrix; --exclude it from the plan")
     return chosen
-
-
-def budget_bytes(options: PlanOptions, weights: int, shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 config: Mapping | None = None, dtypes: Mapping[str, torch.dtype | None] | None = None) -> int:
-    """The budget in bytes: ``target_size``; ``floor(target_bits * weights / 8)``; or the bytes
-    ``target_scheme`` (bound to the model's ``config``: a recipe's per-tensor types) stores for ``shapes``
-    in the plan's format, from each tensor's source dtype in ``dtypes`` (compressed-tensors keeps scales
-    in the weight dtype, so ``plan:ct@int4-g64`` gets the bytes int4-g64 takes *there*)."""
-    if options.target_size is not None:
-        return int(options.target_size)
-    if options.target_scheme is not None:
-        s = get_scheme(options.target_scheme).bind(dict(config or {}))
-        fmt, dt, offered = check_format(options.format), dict(dtypes or {}), set(ladder(options.format))
-
-        def nbytes(scheme, name: str, shape: tuple[int, ...]) -> int:  # a type the format offers: its stored bytes
-            if scheme.name in offered:
-                return stored_nbytes(fmt, scheme, shape, dt.get(name) or torch.float32)
-            return scheme.nbytes_for(shape)
-
-        return sum(nbytes(s.resolve(tuple(shape), n), n, tuple(shape)) for n, shape in (shapes or {}).items())
-    return int(math.floor(options.target_bits * weights / 8))
 
 
 def _fisher_key(ref: ModelRef, options: PlanOptions, targets: Mapping[str, tuple[int, ...]], device) -> tuple:
@@ -402,25 +387,6 @@ def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candid
             for n, s in planned_targets(ref, options).items()}
 
 
-def check_budget(budget: int, options: Sequence[Sequence[Candidate]], weights: int) -> int:
-    """The budget the solve gets: ``budget``, refused in one line below the smallest mix, or, where keeping a
-    tensor unquantized is a candidate, above the unquantized size (nothing needs quantizing); where it is
-    not (``--candidates q4_k,q6_k``), a budget above the largest mix binds nothing and the solve gets that
-    mix's bytes (every tensor free to take its best candidate)."""
-    low = smallest([[c.nbytes for c in row] for row in options])
-    if budget < low:
-        raise InputError(
-            f"the budget of {budget:,} bytes ({8 * budget / weights:.3f} bits/w) is below the smallest mix, {low:,} bytes "
-            f"({8 * low / weights:.3f} bits/w: every tensor at its smallest candidate); raise the target")
-    if all(any(c.name == KEEP for c in row) for row in options):
-        unquantized = sum(next(c.nbytes for c in row if c.name == KEEP) for row in options)
-        if budget > unquantized:
-            raise InputError(
-                f"the budget of {budget:,} bytes ({8 * budget / weights:.3f} bits/w) is above the unquantized size of these "
-                f"tensors, {unquantized:,} bytes ({8 * unquantized / weights:.3f} bits/w): nothing needs quantizing")
-    return min(budget, sum(max(c.nbytes for c in row) for row in options))
-
-
 def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
              device: torch.device | str | None = None) -> int:
     """Everything the headers decide, before any model work: the byte budget against the smallest and the
@@ -430,15 +396,17 @@ def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
     sets = candidate_sets(ref, options)
     shapes = planned_targets(ref, options)
     weights = sum(math.prod(s) for s in shapes.values())
-    budget = budget_bytes(options, weights, shapes, config, tensor_dtypes(ref.directory))
+    budget = file_budget(options, shapes, dict(tensor_shapes(ref.directory)), config, tensor_dtypes(ref.directory))
     check_budget(budget, tied_items(list(sets), list(sets.values()), options.format)[1], weights)
     memory_plan(ref, options, device)
-    return budget
+    return budget.planned
 
 
 def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: Mapping[str, tuple[int, ...]],
-           method: str = "rtn", imatrix: dict | None = None, config: Mapping | None = None) -> Plan:
-    """Step 4: the exact solve of ``table`` for ``options``' budget, as a ``Plan`` (no check yet)."""
+           method: str = "rtn", imatrix: dict | None = None, config: Mapping | None = None,
+           dtypes_all: Mapping[str, torch.dtype | None] | None = None) -> Plan:
+    """Step 4: the exact solve of ``table`` for ``options``' budget (``qkit.plan.budget``: the whole file's, with
+    every tensor's source dtype in ``dtypes_all``; None: the planned ones' and float32), as a ``Plan`` (no check yet)."""
     weights = table.weights
     for i, row in enumerate(table.costs):  # a plan priced with NaN or inf (an overflowed Fisher) is never written
         bad = [table.options[i][k].name for k, c in enumerate(row) if not (math.isfinite(c) and c >= 0)]
@@ -446,9 +414,10 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
             raise non_finite_activations(f"the predicted KL of {table.names[i]} as {', '.join(bad)} (from the "
                                          "Fisher's gradients)", LOAD_DTYPES.get(table.memory.get("dtype", DEFAULT_DTYPE),
                                                                             torch.float32))
-    budget = budget_bytes(options, weights, table.shapes, config, table.dtypes)
+    whole = file_budget(options, {n: table.shapes[n] for n in table.names}, shapes_all, config,
+                        {**table.dtypes, **(dtypes_all or {})})
     groups, items, costs = tied_items(table.names, table.options, options.format, table.costs)
-    budget = check_budget(budget, items, weights)
+    budget = check_budget(whole, items, weights)
     sol = solve(costs, [[c.nbytes for c in row] for row in items], budget)
     picked = {i: items[g][sol.choice[g]].name for g, members in enumerate(groups) for i in members}
     tensors = {}
@@ -458,9 +427,7 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
         tensors[name] = TensorChoice(cand.name, cand.scheme, tuple(table.shapes[name]), cand.nbytes, table.costs[i][j],
                                      table.lossless[i][j],
                                      {c.name: (c.nbytes, table.costs[i][k]) for k, c in enumerate(table.options[i])})
-    target = {**options.target(), "budget_bytes": budget, "weights": weights, "counts": (
-        f"the stored bytes of the {len(table.names)} planned tensors (codes, scales, minimums, as the format writes "
-        "them); embeddings, norms and unplanned tensors are outside the budget")}
+    target = {**options.target(), **whole.record(), "budget_bytes": budget, "weights": weights}
     sensitivity = {"estimator": ESTIMATOR if table.gptq is None else feedback.ESTIMATOR, "calibration": table.calibration,
                    "positions": table.positions, "seconds": table.seconds,
                    "dtype": table.memory.get("dtype", DEFAULT_DTYPE), "memory": table.memory,

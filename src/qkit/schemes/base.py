@@ -100,6 +100,11 @@ class Recipe(Scheme, Protocol):
         choice of some tensors' types reads ``has_imatrix`` (the IQ4 recipes' ffn_down)."""
         ...
 
+    def quantizes(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether the recipe's file quantizes ``name`` beyond the block projections (llama-quantize's whole
+        file: the token embedding and the output head); ``transform.Rules`` targets those too."""
+        ...
+
 
 @runtime_checkable
 class GGMLCodable(Protocol):

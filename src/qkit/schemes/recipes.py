@@ -2,9 +2,10 @@
 
 :class:`LlamaRecipe` is ``llama_tensor_get_type`` of ``src/llama-quant.cpp`` (commit in
 ``LLAMA_CPP_COMMIT``) for a dense (not mixture-of-experts) llama or qwen2 model, with llama-quantize's
-default options (no ``--pure``, ``--tensor-type``, ``--output-tensor-type``, ``--token-embedding-type``,
-``--leave-output-tensor``). Per tensor, by its category (``tensor_get_category``; Hugging Face or GGUF
-names), layer ``i`` of ``n``, ``n_gqa = n_head // n_head_kv`` and the file type's default type ``D``:
+default options (``--token-embedding-type`` / ``--output-tensor-type`` are ``qkit.head_types``). A
+recipe's file holds what llama-quantize's does: the block projections and ``token_embd`` / ``output``
+(``quantizes``). Per tensor, by its category (``tensor_get_category``; Hugging Face or GGUF names), layer
+``i`` of ``n``, ``n_gqa = n_head // n_head_kv`` and the file type's default type ``D``:
 
 * ``output`` (``lm_head``), and ``token_embd`` when tied to it: Q8_0 if the width is not a multiple of
   ``D``'s block, else Q6_K (Q8_0 stays Q8_0). An untied ``token_embd``: ``D``.
@@ -230,6 +231,11 @@ class LlamaRecipe:
         return self.architecture == "qwen2" or self.n_head != (self.n_head if self.n_head_kv is None else self.n_head_kv)
 
     # ----------------------------------------------------------------- the rules
+
+    def quantizes(self, name: str, shape: tuple[int, ...]) -> bool:
+        """Whether this file type quantizes ``name`` beyond the block projections: llama-quantize's
+        ``token_embd`` and ``output`` (2-D), which ``transform.Rules`` then targets too."""
+        return len(shape) >= 2 and tensor_category(name) in ("token_embd", "output")
 
     def ggml_type_for(self, shape: tuple[int, ...], name: str) -> T:
         """The type ``llama_tensor_get_type_impl`` gives ``name``, before the width fallback."""

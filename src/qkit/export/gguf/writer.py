@@ -85,6 +85,7 @@ class TensorOut:
     gguf_name: str
     ggml_type: Any  # gguf.GGMLQuantizationType
     permute_heads: int | None
+    float_as_given: bool = False  # a kept 2-D tensor: stored in the float type it is handed in (f16: --token-embedding-type)
 
 
 class GGUFFormat:
@@ -113,7 +114,10 @@ class GGUFFormat:
         return self.refusal(scheme) is None and stores_natively(scheme, shape)
 
     def stored_nbytes(self, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
-        """``tensor_nbytes`` of the scheme's ggml type, or of the source's float type for a kept tensor."""
+        """``tensor_nbytes`` of the scheme's ggml type, or of the source's float type for a kept tensor (F32 for a
+        1-D one, as every norm and bias)."""
+        if scheme is None and len(shape) < 2:
+            return 4 * int(shape[0]) if shape else 4
         return tensor_nbytes(float_type(dtype) if scheme is None else scheme.ggml_type, shape)  # type: ignore[attr-defined]
 
     def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
@@ -179,6 +183,13 @@ class GGUFExport(PreparedExport):
 
     def writer(self, directory: Path, max_shard_bytes: int = 0) -> GGUFFileWriter:
         return GGUFFileWriter(Path(directory), self)
+
+    def kept_nbytes(self, name: str, tensor: torch.Tensor) -> int:
+        """Bytes the file stores for ``name`` kept unquantized as ``tensor`` (0: the file does not hold it, a tied head)."""
+        out = self.outputs.get(name)
+        if out is None:
+            return 0
+        return tensor.numel() * gguf.GGML_QUANT_SIZES[float_type(tensor.dtype) if out.float_as_given else out.ggml_type][1]
 
     def quantization_config(self) -> dict:
         return {"quant_method": NAME}
@@ -276,11 +287,11 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
         heads = permutation_heads(arch, config, name)
         s = targets.get(name)
         if s is None:
-            if len(shape) <= 1 or new.endswith("_norm.weight"):
-                t = T.F32  # "Most of the codebase that takes in 1D tensors or norms only handles F32 tensors"
-            else:
-                t = {torch.float16: T.F16, torch.bfloat16: T.BF16}.get(dtypes.get(name), T.F32)
-            planned[name] = TensorOut(new, t, heads)
+            # "Most of the codebase that takes in 1D tensors or norms only handles F32 tensors"; any other one is
+            # stored in the float type it is handed in: the source's, or the dtype --token-embedding-type gave it
+            forced = len(shape) <= 1 or new.endswith("_norm.weight")
+            planned[name] = TensorOut(new, T.F32 if forced else float_type(dtypes.get(name) or torch.float32), heads,
+                                      float_as_given=not forced)
             continue
         if len(shape) != 2 or new.endswith("_norm.weight"):
             raise ExportError(
@@ -368,8 +379,9 @@ class GGUFFileWriter:
         t = value.detach().to("cpu")
         if out.permute_heads:
             t = t[row_permutation(t.shape[0], out.permute_heads)]
-        arr = float_array(t, out.ggml_type)
-        self._write(out.gguf_name, arr, out.ggml_type, raw_shape=tuple(t.shape))
+        ggml_type = float_type(t.dtype) if out.float_as_given else out.ggml_type
+        arr = float_array(t, ggml_type)
+        self._write(out.gguf_name, arr, ggml_type, raw_shape=tuple(t.shape))
 
     def close(self) -> list[Path]:
         missing = sorted(self.expected - self.written)

@@ -14,7 +14,10 @@ weights columns, so it applies unchanged.
   writes such a tensor as zeros;
 * a quantized tensor with no entry, or whose entry counts no token (llama-quantize weights it by 1s). llama-quantize instead logs "did not find weights for ..." and
   quantizes that tensor without weights, so one file silently mixes weighted and unweighted tensors;
-  qkit refuses, and ``--exclude`` (or a matrix that covers the tensor) is the way through.
+  qkit refuses, and ``--exclude`` (or a matrix that covers the tensor) is the way through. Except
+  ``token_embd`` and ``output`` (a recipe's whole file): llama-imatrix never collects the first and the second
+  only with ``--process-output``, so every llama.cpp file of a recipe quantizes them without weights where the
+  matrix has no entry; qkit writes the same bytes (the manifest's ``imatrix.unweighted`` names them).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from qkit.errors import InputError
 from qkit.llama_names import ARCHITECTURES, tensor_names
 from qkit.methods.imatrix.file import Imatrix
 from qkit.schemes.ggml import GGMLScheme, importance_problem, uses_importance
-from qkit.schemes.recipes import expert_count
+from qkit.schemes.recipes import expert_count, tensor_category
 
 def refuse_unsupported(config: Mapping) -> None:
     """One line for a model whose importance matrix qkit does not collect: mixture-of-experts (llama.cpp
@@ -79,6 +82,8 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
             continue  # q8_0 and the non-llama.cpp schemes read no importance matrix
         g = to_gguf.get(name)
         qw = None if g is None else imatrix.quant_weights(g)
+        if qw is None and tensor_category(name) in ("token_embd", "output"):
+            continue  # llama-imatrix collects no token_embd (output only with --process-output): unweighted, as llama-quantize
         if qw is None:
             missing.append(g or name)
             continue

@@ -1,0 +1,163 @@
+"""Writing a quantize's checkpoint: every tensor of the model streamed into the format's writer, and what
+the run did (``QuantizeResult``) and tells as it goes (``QuantizeProgress``).
+
+Layer 6, beside ``api`` (whose ``quantize_model`` is the pipeline that ends in ``write_checkpoint``). The
+targets are quantized (or taken from the method's result), every other tensor is written as read (as a
+method replaced it, or cast to the float dtype ``--token-embedding-type f16`` gave it), and each of those is
+counted in ``QuantizeResult.kept`` with the bytes the file stores for it: the summary's "kept unquantized".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkit.checkpoint import ShardWriter, iter_tensors, write_json
+from qkit.choice import Choice, QuantizeOptions
+from qkit.export import QKIT
+from qkit.methods import RTN
+from qkit.models import ModelRef, copy_aux_files, read_config
+from qkit.schemes import QuantizedTensor, quantize_tensor
+from qkit.schemes.fidelity import check_written
+from qkit.schemes.ggml import GGMLScheme
+from qkit.version import __version__
+
+
+@dataclass
+class QuantizeResult:
+    """What ``quantize_model`` did. ``quantized`` holds the tensors when ``collect=True``."""
+
+    output: Path | None
+    model: str
+    scheme: str
+    matrices: int
+    parameters: int  # weights quantized
+    bits_per_weight: float  # of the quantized matrices, scales included
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+    schemes_used: dict[str, int] = field(default_factory=dict)
+    quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
+    format: str = QKIT  # or an export format (qkit.export.FORMATS)
+    method: str = RTN
+    # full-precision tensors a method changed (folded scales); with ``collect=True``, for the eval swap
+    replaced: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    method_record: dict = field(default_factory=dict)
+    types: dict[str, str] = field(default_factory=dict)  # tensor -> the stored type it got (recipes, fallbacks)
+    llama_types: dict[str, str] = field(default_factory=dict)  # llama.cpp name -> ggml type, for llama.cpp types
+    imatrix: dict | None = None  # the importance matrix used (file, sha256, chunks), when one was
+    plan: dict | None = None  # the plan written (Plan.record), when one was
+    notes: list[str] = field(default_factory=list)  # what a user should know of the inputs (shown, never silent)
+    kept: dict[str, int] = field(default_factory=dict)  # tensor kept unquantized -> the bytes the file stores for it
+
+    def to_dict(self) -> dict:
+        """Every field but the tensors (``quantized``, ``replaced``) and ``llama_types``, as JSON values."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("quantized", "replaced", "llama_types")}
+        return {**out, "output": str(self.output) if self.output else None, "notes": list(self.notes),
+                "schemes_used": dict(sorted(self.schemes_used.items())), "types": dict(sorted(self.types.items())),
+                "kept": dict(sorted(self.kept.items()))}
+
+
+@dataclass(frozen=True)
+class QuantizeProgress:
+    """One step of ``quantize_model``: ``stage`` ``"calibrating"`` (a method finished block ``done`` of
+    ``total``) or ``"quantizing"`` (``done == 0``: ``total`` tensors are about to be written; then tensor
+    ``name`` was written, ``done`` of ``total``)."""
+
+    stage: str
+    done: int
+    total: int
+    name: str | None = None
+
+
+Progress = Callable[[QuantizeProgress], None]
+
+
+def block_progress(on_block: Callable[[int, int], None]) -> Progress:
+    """A ``progress`` that passes only a calibrated method's blocks on, as ``on_block(done, total)``."""
+
+    def forward(step: QuantizeProgress) -> None:
+        if step.stage == "calibrating":
+            on_block(step.done, step.total)
+
+    return forward
+
+
+def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, result: QuantizeResult,
+           opts: QuantizeOptions, dev: torch.device, progress: Progress | None, collect: bool) -> None:
+    """Stream every tensor of ``ref`` into ``tmp``: the targets quantized (or the method's), the rest as read
+    (or as the method replaced them); then config.json and the model's other files. Fills ``result``."""
+    targets, manifest = choice.targets, choice.manifest
+    if progress is not None:
+        progress(QuantizeProgress("quantizing", 0, len(targets)))
+    precomputed, replaced = (done.quantized, done.replaced) if done is not None else (None, {})
+    checked = done.checked if done is not None else {}
+    result.method_record = manifest.get("method", {})
+    result.imatrix = manifest.get("imatrix")
+    qbytes = 0
+    writer = export.writer(tmp, opts.max_shard_bytes) if export else ShardWriter(tmp, manifest, opts.max_shard_bytes)
+    for name, tensor in iter_tensors(ref.directory):
+        s = targets.get(name)
+        if s is None:
+            if name in replaced:
+                tensor = replaced[name].to(tensor.dtype)
+                if collect:
+                    result.replaced[name] = tensor
+            if name in choice.kept_dtypes:  # --token-embedding-type f16: kept, stored in that dtype
+                tensor = tensor.to(choice.kept_dtypes[name])
+                if collect:
+                    result.replaced[name] = tensor
+            writer.add(name, tensor)
+            if kept := (export.kept_nbytes(name, tensor) if export else tensor.numel() * tensor.element_size()):
+                result.kept[name] = kept
+            continue
+        if precomputed is not None:
+            qt = precomputed[name]
+        else:
+            tensor = tensor.to(dev) if tensor.device != dev else tensor
+            qt = quantize_tensor(tensor, s, name=name, quant_weights=choice.weights.get(name))
+        if name not in checked:  # a tensor that decodes to garbage refuses the run before anything is in place
+            check_written(name, tensor, qt, cause=choice.likely_cause(name, qt.scheme.name, result.method))
+        writer.add(name, qt)
+        result.matrices += 1
+        result.parameters += qt.numel
+        qbytes += qt.nbytes
+        result.schemes_used[qt.scheme.name] = result.schemes_used.get(qt.scheme.name, 0) + 1
+        result.types[name] = qt.scheme.name
+        if name in choice.llama_names and isinstance(qt.scheme, GGMLScheme):
+            result.llama_types[choice.llama_names[name]] = qt.scheme.ggml_type.name
+        if collect:
+            result.quantized[name] = qt
+        if progress is not None:
+            progress(QuantizeProgress("quantizing", result.matrices, len(targets), name))
+    writer.close()
+    config = read_config(ref.directory)
+    # where the source was read from (a GGUF's converted copy records qkit's cache): not a function of the
+    # inputs, so not written; transformers sets it again when the checkpoint is loaded
+    config.pop("_name_or_path", None)
+    config["quantization_config"] = export.quantization_config() if export else {
+        "quant_method": "qkit",
+        "format_version": manifest["format_version"],
+        "qkit_version": __version__,
+        "scheme": choice.default.to_dict(),
+        "rules": manifest["rules"],
+        **({"method": manifest["method"]} if "method" in manifest else {}),
+        **({"plan": manifest["plan"]} if "plan" in manifest else {}),
+    }
+    write_json(tmp / "config.json", config)
+    # a trusted model's own code files too: its config names them, the copy cannot load without them
+    copy_aux_files(ref.directory, tmp, trust_remote_code=opts.trust_remote_code or ref.trust_remote_code)
+    result.bits_per_weight = 8 * qbytes / max(result.parameters, 1)
+
+
+def report(progress: Progress, stage: str, done: int, total: int) -> None:
+    progress(QuantizeProgress(stage, done, total))
+
+
+__all__ = ["Progress", "QuantizeProgress", "QuantizeResult", "block_progress", "report", "write_checkpoint"]
