@@ -383,7 +383,9 @@ def test_gguf_written_by_gptq_dequantizes_in_the_gguf_package_to_qkits_values(mo
     assert layers and all(v["gptq_error"] < v["rtn_error"] for v in layers.values())
     assert (res.imatrix is not None) == with_imatrix
     if with_imatrix:
-        assert res.method_record.get("imatrix_tensors", 0) == sum(t.scheme.name != "q8_0" for t in res.quantized.values())
+        unweighted = (res.imatrix or {}).get("unweighted", [])  # a recipe's token_embd: no entry, as llama-quantize
+        assert res.method_record.get("imatrix_tensors", 0) == sum(t.scheme.name != "q8_0" for n, t in res.quantized.items()
+                                                                  if n not in unweighted)
 
 
 def _llama_names(model_dir: Path) -> dict[str, str]:
@@ -401,12 +403,15 @@ def test_the_imatrix_changes_what_gptq_writes(models, cal_file, imatrix_files, t
 
 def test_targets_outside_the_walk_keep_rtn_with_the_importance_matrix(models, cal_file, imatrix_files, tmp_path):
     """The token embedding (tied: the output too), included by a glob, is not a linear of the blocks: it is
-    written as llama.cpp writes it, RTN through its weighted search."""
+    written as llama.cpp writes it, by RTN; llama-imatrix collects no entry for it, so without weights, as
+    llama-quantize writes it (the record's imatrix.unweighted says so)."""
     emb = "model.embed_tokens.weight"
     opts = QuantizeOptions(imatrix=imatrix_files["k"], include=("*layers.0.*proj.weight", emb))
-    with pytest.raises(InputError, match="no entry"):  # llama-imatrix collects no entry for the token embedding
-        quantize_model(models["k"], output=tmp_path / "x", scheme="q4_k", method="gptq",
-                       method_options=gptq_opts(cal_file), options=opts)
+    weighted = quantize_model(models["k"], output=tmp_path / "x", scheme="q4_k", method="gptq", collect=True,
+                              method_options=gptq_opts(cal_file), options=opts)
+    assert weighted.imatrix["unweighted"] == [emb] and weighted.method_record["rtn_fallback"] == [emb]
+    source = dict(iter_tensors(models["k"]))[emb]
+    assert torch.equal(weighted.quantized[emb].qweight, quantize_tensor(source, get_scheme("q4_k")).qweight)
     res = quantize_model(models["k"], output=tmp_path / "y", scheme="q4_k", method="gptq", method_options=gptq_opts(cal_file),
                          collect=True, options=QuantizeOptions(include=("*layers.0.*proj.weight", emb)))
     assert res.method_record["rtn_fallback"] == [emb]

@@ -157,7 +157,7 @@ def model3(tmp_path_factory):
 def _tripwires(monkeypatch):
     def tripwire(*a, **k):
         raise AssertionError("the model was read")
-    for target in ("qkit.api._load", "qkit.api.iter_tensors", "qkit.api.load_tokenizer", "qkit.methods.gptq.method.load",
+    for target in ("qkit.api._load", "qkit.writing.iter_tensors", "qkit.api.load_tokenizer", "qkit.methods.gptq.method.load",
                    "qkit.methods.awq.load", "qkit.methods.smoothquant.load", "qkit.methods.imatrix.method.load"):
         monkeypatch.setattr(target, tripwire)
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes
-from qkit.errors import InputError, QkitError
+from qkit.errors import ExportError, InputError, QkitError
 from qkit.export import QKIT, get_format
 from qkit.export.compressed_tensors_w8a8 import check_activations
 from qkit.head_types import Heads, unweighted
@@ -171,6 +171,8 @@ def request(opts: QuantizeOptions) -> Request:
     heads = Heads.parse(opts.token_embedding_type, opts.output_tensor_type)
     if opts.plan is None:  # with a plan: refused there, in the plan's words
         heads.check_scheme(default)
+    if isinstance(default, Recipe) and fmt != QKIT and (why := get_format(fmt).refusal(default)):
+        raise ExportError(why)  # a recipe's whole file in a format without llama.cpp's types: said of the recipe
     planned = _plan_request(opts)
     matrix = read_imatrix(opts.imatrix) if opts.imatrix is not None else None  # a malformed file: refused now
     if matrix is not None and method is not None and method.name != "gptq":  # gptq: the matrix weights its scale search
