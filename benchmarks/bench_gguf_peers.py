@@ -9,12 +9,13 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
 1. ``convert_hf_to_gguf.py --outtype f32``: the reference GGUF.
 2. ``llama-imatrix -m F32.gguf -f cal.txt -c 512 --chunks 32``: one importance matrix, from the pinned
    calibration text (Genesis+Exodus; the eval text, Ruth, is never in it), given to every file that uses one.
-3. For each type: ``llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT TYPE``
-   (llama.cpp's own file), and qkit's ``quantize --format gguf --scheme TYPE --imatrix imatrix.gguf`` with
-   ``--method rtn`` (the same bytes as llama-quantize's, checked) and ``--method gptq`` (GPTQ's error
-   feedback inside the type's blocks; its Hessian from the calibration text's default windows). Each
-   file's bytes are printed: llama.cpp's and qkit's files of a type hold the same tensor bytes (the token
-   embedding f32 in both, as qkit writes it).
+3. For each type: ``llama-quantize --imatrix imatrix.gguf F32.gguf OUT TYPE`` (llama.cpp's own whole file),
+   and qkit's ``quantize --format gguf --scheme TYPE --imatrix imatrix.gguf`` with ``--method rtn`` (the same
+   bytes as llama-quantize's, checked) and ``--method gptq`` (GPTQ's error feedback inside the type's blocks;
+   its Hessian from the calibration text's default windows; token_embd and output by RTN, as llama.cpp
+   writes them). Each file's bytes are printed: llama.cpp's and qkit's files of a type hold the same tensor
+   bytes, the token embedding at llama.cpp's type in both (docs/gguf.md, "Whole files"). Until issue 49's
+   whole files (2026-12-07) this step ran ``--token-embedding-type f32`` and qkit kept the embedding f32.
 3b. ``--plan-gptq RECIPE[,...]``: ``qkit plan --target-scheme RECIPE --method gptq --imatrix imatrix.gguf``
    (the candidates priced for GPTQ's codes; the Q4_1-grid types q4_1 and q5_1 left out, ``PLAN_CANDIDATES``)
    then ``qkit quantize --plan PLAN --method gptq --imatrix imatrix.gguf``: the planned mix at the recipe's
@@ -25,8 +26,8 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
 4. Any ``*.gguf`` under ``--peers`` (another tool's files, e.g. auto-round's) is scored too, with its bytes
    as written (its token embedding may be quantized: compare its size before its KL). ``--match-peers``:
    for each peer file, qkit's RTN+imatrix and GPTQ+imatrix files with exactly the peer's type for every
-   block tensor (``--tensor-type`` words read from the peer's GGUF with the ``gguf`` package; qkit keeps the
-   token embedding in f32, so its files are larger by the embedding's bytes), each paired with the peer.
+   block tensor and its token embedding (``--tensor-type`` words read from the peer's GGUF with the ``gguf``
+   package, the embedding ``--include``d), each paired with the peer.
 5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
    eval text (``-c 512``), then ``--kl-divergence`` per file with a copy of llama-perplexity that also writes
    its per-token values (``bench_llama_cpp.build_kld_dump_tool``), so that two files' KL are paired on
@@ -82,7 +83,13 @@ def peer_types(path: Path) -> list[str]:
     import gguf
 
     return [f"^{re.escape(t.name)}$={t.tensor_type.name.lower()}" for t in gguf.GGUFReader(str(path)).tensors
-            if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2]
+            if ((t.name.startswith("blk.") and t.name.endswith(".weight")) or t.name == "token_embd.weight")
+            and len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16")]
+
+
+def _embedding(words: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``--include`` for the token embedding where ``words`` set its type (``-s q8_0`` targets the projections only)."""
+    return ("model.embed_tokens.weight",) if any("token_embd" in w for w in words) else ()
 
 
 def timed(fn, *a, **k):
@@ -147,10 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                 add(f"qkit {t}+{method}+imatrix", work / f"qkit-{t}+{method}+imatrix.gguf", math.nan, "(reused)", t)
             continue
         out.unlink(missing_ok=True)
-        sec, p = b.sh([blr.tool_path("llama-quantize"), "--imatrix", im, "--token-embedding-type", "f32", f32, out, ft,
-                       args.threads])
+        sec, p = b.sh([blr.tool_path("llama-quantize"), "--imatrix", im, f32, out, ft, args.threads])
         b.check(p, f"llama-quantize {ft}")
-        add(f"llama.cpp {t}+imatrix", out, sec, f"llama-quantize --imatrix imatrix.gguf --token-embedding-type f32 F32.gguf OUT {ft}", t)
+        add(f"llama.cpp {t}+imatrix", out, sec, f"llama-quantize --imatrix imatrix.gguf F32.gguf OUT {ft}", t)
         for method in ("rtn", "gptq"):
             q = work / f"qkit-{t}+{method}+imatrix.gguf"
             _, sec = timed(quantize_model, ref, output=q, scheme=t, method=method, format="gguf",
@@ -181,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                 r, sec_plan = timed(plan_model, ref, options=popts, output=plan, imatrix=str(im), force=True,
                                     method=method, **({"emit_tensor_types": tt} if method == "rtn" else {}))
                 opts = QuantizeOptions(force=True, imatrix=str(im), plan=str(plan))
-            else:
-                opts = QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(tt.read_text().split()))
+            else:  # the plan's types, the embedding's among them (a whole-file plan chooses it too)
+                words = tuple(tt.read_text().split())
+                opts = QuantizeOptions(force=True, imatrix=str(im), tensor_types=words, include=_embedding(words))
             _, sec = timed(quantize_model, ref, output=q, method=method, format="gguf",
                            **({} if plan is not None else {"scheme": "q8_0"}), options=opts)
             add(label, q, sec_plan + sec, how, t)
@@ -206,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
                 if not (q in written or (args.reuse and q.exists())):
                     written.add(q)
                     _, sec = timed(quantize_model, ref, output=q, scheme="q8_0", method=method, format="gguf",
-                                   options=QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(words)))
+                                   options=QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(words),
+                                                           include=_embedding(words)))
                 add(label, q, sec, f"qkit quantize -s q8_0 --tensor-type WORDS --method {method} --imatrix imatrix.gguf "
-                    f"(WORDS: every block tensor's type in {peer.name})", kind)
+                    f"(WORDS: every block tensor's type in {peer.name}, and its token_embd's)", kind)
                 files[label]["peer"] = f"peer {peer.stem}"
 
     print("scoring in llama.cpp", flush=True)

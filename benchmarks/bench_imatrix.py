@@ -13,9 +13,11 @@ In one run, with the llama.cpp that ``build_llama_ref.py`` pins:
    difference is llama.cpp's arithmetic on the activations (its kernels vs torch fp32), part its fp32
    sequential accumulation over 16,384 tokens; qkit sums in fp64.
 2. **Bytes.** For every llama-quantize recipe of the ladder and every uniform type (``--pure``), with and
-   without the importance matrix: ``llama-quantize [--imatrix ref.gguf] --token-embedding-type f32 F32.gguf
-   OUT FTYPE T`` against ``quantize_model(scheme, format="gguf", imatrix=...)``; the 210 block projections
-   compared by type and bytes (``bench_llama_cpp.compare_files``).
+   without the importance matrix: ``llama-quantize [--imatrix ref.gguf] F32.gguf OUT FTYPE T`` (a recipe's
+   whole file, token_embd at llama.cpp's type, as qkit's; for ``--pure`` with ``--token-embedding-type f32``,
+   as qkit's uniform types keep it) against ``quantize_model(scheme, format="gguf", imatrix=...)``; the 210
+   block projections compared by type and bytes (``bench_llama_cpp.compare_files``). Until issue 49's whole
+   files (2026-12-07) every row ran ``--token-embedding-type f32`` and qkit kept the embedding f32.
 3. **Speed.** The same quantizations timed (the recipes in ``TIMED``): llama-quantize (whole process: load, quantize, write) against
    ``quantize_model`` (also load, quantize, write), at each ``--threads``, median of ``--repeats``; and each
    type's encoder alone over the 210 matrices against a plain int8 copy of the same matrices
@@ -120,7 +122,7 @@ def bytes_and_speed(work: Path, f32: Path, im: Path, threads: list[int], repeats
                 lq = work / f"llama-{key}.gguf"
                 qk = work / f"qkit-{key}.gguf"
                 cmd = [blr.tool_path("llama-quantize"), *(["--imatrix", im] if weighted else []),
-                       *(["--pure"] if kind == "pure" else []), "--token-embedding-type", "f32", f32, lq, ftype]
+                       *(["--pure", "--token-embedding-type", "f32"] if kind == "pure" else []), f32, lq, ftype]
                 opts = QuantizeOptions(scheme=scheme, format="gguf", imatrix=str(im) if weighted else None, force=True)
                 row: dict = {"llama_quantize": " ".join(["llama-quantize", *map(str, cmd[1:-3]), "F32.gguf", "OUT.gguf", ftype])}
                 timed = speed and scheme in TIMED
