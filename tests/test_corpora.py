@@ -229,6 +229,7 @@ def no_model(monkeypatch):
     tripwire(monkeypatch, "qkit.evaluation.runner.load", "the reference model was loaded")
     tripwire(monkeypatch, "qkit.api._load", "the model was loaded")
     tripwire(monkeypatch, "qkit.methods.gptq.method.load", "the model was loaded")
+    tripwire(monkeypatch, "qkit.plan.planner.load", "the model was loaded")
 
 
 def _bad_inputs(tmp_path, suite) -> dict[str, tuple[str, list[str]]]:
@@ -257,17 +258,18 @@ def _bad_inputs(tmp_path, suite) -> dict[str, tuple[str, list[str]]]:
 
 @pytest.mark.parametrize("case", ["empty directory", "not UTF-8", "not UTF-8 in a directory",
                                   "a mix overlapping an eval text"])
-@pytest.mark.parametrize("command", ["quantize", "imatrix", "eval"])
+@pytest.mark.parametrize("command", ["quantize", "imatrix", "eval", "plan"])
 def test_bad_calibration_is_one_line_exit_2_before_the_model_loads(command, case, tmp_path, tiny_model_dir, suite,
                                                                    no_model):
     source, needles = _bad_inputs(tmp_path, suite)[case]
     out = tmp_path / "out"
     args = {"quantize": ["quantize", tiny_model_dir, "-o", out, "--scheme", "int4-g32", "--method", "gptq"],
             "imatrix": ["imatrix", tiny_model_dir, "-o", tmp_path / "m.gguf", "--chunk-size", "16"],
-            "eval": ["eval", tiny_model_dir, "--schemes", "int4-g32", "--methods", "gptq"]}[command]
+            "eval": ["eval", tiny_model_dir, "--schemes", "int4-g32", "--methods", "gptq"],
+            "plan": ["plan", tiny_model_dir, "--target-bits", "6", "-o", tmp_path / "plan.json"]}[command]
     with Unchanged(inputs=[tiny_model_dir], dirs=[]):
         assert_refused(invoke(*map(str, args), "--calibration", source), *needles)
-    assert not out.exists() and not (tmp_path / "m.gguf").exists()
+    assert not out.exists() and not (tmp_path / "m.gguf").exists() and not (tmp_path / "plan.json").exists()
 
 
 def test_a_repeated_calibration_option_mixes_its_values(tmp_path, tiny_model_dir, suite, no_model):

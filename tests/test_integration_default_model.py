@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qkit.api import quantize_model
+from qkit.catalog import DEFAULT_SUITE
 from qkit.schemes import DEFAULT_SCHEMES
 
 pytestmark = pytest.mark.slow
@@ -86,3 +87,7 @@ def test_quality_gradient_on_the_default_model(gradient_report):
     assert rows["nf4"].perplexity < rows["int4-row"].perplexity
     assert rows["int8-row"].kld < rows["nf4"].kld < rows["int4-row"].kld < rows["int4-tensor"].kld
     assert rows["reference"].agreement == rows["reference"].agreement_total == 48
+    # the default eval scores the held-out suite, each domain on its own (docs/eval.md, held-out domains)
+    assert [d["name"] for d in rows["nf4"].domains] == list(DEFAULT_SUITE.domains)
+    assert all(d["scored_tokens"] == 255 for d in rows["nf4"].domains)  # 1024 tokens: 256 per domain
+    assert all(a["kld"] < b["kld"] < c["kld"] for a, b, c in zip(*(rows[s].domains for s in ("int8-row", "nf4", "int4-row"))))
