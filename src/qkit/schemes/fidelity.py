@@ -60,19 +60,32 @@ def _pieces(qt: QuantizedTensor, decoded: torch.Tensor | None) -> Iterator[tuple
 
 
 def _sums(source: torch.Tensor, qt: QuantizedTensor, decoded: torch.Tensor | None) -> tuple[float, float, float, float]:
-    """``(||W||², ||Ŵ - W||², the decoded values' min, max)``, a piece at a time: each piece's sums in float32
-    (BLAS dot products: one pass each), added up in Python's double. The check compares with 1 and reports
-    three digits; float32 partial sums of at most ``_CHUNK`` terms are far more precise than that."""
+    """``(||W||², ||Ŵ - W||², the decoded values' min, max)``, a piece at a time. Each piece is scaled by a
+    power of two that brings its largest magnitude near 1 (exact: only exponents change), so its sums in
+    float32 (BLAS dot products, one pass each) neither flush (weights of 1e-30: squares below float32's
+    range) nor overflow (3e38); they are scaled back and added up in Python's double. The check compares
+    with 1 and reports three digits: float32 partial sums of at most ``_CHUNK`` terms are far finer."""
     s = source.reshape(-1)
     num = den = 0.0
     lo, hi = math.inf, -math.inf
     for i, piece, owned in _pieces(qt, decoded):
         a = s[i : i + piece.numel()].to(device=piece.device, dtype=torch.float32)
-        small, big = torch.aminmax(piece)
-        lo, hi = min(lo, float(small)), max(hi, float(big))
+        small, big = (float(v) for v in torch.aminmax(piece))
+        lo, hi = min(lo, small), max(hi, big)
+        if not (math.isfinite(small) and math.isfinite(big)):
+            return den, math.inf, lo, hi
+        top = max(abs(small), abs(big), float(a.abs().max()))
+        if top == 0.0:  # this piece is zeros on both sides
+            continue
+        # 2^-e with top = m 2^e, 0.5 <= m < 1, applied as two factors: 2^149 (a denormal's) is no float32
+        e = -math.frexp(top)[1]
+        halves = (math.ldexp(1.0, e // 2), math.ldexp(1.0, e - e // 2))
         diff = piece.sub_(a) if owned else piece - a
-        den += float(torch.dot(a, a))
-        num += float(torch.dot(diff, diff))
+        a = a.mul(halves[0]).mul_(halves[1])
+        diff.mul_(halves[0]).mul_(halves[1])
+        squared = math.ldexp(1.0, 2 * e)  # a double: 2^298 at most
+        den += float(torch.dot(a, a)) / squared
+        num += float(torch.dot(diff, diff)) / squared
     return den, num, lo, hi
 
 

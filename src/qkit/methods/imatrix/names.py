@@ -93,8 +93,8 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
                              "quantized without weights; collect a matrix whose calibration reaches it, or --exclude it")
         problem = importance_problem(torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32)))
         if problem is not None:  # all zeros, 3e38s, denormals: the searches would write the tensor as zeros
-            raise InputError(f"--imatrix {src}: entry {g} cannot weight {name}: {problem}; no file of llama-imatrix on a "
-                             "finite model holds it: collect the matrix again (qkit imatrix) or --exclude the tensor")
+            raise InputError(f"--imatrix {src}: entry {g} cannot weight {name}: {problem}; collect the matrix again "
+                             "(qkit imatrix, llama-imatrix) or --exclude the tensor")
         out[name] = torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32))
     if missing:
         raise InputError(
