@@ -326,3 +326,24 @@ def test_slices_cut_the_positions_in_order_and_a_single_text_has_no_domains():
     cut = slices(s)
     assert cut["a"].nll.tolist() == [0.0, 1.0] and cut["b"].nll.tolist() == [2.0, 3.0, 4.0, 5.0]
     assert domain_rows(TokenScores(s.nll, s.kl, s.top1), None) == [] and slices(TokenScores(s.nll, s.kl, s.top1)) == {}
+
+
+def test_the_notes_state_a_suite_per_domain_and_a_method_per_domain_against_rtn():
+    from helpers_eval import make_row
+    from qkit.evaluation.notes import interpret
+
+    def dom(name, kld, pct, se):
+        return {"name": name, "scored_tokens": 511, "perplexity": 10.0, "perplexity_se": 1.0, "perplexity_change_pct": pct,
+                "perplexity_change_se_pct": se, "kld": kld, "kld_se": 0.001, "top1_match": 0.9}
+
+    ref, rtn, gptq = make_row("reference", 10, 0, 0, None), make_row("q", 11, 10, 1, 14), make_row("q+gptq", 10.5, 5, 1, 14)
+    ref.domains = [dom("a", 0, 0, 0), dom("b", 0, 0, 0)]
+    rtn.domains, gptq.domains = [dom("a", 0.1, 10, 1), dom("b", 0.3, 1, 1)], [dom("a", 0.05, 5, 1), dom("b", 0.31, 0.5, 1)]
+    gptq.versus = {"against": "q", "kld_change": -0.02, "kld_change_se": 0.001, "perplexity_change_pct": -4.0,
+                   "perplexity_change_se_pct": 0.5, "domains": {"a": {"kld_change": -0.05, "kld_change_se": 0.001},
+                                                                "b": {"kld_change": 0.01, "kld_change_se": 0.001}}}
+    notes = interpret([ref, rtn, gptq])
+    assert "q: KL worst on b (0.3000 ± 0.0010); perplexity change beyond two paired SE on 1 of 2 domains (a +10.0% ± 2.0%)." in notes
+    assert any(n.startswith("q+gptq against q:") and n.endswith("per domain, KL a -0.0500 (gain), b +0.0100 (loss).")
+               for n in notes)  # a gain overall, a loss on b: the note says so
+    assert any("from best to worst KL on their worst domain" in n and "q (0.3000 b" in n for n in notes)

@@ -105,7 +105,8 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
             verdict += (f", but {r.matrices - r.weights_changed} of its tensors reproduce the reference's weights "
                         "exactly (above): on this model that share of the gain is the grid, not the method")
         notes.append(f"{r.scheme} against {v['against']}: KL {kl:+.4f} (±{2 * se:.4f}, 2 paired SE), perplexity "
-                     f"{v['perplexity_change_pct']:+.2f}% (±{2 * v['perplexity_change_se_pct']:.2f}%): {verdict}.")
+                     f"{v['perplexity_change_pct']:+.2f}% (±{2 * v['perplexity_change_se_pct']:.2f}%): {verdict}"
+                     + per_domain(v.get("domains") or {}) + ".")
     notes.extend(engine_notes(others))
     measured = [r for r in others if r.agreement_total]
     if measured:
@@ -113,6 +114,19 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
         notes.append(f"greedy agreement is the acceptance rate of a quantized draft in speculative decoding: best {best.scheme} "
                      f"{best.agreement}/{best.agreement_total} ({100 * best.agreement / best.agreement_total:.0f}%).")
     return notes
+
+
+def per_domain(domains: dict) -> str:
+    """A paired comparison per domain of an eval suite (``Row.versus["domains"]``): each domain's KL change and
+    whether it is a gain, a loss or within two paired SE; "" for one text."""
+    def word(d: dict) -> str:
+        kl, se = d["kld_change"], d["kld_change_se"]
+        if not (math.isfinite(kl) and math.isfinite(se)):
+            return "no SE"
+        return "gain" if kl + 2 * se < 0 else "loss" if kl - 2 * se > 0 else "same"
+
+    return ("; per domain, KL " + ", ".join(f"{name} {d['kld_change']:+.4f} ({word(d)})" for name, d in domains.items())
+            if domains else "")
 
 
 def domain_note(r: Row) -> str:
@@ -179,4 +193,4 @@ def _min_discordant(alpha: float) -> int:
     return n
 
 
-__all__ = ["domain_note", "engine_notes", "interpret"]
+__all__ = ["domain_note", "engine_notes", "interpret", "per_domain"]
