@@ -45,6 +45,7 @@ from qkit.texts import (
     Corpus,
     check_disjoint,
     data_file,
+    joined_sources,
     kjv_books,
     kjv_verses,
     load_corpus,
@@ -297,10 +298,11 @@ def mix_set(mix: Mix = DEFAULT_MIX) -> CalibrationSet:
     return CalibrationSet(mix.name, tuple(Part(CORPORA.get(name).load(), weight) for name, weight in mix.parts))
 
 
-def calibration_set(source: str | None = None) -> CalibrationSet:
+def calibration_set(source: str | Sequence[str] | None = None) -> CalibrationSet:
     """``--calibration``: None (the default mix, ``DEFAULT_MIX``), or what ``texts.load_texts`` reads (a
-    file, a directory, several files comma-separated or repeated, ``kjv:``, ``hf:``): one text is used as
-    it is, several are mixed, each by the windows it holds."""
+    file, a directory, several files comma-separated or repeated, ``kjv:``, ``hf:``; a list is the values
+    of a repeated option): one text is used as it is, several are mixed, each by the windows it holds."""
+    source = joined_sources(source)
     if source is None or source in ("", "default"):
         return mix_set()
     corpora = load_texts(source, what="calibration file", option="--calibration")
