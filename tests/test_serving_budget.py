@@ -200,13 +200,16 @@ def test_block_formats_price_what_quantize_writes(tiny_model_dir, tmp_path, fmt)
 def test_q4_k_m_on_the_7b_preset_by_hand():
     # llama.cpp's Q4_K_M on 32 layers: attn_v and ffn_down of layers 0-3, 28-31 and 6, 9, ..., 27 (16 layers)
     # in Q6_K (210 bytes per 256 weights), every other projection Q4_K (144 per 256); all widths are
-    # multiples of 256 (4096, 14336), so no fallback.
+    # multiples of 256 (4096, 14336), so no fallback. The whole file: the untied token embedding (32000 x
+    # 4096) at the recipe's type, Q4_K, and the head (output) at Q6_K, as llama-quantize writes them.
     w = weight_bytes(llama_shapes(architecture_from_config(PRESETS["7b"], "7b")), "q4_k_m")
     q6 = 16 * (1024 * 4096 + 4096 * 14336)
     per_layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
-    assert w.quantized_parameters == 32 * per_layer
-    assert w.quantized_bytes == q6 // 256 * 210 + (32 * per_layer - q6) // 256 * 144
-    assert round(w.projection_bits_per_weight, 3) == 4.797
+    embedding = 32000 * 4096
+    assert w.quantized_parameters == 32 * per_layer + 2 * embedding
+    assert w.quantized_bytes == (q6 // 256 * 210 + (32 * per_layer - q6) // 256 * 144
+                                 + embedding // 256 * 144 + embedding // 256 * 210)
+    assert w.fp16_parameters == 65 * 4096  # the norms
 
 
 def test_chapter_prices_fixed_rate_formats_only():

@@ -170,9 +170,11 @@ def render_budget(r) -> None:
     if r.chapter:
         console.note(f"- {r.assumptions}")
         return
-    console.note("- bits/w: of the block projections (attention q/k/v/o and MLP matrices), stored in the format's qkit scheme "
-                 f"({', '.join(f'{k}={v}' for k, v in r.formats.items() if v)}); embeddings, norms, biases and an untied lm head "
-                 "stay fp16 and are included in 'weights'.")
+    console.note("- bits/w: of the tensors the format's qkit scheme quantizes "
+                 f"({', '.join(f'{k}={v}' for k, v in r.formats.items() if v)}): the block projections (attention q/k/v/o "
+                 "and MLP matrices), and for a llama.cpp recipe (q4_k_m) also the token embedding and head at llama.cpp's "
+                 "types, as its whole file; the rest (norms, biases; the embeddings of the other formats) stays fp16 and is "
+                 "included in 'weights'.")
 
 
 # --------------------------------------------------------------------------- speculate

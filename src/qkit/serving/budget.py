@@ -10,9 +10,10 @@ one token of cache is left, and is *misleading* when it fits but ``max_tokens`` 
 conversation (``conversation`` tokens, 4,096 by default): the model loads, then cannot hold a chat.
 
 Weight bytes are what qkit would store (``stored_bytes``, the same arithmetic as ``QuantizedTensor``
-storage): the block projections (``qkit.transform.is_block_projection``: attention q/k/v/o and MLP
-matrices inside the layers) in the format's scheme, everything else (embeddings, norms, biases, an
-untied lm head) kept at fp16. With a model directory the tensor shapes come from its safetensors
+storage): the tensors ``qkit quantize`` quantizes (the block projections, ``qkit.transform.is_block_projection``:
+attention q/k/v/o and MLP matrices inside the layers; for a llama.cpp recipe such as q4_k_m also the token
+embedding and the head, at llama.cpp's types, as its whole file) in the format's scheme, everything else
+(norms, biases, and for the other formats the embeddings and an untied lm head) kept at fp16. With a model directory the tensor shapes come from its safetensors
 headers (exact); with a config.json or a preset from a llama-style layout (gated MLP) of that config.
 
 ``chapter=True`` (``qkit budget --chapter``) applies the chapter's simpler assumptions instead, under
@@ -47,7 +48,9 @@ from qkit.serving.kv import (
     check_kv_dtype,
     read_config_file,
 )
-from qkit.transform import is_block_projection
+from qkit.transform import Rules, is_block_projection
+
+_RULES = Rules()  # the targets quantize chooses with no --include/--exclude
 
 GIB = 2**30
 FP16_BYTES = torch.float16.itemsize
@@ -148,6 +151,8 @@ def recipe_config(shapes: list[tuple[str, tuple[int, ...]]], config: dict | None
     rules), with the layer count found in the names; a Mistral layout is llama.cpp's llama architecture."""
     cfg = dict(config or {})
     cfg["num_hidden_layers"] = layer_count(shapes)
+    # a head stored apart is untied; none stored (a checkpoint keeps a tied one once): tied
+    cfg.setdefault("tie_word_embeddings", not any(n in ("lm_head.weight", "output.weight") for n, _ in shapes))
     if cfg.get("model_type") == "mistral":
         cfg["model_type"] = "llama"
     return cfg
@@ -160,7 +165,9 @@ def layer_count(shapes: Iterable[tuple[str, tuple[int, ...]]]) -> int:
 
 
 def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str, config: dict | None = None) -> WeightBytes:
-    """Sum the stored bytes of every tensor: block projections in ``fmt``'s scheme, the rest in fp16.
+    """Sum the stored bytes of every tensor: the tensors ``qkit quantize -s SCHEME`` quantizes (``Rules``:
+    the block projections, and a recipe's ``token_embd`` and ``output`` too, as llama-quantize writes its
+    whole file) in ``fmt``'s scheme, the rest in fp16.
 
     Every tensor is priced in the scheme ``resolve`` gives it (q4_k_m's recipe picks a type per tensor,
     k-quants fall back for some widths), with the scheme bound (``bind``) to the layer count found in the
@@ -174,7 +181,7 @@ def weight_bytes(shapes: Iterable[tuple[str, tuple[int, ...]]], fmt: str, config
     for name, shape in shapes:
         n = math.prod(shape)
         params += n
-        if scheme is not None and is_block_projection(name, tuple(shape)):
+        if scheme is not None and _RULES.scheme_for(name, tuple(shape), scheme) is not None:
             b = stored_bytes(scheme.resolve(tuple(shape), name), tuple(shape))
             qparams += n
             qbytes += b
