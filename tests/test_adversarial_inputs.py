@@ -428,10 +428,10 @@ def test_next_token_empty_text_names_the_argument(tiny_model_dir):
 def test_calibration_file_messages_say_calibration(tiny_model_dir, tmp_path):
     missing, directory = tmp_path / "nope.txt", tmp_path / "a_directory"
     directory.mkdir()
-    for target in (missing, directory):
+    for target, noun in ((missing, "calibration file"), (directory, "calibration directory")):
         line = assert_refused(invoke("quantize", str(tiny_model_dir), "-s", "int8-row", "--method", "gptq",
                                      "--calibration", str(target), "-o", str(tmp_path / "out")), "--calibration")
-        assert "calibration file" in line and "corpus" not in line
+        assert noun in line and "corpus" not in line
     assert not (tmp_path / "out").exists()
 
 

@@ -47,6 +47,16 @@ def _argv(tmp: Path) -> dict[tuple[str, str], tuple[str, list[str], str]]:
         ("inspect matrix", "--scheme"): ("--scheme", ["inspect", "matrix", MISSING, "-s", "nf4", "-s", "V"], "nf4,,int8-row"),
         ("inspect next-token", "--temperature"): ("--temperature", ["inspect", "next-token", MISSING, "hi", "--temperature", "V"],
                                                   "1,,2"),
+        ("quantize", "--calibration"): ("--calibration", ["quantize", MISSING, "-o", out, "--method", "gptq",
+                                                          "--calibration", "V"], "a.txt,,b.txt"),
+        ("eval", "--calibration"): ("--calibration", ["eval", MISSING, "--methods", "gptq", "--calibration", "V"],
+                                    "a.txt,,b.txt"),
+        ("imatrix", "--calibration"): ("--calibration", ["imatrix", MISSING, "-o", str(tmp / "m.gguf"), "--calibration", "V"],
+                                       "a.txt,,b.txt"),
+        ("plan", "--calibration"): ("--calibration", ["plan", MISSING, "-o", plan, "--target-bits", "4", "--calibration", "V"],
+                                    "a.txt,,b.txt"),
+        ("inspect errors", "--calibration"): ("--calibration", ["inspect", "errors", MISSING, "--method", "gptq",
+                                                                "--calibration", "V"], "a.txt,,b.txt"),
     }
 
 

@@ -74,6 +74,7 @@ EXTRA = {
     ("quantize", "--calibration-samples"): ["--method", "gptq", "--calibration", "{T}"],
     ("quantize", "--calibration-seqlen"): ["--method", "gptq", "--calibration", "{T}"],
     ("quantize", "--dampening"): ["--method", "gptq", "--calibration", "{T}"],
+    ("quantize", "--holdout"): ["--method", "gptq", "--calibration", "{T}"],
     ("quantize", "--alpha"): ["--method", "smoothquant", "--activations", "int8-token", "--format", "compressed-tensors",
                               "--calibration", "{T}"],
     ("quantize", "--target-bits"): ["--format", "gguf"], ("quantize", "--target-size"): ["--format", "gguf"],

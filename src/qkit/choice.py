@@ -179,7 +179,8 @@ def request(opts: QuantizeOptions) -> Request:
         raise InputError(f"--imatrix weights llama.cpp's own searches (--method rtn or gptq); {method.name} chooses the codes "
                          "itself: drop one of them")
     if method is None and given:
-        raise InputError(f"options {', '.join(sorted(given))} need a calibrated --method (gptq, awq, ...)")
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(given))
+        raise InputError(f"{flags} {'needs' if len(given) == 1 else 'need'} a calibrated --method (gptq, awq, ...)")
     if opts.max_memory is not None and not (isinstance(opts.max_memory, int) and not isinstance(opts.max_memory, bool)
                                             and opts.max_memory > 0):
         raise InputError(f"--max-memory must be a positive number of bytes, got {opts.max_memory!r}")

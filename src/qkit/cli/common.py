@@ -102,7 +102,7 @@ CalibrationOpt = Annotated[
         "kjv:BOOK[,BOOK...] or hf:DATASET[:CONFIG[:SPLIT]]; several are mixed (default: qkit's mix of prose, technical "
         "prose, code, dialogue and other languages, docs/corpora.md; a text sharing any 12-word run with an eval text "
         "is refused).",
-        metavar="TEXTS",
+        metavar="LIST",
         show_default=False,
     ),
 ]

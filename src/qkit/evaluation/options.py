@@ -26,6 +26,7 @@ from qkit.models import check_device_map, parse_device
 from qkit.schemes import DEFAULT_SCHEMES
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.simulate.options import check_keys
+from qkit.texts import joined_sources, split_sources
 
 # The method options that choose a static activation row's calibration too (simulate.activations.StaticOptions).
 SIMULATION_CALIBRATION = ("calibration", "calibration_samples", "calibration_seqlen")
@@ -91,7 +92,10 @@ class EvalOptions:
         check_scored(self.tokens, self.window)  # a perplexity without a standard error is never reported
         whole(self.tokens, "--tokens", min_tokens(self.window), MAX_COUNT)  # the upper bound, named
         check_runtimes(self.runtimes, self.dtype, self.engine)  # unknown names, an engine not installed, bad counts
-        specs = check_rows(self.schemes, self.methods, dict(self.method_options), rows)  # names, simulations, plans, files
+        given = dict(self.method_options)
+        if given.get("calibration") is not None:  # an empty value or entry named now, even with no calibrated row
+            split_sources(joined_sources(given["calibration"]))
+        specs = check_rows(self.schemes, self.methods, given, rows)  # names, simulations, plans, files
         check_file_runtimes(specs, engines_named(self.runtimes))  # a file row in a runtime that cannot load it
         check_keys(dict(self.simulation_options))  # a misspelt simulation option, even with no simulation row
         parse_scale_dtype(self.scale_dtype)

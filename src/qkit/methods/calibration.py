@@ -31,7 +31,7 @@ import torch
 from qkit.bounds import MAX_COUNT, whole
 from qkit.catalog import CalibrationSet, calibration_set, check_calibration, disjoint_record, eval_texts, model_text
 from qkit.errors import InputError
-from qkit.texts import Corpus, joined_sources
+from qkit.texts import Corpus, joined_sources, split_sources
 
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
 # was measured with in issue 9; on the 2-core reference machine it keeps GPTQ on the default model near
@@ -74,6 +74,8 @@ class CalibrationOptions:
             raise InputError(f"--calibration-seqlen must be an integer of at least 2 tokens, got {self.seqlen!r}")
         whole(self.samples, "--calibration-samples", 1, MAX_COUNT)  # the upper bounds (a 309-digit count overflowed a float)
         whole(self.window, "--calibration-seqlen", 2, MAX_COUNT)
+        if self.source is not None:  # an empty value or entry ("a,,b": an empty shell variable) named now
+            split_sources(joined_sources(self.source))
 
 
 def fit_seqlen(seqlen: int | None, config: Any) -> int:

@@ -48,7 +48,7 @@ from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
 from qkit.methods.imatrix.names import gguf_names, refuse_unsupported
 from qkit.methods.memory import BASELINE, RETENTION, Model, Need, check_need
 from qkit.methods.sequential import find_blocks
-from qkit.texts import Corpus
+from qkit.texts import Corpus, split_sources
 
 MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens)?"
 
@@ -75,6 +75,8 @@ class ImatrixOptions:
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise InputError(f"{name} must be an integer of at least {low}, got {v!r}")
             whole(v, name, low, MAX_COUNT)  # the upper bound: a 309-digit count overflowed the memory estimate
+        if self.source is not None:  # an empty value or entry ("a,,b": an empty shell variable) named now
+            split_sources(self.source)
 
 
 def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
