@@ -230,6 +230,7 @@ class _Corpus:
         self.windows = [torch.tensor([1, 2, 3, 4]), torch.tensor([0, 4, 2])]
         self.ref_logprobs = [torch.log_softmax(torch.randn(w.numel() - 1, 5, generator=g), -1) for w in self.windows]
         self.ref_argmax = [lp.argmax(-1) for lp in self.ref_logprobs]
+        self.domains = ()  # one text, as CorpusReference over a single corpus
 
     def logprobs(self, i):
         return self.ref_logprobs[i].clone()

@@ -197,7 +197,6 @@ def test_default_model_fp32_is_the_whole_window_implementation_bit_for_bit(defau
     tokens: one span; 700: three spans of 233-234), against the frozen whole-window implementation,
     the reference and an int8-row row."""
     from qkit.models import load_tokenizer
-    from qkit.texts import load_corpus
 
     model = load(default_model_dir, device="cpu").model
     tok = load_tokenizer(default_model_dir)
@@ -223,11 +222,16 @@ def test_default_model_fp32_is_the_whole_window_implementation_bit_for_bit(defau
 
 
 @pytest.mark.slow
-def test_default_model_bf16_eval(default_model_dir):
+def test_default_model_bf16_eval(default_model_dir, tmp_path):
     """``qkit eval --dtype bf16 --schemes int8-row --tokens 256`` on the default model: provenance bf16,
     the row's bits/w the stored scheme's (int8 codes plus one fp16 scale a row), and the reference's
     perplexity within 1% of fp32's on the same tokens (measured: 11.7758 fp32, 11.8352 bf16: +0.50%)."""
-    report = evaluate(None, options=EvalOptions(schemes=("int8-row",), tokens=256, dtype="bf16", agree_tokens=2))
+    from qkit.texts import load_corpus
+
+    ruth = tmp_path / "ruth.txt"  # one text (the default eval is a suite of four domains)
+    ruth.write_text(load_corpus(None).text)
+    report = evaluate(None, options=EvalOptions(schemes=("int8-row",), tokens=256, dtype="bf16", agree_tokens=2,
+                                                corpus=str(ruth)))
     assert report.provenance["dtype"] == "bf16"
     ref, row = report.rows
     assert ref.bits_per_weight == 16
@@ -235,7 +239,6 @@ def test_default_model_bf16_eval(default_model_dir):
     # intermediate 1536), so 8 + 16 * 5184 / 3538944 = 8.0234375 (the fp32 table's value too)
     assert row.bits_per_weight == 8.0234375
     from qkit.models import load_tokenizer
-    from qkit.texts import load_corpus
 
     fp32 = load(default_model_dir, device="cpu").model
     tok = load_tokenizer(default_model_dir)
