@@ -197,6 +197,7 @@ def test_default_model_fp32_is_the_whole_window_implementation_bit_for_bit(defau
     tokens: one span; 700: three spans of 233-234), against the frozen whole-window implementation,
     the reference and an int8-row row."""
     from qkit.models import load_tokenizer
+    from qkit.texts import load_corpus
 
     model = load(default_model_dir, device="cpu").model
     tok = load_tokenizer(default_model_dir)

@@ -311,25 +311,36 @@ def _writable_ancestor(path: Path, what: str) -> Path:
 
 
 def _probe(directory: Path, name: str) -> OSError | None:
-    """Create, write one byte to, and remove a sibling-named probe file in ``directory``; the error, if any."""
+    """Create, write one byte to, and remove a sibling-named probe file in ``directory``; the error, if any.
+
+    The name is new (a random part), so the probe is removed in an outer ``finally`` that also covers the
+    moment between ``os.open`` returning and the inner ``try``: a Ctrl-C landing there left the probe
+    behind (seen on a loaded machine). Only a name that already existed (``FileExistsError``) is not ours."""
     probe = directory / sibling_name(name or "out", TMP_MARK)
+    ours = True
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        return exc
-    error = None
-    try:
-        os.write(fd, b"\0")  # a full file system refuses the first block; creating an empty file still works
-    except OSError as exc:
-        error = exc
-    finally:
         try:
-            os.close(fd)
-        except OSError as exc:  # NFS reports a full disk on close
-            error = error or exc
-        with contextlib.suppress(OSError):
-            os.unlink(probe)
-    return error
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError as exc:
+            ours = False
+            return exc
+        except OSError as exc:
+            return exc
+        error = None
+        try:
+            os.write(fd, b"\0")  # a full file system refuses the first block; creating an empty file still works
+        except OSError as exc:
+            error = exc
+        finally:
+            try:
+                os.close(fd)
+            except OSError as exc:  # NFS reports a full disk on close
+                error = error or exc
+        return error
+    finally:
+        if ours:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
 
 
 __all__ = ["EXPORT_MANIFEST", "SOURCE_FILE", "Input", "Output", "check_apart", "check_output", "claim_output",
