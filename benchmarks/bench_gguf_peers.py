@@ -7,8 +7,11 @@
 In one run, with the llama.cpp ``build_llama_ref.py`` pins:
 
 1. ``convert_hf_to_gguf.py --outtype f32``: the reference GGUF.
-2. ``llama-imatrix -m F32.gguf -f cal.txt -c 512 --chunks 32``: one importance matrix, from the pinned
-   calibration text (Genesis+Exodus; the eval text, Ruth, is never in it), given to every file that uses one.
+2. ``llama-imatrix -m F32.gguf -f cal.txt -c 512``: one importance matrix, given to every file that uses
+   one. ``cal.txt`` is qkit's own calibration windows (``--calibration``; default qkit's mix,
+   ``docs/corpora.md``: 32 windows of 512 tokens from ten texts in seven domains), decoded to text, so
+   llama-imatrix and qkit's GPTQ Hessian see the same tokens (re-tokenized: within a few tokens a window).
+   ``--calibration kjv:Genesis,Exodus`` gives the Bible-only runs of earlier tables.
 3. For each type: ``llama-quantize --imatrix imatrix.gguf F32.gguf OUT TYPE`` (llama.cpp's own whole file),
    and qkit's ``quantize --format gguf --scheme TYPE --imatrix imatrix.gguf`` with ``--method rtn`` (the same
    bytes as llama-quantize's, checked) and ``--method gptq`` (GPTQ's error feedback inside the type's blocks;
@@ -28,11 +31,14 @@ In one run, with the llama.cpp ``build_llama_ref.py`` pins:
    for each peer file, qkit's RTN+imatrix and GPTQ+imatrix files with exactly the peer's type for every
    block tensor and its token embedding (``--tensor-type`` words read from the peer's GGUF with the ``gguf``
    package, the embedding ``--include``d), each paired with the peer.
-5. Every file scored by llama.cpp itself: ``llama-perplexity --kl-divergence-base`` from the F32 file on the
-   eval text (``-c 512``), then ``--kl-divergence`` per file with a copy of llama-perplexity that also writes
-   its per-token values (``bench_llama_cpp.build_kld_dump_tool``), so that two files' KL are paired on
-   the same positions: mean KL ± SE per file, and per type each file against llama.cpp's own file of that
-   type (difference ± paired SE and the ratio).
+5. Every file scored by llama.cpp itself, on each held-out domain of qkit eval's suite (Ruth, the GPL-3
+   licence, Python's argparse.py, Much Ado About Nothing in the chat template; none in the calibration,
+   checked): ``llama-perplexity --kl-divergence-base`` from the F32 file on the domain's text (``-c 512``,
+   its first ``--chunks`` chunks), then ``--kl-divergence`` per file with a copy of llama-perplexity that
+   also writes its per-token values (``bench_llama_cpp.build_kld_dump_tool``), so that two files' KL are
+   paired on the same positions: per domain, mean KL ± SE per file, and per type each file against
+   llama.cpp's own file of that type (difference ± paired SE and the ratio); the summary's last column is
+   the worst domain's ratio.
 
 The default model's weights were published as Q4_1: a type whose grid holds Q4_1's blocks can round a
 tensor back onto the source, and there every method is exact (``bench_gptq_ggml.py --grid`` lists them);
@@ -62,12 +68,14 @@ from qkit.api import QuantizeOptions, plan_model, quantize_model  # noqa: E402
 from qkit.assets import cache_dir  # noqa: E402
 from qkit.models import resolve  # noqa: E402
 from qkit.plan import PlanOptions  # noqa: E402
-from qkit.texts import load_calibration_text, load_corpus  # noqa: E402
+from qkit.catalog import check_calibration, eval_texts, model_text  # noqa: E402
+from qkit.methods.calibration import CalibrationOptions, calibration_ids  # noqa: E402
+from qkit.models import load_tokenizer  # noqa: E402
 
 # qkit's scheme name -> llama-quantize's ftype
 FTYPES = {"q2_k-llama": "Q2_K", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M",
           "iq4_xs-llama": "IQ4_XS", "iq4_nl-llama": "IQ4_NL", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
-CTX, IM_CHUNKS = 512, 32
+CTX = 512
 # the planned mix's candidates: the ladder without q4_1 and q5_1, whose grids hold the published Q4_1 blocks
 PLAN_CANDIDATES = ("q2_k", "q3_k", "iq4_xs", "iq4_nl", "q4_0", "q4_k", "q5_0", "q5_k", "q6_k", "q8_0")
 
@@ -92,6 +100,29 @@ def _embedding(words: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return ("model.embed_tokens.weight",) if any("token_embd" in w for w in words) else ()
 
 
+def calibration_text(model_dir: Path, source: str | None, out: Path) -> dict:
+    """qkit's calibration windows for ``source`` (None: the default mix), decoded and joined, written to
+    ``out`` for llama-imatrix; returns their provenance (name, windows, ids_sha256, parts' shares)."""
+    tok = load_tokenizer(model_dir)
+    from transformers import AutoConfig
+
+    ids, prov = calibration_ids(tok, CalibrationOptions(source=source).fitted(AutoConfig.from_pretrained(model_dir)))
+    out.write_text("".join(tok.decode(row.tolist()) for row in ids), encoding="utf-8")
+    return {k: prov.get(k) for k in ("name", "sha256", "samples", "seqlen", "ids_sha256", "parts")}
+
+
+def domain_texts(model_dir: Path, work: Path) -> dict[str, Path]:
+    """Each held-out domain of qkit eval's suite as the model is given it (``catalog.model_text``: dialogue
+    in the chat template), one file each under ``work``."""
+    tok = load_tokenizer(model_dir)
+    out = {}
+    for corpus in eval_texts(None):
+        path = work / f"eval-{corpus.name}.txt"
+        path.write_text(model_text(corpus, tok), encoding="utf-8")
+        out[corpus.name] = path
+    return out
+
+
 def timed(fn, *a, **k):
     t0 = time.perf_counter()
     out = fn(*a, **k)
@@ -102,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--types", default="q2_k-llama,q3_k_m,q4_k_m,iq4_xs-llama")
     ap.add_argument("--peers", type=Path, default=None, help="a folder of other tools' GGUF files to score too")
-    ap.add_argument("--chunks", type=int, default=None, help="eval chunks of 512 tokens (default: all of Ruth)")
+    ap.add_argument("--chunks", type=int, default=6, help="eval chunks of 512 tokens per domain (Ruth holds 6)")
+    ap.add_argument("--calibration", default=None,
+                    help="qkit's --calibration for both tools (default: qkit's mix; kjv:Genesis,Exodus: the Bible)")
+    ap.add_argument("--holdout", type=int, default=0, help="gptq --holdout N (windows held out, RTN's codes where better)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--reuse", action="store_true", help="score the files a previous run wrote (its seconds not re-measured)")
@@ -124,19 +158,21 @@ def main(argv: list[str] | None = None) -> int:
     f32 = work / "F32.gguf"
     if not f32.exists():
         doc["steps"]["convert"] = b.convert_f32(ref.directory, f32, work)
-    cal, ruth = work / "cal.txt", work / "ruth.txt"
-    cal.write_text(load_calibration_text(None).text, encoding="utf-8")
-    ruth.write_text(load_corpus().text, encoding="utf-8")
+    cal = work / "cal.txt"
+    doc["calibration"] = calibration_text(ref.directory, args.calibration, cal)
+    domains = domain_texts(ref.directory, work)
+    check_calibration(__import__("qkit.catalog").catalog.calibration_set(args.calibration), eval_texts(None))
     im = work / "imatrix.gguf"
-    cmd = [blr.tool_path("llama-imatrix"), "-m", f32, "-f", cal, "-c", CTX, "--chunks", IM_CHUNKS, "-o", im,
-           "-t", args.threads]
+    cmd = [blr.tool_path("llama-imatrix"), "-m", f32, "-f", cal, "-c", CTX, "-o", im, "-t", args.threads]
     sec = math.nan
     if not (args.reuse and im.exists()):
         sec, p = b.sh(cmd)
         b.check(p, "llama-imatrix")
-    doc["steps"]["imatrix"] = {"command": f"llama-imatrix -m F32.gguf -f cal.txt -c {CTX} --chunks {IM_CHUNKS}",
-                               "seconds": round(sec, 1)}
-    print(f"imatrix: {sec:.1f} s", flush=True)
+    doc["steps"]["imatrix"] = {"command": f"llama-imatrix -m F32.gguf -f cal.txt -c {CTX}", "seconds": round(sec, 1)}
+    print(f"imatrix on {doc['calibration']['name']}: {sec:.1f} s", flush=True)
+    method_options = {"holdout": args.holdout} if args.holdout else {}
+    if args.calibration is not None:
+        method_options["calibration"] = args.calibration
 
     files: dict[str, dict] = {}
 
@@ -160,13 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         for method in ("rtn", "gptq"):
             q = work / f"qkit-{t}+{method}+imatrix.gguf"
             _, sec = timed(quantize_model, ref, output=q, scheme=t, method=method, format="gguf",
-                           options=QuantizeOptions(force=True, imatrix=str(im)))
+                           options=QuantizeOptions(force=True, imatrix=str(im),
+                                                   method_options=method_options if method == "gptq" else None))
             add(f"qkit {t}+{method}+imatrix", q, sec,
                 f"qkit quantize --format gguf --scheme {t} --method {method} --imatrix imatrix.gguf", t)
         files[f"qkit {t}+rtn+imatrix"]["same_bytes_as_llama_cpp"] = b.compare_files(out, work / f"qkit-{t}+rtn+imatrix.gguf")["identical"]
     for t in [t for t in args.plan_gptq.split(",") if t]:
         cands = ",".join(PLAN_CANDIDATES)
-        popts = PlanOptions(format="gguf", target_scheme=t, candidates=PLAN_CANDIDATES)
+        popts = PlanOptions(format="gguf", target_scheme=t, candidates=PLAN_CANDIDATES, calibration=args.calibration)
         plan_cmd = f"qkit plan --format gguf --target-scheme {t} --candidates {cands} --imatrix imatrix.gguf"
         rplan, tt = work / f"plan-{t}+rtn+imatrix.json", work / f"plan-{t}+rtn+imatrix.tensor-types"
         # the planned GPTQ mix, then the controls: the RTN-priced plan at the same budget, written by RTN and by GPTQ
@@ -186,10 +223,12 @@ def main(argv: list[str] | None = None) -> int:
             if plan is not None:
                 r, sec_plan = timed(plan_model, ref, options=popts, output=plan, imatrix=str(im), force=True,
                                     method=method, **({"emit_tensor_types": tt} if method == "rtn" else {}))
-                opts = QuantizeOptions(force=True, imatrix=str(im), plan=str(plan))
+                opts = QuantizeOptions(force=True, imatrix=str(im), plan=str(plan),
+                                       method_options=method_options if method == "gptq" else None)
             else:  # the plan's types, the embedding's among them (a whole-file plan chooses it too)
                 words = tuple(tt.read_text().split())
-                opts = QuantizeOptions(force=True, imatrix=str(im), tensor_types=words, include=_embedding(words))
+                opts = QuantizeOptions(force=True, imatrix=str(im), tensor_types=words, include=_embedding(words),
+                                       method_options=method_options)
             _, sec = timed(quantize_model, ref, output=q, method=method, format="gguf",
                            **({} if plan is not None else {"scheme": "q8_0"}), options=opts)
             add(label, q, sec_plan + sec, how, t)
@@ -214,58 +253,82 @@ def main(argv: list[str] | None = None) -> int:
                     written.add(q)
                     _, sec = timed(quantize_model, ref, output=q, scheme="q8_0", method=method, format="gguf",
                                    options=QuantizeOptions(force=True, imatrix=str(im), tensor_types=tuple(words),
-                                                           include=_embedding(words)))
+                                                           include=_embedding(words),
+                                                           method_options=method_options if method == "gptq" else None))
                 add(label, q, sec, f"qkit quantize -s q8_0 --tensor-type WORDS --method {method} --imatrix imatrix.gguf "
                     f"(WORDS: every block tensor's type in {peer.name}, and its token_embd's)", kind)
                 files[label]["peer"] = f"peer {peer.stem}"
 
     print("scoring in llama.cpp", flush=True)
-    base = work / "F32.kld"
-    base_run = b.llama_kld_base(f32, ruth, CTX, args.threads, base, args.chunks)
-    if base_run.get("error"):
-        raise SystemExit(base_run["error"])
-    doc["steps"]["kld_base"] = base_run
     tool = b.build_kld_dump_tool()
-    kl: dict[str, np.ndarray] = {}
-    for name, f in files.items():
-        dump = work / "kld.dump"
-        r = b.llama_kl_divergence(Path(f["path"]), base, args.threads, tool=tool, dump=dump)
-        if r.get("error"):
-            f["error"] = r["error"][-400:]
-            print(f"  {name}: llama.cpp refused it: {r['error'][-200:]}", flush=True)
-            continue
-        values = b.read_kld_dump(dump)
-        kl[name] = values["kld"]
-        f.update(kl=float(values["kld"].mean()), kl_se=float(values["kld"].std(ddof=1) / math.sqrt(len(values))),
-                 same_top=float(values["same_top"].mean()), positions=len(values), llama_stats=r["stats"],
-                 ppl=float(np.exp(values["nll"].astype(np.float64).mean())))
-        print(f"  {name:32s} KL {f['kl']:.5f} ± {f['kl_se']:.5f}  same top {100 * f['same_top']:.1f}%", flush=True)
+    kl: dict[str, dict[str, np.ndarray]] = {}  # domain -> file -> per-position KL
+    doc["domains"] = {}
+    for domain, text in domains.items():
+        base = work / f"F32-{domain}.kld"
+        base_run = b.llama_kld_base(f32, text, CTX, args.threads, base, args.chunks)
+        if base_run.get("error"):
+            raise SystemExit(f"{domain}: {base_run['error']}")
+        doc["domains"][domain] = base_run
+        kl[domain] = {}
+        print(f" {domain}: {base_run.get('chunks')} chunks", flush=True)
+        for name, f in files.items():
+            dump = work / "kld.dump"
+            r = b.llama_kl_divergence(Path(f["path"]), base, args.threads, tool=tool, dump=dump)
+            scores = f.setdefault("domains", {})
+            if r.get("error"):
+                scores[domain] = {"error": r["error"][-400:]}
+                print(f"  {name}: llama.cpp refused it: {r['error'][-200:]}", flush=True)
+                continue
+            values = b.read_kld_dump(dump)
+            kl[domain][name] = values["kld"]
+            scores[domain] = {"kl": float(values["kld"].mean()),
+                              "kl_se": float(values["kld"].std(ddof=1) / math.sqrt(len(values))),
+                              "same_top": float(values["same_top"].mean()), "positions": len(values),
+                              "ppl": float(np.exp(values["nll"].astype(np.float64).mean())), "llama_stats": r["stats"]}
+            print(f"  {name:40s} KL {scores[domain]['kl']:.5f} ± {scores[domain]['kl_se']:.5f}  "
+                  f"same top {100 * scores[domain]['same_top']:.1f}%", flush=True)
+
+    def versus(name: str, other: str, key: str) -> None:
+        """Per domain, ``name`` minus ``other`` (paired on the same positions) and the ratio of their means."""
+        out = {}
+        for domain, k in kl.items():
+            if name in k and other in k:
+                d, se = paired(k[name], k[other])
+                out[domain] = {"kl_difference": d, "paired_se": se, "ratio": float(k[name].mean() / k[other].mean())}
+        if out:
+            files[name][key] = {"file": other, "bytes_ratio": files[name]["bytes"] / files[other]["bytes"], "domains": out,
+                                "worst_ratio": max(v["ratio"] for v in out.values()),
+                                "beyond_2se_everywhere": all(v["kl_difference"] < -2 * v["paired_se"] for v in out.values())}
+
     for name, f in files.items():
         own = f"llama.cpp {f['type']}+imatrix"
-        if name != own and own in kl and name in kl:
-            d, se = paired(kl[name], kl[own])
-            f["versus_llama_cpp"] = {"file": own, "kl_difference": d, "paired_se": se, "ratio": f["kl"] / files[own]["kl"],
-                                     "bytes_ratio": f["bytes"] / files[own]["bytes"]}
-    for name, f in files.items():  # qkit at a peer's types, paired with the peer
-        if f.get("peer") in kl and name in kl:
-            d, se = paired(kl[name], kl[f["peer"]])
-            f["versus_peer"] = {"file": f["peer"], "kl_difference": d, "paired_se": se, "ratio": f["kl"] / files[f["peer"]]["kl"]}
-            print(f"  {name} minus {f['peer']}: {d:+.5f} ± {se:.5f} (paired SE), ratio {f['versus_peer']['ratio']:.3f}")
+        if name != own and own in files:
+            versus(name, own, "versus_llama_cpp")
+        if f.get("peer") in files:  # qkit at a peer's types, paired with the peer
+            versus(name, f["peer"], "versus_peer")
     for t in [t for t in args.plan_gptq.split(",") if t]:  # the controls against the GPTQ-priced plan, paired
-        mine = f"qkit plan@{t}+gptq+imatrix"
         for name in (f"qkit plan@{t}+rtn+imatrix", f"qkit plan@{t}(rtn-priced)+gptq+imatrix"):
-            if mine in kl and name in kl:
-                d, se = paired(kl[name], kl[mine])
-                files[name]["versus_gptq_priced_plan"] = {"file": mine, "kl_difference": d, "paired_se": se}
-                print(f"  {name} minus {mine}: {d:+.5f} ± {se:.5f} (paired SE)")
+            if name in files:
+                versus(name, f"qkit plan@{t}+gptq+imatrix", "versus_gptq_priced_plan")
     doc["files"] = files
+    short = {d: d.split("-")[0][:8] for d in kl}
     print()
-    print(f"{'file':34s} {'MB':>8s} {'KL':>9s} {'± SE':>8s} {'× llama.cpp':>11s} {'Δ ± paired SE':>20s}")
+    print("KL per domain (llama.cpp, -c 512); x: the ratio to llama.cpp's imatrix file of the type, (Δ/SE): the paired difference in SE")
+    print(f"{'file':40s} {'MB':>7s} " + " ".join(f"{short[d]:>22s}" for d in kl) + f" {'worst x':>8s}")
     for name, f in files.items():
-        v = f.get("versus_llama_cpp")
-        tail = f"{v['ratio']:11.3f} {v['kl_difference']:+10.5f} ± {v['paired_se']:.5f}" if v else ""
-        if "kl" in f:
-            print(f"{name:34s} {f['bytes'] / 1e6:8.2f} {f['kl']:9.5f} {f['kl_se']:8.5f} {tail}")
+        v = f.get("versus_llama_cpp", {}).get("domains", {})
+        cells = []
+        for d in kl:
+            sc = f.get("domains", {}).get(d, {})
+            if "kl" not in sc:
+                cells.append(f"{'-':>22s}")
+            elif d in v:
+                cells.append(f"{sc['kl']:.4f} {v[d]['ratio']:5.2f}x ({v[d]['kl_difference'] / v[d]['paired_se']:+5.1f})"
+                             if v[d]["paired_se"] > 0 else f"{sc['kl']:.4f} {v[d]['ratio']:5.2f}x (  =  )")
+            else:
+                cells.append(f"{sc['kl']:22.4f}")
+        worst = f.get("versus_llama_cpp", {}).get("worst_ratio")
+        print(f"{name:40s} {f['bytes'] / 1e6:7.2f} " + " ".join(cells) + (f" {worst:8.3f}" if worst else ""))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0

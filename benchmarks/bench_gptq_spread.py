@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp tools not built: python benchmarks/build_llama_ref.py --tools")
         return 0
     work = cache_dir() / "bench_gguf_peers"
-    im, base = work / "imatrix.gguf", work / "F32.kld"
+    im, base = work / "imatrix.gguf", work / "F32-kjv-ruth.kld"  # the matrix and Ruth's base bench_gguf_peers wrote
     if not (im.is_file() and base.is_file()):
         raise SystemExit(f"run python benchmarks/bench_gguf_peers.py --types {args.type} first ({im.name} and {base.name} in {work})")
     files: dict[str, Path] = {}

@@ -71,7 +71,7 @@ class CalibratedOptions:
     ``dtype``, what the model runs in while it is calibrated (``--dtype``: fp32, bf16, fp16; the weights a
     method quantizes are read from the file in their stored dtype either way)."""
 
-    calibration: str | None = None  # None: the pinned KJV Genesis+Exodus; a UTF-8 file; hf:DATASET
+    calibration: str | None = None  # None: the default mix (catalog.DEFAULT_MIX); a UTF-8 file; hf:DATASET
     calibration_samples: int = DEFAULT_SAMPLES
     # None: DEFAULT_SEQLEN, or the model's context where that is shorter (``fitted``, ``fit_seqlen``)
     calibration_seqlen: int | None = None
