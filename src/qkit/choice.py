@@ -208,7 +208,18 @@ def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
                          f"write it with --format {planned.format} (or re-plan for {opts.format})")
     if isinstance(planned, PlanOptions):
         planned.check()
+        default = PlanOptions()
+        theirs = [f for f in QUANTIZE_RUNS_PLAN if getattr(planned, f) != getattr(default, f)]
+        if theirs:  # the plan made first is run as the quantize is: never two values of one setting
+            raise InputError(f"a plan made first by quantize runs with the quantize's own settings; give "
+                             f"{', '.join(theirs)} in QuantizeOptions, not in its PlanOptions")
     return planned
+
+
+# The PlanOptions fields a plan made first (``QuantizeOptions.plan``) takes from the quantize (``api._plan_first``),
+# or that only ``plan_model`` writes or reads: given in the quantize's PlanOptions, refused.
+QUANTIZE_RUNS_PLAN = ("method", "imatrix", "emit_tensor_types", "device", "trust_remote_code", "allow_pickle", "force",
+                      "gptq_options")
 
 
 def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...]], config: dict,

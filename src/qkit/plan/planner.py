@@ -39,6 +39,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,12 +51,15 @@ from qkit.checkpoint import (
 )
 from qkit.bounds import real, show_number
 from qkit.errors import InputError
-from qkit.executors import SERIAL_EXECUTOR, Executor
+from qkit.executors import SERIAL, SERIAL_EXECUTOR, Executor, ExecutorOptions
+from qkit.export import find_format
 from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits, fit_seqlen
 from qkit.dtypes import LOAD_DTYPES, load_dtype, non_finite_activations
 from qkit.memory import check_bytes
-from qkit.models import ModelRef, load, load_tokenizer, read_config
-from qkit.methods.gptq.method import GPTQOptions
+from qkit.models import ModelRef, load, load_tokenizer, parse_device, read_config
+from qkit.methods import RTN, get_method
+from qkit.methods.gptq.method import GPTQMethod, GPTQOptions
+from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.plan import feedback
 from qkit.plan.candidates import (
     KEEP,
@@ -75,6 +79,7 @@ from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
 from qkit.plan.solve import solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme
+from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.transform import TENSOR_TYPE_FORMATS, Rules, shapes_fingerprint
 from qkit.version import __version__
@@ -101,7 +106,17 @@ class PlanOptions:
     the model is loaded in for the Fisher (fp32, bf16, fp16; the diagonal is float32 either way);
     ``max_memory`` the bytes the plan may peak at (None: a default from the memory available): refused
     before the model loads when one block's Fisher does not fit, and deciding how many whole-model passes
-    the targets outside the blocks take, never the plan."""
+    the targets outside the blocks take, never the plan.
+
+    How the plan is run (``qkit.api.plan_model``): ``method`` ``rtn``, ``imatrix`` (collect the importance
+    matrix as ``qkit imatrix`` does; llama.cpp's types are then measured through their weighted searches)
+    or ``gptq`` (the candidates priced for the codes ``--method gptq`` writes, ``qkit.plan.feedback``, with
+    ``gptq_options``, default ``GPTQOptions()``); ``imatrix`` such a file instead of collecting one;
+    ``emit_tensor_types`` where to write, for GGUF, the ``llama-quantize --tensor-type-file`` that gives
+    every tensor its planned type; ``device`` where the model runs; ``trust_remote_code`` /
+    ``allow_pickle`` what the model may run; ``force`` replace an output qkit wrote; ``executor``
+    (``qkit.executors``) where the per-tensor candidate costs run. A plan made first by a quantize
+    (``QuantizeOptions.plan``) takes the quantize's method, importance matrix and device instead."""
 
     format: str = "qkit"
     target_bits: float | None = None
@@ -118,6 +133,16 @@ class PlanOptions:
     check_windows: int | None = None  # None: DEFAULT_CHECK_WINDOWS, or every window where there are fewer
     dtype: str = DEFAULT_DTYPE
     max_memory: int | None = None
+    # how the plan is run (plan_model): every default here, once
+    method: str = RTN
+    imatrix: str | None = None
+    emit_tensor_types: str | Path | None = None
+    device: str | None = "cpu"
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    force: bool = False
+    gptq_options: GPTQOptions | None = None
+    executor: ExecutorOptions = ExecutorOptions()
 
     def check(self) -> None:
         check_format(self.format)
@@ -147,6 +172,39 @@ class PlanOptions:
             raise InputError(f"--check-windows must be between 0 and --calibration-samples ({show_number(self.samples)}), "
                              f"got {show_number(self.check_windows)}")
         parse_allowed(self.format, self.candidates) if self.candidates else None
+        self.check_run()
+
+    def check_run(self) -> None:
+        """How the plan is run, checked before any work: the executor (Ray installed, its address answering)
+        and its device, the method (rtn, imatrix or gptq), the importance matrix against the format's types,
+        ``emit_tensor_types`` against the format."""
+        self.executor.validate()  # an unknown executor, Ray not installed, a --ray-address nothing answers at
+        if self.executor.name != SERIAL and parse_device(self.device).type != "cpu":
+            raise InputError(f"--executor {self.executor.name} costs the candidates in CPU worker processes; pass --device cpu "
+                             "or drop --executor")
+        fmt = find_format(check_format(self.format))  # a format that cannot mix types: refused here
+        found = get_method(self.method)
+        if found is not None and not self.collects and not isinstance(found, GPTQMethod):
+            raise InputError(f"qkit plan measures candidates by rtn, the importance matrix (--method imatrix / --imatrix) or "
+                             f"gptq; {self.method} chooses codes per type and is not planned: quantize a plan's types with it instead")
+        llama = [isinstance(get_scheme(n), GGMLScheme) for n in fmt.plan_types()]  # which planned types are llama.cpp's
+        if (self.imatrix is not None or self.collects) and not any(llama):
+            raise InputError("the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it")
+        if self.imatrix is not None and self.collects:
+            raise InputError("--imatrix FILE and --method imatrix both give the matrix: drop one of them")
+        if self.emit_tensor_types is not None and not all(llama):
+            raise InputError("--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf")
+
+    @property
+    def collects(self) -> bool:
+        """Whether the plan collects the importance matrix first (``method`` ``imatrix``)."""
+        return isinstance(get_method(self.method), ImatrixMethod)
+
+    @property
+    def gptq(self) -> GPTQOptions | None:
+        """The GPTQ options a ``gptq`` plan prices its candidates for (``gptq_options``, default
+        ``GPTQOptions()``, what ``--method gptq`` uses by default); None for another method."""
+        return (self.gptq_options or GPTQOptions()) if isinstance(get_method(self.method), GPTQMethod) else None
 
     @property
     def windows_checked(self) -> int:
