@@ -8,6 +8,7 @@ default defined there, once), its progress one callback.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -23,6 +24,7 @@ from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
 from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
+from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, CalibratedOptions
 from qkit.methods.calibration import model_context
@@ -57,15 +59,25 @@ from qkit.plan import (
 from qkit.plan.planfile import plan_llama_types
 from qkit.plan import check as check_plan
 from qkit.schemes import get_scheme
-from qkit.staging import staged
+from qkit.staging import remove_stale_siblings, staged
 from qkit.transform import shapes_fingerprint
 from qkit.version import __version__
-from qkit.writing import Progress, QuantizeProgress, QuantizeResult, block_progress, report, write_checkpoint
+from qkit.writing import (
+    Progress,
+    QuantizeProgress,
+    QuantizeResult,
+    block_progress,
+    check_tensor_types,
+    emit_tensor_types,
+    report,
+    write_checkpoint,
+)
 
 __all__ = ["ImatrixOptions", "ImatrixResult", "PlanResult", "QuantizeOptions", "QuantizeProgress", "QuantizeResult",
            "block_progress", "imatrix_model", "load", "plan_model", "quantize_model", "resolve_clear_of"]
 
 load = _load
+_log = logging.getLogger("qkit")  # INFO records: status lines on the command line (console.show_library_status)
 
 
 @scoped  # the outputs it claims are released when it returns or raises
@@ -122,14 +134,18 @@ def quantize_model(
     if output is None or str(output) == "":
         raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
     out = Path(output)
-    # The output is checked before any work, against what the arguments name and (once resolved) the model.
+    # The outputs are checked before any work, against what the arguments name and (once resolved) the model.
     given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
-             *file_inputs("the calibration text", opts.calibration()), *file_inputs("the importance matrix", opts.imatrix)]
-    check_output(opts.format, out, opts.force, given)
-    claim_output(out, "-o")  # a second run writing it refuses until this one has put it in place
+             *file_inputs("the calibration text", opts.calibration()), *file_inputs("the importance matrix", opts.imatrix),
+             *file_inputs("the plan", opts.plan if isinstance(opts.plan, (str, Path)) else None)]
+    # --emit-tensor-types may go inside a directory -o (written after it is in place), never be it or hold it
+    check_apart([("-o", out), ("--emit-tensor-types", opts.emit_tensor_types)],
+                may_hold=() if is_gguf_name(out) else ("-o",))
+    _check_quantize_outputs(opts, out, given)
     req = request(opts)  # every option parsed and checked before the model is read
+    _remove_stale(out)
     dev = parse_device(opts.device)
-    ref, inputs = resolve_clear_of(model, given, partial(check_output, opts.format, out, opts.force),
+    ref, inputs = resolve_clear_of(model, given, partial(_check_quantize_outputs, opts, out),
                                    allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code,
                                    quantized="{spec} is already a qkit checkpoint; quantize the original model instead")
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
@@ -138,6 +154,8 @@ def quantize_model(
     if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
         check_memory(req, ref, shapes, config)
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
+    if opts.emit_tensor_types is not None:
+        check_tensor_types(choice)
     export = None if opts.format == QKIT else prepare_export(opts.format, ref.directory, choice.targets, shapes,
                                                               choice.manifest, ref=ref, activations=opts.activations)
     done = _run_method(req, ref, choice, export, dev, progress)
@@ -147,9 +165,32 @@ def quantize_model(
                             plan=choice.manifest.get("plan"), notes=list(choice.notes))
     with atomic_output(export, out, opts.force, inputs) as tmp:
         write_checkpoint(tmp, ref, choice, export, done, result, opts, dev, progress, collect)
+    if opts.emit_tensor_types is not None:  # after -o is in place: the file may lie inside its directory
+        emit_tensor_types(opts.emit_tensor_types, result)
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check_quantize_outputs(opts: QuantizeOptions, out: Path, inputs: list) -> None:
+    """``-o`` and ``--emit-tensor-types`` checked against ``inputs`` (what the arguments name, then the resolved
+    model too: ``qkit.outputs.check_output``) and claimed for this run: a second run writing either refuses
+    until this one has put it in place."""
+    check_output(opts.format, out, opts.force, inputs)
+    claim_output(out, "-o")
+    if opts.emit_tensor_types is not None:
+        check_output_path(opts.emit_tensor_types, kind="file", force=opts.force, inputs=inputs, what="--emit-tensor-types",
+                          owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
+        claim_output(opts.emit_tensor_types, "--emit-tensor-types")
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove the staging siblings killed runs left beside ``out`` (their writer process gone), before the work:
+    told as a status line (the ``qkit`` logger's INFO, which the command line shows)."""
+    removed = remove_stale_siblings(out)
+    if removed:
+        _log.info(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed runs "
+                  f"(their writer process is gone): {', '.join(str(p) for p in removed)}")
 
 
 def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | None:
