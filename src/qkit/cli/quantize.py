@@ -153,8 +153,7 @@ def quantize(
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration, candidates,
                            calibration_samples, calibration_seqlen, dtype, limit)
-    plans_first = isinstance(planned, PlanOptions) and method == RTN  # the plan runs the model, with these options
-    if plans_first:  # the calibration options and --dtype are the plan's, not a method's
+    if isinstance(planned, PlanOptions) and method == RTN:  # the calibration options and --dtype are the plan's
         calibration = calibration_samples = calibration_seqlen = dtype = None
     shard = {"max_shard_bytes": parse_size(max_shard_size, "--max-shard-size")} if max_shard_size else {}
     check_threads(threads)
