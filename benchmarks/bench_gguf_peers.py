@@ -49,6 +49,7 @@ shared with other jobs: upper bounds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -221,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sec_plan = 0.0
             if plan is not None:
-                r, sec_plan = timed(plan_model, ref, options=popts, output=plan, imatrix=str(im), force=True,
-                                    method=method, **({"emit_tensor_types": tt} if method == "rtn" else {}))
+                run = dataclasses.replace(popts, imatrix=str(im), force=True, method=method,
+                                          emit_tensor_types=tt if method == "rtn" else None)
+                r, sec_plan = timed(plan_model, ref, options=run, output=plan)
                 opts = QuantizeOptions(force=True, imatrix=str(im), plan=str(plan),
                                        method_options=method_options if method == "gptq" else None)
             else:  # the plan's types, the embedding's among them (a whole-file plan chooses it too)

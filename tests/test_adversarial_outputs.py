@@ -151,9 +151,10 @@ def test_plan_model_checks_its_outputs_against_the_resolved_model(src, tmp_path,
     monkeypatch.setattr(api, "sensitivity_table", _tripwire)
     paths = {"output": tmp_path / "p.json", "emit_tensor_types": tmp_path / "tt.txt"}
     paths[which] = src / "sub" / f"{which}.out"
-    options = PlanOptions(format="gguf", target_bits=6.0, samples=2, seqlen=32, check_windows=1)
+    options = PlanOptions(format="gguf", target_bits=6.0, samples=2, seqlen=32, check_windows=1, force=True,
+                          emit_tensor_types=paths["emit_tensor_types"])
     with Unchanged(inputs=[src], dirs=[src, tmp_path]), pytest.raises(OutputError) as err:
-        api.plan_model(ref, options=options, force=True, **paths)
+        api.plan_model(ref, options=options, output=paths["output"])
     option = {"output": "-o", "emit_tensor_types": "--emit-tensor-types"}[which]
     assert str(err.value) == (f"{option} {paths[which]} lies inside the model {ref.directory}; qkit never writes over "
                               "what it reads, whatever the flags: choose a path outside it")

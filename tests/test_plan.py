@@ -26,8 +26,8 @@ FAST = dict(samples=2, seqlen=32, check_windows=2)
 def gguf_plan(wide_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("plan") / "plan.json"
     tt = out.with_name("types.txt")
-    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out,
-                   emit_tensor_types=tt)
+    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, emit_tensor_types=tt, **FAST),
+                   output=out)
     return r, out, tt
 
 
@@ -310,8 +310,10 @@ def test_plan_model_refuses_what_its_format_and_method_cannot_measure(wide_model
     monkeypatch.setattr("qkit.models.inputs.resolve", tripwire)
     out, tt = tmp_path / "p.json", tmp_path / "tt.txt"
     with pytest.raises(InputError) as err:
-        plan_model(str(wide_model), options=PlanOptions(format=fmt, target_bits=5.0, **FAST), output=out, method=method,
-                   imatrix=str(tmp_path / "m.gguf") if imatrix else None, emit_tensor_types=tt if emit else None)
+        plan_model(str(wide_model), output=out,
+                   options=PlanOptions(format=fmt, target_bits=5.0, method=method,
+                                       imatrix=str(tmp_path / "m.gguf") if imatrix else None,
+                                       emit_tensor_types=tt if emit else None, **FAST))
     assert str(err.value) == message
     assert list(tmp_path.iterdir()) == []
 

@@ -36,7 +36,7 @@ def tables(wide_model):
 @pytest.fixture(scope="module")
 def gptq_plan(wide_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("gplan") / "plan.json"
-    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=out, method="gptq")
+    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, method="gptq", **FAST), output=out)
     return r.plan, out
 
 

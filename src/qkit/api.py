@@ -8,6 +8,7 @@ default defined there, once), its progress one callback.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -22,12 +23,12 @@ from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_
 from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
-from qkit.executors import SERIAL, ExecutorOptions
-from qkit.export import QKIT, atomic_output, check_output, find_format, output_bytes, prepare_export
+from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
+from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
-from qkit.methods import RTN, CalibratedOptions, get_method
+from qkit.methods import RTN, CalibratedOptions
 from qkit.methods.calibration import model_context
-from qkit.methods.gptq import GPTQMethod, GPTQOptions
+from qkit.methods.gptq import GPTQMethod
 from qkit.methods.imatrix import (
     ImatrixOptions,
     check_collect_memory,
@@ -40,7 +41,7 @@ from qkit.methods.imatrix import (
 )
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.file import is_qkit_imatrix
-from qkit.methods.imatrix.method import ImatrixMethod, matrix_for
+from qkit.methods.imatrix.method import matrix_for
 from qkit.models import ModelRef, load_tokenizer, parse_device, read_config, resolve_clear_of
 from qkit.models import load as _load
 from qkit.outputs import check_apart, claim_output, file_inputs, model_inputs, scoped
@@ -48,7 +49,6 @@ from qkit.outputs import check_output as check_output_path
 from qkit.plan import (
     Plan,
     PlanOptions,
-    check_format,
     choose,
     is_plan_file,
     planned_targets,
@@ -59,16 +59,25 @@ from qkit.plan import (
 from qkit.plan.planfile import plan_llama_types
 from qkit.plan import check as check_plan
 from qkit.schemes import get_scheme
-from qkit.schemes.ggml import GGMLScheme
-from qkit.staging import staged
+from qkit.staging import remove_stale_siblings, staged
 from qkit.transform import shapes_fingerprint
 from qkit.version import __version__
-from qkit.writing import Progress, QuantizeProgress, QuantizeResult, block_progress, report, write_checkpoint
+from qkit.writing import (
+    Progress,
+    QuantizeProgress,
+    QuantizeResult,
+    block_progress,
+    check_tensor_types,
+    emit_tensor_types,
+    report,
+    write_checkpoint,
+)
 
 __all__ = ["ImatrixOptions", "ImatrixResult", "PlanResult", "QuantizeOptions", "QuantizeProgress", "QuantizeResult",
            "block_progress", "imatrix_model", "load", "plan_model", "quantize_model", "resolve_clear_of"]
 
 load = _load
+_log = logging.getLogger("qkit")  # INFO records: status lines on the command line (console.show_library_status)
 
 
 @scoped  # the outputs it claims are released when it returns or raises
@@ -125,14 +134,18 @@ def quantize_model(
     if output is None or str(output) == "":
         raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
     out = Path(output)
-    # The output is checked before any work, against what the arguments name and (once resolved) the model.
+    # The outputs are checked before any work, against what the arguments name and (once resolved) the model.
     given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
-             *file_inputs("the calibration text", opts.calibration()), *file_inputs("the importance matrix", opts.imatrix)]
-    check_output(opts.format, out, opts.force, given)
-    claim_output(out, "-o")  # a second run writing it refuses until this one has put it in place
+             *file_inputs("the calibration text", opts.calibration()), *file_inputs("the importance matrix", opts.imatrix),
+             *file_inputs("the plan", opts.plan if isinstance(opts.plan, (str, Path)) else None)]
+    # --emit-tensor-types may go inside a directory -o (written after it is in place), never be it or hold it
+    check_apart([("-o", out), ("--emit-tensor-types", opts.emit_tensor_types)],
+                may_hold=() if is_gguf_name(out) else ("-o",))
+    _check_quantize_outputs(opts, out, given)
     req = request(opts)  # every option parsed and checked before the model is read
+    _remove_stale(out)
     dev = parse_device(opts.device)
-    ref, inputs = resolve_clear_of(model, given, partial(check_output, opts.format, out, opts.force),
+    ref, inputs = resolve_clear_of(model, given, partial(_check_quantize_outputs, opts, out),
                                    allow_pickle=opts.allow_pickle, trust_remote_code=opts.trust_remote_code,
                                    quantized="{spec} is already a qkit checkpoint; quantize the original model instead")
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
@@ -141,6 +154,8 @@ def quantize_model(
     if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
         check_memory(req, ref, shapes, config)
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
+    if opts.emit_tensor_types is not None:
+        check_tensor_types(choice)
     export = None if opts.format == QKIT else prepare_export(opts.format, ref.directory, choice.targets, shapes,
                                                               choice.manifest, ref=ref, activations=opts.activations)
     done = _run_method(req, ref, choice, export, dev, progress)
@@ -150,9 +165,32 @@ def quantize_model(
                             plan=choice.manifest.get("plan"), notes=list(choice.notes))
     with atomic_output(export, out, opts.force, inputs) as tmp:
         write_checkpoint(tmp, ref, choice, export, done, result, opts, dev, progress, collect)
+    if opts.emit_tensor_types is not None:  # after -o is in place: the file may lie inside its directory
+        emit_tensor_types(opts.emit_tensor_types, result)
     result.bytes_after = output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check_quantize_outputs(opts: QuantizeOptions, out: Path, inputs: list) -> None:
+    """``-o`` and ``--emit-tensor-types`` checked against ``inputs`` (what the arguments name, then the resolved
+    model too: ``qkit.outputs.check_output``) and claimed for this run: a second run writing either refuses
+    until this one has put it in place."""
+    check_output(opts.format, out, opts.force, inputs)
+    claim_output(out, "-o")
+    if opts.emit_tensor_types is not None:
+        check_output_path(opts.emit_tensor_types, kind="file", force=opts.force, inputs=inputs, what="--emit-tensor-types",
+                          owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
+        claim_output(opts.emit_tensor_types, "--emit-tensor-types")
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove the staging siblings killed runs left beside ``out`` (their writer process gone), before the work:
+    told as a status line (the ``qkit`` logger's INFO, which the command line shows)."""
+    removed = remove_stale_siblings(out)
+    if removed:
+        _log.info(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed runs "
+                  f"(their writer process is gone): {', '.join(str(p) for p in removed)}")
 
 
 def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | None:
@@ -162,8 +200,9 @@ def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | No
     if not isinstance(req.plan, PlanOptions):
         return req.plan
     gptq = req.method_options if isinstance(req.method, GPTQMethod) else None
-    return plan_model(ref, options=req.plan, imatrix=opts.imatrix, method=opts.method, device=opts.device,
-                      trust_remote_code=opts.trust_remote_code, gptq_options=gptq).plan
+    planned = dataclasses.replace(req.plan, imatrix=opts.imatrix, method=opts.method, device=opts.device,
+                                  trust_remote_code=opts.trust_remote_code, gptq_options=gptq)
+    return plan_model(ref, options=planned).plan
 
 
 def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: torch.device,
@@ -208,98 +247,101 @@ def plan_model(
     *,
     options: PlanOptions,
     output: str | Path | None = None,
-    method: str = RTN,
-    imatrix: str | None = None,
-    emit_tensor_types: str | Path | None = None,
-    device: str | None = "cpu",
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
-    force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
-    gptq_options: GPTQOptions | None = None,
-    executor: ExecutorOptions = ExecutorOptions(),
 ) -> PlanResult:
     """Plan MODEL's types for a byte budget (``qkit.plan``): measured sensitivity, the exact solve,
     the measured check; write the plan JSON to ``output`` (None: keep it in memory) and, for GGUF, the
-    ``llama-quantize --tensor-type-file`` that gives every tensor its planned type to ``emit_tensor_types``.
+    ``llama-quantize --tensor-type-file`` that gives every tensor its planned type to
+    ``options.emit_tensor_types``. ``options``: a ``PlanOptions``, the budget and how the plan is run
+    (method, importance matrix, device, executor, ...; every default defined there, once)::
 
-    ``method``: ``rtn``; ``imatrix`` (collect the importance matrix as ``qkit imatrix`` does; llama.cpp's
-    types are then measured through their weighted searches); or ``gptq`` (the candidates priced for the
-    codes ``--method gptq`` writes, ``qkit.plan.feedback``; with ``imatrix`` for GPTQ+imatrix); ``imatrix``:
-    such a file instead.
-    Refused before any work: bad options, a format that cannot mix, an output that is an input or exists
-    (unless ``force`` and qkit wrote it), a calibration text that overlaps the eval text, a budget below the
-    smallest mix or above the unquantized size (checked from the headers, before the model runs), an
-    ``options.max_memory`` below what one tensor's Fisher group needs (estimated from the headers and config).
+        plan_model("HuggingFaceTB/SmolLM2-135M", output="plan.json",
+                   options=PlanOptions(format="gguf", target_bits=4.5, method="imatrix"))
+
+    Refused before any work: bad options (``PlanOptions.check``), a format that cannot mix, an output that is
+    an input or exists (unless ``options.force`` and qkit wrote it), a calibration text that overlaps the eval
+    text, a budget below the smallest mix or above the unquantized size (checked from the headers, before the
+    model runs), an ``options.max_memory`` below what one tensor's Fisher group needs (estimated from the
+    headers and config), a tensor-type file for a model without llama.cpp names.
     ``progress(stage, done, total)``: ``fisher`` windows (over every group's pass), ``candidates`` tensors
-    (``gptq``: tensors whose GPTQ candidates are solved). ``gptq_options``: the GPTQ options a ``gptq`` plan
-    prices for (default ``GPTQOptions()``, what ``--method gptq`` uses by default). ``executor``
-    (``qkit.executors``): where the per-tensor candidate costs run (``--executor ray``: one Ray task per
-    tensor, the same costs; the Fisher, the GPTQ feedback and the check stay in this process)."""
+    (``gptq``: tensors whose GPTQ candidates are solved). The per-tensor candidate costs run on
+    ``options.executor`` (``--executor ray``: one Ray task per tensor, the same costs; the Fisher, the GPTQ
+    feedback and the check stay in this process)."""
     t0 = time.perf_counter()
-    options.check()
-    executor.validate()  # an unknown executor, Ray not installed, a --ray-address nothing answers at
-    if executor.name != SERIAL and parse_device(device).type != "cpu":
-        raise InputError(f"--executor {executor.name} costs the candidates in CPU worker processes; pass --device cpu "
-                         "or drop --executor")
-    fmt = find_format(check_format(options.format))  # a format that cannot mix types: refused here
-    collects = isinstance(found := get_method(method), ImatrixMethod)  # --method imatrix: collect the matrix first
-    # priced for GPTQ's codes (qkit.plan.feedback), with the options its quantize will use
-    gptq = (gptq_options or GPTQOptions()) if isinstance(found, GPTQMethod) else None
-    if found is not None and not collects and gptq is None:
-        raise InputError(f"qkit plan measures candidates by rtn, the importance matrix (--method imatrix / --imatrix) or "
-                         f"gptq; {method} chooses codes per type and is not planned: quantize a plan's types with it instead")
-    llama = [isinstance(get_scheme(n), GGMLScheme) for n in fmt.plan_types()]  # which planned types are llama.cpp's
-    if (imatrix is not None or collects) and not any(llama):
-        raise InputError("the importance matrix weights llama.cpp's types; plan --format gguf or qkit with it")
-    if imatrix is not None and collects:
-        raise InputError("--imatrix FILE and --method imatrix both give the matrix: drop one of them")
-    if emit_tensor_types is not None and not all(llama):
-        raise InputError("--emit-tensor-types writes llama-quantize's --tensor-type-file: plan --format gguf")
+    options.check()  # the budget and how the plan is run: no file of the model read yet
     given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
-             *file_inputs("the calibration text", options.calibration), *file_inputs("the importance matrix", imatrix)]
-
-    def check(inputs: list) -> None:  # both files, against what the arguments name, then the resolved model
-        for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"), (emit_tensor_types,
-                                          "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
-            if path is not None:
-                check_output_path(path, kind="file", force=force, inputs=inputs, what=option, owned=owned, describe=what)
-                claim_output(path, option)  # a second run writing it refuses until this one has put it in place
-
-    check_apart([("-o", output), ("--emit-tensor-types", emit_tensor_types)])
-    check(given)
-    matrix = read_imatrix(imatrix) if imatrix is not None else None
-    ref, _ = resolve_clear_of(model, given, check, allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+             *file_inputs("the calibration text", options.calibration),
+             *file_inputs("the importance matrix", options.imatrix)]
+    check_apart([("-o", output), ("--emit-tensor-types", options.emit_tensor_types)])
+    _check_plan_outputs(options, output, given)
+    matrix = read_imatrix(options.imatrix) if options.imatrix is not None else None
+    ref, _ = resolve_clear_of(model, given, partial(_check_plan_outputs, options, output), allow_pickle=options.allow_pickle,
+                              trust_remote_code=options.trust_remote_code,
                               quantized="{spec} is already a qkit checkpoint; plan for the original model")
-    dev = parse_device(device)
-    shapes = dict(tensor_shapes(ref.directory))
-    config = read_config(ref.directory)
+    dev = parse_device(options.device)
+    shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
     options = options.fitted(config)  # the default window fitted to the context; a given one checked against it
     precheck(ref, options, config, device=dev)  # the byte budget and the memory (--max-memory): from the headers
-    if collects:
+    names = _tensor_type_names(options, config, shapes)  # before the work: a model llama.cpp does not name
+    if options.collects:
         refuse_unsupported(config)
         matrix, _ = matrix_for(ref, ImatrixOptions(), dev)
-    weights, key = {}, None
-    if matrix is not None:
-        probe = {n: get_scheme("q4_0") for n, s in planned_targets(ref, options).items() if s[-1] % 32 == 0}
-        weights, key = quant_weights_for(matrix, config, shapes, probe), matrix.sha256
-    with executor.open(torch.get_num_threads()) as ex:  # Ray connected (or started) for the costs, shut down after
+    weights, key = _plan_weights(ref, options, config, shapes, matrix)
+    with options.executor.open(torch.get_num_threads()) as ex:  # Ray connected (or started) for the costs, shut down after
         table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress,
-                                  gptq=gptq, executor=ex)
+                                  gptq=options.gptq, executor=ex)
     record = imatrix_record(matrix, len(weights)) if matrix is not None else None
-    plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=method, imatrix=record, config=config,
-                  dtypes_all=tensor_dtypes(ref.directory))
+    plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=options.method, imatrix=record,
+                  config=config, dtypes_all=tensor_dtypes(ref.directory))
     check_plan(plan, table, ref, weights)
+    out, tt = _write_plan_files(plan, output, options.emit_tensor_types, names, tensor_dtypes(ref.directory))
+    return PlanResult(plan, out, tt, time.perf_counter() - t0)
+
+
+def _check_plan_outputs(options: PlanOptions, output: str | Path | None, inputs: list) -> None:
+    """Both files a plan writes (``-o``, ``--emit-tensor-types``) checked against ``inputs`` (what the
+    arguments name, then the resolved model too) and claimed for this run."""
+    for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"),
+                                      (options.emit_tensor_types, "--emit-tensor-types", is_tensor_type_file,
+                                       "a tensor-type file qkit wrote")):
+        if path is not None:
+            check_output_path(path, kind="file", force=options.force, inputs=inputs, what=option, owned=owned,
+                              describe=what)
+            claim_output(path, option)  # a second run writing it refuses until this one has put it in place
+
+
+def _tensor_type_names(options: PlanOptions, config: dict, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """llama.cpp's names of the model's tensors, which ``--emit-tensor-types`` writes ({} without it); a model
+    llama.cpp does not name is refused before the plan's work."""
+    if options.emit_tensor_types is None:
+        return {}
+    names = llama_names_of(config, shapes)
+    if not names:
+        raise InputError("--emit-tensor-types needs llama.cpp names: a llama or qwen2 model")
+    return names
+
+
+def _plan_weights(ref: ModelRef, options: PlanOptions, config: dict, shapes: Mapping[str, tuple[int, ...]],
+                  matrix: Any) -> tuple[dict[str, torch.Tensor], str | None]:
+    """The importance vectors llama.cpp's candidate types are measured through, and the matrix's sha256 (the
+    sensitivity table's key); ``({}, None)`` without a matrix."""
+    if matrix is None:
+        return {}, None
+    probe = {n: get_scheme("q4_0") for n, s in planned_targets(ref, options).items() if s[-1] % 32 == 0}
+    return quant_weights_for(matrix, config, shapes, probe), matrix.sha256
+
+
+def _write_plan_files(plan: Plan, output: str | Path | None, emit_tensor_types: str | Path | None,
+                      names: Mapping[str, str], dtypes: Mapping[str, Any]) -> tuple[Path | None, Path | None]:
+    """Write the plan JSON to ``output`` and the tensor-type file to ``emit_tensor_types`` (each where given);
+    returns the two paths written (None where not)."""
     out = Path(output) if output is not None else None
     if out is not None:
         write_plan(plan, out)
     tt = Path(emit_tensor_types) if emit_tensor_types is not None else None
     if tt is not None:
-        names = llama_names_of(config, shapes)
-        if not names:
-            raise InputError("--emit-tensor-types needs llama.cpp names: a llama or qwen2 model")
-        write_tensor_type_file(tt, plan_llama_types(plan, names, tensor_dtypes(ref.directory)))
-    return PlanResult(plan, out, tt, time.perf_counter() - t0)
+        write_tensor_type_file(tt, plan_llama_types(plan, names, dtypes))
+    return out, tt
 
 
 # --------------------------------------------------------------------------- importance matrix

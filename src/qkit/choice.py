@@ -68,6 +68,9 @@ class QuantizeOptions:
     ggml type, or ``f32``/``f16``/``bf16`` to keep the tensor unquantized in that dtype). ``plan``: a plan file or ``Plan`` to write, or ``PlanOptions`` to plan
     first (``quantize --target-bits``). ``max_memory``: the bytes the quantize may peak at (``--max-memory``;
     None: what is available); a step whose estimate (``check_memory``) is above it is refused before any work.
+    ``emit_tensor_types``: where to write, once the checkpoint is in place, the ``llama-quantize
+    --tensor-type-file`` that gives every quantized tensor the type qkit gave it (llama.cpp's types of a
+    llama or qwen2 model; ``writing.emit_tensor_types``).
     """
 
     scheme: str = DEFAULT_SCHEME
@@ -90,6 +93,7 @@ class QuantizeOptions:
     max_memory: int | None = None
     token_embedding_type: str | None = None
     output_tensor_type: str | None = None
+    emit_tensor_types: str | Path | None = None
 
     def calibration(self) -> str | None:
         """The calibration file the method options name (an input the output must stay clear of), or None."""
@@ -163,6 +167,9 @@ def request(opts: QuantizeOptions) -> Request:
                              "(W8A8); a qkit checkpoint stores weights only: simulate it with qkit eval --schemes smoothquant-w8a8")
     method = get_method(opts.method)
     given = opts.method_options
+    if method is None and _names_dtype(given) and not isinstance(opts.plan, PlanOptions):  # a plan first runs it
+        raise InputError("--dtype sets what the model runs in while a calibrated --method (gptq, imatrix) or a "
+                         "--target-bits plan runs it; rtn streams the weights and never runs the model: drop --dtype")
     typed = None
     if method is not None:
         typed = given if isinstance(given, method.options_type) else make_options(method, given)
@@ -191,6 +198,11 @@ def request(opts: QuantizeOptions) -> Request:
                    opts.max_shard_bytes, opts.device, heads)
 
 
+def _names_dtype(given: Any) -> bool:
+    """Whether method options given by name (``--dtype``: ``{"dtype": ...}``) set the dtype the model runs in."""
+    return isinstance(given, Mapping) and given.get("dtype") is not None
+
+
 def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
     planned = opts.plan
     if planned is None:
@@ -208,7 +220,18 @@ def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
                          f"write it with --format {planned.format} (or re-plan for {opts.format})")
     if isinstance(planned, PlanOptions):
         planned.check()
+        default = PlanOptions()
+        theirs = [f for f in QUANTIZE_RUNS_PLAN if getattr(planned, f) != getattr(default, f)]
+        if theirs:  # the plan made first is run as the quantize is: never two values of one setting
+            raise InputError(f"a plan made first by quantize runs with the quantize's own settings; give "
+                             f"{', '.join(theirs)} in QuantizeOptions, not in its PlanOptions")
     return planned
+
+
+# The PlanOptions fields a plan made first (``QuantizeOptions.plan``) takes from the quantize (``api._plan_first``),
+# or that only ``plan_model`` writes or reads: given in the quantize's PlanOptions, refused.
+QUANTIZE_RUNS_PLAN = ("method", "imatrix", "emit_tensor_types", "device", "trust_remote_code", "allow_pickle", "force",
+                      "gptq_options")
 
 
 def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...]], config: dict,

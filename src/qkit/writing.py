@@ -19,10 +19,12 @@ import torch
 
 from qkit.checkpoint import ShardWriter, iter_tensors, write_json
 from qkit.choice import Choice, QuantizeOptions
+from qkit.errors import InputError
 from qkit.export import QKIT
+from qkit.export.gguf.tensor_types import NEEDS_LLAMA_TYPES, write_tensor_type_file
 from qkit.methods import RTN
 from qkit.models import ModelRef, copy_aux_files, read_config
-from qkit.schemes import QuantizedTensor, quantize_tensor
+from qkit.schemes import QuantizedTensor, is_llama_type, quantize_tensor
 from qkit.schemes.fidelity import check_written
 from qkit.schemes.ggml import GGMLScheme
 from qkit.version import __version__
@@ -54,12 +56,14 @@ class QuantizeResult:
     plan: dict | None = None  # the plan written (Plan.record), when one was
     notes: list[str] = field(default_factory=list)  # what a user should know of the inputs (shown, never silent)
     kept: dict[str, int] = field(default_factory=dict)  # tensor kept unquantized -> the bytes the file stores for it
+    tensor_types: Path | None = None  # the llama-quantize --tensor-type-file written (emit_tensor_types), if one was
 
     def to_dict(self) -> dict:
         """Every field but the tensors (``quantized``, ``replaced``) and ``llama_types``, as JSON values."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                if f.name not in ("quantized", "replaced", "llama_types")}
         return {**out, "output": str(self.output) if self.output else None, "notes": list(self.notes),
+                "tensor_types": str(self.tensor_types) if self.tensor_types else None,
                 "schemes_used": dict(sorted(self.schemes_used.items())), "types": dict(sorted(self.types.items())),
                 "kept": dict(sorted(self.kept.items()))}
 
@@ -156,8 +160,24 @@ def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done
     result.bits_per_weight = 8 * qbytes / max(result.parameters, 1)
 
 
+def check_tensor_types(choice: Choice) -> None:
+    """``--emit-tensor-types``, refused before any work where no quantized tensor would have a line in the file:
+    the model has no llama.cpp names, or none of its chosen types is one of llama.cpp's."""
+    if not any(is_llama_type(s) for n, s in choice.targets.items() if n in choice.llama_names):
+        raise InputError(NEEDS_LLAMA_TYPES)
+
+
+def emit_tensor_types(path: str | Path, result: QuantizeResult) -> None:
+    """The last step of a quantize with ``emit_tensor_types``, once the checkpoint is in place (the file may lie
+    inside its directory): the ``llama-quantize --tensor-type-file`` that gives every quantized tensor the
+    type it was written in (``result.llama_types``), written atomically; ``result.tensor_types`` names it."""
+    write_tensor_type_file(path, result.llama_types)
+    result.tensor_types = Path(path)
+
+
 def report(progress: Progress, stage: str, done: int, total: int) -> None:
     progress(QuantizeProgress(stage, done, total))
 
 
-__all__ = ["Progress", "QuantizeProgress", "QuantizeResult", "block_progress", "report", "write_checkpoint"]
+__all__ = ["Progress", "QuantizeProgress", "QuantizeResult", "block_progress", "check_tensor_types", "emit_tensor_types",
+           "report", "write_checkpoint"]

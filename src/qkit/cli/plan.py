@@ -122,10 +122,11 @@ def plan(
                           scale_dtype=scale_dtype, calibration=joined_sources(calibration),
                           samples=calibration_samples, seqlen=calibration_seqlen, check_windows=check_windows,
                           dtype=dtype.lower(),
-                          max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None)
-    options.check()
-    where = executor_options(executor, ray_address)
-    where.validate()  # before any work: an unknown executor, Ray not installed, an address nothing answers at
+                          max_memory=parse_size(max_memory, "--max-memory") if max_memory is not None else None,
+                          method=method, imatrix=imatrix, emit_tensor_types=emit_tensor_types, device=device,
+                          trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, force=force,
+                          executor=executor_options(executor, ray_address))
+    options.check()  # before any work: the executor too (Ray installed, an address answering)
     check_threads(threads)
     run.use_threads()
     with console.progress() as bar:
@@ -140,9 +141,7 @@ def plan(
             bar.advance(done - stage[1])
             stage[1] = done
 
-        r = plan_model(model, options=options, output=output, method=method, imatrix=imatrix,
-                       emit_tensor_types=emit_tensor_types, device=device, trust_remote_code=trust_remote_code,
-                       allow_pickle=allow_pickle, force=force, progress=progress, executor=where)
+        r = plan_model(model, options=options, output=output, progress=progress)
     render_plan(r.plan)
     if r.tensor_types is not None:
         console.note(f"wrote {r.tensor_types}: llama-quantize --tensor-type-file {r.tensor_types} gives every planned "

@@ -11,7 +11,6 @@ import typer
 
 from qkit import console
 from qkit.api import QuantizeOptions, QuantizeProgress, quantize_model
-from qkit.checkpoint import remove_stale_siblings
 from qkit.cli.common import (
     AlphaOpt,
     CalibrationOpt,
@@ -47,14 +46,12 @@ from qkit.export.gguf.tensor_types import (
     is_tensor_type_file,
     read_tensor_type_file,
     types_by_kind,
-    write_tensor_type_file,
 )
 from qkit.export.verify import verify_checkpoint
 from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.outputs import check_output as check_output_path
-from qkit.outputs import claim_output
 from qkit.plan import PlanOptions
 from qkit.plan.planner import DEFAULT_CHECK_WINDOWS
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
@@ -133,11 +130,11 @@ def quantize(
 ) -> None:
     """Write a quantized safetensors checkpoint of MODEL (qkit's format, or one vLLM/transformers load)."""
 
-    # Every check that needs no model comes first: both outputs against what the arguments name (an output
-    # that is or holds an input is refused whatever --force); quantize_model checks -o again against the
-    # resolved model, and the scheme, rules and device, before it reads the model.
-    # --json and --emit-tensor-types may go inside a directory -o (written after it is in place), never be it
-    # or hold it; the outputs against each other first (qkit.outputs.check_apart)
+    # Every check that needs no model comes first: the outputs against each other (qkit.outputs.check_apart:
+    # --json and --emit-tensor-types may go inside a directory -o, written after it is in place, never be it or
+    # hold it) and -o against what the arguments name, the files only the command line reads (the tensor-type
+    # file) among them; quantize_model checks both outputs again, against the resolved model too, and the
+    # scheme, rules, method options and device, before it reads the model.
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration),
                                                   ("the importance matrix", imatrix), ("the tensor-type file", tensor_type_file),
                                                   ("the plan", plan)),
@@ -151,27 +148,18 @@ def quantize(
     if emit_tensor_types is not None:
         check_output_path(emit_tensor_types, kind="file", force=force, inputs=run.inputs, what="--emit-tensor-types",
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")
-        claim_output(emit_tensor_types, "--emit-tensor-types")
     words = [*tensor_type, *read_tensor_type_file(tensor_type_file)]
     dtype = dtype.lower() if dtype is not None else None
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     planned = _plan_option(plan, target_bits, target_size, fmt, scheme, scale_dtype, calibration, candidates,
                            calibration_samples, calibration_seqlen, dtype, limit)
-    if dtype is not None and method == RTN and not isinstance(planned, PlanOptions):
-        raise InputError("--dtype sets what the model runs in while a calibrated --method (gptq, imatrix) or a "
-                         "--target-bits plan runs it; rtn streams the weights and never runs the model: drop --dtype")
-    if isinstance(planned, PlanOptions) and method == RTN:  # the calibration options are the plan's, not a method's
-        calibration = calibration_samples = calibration_seqlen = None
+    if isinstance(planned, PlanOptions) and method == RTN:  # the calibration options and --dtype are the plan's
+        calibration = calibration_samples = calibration_seqlen = dtype = None
     shard = {"max_shard_bytes": parse_size(max_shard_size, "--max-shard-size")} if max_shard_size else {}
     check_threads(threads)
-    removed = remove_stale_siblings(output)
-    if removed:
-        console.status(f"removed {len(removed)} temporary director{'ies' if len(removed) > 1 else 'y'} of killed "
-                       f"runs (their writer process is gone): {', '.join(str(p) for p in removed)}")
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
                                          act_order=act_order, dampening=dampening, holdout=holdout, scale_rule=scale_rule,
-                                         alpha=alpha, clip=False if no_clip else None,
-                                         dtype=dtype if method != RTN else None)
+                                         alpha=alpha, clip=False if no_clip else None, dtype=dtype)
     run.use_threads()
     with console.progress() as bar:
 
@@ -188,14 +176,14 @@ def quantize(
                                   method_options=method_options or None, device=device, allow_pickle=allow_pickle,
                                   trust_remote_code=trust_remote_code, force=force, imatrix=imatrix,
                                   tensor_types=tuple(words), plan=planned, max_memory=limit,
-                                  token_embedding_type=token_embedding_type, output_tensor_type=output_tensor_type, **shard)
+                                  token_embedding_type=token_embedding_type, output_tensor_type=output_tensor_type,
+                                  emit_tensor_types=emit_tensor_types, **shard)
         result = quantize_model(model, output=output, options=options, progress=progress)
     render_quantize(result)
     for note in result.notes:
         console.warn(note)
-    if emit_tensor_types is not None:
-        write_tensor_type_file(emit_tensor_types, result.llama_types)
-        console.note(f"wrote {emit_tensor_types}: llama-quantize --tensor-type-file {emit_tensor_types} gives every "
+    if result.tensor_types is not None:
+        console.note(f"wrote {result.tensor_types}: llama-quantize --tensor-type-file {result.tensor_types} gives every "
                      "quantized tensor the type it has here")
     run.write_json(result.to_dict)
 

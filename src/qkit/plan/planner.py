@@ -39,7 +39,6 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -48,12 +47,10 @@ from qkit.checkpoint import (
     tensor_dtypes,
     tensor_shapes,
 )
-from qkit.bounds import real, show_number
 from qkit.errors import InputError
 from qkit.executors import SERIAL_EXECUTOR, Executor
-from qkit.methods.calibration import CalibrationOptions, calibration_ids, check_fits, fit_seqlen
-from qkit.dtypes import LOAD_DTYPES, load_dtype, non_finite_activations
-from qkit.memory import check_bytes
+from qkit.methods.calibration import calibration_ids, check_fits
+from qkit.dtypes import LOAD_DTYPES, non_finite_activations
 from qkit.models import ModelRef, load, load_tokenizer, read_config
 from qkit.methods.gptq.method import GPTQOptions
 from qkit.plan import feedback
@@ -69,106 +66,23 @@ from qkit.plan.candidates import (
 from qkit.plan.budget import budget_bytes, check_budget, file_budget  # the first two re-exported
 from qkit.plan.costing import file_tensors, candidate_weights, costs_elsewhere
 from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
+from qkit.plan.options import (  # re-exported: callers import them from here too
+    DEFAULT_CHECK_WINDOWS,
+    DEFAULT_DTYPE,
+    DEFAULT_SAMPLES,
+    DEFAULT_SEQLEN,
+    PlanOptions,
+)
 from qkit.plan.planfile import Plan, TensorChoice, base_type, lossless_types, upgrades  # the last three re-exported
 from qkit.plan.checking import check_mix
 from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
 from qkit.plan.solve import solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme
-from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.transform import TENSOR_TYPE_FORMATS, Rules, shapes_fingerprint
 from qkit.version import __version__
 
-MAX_TARGET_BITS = 64  # --target-bits: no stored type takes more bits per weight
-# Defaults, defined once. 8 windows of 512 tokens: the Fisher's noise averaged over ~4k positions; the
-# check measures the mix on the first 4 of them (their reference log-probabilities kept from step 3).
-DEFAULT_SAMPLES = 8
-DEFAULT_SEQLEN = 512
-DEFAULT_CHECK_WINDOWS = 4
 ESTIMATOR = "fisher-diagonal"
-# The dtypes the model may be loaded in for the Fisher (--dtype); its diagonal is float32 whatever this is.
-DEFAULT_DTYPE = "fp32"
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """What ``make_plan`` plans: ``format`` (gguf, compressed-tensors, qkit); exactly one of
-    ``target_bits`` (bits per weight over the planned tensors), ``target_size`` (the whole file's tensor bytes)
-    and ``target_scheme`` (those of the file that scheme writes; ``qkit.plan.budget``);
-    ``candidates`` the types allowed (default: the format's whole ladder); ``include``/``exclude``
-    which tensors (``qkit.transform.Rules``); ``calibration`` the text, ``samples`` windows of
-    ``seqlen`` tokens chosen with ``seed``, ``check_windows`` of them measured for the check; ``dtype``
-    the model is loaded in for the Fisher (fp32, bf16, fp16; the diagonal is float32 either way);
-    ``max_memory`` the bytes the plan may peak at (None: a default from the memory available): refused
-    before the model loads when one block's Fisher does not fit, and deciding how many whole-model passes
-    the targets outside the blocks take, never the plan."""
-
-    format: str = "qkit"
-    target_bits: float | None = None
-    target_size: int | None = None
-    target_scheme: str | None = None  # the bytes of the file this scheme (a recipe such as q4_k_m: its whole file) writes
-    candidates: tuple[str, ...] = ()
-    include: tuple[str, ...] = ()
-    exclude: tuple[str, ...] = ()
-    scale_dtype: str = DEFAULT_SCALE_DTYPE
-    calibration: str | None = None
-    samples: int = DEFAULT_SAMPLES
-    seqlen: int | None = None  # None: DEFAULT_SEQLEN, or the model's context where shorter (``fitted``)
-    seed: int = 0
-    check_windows: int | None = None  # None: DEFAULT_CHECK_WINDOWS, or every window where there are fewer
-    dtype: str = DEFAULT_DTYPE
-    max_memory: int | None = None
-
-    def check(self) -> None:
-        check_format(self.format)
-        load_dtype(self.dtype)
-        if self.max_memory is not None and not (isinstance(self.max_memory, int) and not isinstance(self.max_memory, bool)
-                                                and self.max_memory > 0):
-            raise InputError(f"--max-memory must be a positive number of bytes, got {self.max_memory!r}")
-        if sum(t is not None for t in (self.target_bits, self.target_size, self.target_scheme)) != 1:
-            raise InputError("give exactly one of --target-bits B (bits per weight), --target-size SIZE (bytes, e.g. 100MB) and "
-                             "--target-scheme SCHEME (the bytes that scheme stores for the same tensors, e.g. q4_k_m)")
-        if self.target_bits is not None and not (isinstance(self.target_bits, (int, float)) and math.isfinite(self.target_bits)
-                                                 and self.target_bits > 0):
-            raise InputError(f"--target-bits must be a positive number, got {self.target_bits!r}")
-        if self.target_bits is not None:  # no format stores more than 64 bits per weight (fp32 with scales is far less)
-            real(self.target_bits, "--target-bits", 0, MAX_TARGET_BITS, above=True)
-        if self.target_size is not None and not (isinstance(self.target_size, int) and self.target_size > 0):
-            raise InputError(f"--target-size must be a positive number of bytes, got {self.target_size!r}")
-        if self.target_size is not None:
-            check_bytes(self.target_size, "--target-size")
-        if self.max_memory is not None:
-            check_bytes(self.max_memory, "--max-memory")
-        if self.target_scheme is not None:
-            get_scheme(self.target_scheme)  # an unknown name: refused with "did you mean"
-        self.calibration_options().check()  # the windows first: --check-windows is bounded by them
-        if self.check_windows is not None and not (isinstance(self.check_windows, int)
-                                                   and 0 <= self.check_windows <= self.samples):
-            raise InputError(f"--check-windows must be between 0 and --calibration-samples ({show_number(self.samples)}), "
-                             f"got {show_number(self.check_windows)}")
-        parse_allowed(self.format, self.candidates) if self.candidates else None
-
-    @property
-    def windows_checked(self) -> int:
-        """``check_windows`` as given, else ``DEFAULT_CHECK_WINDOWS`` or all ``samples`` where fewer."""
-        return min(DEFAULT_CHECK_WINDOWS, self.samples) if self.check_windows is None else self.check_windows
-
-    @property
-    def window(self) -> int:
-        """Tokens per window: ``seqlen`` as given or fitted, else ``DEFAULT_SEQLEN``."""
-        return DEFAULT_SEQLEN if self.seqlen is None else self.seqlen
-
-    def fitted(self, config: Any) -> PlanOptions:
-        """These options with the default window fitted to the model's context (``fit_seqlen``)."""
-        return dataclasses.replace(self, seqlen=fit_seqlen(self.seqlen, config))
-
-    def calibration_options(self) -> CalibrationOptions:
-        return CalibrationOptions(self.calibration, self.samples, self.seqlen, self.seed)
-
-    def target(self) -> dict:
-        if self.target_scheme is not None:
-            return {"scheme": self.target_scheme}
-        return {"bits": self.target_bits} if self.target_bits is not None else {"size": self.target_size}
 
 
 @dataclass

@@ -18,6 +18,8 @@ from qkit.errors import InputError
 from qkit.staging import write_text
 
 MAX_TENSOR_TYPE_BYTES = 64 * 1024**2  # one PATTERN=TYPE line per tensor: a 70B model's take ~50 kB
+# what --emit-tensor-types needs of a quantize, said before its work (writing.check_tensor_types) and at the write
+NEEDS_LLAMA_TYPES = "--emit-tensor-types needs llama.cpp names: a llama or qwen2 model quantized with llama.cpp types"
 _WORD = re.compile(r"\^[^\s=]+\$=[A-Za-z0-9_]+")
 _LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 
@@ -43,7 +45,7 @@ def tensor_type_words(llama_types: Mapping[str, str]) -> list[str]:
 def write_tensor_type_file(path: str | Path, llama_types: Mapping[str, str]) -> None:
     """Write the words of ``llama_types`` (``QuantizeResult.llama_types``) to ``path`` (atomically)."""
     if not llama_types:
-        raise InputError("--emit-tensor-types needs llama.cpp names: a llama or qwen2 model quantized with llama.cpp types")
+        raise InputError(NEEDS_LLAMA_TYPES)
     write_text(path, "\n".join(tensor_type_words(llama_types)) + "\n", what="--emit-tensor-types")
 
 
