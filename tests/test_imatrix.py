@@ -426,7 +426,10 @@ def test_a_random_qwen2_gives_llama_quantizes_bytes_with_and_without_imatrix(def
         for weighted in (False, True):
             q, lq = tmp_path / f"q-{scheme}-{weighted}.gguf", tmp_path / f"l-{scheme}-{weighted}.gguf"
             extra = ["--imatrix", str(im)] if weighted else []
-            r = runner.invoke(app, ["quantize", str(src), "-s", scheme, "--format", "gguf", "-o", str(q), *extra])
+            # the 49152 x 256 embedding kept f32 on both sides: only the block projections are compared, and
+            # quantizing it twelve times was most of this test's time
+            keep = [] if scheme == "q6_k" else ["--token-embedding-type", "f32"]  # a type, not a recipe: projections only
+            r = runner.invoke(app, ["quantize", str(src), "-s", scheme, "--format", "gguf", "-o", str(q), *extra, *keep])
             assert r.exit_code == 0, r.output
             p = subprocess.run([blr.tool_path("llama-quantize"), *extra, "--token-embedding-type", "f32", f32, lq, ftype, "2"],
                                capture_output=True, text=True)
