@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from qkit.evaluation.columns import page_cells, page_headers
-from qkit.evaluation.measures import estimate as _est  # noqa: F401 (the page's "value ± SE", as tests name it)
 from qkit.evaluation.measures import fixed
 
 # Block projections in the order a layer runs them (the heatmaps' columns); names not listed follow, sorted.
