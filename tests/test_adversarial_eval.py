@@ -237,7 +237,8 @@ def test_a_non_finite_perplexity_is_a_collapse_not_a_difference():
 
 
 def test_the_table_never_prints_plus_minus_nan():
-    from qkit.cli.eval import _fmt_change, _fmt_estimate
+    from qkit.evaluation.measures import fmt_change as _fmt_change
+    from qkit.evaluation.measures import fmt_estimate as _fmt_estimate
 
     nan, inf = float("nan"), float("inf")
     assert _fmt_estimate(12.3456, nan, 1) == "12.35 (no standard error on 1 token)"

@@ -20,6 +20,7 @@ from adversarial import invoke  # noqa: E402
 from helpers_report import MODEL, make_docs, write_docs  # noqa: E402
 
 from qkit.errors import InputError  # noqa: E402
+from qkit.evaluation.measures import estimate  # noqa: E402
 from qkit.report import build, data, figures, inputs, page  # noqa: E402
 from qkit.version import __version__  # noqa: E402
 
@@ -403,6 +404,6 @@ def test_quality_table_numbers_golden():
     q8 = dict(zip(headers, rows[1]))
     assert (q8["row"], q8["bits/w"], q8["size (MB)"], q8["KL (nats)"], q8["Δ ppl (%)"], q8["top-1"]) == (
         "q8_0", "8.500", "8.5", "0.0012 ± 0.0001", "0.10 ± 0.05", "90.0%")
-    assert data._est(0.0013, 3.05e-5, 4) == "0.0013 ± 3e-05"  # an SE below the last digit keeps one digit
+    assert estimate(0.0013, 3.05e-5, 4) == "0.0013 ± 3e-05"  # an SE below the last digit keeps one digit
     assert rows[0][5] == rows[0][6] == ""  # the reference has no change against itself
     assert rows[-1][2].startswith("refused: vLLM cannot load")

@@ -62,6 +62,27 @@ OBJECT = Kind("an object", "objects", lambda v: isinstance(v, dict))
 LIST = Kind("a list", "lists", lambda v: isinstance(v, list))
 
 
+# Bounded numbers, as a report reads them (``qkit.report.inputs``, the eval measures' ``fields``). What each
+# number means bounds it: a standard error (drawn as an error bar), a measured error or KL (drawn on a log
+# colour scale), seconds: never negative, and far from float overflow (1e30: a sum of a million of them stays
+# finite). A perplexity is at least 1; its change at least -100%; a probability in [0, 1].
+COUNT = Kind("a whole number from 0 to 2**53", "whole numbers from 0 to 2**53", lambda v: _is_int(v) and 0 <= v <= 2**53)
+
+
+def ranged(lo: float, hi: float) -> Kind:
+    """A finite number from ``lo`` to ``hi``, or null (not measured). NaN and infinities fail: a number a page
+    shows or draws is in its range, never a 309-digit figure or a negative KL."""
+    return Kind(f"a number from {lo:g} to {hi:g} or null", f"numbers from {lo:g} to {hi:g}",
+                lambda v: v is None or ((_is_int(v) or isinstance(v, float)) and lo <= v <= hi))
+
+
+MEASURE = ranged(0, 1e30)
+PERPLEXITY = ranged(1, 1e30)
+CHANGE_PCT = ranged(-100, 1e30)
+SIGNED = ranged(-1e30, 1e30)
+PROBABILITY = ranged(0, 1)
+
+
 def obj(fields: Mapping[str, Kind] | None = None, values: Kind | None = None) -> Kind:
     """An object whose named ``fields`` (where present) and every other value (``values``) are checked."""
     name = f"an object of {values.plural}" if values is not None and not fields else "an object"
@@ -134,5 +155,5 @@ def field(doc: Mapping[str, Any], key: str, kind: Kind, where: str, *, default: 
     return check(doc[key], kind, where, f"{prefix}.{key}" if prefix else key, error=error, fix=fix)
 
 
-__all__ = ["BOOL", "INT", "LIST", "NULL", "NUMBER", "OBJECT", "STRING", "Kind", "check", "describe", "field",
-           "list_of", "obj", "show"]
+__all__ = ["BOOL", "CHANGE_PCT", "COUNT", "INT", "LIST", "MEASURE", "NULL", "NUMBER", "OBJECT", "PERPLEXITY",
+           "PROBABILITY", "SIGNED", "STRING", "Kind", "check", "describe", "field", "list_of", "obj", "ranged", "show"]

@@ -41,9 +41,10 @@ from qkit.cli.common import (
     start,
 )
 from qkit.evaluation import EvalOptions
-from qkit.evaluation.domains import worst
+from qkit.evaluation.columns import table_cells, table_headers
 from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
+from qkit.evaluation.measures import fmt_change, fmt_estimate, fmt_number
 from qkit.evaluation.specs import file_paths, plan_paths
 from qkit.executors import executor_options
 from qkit.methods import method_names
@@ -159,44 +160,6 @@ def _with_pairs(options: EvalOptions, field: str, given: dict) -> EvalOptions:
     return dataclasses.replace(options, **{field: tuple(sorted({**dict(getattr(options, field)), **given}.items()))})
 
 
-def _fmt_change(pct: float, se: float) -> str:
-    """A perplexity change: "+6.5% ± 1.0" (paired SE), or "x56,925" once it is a multiple, not a percentage;
-    "not finite" / "+6.5% (no SE)" where a number could not be computed (never a bare "± nan")."""
-    if not math.isfinite(pct):
-        return "not finite"
-    if pct >= 900:
-        return f"x{1 + pct / 100:,.0f}"
-    return f"{pct:+,.1f}% ± {se:,.1f}" if math.isfinite(se) else f"{pct:+,.1f}% (no SE)"
-
-
-def _fmt_estimate(value: float, se: float, scored: int, digits: int = 2) -> str:
-    """"12.34 ± 0.56"; without a standard error, says so and on how many tokens (never "± nan")."""
-    if not math.isfinite(value):
-        return "not finite"
-    if not math.isfinite(se):
-        return f"{value:,.{digits}f} (no standard error on {scored:,} token{'s' if scored != 1 else ''})"
-    return f"{value:,.{digits}f} ± {se:,.{digits}f}"
-
-
-def _fmt_number(value: float, spec: str) -> str:
-    return format(value, spec) if math.isfinite(value) else "-"
-
-
-def _corpus_cells(r, ref, scored: int) -> list[str]:
-    """The corpus columns of a row: perplexity, its change, KL and top-1 over one text; over an eval suite,
-    the worst domain's change, KL and top-1, each naming its domain (``evaluation.domains.worst``)."""
-    is_ref = r is ref
-    if not r.domains:
-        return [_fmt_estimate(r.perplexity, r.perplexity_se, scored),
-                "" if is_ref else _fmt_change(r.perplexity_change_pct, r.perplexity_change_se_pct),
-                _fmt_number(r.kld, ".4f"),
-                _fmt_number(100 * r.top1_match, ".1f") + ("%" if math.isfinite(r.top1_match) else "")]
-    change, kl, top1 = (worst(r.domains, k) for k in ("perplexity_change_pct", "kld", "top1_match"))
-    return ["" if is_ref else f"{_fmt_change(change['perplexity_change_pct'], change['perplexity_change_se_pct'])} {change['name']}",
-            "" if is_ref else f"{_fmt_number(kl['kld'], '.4f')} {kl['name']}",
-            "" if is_ref else f"{_fmt_number(100 * top1['top1_match'], '.1f')}% {top1['name']}"]
-
-
 def render_domains(report) -> None:
     """An eval suite's rows per domain: KL and the perplexity change with its paired SE (the reference's
     perplexity ± SE in its row), each domain scored on its own positions."""
@@ -206,8 +169,8 @@ def render_domains(report) -> None:
     names = [d["name"] for d in rows[0].domains]
     table = []
     for r in rows:
-        cells = [f"ppl {_fmt_estimate(d['perplexity'], d['perplexity_se'], d['scored_tokens'])}" if r is report.rows[0]
-                 else f"{_fmt_number(d['kld'], '.4f')} · {_fmt_change(d['perplexity_change_pct'], d['perplexity_change_se_pct'])}"
+        cells = [f"ppl {fmt_estimate(d['perplexity'], d['perplexity_se'], d['scored_tokens'])}" if r is report.rows[0]
+                 else f"{fmt_number(d['kld'], '.4f')} · {fmt_change(d['perplexity_change_pct'], d['perplexity_change_se_pct'])}"
                  for d in r.domains]
         table.append([_literal(r.scheme), *cells])
     scored = {d["name"]: d["scored_tokens"] for d in rows[0].domains}
@@ -219,8 +182,9 @@ def render_domains(report) -> None:
 def render_eval(report) -> None:
     ref = report.rows[0]
     suite = bool(ref.domains)
-    headers = ["scheme", "bits/w", "size", *(("worst Δ ppl", "worst KL", "worst top-1") if suite else
-                                             ("perplexity", "Δ ppl", "KL (nats)", "top-1")), "battery (95% CI)", "agreement"]
+    # the measures' columns come from their registry (``evaluation.columns``): over an eval suite each per-domain
+    # measure shows its worst domain
+    headers = ["scheme", "bits/w", "size", *table_headers(suite)]
     # Rows that simulate run-time quantization get one more column: bits/w stays a weight figure.
     simulated = any(r.act_bits is not None or r.kv_bits is not None for r in report.rows)
     if simulated:
@@ -236,13 +200,10 @@ def render_eval(report) -> None:
         collapsed = not is_ref and not (r.perplexity < 10 * ref.perplexity)  # NaN / inf count as collapsed
         rows.append([
             _literal(r.scheme),
-            _fmt_number(r.bits_per_weight, ".3f"),  # "-": a model with no block projection to count bits of
+            fmt_number(r.bits_per_weight, ".3f"),  # "-": a model with no block projection to count bits of
             *([_fmt_simulated_bits(r.act_bits, r.kv_bits)] if simulated else []),
             human_bytes(r.size_bytes),
-            *_corpus_cells(r, ref, report.provenance["scored_tokens"]),
-            (f"{r.battery_correct}/{r.battery_total} ({100 * r.battery_ci95[0]:.0f}-{100 * r.battery_ci95[1]:.0f}%)"
-             if r.battery_total else "-"),
-            f"{r.agreement}/{r.agreement_total}",
+            *table_cells(r.values(), is_ref, report.provenance["scored_tokens"], suite),
         ])
         styles.append("bold red" if collapsed else None)
     p = report.provenance
@@ -291,7 +252,7 @@ def render_versus_torch(report) -> None:
         v, e = r.versus_torch, r.engine
         kl = (f"{v['kld_change']:+.4f} ± {v['kld_change_se']:.4f}" if "kld_change" in v and math.isfinite(v["kld_change"])
               else "- (no full distribution)")
-        table.append([_literal(r.scheme), _literal(v["against"]), _fmt_change(v["perplexity_change_pct"], v["perplexity_change_se_pct"]), kl,
+        table.append([_literal(r.scheme), _literal(v["against"]), fmt_change(v["perplexity_change_pct"], v["perplexity_change_se_pct"]), kl,
                       f"{e.get('load_seconds', math.nan):.1f} s", f"{e.get('run_seconds', math.nan):.1f} s",
                       f"{r.seconds:.1f} s"])
     console.table(["engine row", "torch row", "Δ ppl (engine - torch)", "Δ KL (engine - torch)", "load", "run", "row"],

@@ -16,8 +16,10 @@ change, the smallest top-1; never the calibration's own text, which the suite ne
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
+from qkit.evaluation.measures import Evidence, measure_values
 from qkit.evaluation.perplexity import TokenScores
 
 
@@ -34,19 +36,15 @@ def slices(scores: TokenScores) -> dict[str, TokenScores]:
 
 
 def domain_rows(scores: TokenScores, reference: TokenScores | None) -> list[dict[str, Any]]:
-    """Per domain: ``name``, ``scored_tokens``, ``perplexity`` and ``perplexity_se``, the change against the
-    reference's same positions with its paired SE (``perplexity_change_pct``, ``perplexity_change_se_pct``;
-    0 for the reference itself, ``reference`` None), ``kld``, ``kld_se`` and ``top1_match``. [] for one text."""
+    """Per domain: ``name``, ``scored_tokens`` and every per-domain measure's values on its positions
+    (``evaluation.measures``: ``perplexity`` and ``perplexity_se``, the change against the reference's same
+    positions with its paired SE, ``perplexity_change_pct`` and ``perplexity_change_se_pct``, 0 for the
+    reference itself, ``reference`` None; ``kld``, ``kld_se``, ``kld_p99`` and ``top1_match``). [] for one text."""
     if len(scores.domains) < 2:
         return []
     ref = slices(reference) if reference is not None else {}
-    rows = []
-    for name, s in slices(scores).items():
-        change, change_se = s.change_against(ref[name]) if ref else (0.0, 0.0)
-        rows.append({"name": name, "scored_tokens": s.n, "perplexity": s.perplexity, "perplexity_se": s.perplexity_se,
-                     "perplexity_change_pct": change, "perplexity_change_se_pct": change_se,
-                     "kld": s.kld, "kld_se": s.kld_se, "top1_match": s.top1_match})
-    return rows
+    return [{"name": name, "scored_tokens": s.n, **measure_values(Evidence(s, ref.get(name)), per_domain=True)}
+            for name, s in slices(scores).items()]
 
 
 def paired_domains(scores: TokenScores, other: TokenScores, kl: bool = True) -> dict[str, dict[str, float]]:
@@ -60,13 +58,14 @@ def paired_domains(scores: TokenScores, other: TokenScores, kl: bool = True) -> 
 _WORST = {"kld": max, "perplexity_change_pct": max, "top1_match": min}
 
 
-def worst(domains: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
-    """The domain whose ``key`` is worst (largest KL or perplexity change, smallest top-1), or None; a
-    domain whose value is not finite is the worst of all (it could not be measured, or it collapsed)."""
+def worst(domains: list[dict[str, Any]], key: str, pick: Callable[..., Any] | None = None) -> dict[str, Any] | None:
+    """The domain whose ``key`` is worst by ``pick`` (``max`` or ``min``; by default the largest KL or perplexity
+    change, the smallest top-1), or None; a domain whose value is not finite is the worst of all (it could not
+    be measured, or it collapsed)."""
     if not domains:
         return None
     broken = [d for d in domains if not math.isfinite(d[key])]
-    return broken[0] if broken else _WORST[key](domains, key=lambda d: d[key])
+    return broken[0] if broken else (pick or _WORST[key])(domains, key=lambda d: d[key])
 
 
 __all__ = ["domain_rows", "paired_domains", "slices", "worst"]

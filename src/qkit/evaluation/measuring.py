@@ -3,7 +3,8 @@
 Layer 6 (``evaluation``), below the engines and the runner: ``Reference`` (what every row is compared
 with, computed once by the torch engine on the reference model), ``RowFile`` (a row's weights as an engine
 loads them, and what writing them settled), ``Measured`` (what an engine measured for one row), and the
-table ``Row`` assembled from them (``assemble_row``; ``refused_row`` for a row an engine could not run).
+table ``Row`` assembled from them by the registered measures (``assemble_row``; ``refused_row`` for a row an
+engine could not run).
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import torch
 
 from qkit.checkpoint import iter_quantized
 from qkit.evaluation.agreement import ReferenceContinuation
-from qkit.evaluation.battery import Question, is_correct
+from qkit.evaluation.battery import Question
 from qkit.evaluation.domains import domain_rows
+from qkit.evaluation.measures import Evidence, blank_values, measure_values
 from qkit.evaluation.perplexity import CorpusReference, TokenScores
 from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec
-from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 from qkit.models import ModelRef
 from qkit.schemes import QuantizedTensor
 
@@ -107,37 +108,20 @@ class Measured:
 
 def assemble_row(name: str, measured: Measured, battery: list[Question], against: Reference | None, seconds: float,
                  **facts) -> Row:
-    """One table row from its measurements (every engine's alike). ``against`` None: the reference itself
-    (no change, McNemar against nothing). ``facts``: the row's other ``Row`` fields."""
-    scores, agree = measured.scores, measured.agree
-    answers = [is_correct(o, q.answers) for o, q in zip(measured.outputs, battery)]
-    k, n = int(agree.sum()), int(agree.numel())
-    if against is None:
-        change, change_se, (only_ref, only_row, p) = 0.0, 0.0, (0, 0, 1.0)
-    else:
-        change, change_se = scores.change_against(against.ref_scores)
-        only_ref, only_row, p = mcnemar_exact(against.ref_row.battery_answers, answers)
-    return Row(
-        scheme=name,
-        perplexity=scores.perplexity, perplexity_se=scores.perplexity_se,
-        perplexity_change_pct=change, perplexity_change_se_pct=change_se,
-        kld=scores.kld, kld_se=scores.kld_se, top1_match=scores.top1_match,
-        battery_correct=sum(answers), battery_total=len(answers), battery_ci95=wilson_interval(sum(answers), len(answers)),
-        battery_answers=answers, battery_outputs=measured.outputs,
-        mcnemar_only_reference=only_ref, mcnemar_only_row=only_row, mcnemar_p=p,
-        agreement=k, agreement_total=n, agreement_ci95=wilson_interval(k, n),
-        seconds=seconds, domains=domain_rows(scores, against.ref_scores if against is not None else None), **facts,
-    )
+    """One table row from its measurements (every engine's alike): every registered measure computed from
+    them (``evaluation.measures``), over all positions and per domain of an eval suite. ``against`` None: the
+    reference itself (no change, McNemar against nothing). ``facts``: the row's other ``Row`` fields."""
+    ref_scores = against.ref_scores if against is not None else None
+    evidence = Evidence(measured.scores, ref_scores, measured.outputs, battery,
+                        against.ref_row.battery_answers if against is not None else None, measured.agree)
+    return Row.build(scheme=name, **measure_values(evidence), seconds=seconds,
+                     domains=domain_rows(measured.scores, ref_scores), **facts)
 
 
 def refused_row(name: str, reason: str, seconds: float = 0.0, **facts) -> Row:
     """A row the engine could not run: its reason, and no numbers (NaN, ``null`` in JSON)."""
-    nan = math.nan
-    return Row(scheme=name, bits_per_weight=nan, size_bytes=0, perplexity=nan, perplexity_se=nan,
-               perplexity_change_pct=nan, perplexity_change_se_pct=nan, kld=nan, kld_se=nan, top1_match=nan,
-               battery_correct=0, battery_total=0, battery_ci95=(nan, nan), battery_answers=[], battery_outputs=[],
-               mcnemar_only_reference=0, mcnemar_only_row=0, mcnemar_p=nan, agreement=0, agreement_total=0,
-               agreement_ci95=(nan, nan), seconds=seconds, matrices=0, refused=reason, **facts)
+    return Row.build(scheme=name, bits_per_weight=math.nan, size_bytes=0, **blank_values(), seconds=seconds, matrices=0,
+                     refused=reason, **facts)
 
 
 __all__ = ["REFERENCE", "Measured", "Reference", "RowFile", "assemble_row", "refused_row"]

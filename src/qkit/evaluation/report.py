@@ -1,12 +1,15 @@
 """What ``qkit eval`` returns: one ``Row`` per table row and the ``EvalReport`` holding them.
 
 Layer 6 (``evaluation``): plain values, below the runner that fills them and the notes that read them.
+The built-in measures' numbers (``evaluation.measures``) have ``Row`` fields of their names, which the JSON
+and the tests have always read; a measure registered since writes into ``Row.measures``, and a row's JSON
+holds both side by side (``Row.values``), so the table, the JSON and the report read every measure alike.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -62,6 +65,23 @@ class Row:
     # reference with its paired SE, KL and top-1, as if it were the only text; [] for one text. The row's own
     # corpus numbers above pool every domain's positions; the table's headline is the worst domain.
     domains: list = field(default_factory=list)
+    # the values of measures without a field above (``evaluation.measures``: e.g. ``kld_p99``), by JSON key
+    measures: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, **values: Any) -> Row:
+        """A row from ``values``: each a field of that name, the rest (other measures' keys) into ``measures``."""
+        own = {k: v for k, v in values.items() if k in _FIELDS}
+        return cls(**own, measures={k: v for k, v in values.items() if k not in _FIELDS})
+
+    def values(self) -> dict[str, Any]:
+        """Every field and every measure's value by its JSON key, as the row's JSON holds them (NaN kept)."""
+        out = asdict(self)
+        extra = out.pop("measures")
+        return {**out, **extra}
+
+
+_FIELDS = frozenset(f.name for f in fields(Row)) - {"measures"}
 
 
 @dataclass
@@ -73,7 +93,7 @@ class EvalReport:
     def to_dict(self) -> dict:
         """JSON-able; a number that could not be computed (NaN, inf) is ``None`` (``null``: JSON has no NaN, and
         a reader must not take it for a value)."""
-        return _finite({"rows": [asdict(r) for r in self.rows], "provenance": self.provenance, "notes": self.notes})
+        return _finite({"rows": [r.values() for r in self.rows], "provenance": self.provenance, "notes": self.notes})
 
 
 def _finite(value: Any) -> Any:

@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from qkit.evaluation.columns import page_cells, page_headers
+from qkit.evaluation.measures import fixed
+
 # Block projections in the order a layer runs them (the heatmaps' columns); names not listed follow, sorted.
 MATRIX_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>[0-9]+)\.(?P<rest>.+)$")
@@ -72,46 +75,22 @@ def frontier_points(eval_doc: dict) -> list[dict]:
     return out
 
 
-def fixed(v: float, digits: int, sign: bool = False) -> str:
-    """``v`` with ``digits`` decimals and thousands separators (``sign``: a ``+`` before a positive number);
-    from 1e9 up in 4 significant digits (``1.5e+12``): a checked input is at most 1e30, and even that is never
-    printed as 31 digits."""
-    plus = "+" if sign else ""
-    return f"{v:{plus},.{digits}f}" if abs(v) < 1e9 else f"{v:{plus}.4g}"
-
-
-def _est(value: Any, se: Any, digits: int, unit: str = "") -> str:
-    v, s = _num(value), _num(se)
-    if v is None:
-        return "-"
-    if s is None:
-        return f"{fixed(v, digits)}{unit}"
-    # an SE below the value's last digit keeps one significant digit (never a bare "± 0.0000")
-    se = fixed(s, digits) if s == 0 or s >= 10**-digits else f"{s:.1g}"
-    return f"{fixed(v, digits)}{unit} ± {se}"
-
-
 def quality_table(eval_doc: dict) -> tuple[list[str], list[list[str]]]:
-    """``(headers, rows)`` of ``qkit eval``'s table: every row, the reference first, refused rows with their reason."""
-    headers = ["row", "runtime", "bits/w", "size (MB)", "perplexity", "Δ ppl (%)", "KL (nats)", "top-1", "battery",
-               "agreement"]
+    """``(headers, rows)`` of ``qkit eval``'s table: every row, the reference first, refused rows with their
+    reason; the measures' columns from their registry (``evaluation.columns``)."""
+    headers = ["row", "runtime", "bits/w", "size (MB)", *page_headers()]
     rows = []
     for i, r in enumerate(eval_doc.get("rows") or []):
         if r.get("refused"):
             rows.append([str(r.get("scheme")), str(r.get("runtime") or "torch"), "refused: " + str(r["refused"]),
                          *[""] * (len(headers) - 3)])
             continue
-        bits, size, top1 = _num(r.get("bits_per_weight")), _num(r.get("size_bytes")), _num(r.get("top1_match"))
+        bits, size = _num(r.get("bits_per_weight")), _num(r.get("size_bytes"))
         rows.append([
             str(r.get("scheme")), str(r.get("runtime") or "torch"),
             f"{bits:.3f}" if bits is not None else "-",
             fixed(size / 1e6, 1) if size is not None else "-",
-            _est(r.get("perplexity"), r.get("perplexity_se"), 3),
-            "" if i == 0 else _est(r.get("perplexity_change_pct"), r.get("perplexity_change_se_pct"), 2),
-            "" if i == 0 else _est(r.get("kld"), r.get("kld_se"), 4),
-            f"{100 * top1:.1f}%" if top1 is not None else "-",
-            f"{r.get('battery_correct')}/{r.get('battery_total')}" if r.get('battery_total') else "-",
-            f"{r.get('agreement')}/{r.get('agreement_total')}",
+            *page_cells(r, i == 0),
         ])
     return headers, rows
 

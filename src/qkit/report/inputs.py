@@ -32,8 +32,24 @@ from typing import Any
 
 from qkit import reading
 from qkit.errors import InputError
+from qkit.evaluation.measures import json_fields
 from qkit.jsontext import first_nonfinite
-from qkit.jsonfields import BOOL, LIST, NULL, NUMBER, STRING, Kind, check, list_of, obj
+from qkit.jsonfields import (
+    BOOL,
+    CHANGE_PCT,
+    COUNT,
+    LIST,
+    MEASURE,
+    NULL,
+    NUMBER,
+    SIGNED,
+    STRING,
+    Kind,
+    check,
+    list_of,
+    obj,
+    ranged,
+)
 from qkit.plan.planfile import PLAN_FORMAT, PLAN_VERSION
 from qkit.version import __version__
 
@@ -66,27 +82,12 @@ def _is_int(v: Any) -> bool:
 # a plotted number: finite and far from overflow (a 400-digit JSON integer is compared exactly, never made a float)
 FINITE = Kind("a number from -1e30 to 1e30", "numbers from -1e30 to 1e30",
               lambda v: (_is_int(v) or isinstance(v, float)) and -1e30 <= v <= 1e30)
-COUNT = Kind("a whole number from 0 to 2**53", "whole numbers from 0 to 2**53", lambda v: _is_int(v) and 0 <= v <= 2**53)
 SCALAR = STRING | NUMBER | BOOL | NULL  # shown as text (``str()``): anything but an object or a list
 TEXT = STRING | NULL
 
 
-def ranged(lo: float, hi: float) -> Kind:
-    """A finite number from ``lo`` to ``hi``, or null (not measured). NaN and infinities fail: a number the page
-    shows or draws is in its range, never a 309-digit figure or a negative KL."""
-    return Kind(f"a number from {lo:g} to {hi:g} or null", f"numbers from {lo:g} to {hi:g}",
-                lambda v: v is None or ((_is_int(v) or isinstance(v, float)) and lo <= v <= hi))
-
-
-# What each number means bounds it: a standard error (drawn as an error bar), a measured error or KL (drawn
-# on a log colour scale), seconds: never negative, and far from float overflow (1e30: a sum of a million
-# of them stays finite). A perplexity is at least 1; its change at least -100%; a probability in [0, 1];
-# bits per weight at most 64 (no stored type takes more); sizes whole bytes up to 1 EiB.
-MEASURE = ranged(0, 1e30)
-PERPLEXITY = ranged(1, 1e30)
-CHANGE_PCT = ranged(-100, 1e30)
-SIGNED = ranged(-1e30, 1e30)
-PROBABILITY = ranged(0, 1)
+# What each number means bounds it (``qkit.jsonfields``: MEASURE, PERPLEXITY, CHANGE_PCT, SIGNED, PROBABILITY,
+# COUNT); bits per weight at most 64 (no stored type takes more); sizes whole bytes up to 1 EiB.
 BITS = ranged(0, 64)
 BYTES = Kind("a whole number from 0 to 2**60 or null", "whole numbers from 0 to 2**60",
              lambda v: v is None or (_is_int(v) and 0 <= v <= 2**60))
@@ -101,15 +102,12 @@ def _needs(kind: Kind, *keys: str) -> Kind:
 _ARCH = obj({"name": SCALAR}) | NULL
 # a row's spec names its simulations ``simulation``; an eval JSON written before they had that word, ``runtime``
 _SPEC = obj({"plan": SCALAR, "simulation": LIST | SCALAR, "runtime": LIST | SCALAR}) | NULL
+# a row's measures (perplexity, KL, battery, ...) give their own fields' types (``evaluation.measures``)
 _ROW = obj({"scheme": SCALAR, "runtime": TEXT, "refused": SCALAR, "spec": _SPEC,
-            "bits_per_weight": BITS, "size_bytes": BYTES, "perplexity": PERPLEXITY, "perplexity_change_pct": CHANGE_PCT,
-            "kld": MEASURE, "top1_match": PROBABILITY, "battery_ci95": list_of(PROBABILITY) | NULL,
-            "perplexity_se": MEASURE, "perplexity_change_se_pct": MEASURE, "kld_se": MEASURE,
+            "bits_per_weight": BITS, "size_bytes": BYTES, **json_fields(),
             "versus_torch": obj({"against": SCALAR, "perplexity_change_pct": CHANGE_PCT, "perplexity_change_se_pct": MEASURE,
                                  "kld_change": SIGNED, "kld_change_se": MEASURE}) | NULL,
-            "engine": obj({"version": SCALAR}) | NULL,
-            "battery_correct": COUNT | NULL, "battery_total": COUNT | NULL, "agreement": COUNT | NULL,
-            "agreement_total": COUNT | NULL})
+            "engine": obj({"version": SCALAR}) | NULL})
 _TYPICAL = list_of(_needs(obj({"dim": SCALAR, "levels": SCALAR}), "dim", "levels"))
 _INT8_PART = obj({"levels_used": SCALAR, "levels_total": SCALAR, "typical": _TYPICAL | NULL, "scale": MEASURE}) | NULL
 SCHEMAS: dict[str, Kind] = {
