@@ -511,7 +511,7 @@ def test_fuzzed_export_record_is_a_qkit_error(tiny_ct_export, tmp_path_factory, 
     """Any mutation of a real qkit-export.json (a value replaced by other JSON, a key deleted or added) is
     read back either as before or refused with a QkitError: never another exception."""
     from qkit.export.common import read_export_manifest
-    from qkit.export.verify import iter_decoded
+    from qkit.verify import iter_decoded
 
     export = tmp_path_factory.mktemp("fuzz") / "export"
     shutil.copytree(tiny_ct_export, export)

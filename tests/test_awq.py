@@ -184,7 +184,7 @@ def test_awq_checkpoint_loads_and_matches_the_in_memory_row(tiny_model_dir, tmp_
 
 
 def test_awq_checkpoint_exports_to_compressed_tensors_and_verifies(tiny_model_dir, tmp_path):
-    from qkit.export.verify import verify_checkpoint
+    from qkit.verify import verify_checkpoint
 
     out = tmp_path / "ct"
     quantize_model(tiny_model_dir, output=out, scheme="int4-g32", method="awq",

@@ -583,7 +583,7 @@ def test_verify_engine_compares_topk_logprobs(tiny_model_dir, tmp_path, noise, p
     from transformers import AutoModelForCausalLM
 
     from qkit.api import quantize_model
-    from qkit.export.verify.vllm import EngineLogprobs, verify_engine
+    from qkit.verify.vllm import EngineLogprobs, verify_engine
 
     out = tmp_path / "ct"
     result = quantize_model(tiny_model_dir, output=out, scheme="int8-row", format="compressed-tensors", collect=True)
@@ -608,7 +608,7 @@ def test_verify_engine_compares_topk_logprobs(tiny_model_dir, tmp_path, noise, p
 
 
 def test_verify_refuses_what_is_not_an_export(tiny_model_dir):
-    from qkit.export.verify.vllm import verify_engine
+    from qkit.verify.vllm import verify_engine
 
     with pytest.raises(InputError, match="not a compressed-tensors"):
         verify_engine(tiny_model_dir, lambda d, ids: None)

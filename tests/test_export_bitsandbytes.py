@@ -18,7 +18,7 @@ from qkit.schemes import get_scheme, quantize_tensor
 
 bnb = pytest.importorskip("bitsandbytes")
 
-LOGITS_RTOL = 1e-4  # fp32, bitsandbytes' generic CPU path (qkit.export.verify); measured: 0
+LOGITS_RTOL = 1e-4  # fp32, bitsandbytes' generic CPU path (qkit.verify); measured: 0
 
 
 def load_with_transformers(directory: Path):

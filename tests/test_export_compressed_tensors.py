@@ -24,7 +24,7 @@ ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32  # noqa: E402
 from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 
-LOGITS_RTOL = 1e-4  # the stated tolerance for fp32 (qkit.export.verify.LOGITS_RTOL); measured: 0
+LOGITS_RTOL = 1e-4  # the stated tolerance for fp32 (qkit.verify.LOGITS_RTOL); measured: 0
 
 
 def source_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -218,7 +218,7 @@ def test_default_model_g128_refused_g64_verified(default_model_dir, tmp_path):
     msg = str(err.value)
     assert "is 576 wide (576 = 4.5 x 128), so int4-g128 cannot be exported; int4-g64 can (it divides every width: 576, 1536)" in msg
 
-    from qkit.export.verify import verify_checkpoint
+    from qkit.verify import verify_checkpoint
 
     out = tmp_path / "g64"
     r = quantize_model(None, output=out, scheme="int4-g64", format="compressed-tensors",

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError
-from qkit.export.verify import verify_checkpoint
+from qkit.verify import verify_checkpoint
 from qkit.schemes import get_scheme, quantize_tensor
 
 ct = pytest.importorskip("compressed_tensors")

@@ -22,7 +22,7 @@ import qkit.schemes
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError, OutputExistsError, QkitError
 from qkit.export import gguf as gg
-from qkit.export.verify import verify_checkpoint
+from qkit.verify import verify_checkpoint
 from qkit.schemes import Recipe, get_scheme, quantize_tensor, register, scheme_names
 
 T = gguf.GGMLQuantizationType

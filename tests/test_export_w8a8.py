@@ -59,7 +59,7 @@ def test_w8a8_layout_is_what_vllm_reads(w8a8_dir):
 
 
 def test_w8a8_verifies_against_the_library_rule_exactly_and_the_simulation_within_tolerance(w8a8_dir):
-    from qkit.export.verify import verify_checkpoint
+    from qkit.verify import verify_checkpoint
 
     r = verify_checkpoint(w8a8_dir)
     assert r.passed, r.to_dict()

@@ -390,7 +390,7 @@ def test_eval_of_the_checkpoint_equals_the_in_memory_row(gptq_checkpoint, tiny64
 @pytest.mark.parametrize("scheme", ["int4-g32", "nvfp4", "mxfp4"])
 def test_compressed_tensors_export_verifies(tiny64, cal_file, tmp_path, scheme):
     pytest.importorskip("compressed_tensors")
-    from qkit.export.verify import verify_checkpoint
+    from qkit.verify import verify_checkpoint
 
     out = tmp_path / "ct"
     quantize_model(tiny64, output=out, scheme=scheme, method="gptq", method_options=opts(cal_file, act_order=True),

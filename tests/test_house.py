@@ -12,6 +12,8 @@
   protocol (``isinstance(scheme, GGMLScheme)``, ``Recipe``, ``AbsmaxScheme``, ``is_fp4``, ``is_llama_type``). A family's
   name stays what a manifest entry or a message says. :data:`KIND_COMPARED` names the one place that reads a
   manifest's ``kind`` against the scheme's.
+- ``export/`` imports nothing of layer 5 or above (:data:`ABOVE_EXPORT`), and only ``cli/`` imports ``verify/``:
+  a format is below every reader of its files.
 """
 
 from __future__ import annotations
@@ -127,6 +129,50 @@ def test_the_known_oversized_modules_exist():
     """An entry for a module that was split into a package or renamed away is stale: remove it."""
     missing = sorted(rel for rel in KNOWN_OVER if not (SRC / rel).is_file())
     assert not missing, f"KNOWN_OVER names modules that are gone: {missing}; remove them from tests/test_house.py"
+
+
+# --------------------------------------------------------------------------- formats below what reads their files
+
+# What ``export/`` may not import: the rest of layer 5 and every layer above (docs/architecture.md, "Layers").
+# Reading an export back to check it is ``verify/``'s work, above ``export``, ``simulate`` and ``evaluation``.
+ABOVE_EXPORT = ("qkit.methods", "qkit.simulate", "qkit.serving", "qkit.plan", "qkit.choice", "qkit.writing",
+                "qkit.api", "qkit.evaluation", "qkit.verify", "qkit.inspect", "qkit.cli", "qkit.report")
+VERIFY_READERS = ("verify/", "cli/")  # nothing else imports qkit.verify
+
+
+def qkit_imports(source: str) -> set[str]:
+    """Every ``qkit`` module a source imports, at any depth (``from qkit import api`` counts as ``qkit.api``)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {name for name in found if name == "qkit" or name.startswith("qkit.")}
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def test_the_qkit_import_scan_sees_every_spelling():
+    src = "import qkit.plan\nfrom qkit import api\ndef f():\n    from qkit.verify.vllm import x\nimport os\n"
+    assert {n for n in qkit_imports(src) if _under(n, ABOVE_EXPORT)} == {"qkit.plan", "qkit.api",
+                                                                          "qkit.verify.vllm", "qkit.verify.vllm.x"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.relative_to(SRC).as_posix()) for p in _modules()
+                                  if p.relative_to(SRC).as_posix().startswith("export/")])
+def test_export_imports_nothing_above_it(path):
+    above = sorted(n for n in qkit_imports(path.read_text()) if _under(n, ABOVE_EXPORT))
+    assert not above, f"src/qkit/{path.relative_to(SRC).as_posix()} imports {above}: a format sits below them"
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.relative_to(SRC).as_posix()) for p in _modules()
+                                  if not p.relative_to(SRC).as_posix().startswith(VERIFY_READERS)])
+def test_only_the_cli_imports_verify(path):
+    found = sorted(n for n in qkit_imports(path.read_text()) if _under(n, ("qkit.verify",)))
+    assert not found, f"src/qkit/{path.relative_to(SRC).as_posix()} imports {found}: verify sits above it"
 
 
 # --------------------------------------------------------------------------- no dispatch on a family's name

@@ -47,7 +47,6 @@ from qkit.export.gguf.tensor_types import (
     read_tensor_type_file,
     types_by_kind,
 )
-from qkit.export.verify import verify_checkpoint
 from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
@@ -57,6 +56,8 @@ from qkit.plan.planner import DEFAULT_CHECK_WINDOWS
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
 from qkit.threads import check_threads
+from qkit.verify import verify_checkpoint
+from qkit.verify.vllm import verify_in_vllm
 
 SchemeOpt = Annotated[str, typer.Option("--scheme", "-s", help=scheme_help())]  # every registered scheme
 # A str, not a Path: typer turns an empty -o '' into Path('.'), the current directory.
@@ -333,9 +334,6 @@ def verify(
     run = start(json_path, force, threads, model_inputs(path, "the checkpoint"))
     run.use_threads()
     if runtime is not None:
-        # qkit.evaluation (the engines) is imported only for --runtime: plain verify stays as light as before
-        from qkit.evaluation.engines.vllm import verify_in_vllm
-
         r = verify_in_vllm(path, engine, trust_remote_code=trust_remote_code)
         render_engine_verify(r)
     else:

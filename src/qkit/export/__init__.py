@@ -4,7 +4,7 @@ Layer 5 (beside ``methods``, ``simulate``, ``serving``): it imports ``checkpoint
 ``models`` and ``schemes`` below it, never ``evaluation`` or the CLI above it.
 
 ``quantize_model(..., format=...)`` streams through the same transform as qkit's own format and hands
-each ``QuantizedTensor`` to a format's ``encode``; ``qkit verify`` (``verify.verify_checkpoint``)
+each ``QuantizedTensor`` to a format's ``encode``; ``qkit verify`` (``qkit.verify.verify_checkpoint``)
 loads an export with the target library's own reader and compares it with qkit's dequantization.
 
 Every format is a ``common.Format`` registered in ``FORMATS`` (``qkit.registry.Registry``): it checks a

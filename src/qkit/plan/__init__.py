@@ -7,8 +7,9 @@ diagonal-Fisher estimate of each candidate's damage), ``solve`` (the exact multi
 
 Layer 5b: above ``methods`` (the importance matrix, the calibration text) and ``export`` (each format's
 exact stored bytes, ``candidates``), below ``evaluation`` (plan rows) and ``api``. It is its own package,
-not part of ``methods``, because it reads the formats' layouts: ``export`` (through ``verify``) uses
-``simulate``, which uses ``methods.calibration``, so ``methods`` importing ``export`` would close a circle.
+not part of ``methods``: a method chooses the integers and scales of a scheme it is given and knows no file
+format, while the planner chooses each tensor's scheme from the formats' stored bytes and runs methods to
+cost the candidates; inside ``methods`` it would lift the methods' package above ``export``.
 """
 
 from qkit.plan.candidates import (

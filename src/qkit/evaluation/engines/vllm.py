@@ -55,7 +55,6 @@ from qkit.evaluation.engines.worker import engine_python as _engine_python
 from qkit.evaluation.engines.worker import probe_seconds, run_worker
 from qkit.export.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
-from qkit.export.verify.vllm import EngineLogprobs, EngineVerifyResult, verify_engine
 from qkit.models import check_config
 from qkit.plan.candidates import FUSED_MODULES
 from qkit.schemes import get_scheme
@@ -434,24 +433,5 @@ ENGINE = VllmEngine()
 ENGINES.register(NAME, ENGINE)
 
 
-def verify_in_vllm(checkpoint: str | Path, options: EngineOptions | None = None, *,
-                   trust_remote_code: bool = False) -> EngineVerifyResult:
-    """``qkit verify --runtime vllm CHECKPOINT``: vLLM scores the fixed prompt from the export directory and
-    ``qkit.export.verify.vllm.verify_engine`` compares it with qkit's reading of the same files. Refused
-    in one line before anything loads: vLLM not installed, more devices than exist, a directory vLLM
-    cannot read; ``EngineRefused`` for what vLLM itself refuses."""
-    options = options or EngineOptions()
-    options.validate()
-    ENGINE.check_available(options)
-    check_readable(Path(checkpoint))
-
-    def score(directory: Path, ids: torch.Tensor) -> EngineLogprobs:
-        job = EngineJob(windows=[ids], battery_prompts=[], battery_tokens=1, repetition_penalty=1.0,
-                        agreement_inputs=[], agreement_n=0)
-        s = ENGINE.run(directory, job, options)
-        return EngineLogprobs(s.top_ids[0], s.top_logprobs[0], s.argmax[0], s.version, s.notes)
-
-    return verify_engine(checkpoint, score, engine="vLLM", trust_remote_code=trust_remote_code)
-
 __all__ = ["ENGINE", "Installation", "VllmEngine", "WORKER_ENV", "check_readable", "cpu_binding", "device_count", "engine_python",
-           "job_length", "model_dtype", "probe", "verify_in_vllm"]
+           "job_length", "model_dtype", "probe"]

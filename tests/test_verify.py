@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.cli import app
 from qkit.export import compressed_tensors as ct_format
-from qkit.export.verify import iter_decoded, verify_checkpoint
+from qkit.verify import iter_decoded, verify_checkpoint
 from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
 
 pytest.importorskip("compressed_tensors")

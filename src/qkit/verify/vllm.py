@@ -1,6 +1,6 @@
 """``qkit verify --runtime vllm``: does a serving engine compute what qkit means by a compressed-tensors export?
 
-qkit's side is ``qkit verify``'s (``qkit.export.verify``): every quantized module's stored tensors read back by
+qkit's side is ``qkit verify``'s (``qkit.verify``): every quantized module's stored tensors read back by
 qkit (``Format.decode``), checked against the sha256 recorded at export, dequantized by qkit into a plain
 transformers model in the checkpoint's dtype; for a W8A8 export, qkit's ``act-int8-token`` simulation on its
 inputs (``max|x| / 127`` per token: the rule of vLLM's int8 kernels). The engine's side is the engine
@@ -19,8 +19,9 @@ that lands within an accumulation error of a rounding boundary rounds the other 
 activation quantization itself (``max |lp(simulated W8A8) - lp(W8A16)|`` at the same ids). The top-1 token at
 every position is reported beside (a near-tie may differ without either side being wrong).
 
-Layer 5 (``export``): the engine itself lives above (``qkit.evaluation.engines``), so the caller hands in a
-``score`` function that runs it (the CLI passes ``VllmEngine.run``); this module builds qkit's side and compares.
+``verify_in_vllm`` runs vLLM through its eval engine (``qkit.evaluation.engines.vllm``: the same worker
+subprocess ``qkit eval --runtime vllm`` scores rows in); ``verify_engine`` takes the engine as a ``score``
+function, so any engine (or a test's stand-in) is compared by the same rules.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ from pathlib import Path
 import torch
 
 from qkit.errors import InputError, ModelLoadError
+from qkit.evaluation.engines.base import EngineJob, EngineOptions
+from qkit.evaluation.engines.vllm import ENGINE, check_readable
 from qkit.export.common import read_export_manifest
-from qkit.export.verify.activations import SIMULATION, SIMULATION_FACTOR
-from qkit.export.verify.result import LOGITS_RTOL, load_weights, no_init, quiet
-from qkit.export.verify.safetensors import _prompt_ids, iter_decoded, read_format
 from qkit.models import check_remote_code
 from qkit.schemes import QuantizedTensor
 from qkit.simulate import apply_simulation
+from qkit.verify.activations import SIMULATION, SIMULATION_FACTOR
+from qkit.verify.result import LOGITS_RTOL, load_weights, no_init, quiet
+from qkit.verify.safetensors import _prompt_ids, iter_decoded, read_format
 
 
 @dataclass
@@ -163,4 +166,24 @@ def verify_engine(checkpoint: str | Path, score: Score, *, engine: str = "vLLM",
     )
 
 
-__all__ = ["EngineLogprobs", "EngineVerifyResult", "Score", "verify_engine"]
+def verify_in_vllm(checkpoint: str | Path, options: EngineOptions | None = None, *,
+                   trust_remote_code: bool = False) -> EngineVerifyResult:
+    """``qkit verify --runtime vllm CHECKPOINT``: vLLM scores the fixed prompt from the export directory and
+    ``verify_engine`` compares it with qkit's reading of the same files. Refused in one line before anything
+    loads: vLLM not installed, more devices than exist, a directory vLLM cannot read; ``EngineRefused`` for
+    what vLLM itself refuses."""
+    options = options or EngineOptions()
+    options.validate()
+    ENGINE.check_available(options)
+    check_readable(Path(checkpoint))
+
+    def score(directory: Path, ids: torch.Tensor) -> EngineLogprobs:
+        job = EngineJob(windows=[ids], battery_prompts=[], battery_tokens=1, repetition_penalty=1.0,
+                        agreement_inputs=[], agreement_n=0)
+        s = ENGINE.run(directory, job, options)
+        return EngineLogprobs(s.top_ids[0], s.top_logprobs[0], s.argmax[0], s.version, s.notes)
+
+    return verify_engine(checkpoint, score, engine="vLLM", trust_remote_code=trust_remote_code)
+
+
+__all__ = ["EngineLogprobs", "EngineVerifyResult", "Score", "verify_engine", "verify_in_vllm"]

@@ -19,14 +19,14 @@ import torch
 from qkit.errors import ExportError, InputError, ModelLoadError, QkitError
 from qkit.export import gguf as gg
 from qkit.export.common import check_export_record, fingerprint
-from qkit.export.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
-from qkit.export.verify.result import load_weights, no_init, quiet, within  # the rules and loading helpers
 from qkit.models import parse_device
+from qkit.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
+from qkit.verify.result import load_weights, no_init, quiet, within  # the rules and loading helpers
 
 
 def verify_gguf(checkpoint: str | Path, *, device: str | None = None, fast_cpu_kernel: bool = False,
                 trust_remote_code: bool = False) -> VerifyResult:
-    """``qkit verify`` for a GGUF file (see ``qkit.export.verify``); ``checkpoint``: the file or its OUT directory.
+    """``qkit verify`` for a GGUF file (see ``qkit.verify``); ``checkpoint``: the file or its OUT directory.
 
     ``fast_cpu_kernel`` does not apply (the comparison runs in fp32 through transformers' own GGUF loader)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: only a verification loads transformers

@@ -39,9 +39,13 @@ model and of a transformers model holding qkit's weights (same config, read from
 the fixed prompt with the fp32 rule above.
 
 The package: ``result`` (the report and the rules), ``safetensors`` (export directories), ``gguf_file``
-(GGUF files), ``activations`` (W8A8: the library against qkit's run-time simulation). ``verify_checkpoint``
-asks the registered formats which one a path is (``Format.recognises``) and reads it with the reader of
-that format's container.
+(GGUF files), ``activations`` (W8A8: the library against qkit's run-time simulation), ``vllm`` (``qkit verify
+--runtime vllm``: vLLM serving the directory, compared on log-probabilities). ``verify_checkpoint`` asks the
+registered formats which one a path is (``Format.recognises``) and reads it with the reader of that format's
+container.
+
+A consumer of written files, not a format: it sits above ``export`` (the formats' readers), ``simulate`` (the
+W8A8 rule) and ``evaluation.engines`` (vLLM's worker), and nothing below imports it.
 """
 
 from __future__ import annotations
@@ -52,9 +56,9 @@ from pathlib import Path
 from qkit import reading
 from qkit.errors import InputError
 from qkit.export import recognise
-from qkit.export.verify.gguf_file import verify_gguf
-from qkit.export.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
-from qkit.export.verify.safetensors import iter_decoded, read_format, verify_safetensors
+from qkit.verify.gguf_file import verify_gguf
+from qkit.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
+from qkit.verify.safetensors import iter_decoded, read_format, verify_safetensors
 
 # The reader of each container (``Format.container``).
 READERS = {"safetensors": verify_safetensors, "gguf": verify_gguf}

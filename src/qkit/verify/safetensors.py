@@ -4,7 +4,7 @@ qkit's side reads each quantized module's stored tensors back (``Format.decode``
 the sha256 recorded at export and dequantizes them into a plain transformers model; the library's side is
 ``AutoModelForCausalLM.from_pretrained`` on the directory. Everything that differs between formats (which
 keys a module stores, how the library's dense weight is read, its run-time dtype, its activation rule) is
-asked of the format (``common.SafetensorsFormat``); see ``qkit.export.verify`` for the rules.
+asked of the format (``common.SafetensorsFormat``); see ``qkit.verify`` for the rules.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from qkit.checkpoint import iter_tensors, tensor_shapes
 from qkit.errors import ExportError, InputError, ModelLoadError, QkitError
 from qkit.export import REGISTRY
 from qkit.export.common import EXPORT_MANIFEST, ExportEntry, SafetensorsFormat, fingerprint, read_export_manifest
-from qkit.export.verify.activations import simulation_report
-from qkit.export.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
-from qkit.export.verify.result import load_weights, no_init, quiet, within  # the rules and loading helpers
 from qkit.models import check_remote_code, load_tokenizer, parse_device, read_config
 from qkit.schemes import QuantizedTensor
+from qkit.verify.activations import simulation_report
+from qkit.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
+from qkit.verify.result import load_weights, no_init, quiet, within  # the rules and loading helpers
 
 # --------------------------------------------------------------------------- reading an export
 
@@ -113,7 +113,7 @@ def verify_safetensors(
     checkpoint: str | Path, *, device: str | None = None, fast_cpu_kernel: bool = False,
     trust_remote_code: bool = False,
 ) -> VerifyResult:
-    """``qkit verify`` of an export directory (see ``qkit.export.verify``); ``InputError`` for a directory
+    """``qkit verify`` of an export directory (see ``qkit.verify``); ``InputError`` for a directory
     that is not one."""
     from transformers import AutoConfig, AutoModelForCausalLM  # heavy: only a verification loads transformers
 
