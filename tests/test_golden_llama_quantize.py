@@ -1,6 +1,6 @@
 """Whole GGUF files against llama-quantize's, without llama.cpp: its output recorded once, per tensor.
 
-The claim (docs/gguf.md, "Bit-exact with llama.cpp"): from the same F32 GGUF, ``llama-quantize
+The claim (docs/gguf-measurements.md, "Bit-exact with llama.cpp"): from the same F32 GGUF, ``llama-quantize
 [--imatrix FILE] [--pure] --token-embedding-type f32 F32.gguf OUT FTYPE`` and ``qkit quantize -s SCHEME
 --format gguf [--imatrix FILE]`` write every block projection with the same type and the same bytes, for
 the ten recipes of the ladder, ``q6_k``, ``q8_0`` and the ten uniform types, without and with an
