@@ -1,5 +1,5 @@
 """Peak memory of ``qkit plan`` on a synthetic llama, against its weights and the plan's own estimate
-(docs/plan.md, Memory).
+(docs/plan-measurements.md, Memory).
 
     python benchmarks/bench_plan_memory.py [--layers 8] [--hidden 1024] [--intermediate 2816] [--dtype fp32]
         [--samples 8] [--seqlen 256] [--max-memory SIZE] [--src DIR] [--dir /tmp] [--json OUT]

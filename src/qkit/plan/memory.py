@@ -6,7 +6,7 @@ The Fisher of the targets inside the transformer blocks is measured by one walk 
 embedding, a head) by whole-model passes (``sensitivity.fisher_diagonal``), packed into groups. The plan's
 peak, estimated (every term in bytes; ``a`` is the load dtype's item size, ``n`` the calibration windows
 of ``T`` tokens, ``V`` the vocabulary, ``h``/``i``/``kv`` hidden, intermediate and key-value width, ``L``
-the layers; see docs/plan.md, Memory, for the measurements that set the constants)::
+the layers; see docs/plan-measurements.md, Memory, for the measurements that set the constants)::
 
     peak = baseline + weights + reference + kept + RETENTION * max(load, backward + gradient, candidates) + fisher(group)
 
