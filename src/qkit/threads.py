@@ -3,7 +3,7 @@
 torch's own default is the machine's physical core count, which ignores the process's CPU affinity
 (``taskset``, cgroup cpusets, Slurm and container CPU limits). Where two threads share cores with
 other busy processes, torch's thread barriers wait on preempted threads and a run can take many times
-longer than with one thread (the README's "Threads" section has the measurement); ``--threads`` sets
+longer than with one thread (docs/models-devices-threads.md, "Threads", has the measurement); ``--threads`` sets
 the number explicitly.
 """
 

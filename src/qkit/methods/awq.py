@@ -83,7 +83,7 @@ SCALE_FLOOR = 1e-4
 # No clipping for q/k: "due to qk bmm, it is hard to clip precisely" (AutoAWQ ``_search_best_clip``).
 NO_CLIP = ("q_proj", "k_proj")
 NEXT_INPUTS = ("fp", "quantized")
-DEFAULT_SEARCH_SAMPLES = 4  # windows of the grid-search loss (see the README's timing); statistics use all
+DEFAULT_SEARCH_SAMPLES = 4  # windows of the grid-search loss (timing: docs/calibrated-methods.md); statistics use all
 
 
 @dataclass(frozen=True)

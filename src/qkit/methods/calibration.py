@@ -35,7 +35,7 @@ from qkit.texts import Corpus, joined_sources, split_sources
 
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
 # was measured with in issue 9; on the 2-core reference machine it keeps GPTQ on the default model near
-# a minute (see the README's "Calibrated methods" section for the measurement).
+# a minute (docs/calibrated-methods.md has the measurement).
 DEFAULT_SAMPLES = 32
 DEFAULT_SEQLEN = 512
 DEFAULT_SEED = 0
