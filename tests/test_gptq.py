@@ -530,8 +530,9 @@ def test_cli_quantize_gptq_json_has_the_record(tiny64, cal_file, tmp_path):
 @pytest.mark.slow
 def test_gptq_int4_g64_beats_rtn_by_more_than_two_paired_se_on_the_default_model(default_model_dir, tmp_path):
     """Fewer calibration tokens (8 x 256) and eval tokens (1,024 of Ruth, windows of 512, NLL only) than
-    the README's benchmark, to stay near a minute and a half; GPTQ through quantize_model (the path that
-    writes checkpoints), RTN as quantize_tensor (what --method rtn writes, tested elsewhere)."""
+    the benchmark of docs/calibrated-methods.md, to stay near a minute and a half; GPTQ through
+    quantize_model (the path that writes checkpoints), RTN as quantize_tensor (what --method rtn writes,
+    tested elsewhere)."""
     from qkit.texts import load_corpus
     from qkit.evaluation.perplexity import position_logprobs
     from qkit.models import load
