@@ -28,6 +28,7 @@ import torch
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, QkitError
 from qkit.evaluation.measuring import Measured, Reference, RowFile
+from qkit.export import Format
 from qkit.registry import Registry
 
 TORCH = "torch"  # qkit's own forward pass (dequantized weights, simulation hooks): the default runtime
@@ -167,10 +168,10 @@ class Engine(Protocol):
         """A session measuring rows against ``reference`` with ``options``; ``say``: status lines."""
         ...
 
-    def loads_file(self, container: str) -> bool:
-        """Whether the engine measures a file given in this container (an ``export`` ``Format.container``:
-        ``"gguf"`` for ``qkit eval --schemes file:PATH.gguf``) as it is, nothing written: torch dequantizes its
-        tensors into the reference model, llama.cpp loads it; vLLM does not."""
+    def loads_file(self, fmt: Format) -> bool:
+        """Whether the engine measures a file given in format ``fmt`` (a registered ``export.Format``: GGUF for
+        ``qkit eval --schemes file:PATH.gguf``, qkit's own for a saved checkpoint) as it is, nothing written:
+        torch reads what ``Format.torch_loads`` says, llama.cpp loads a GGUF file; vLLM neither."""
         ...
 
 
