@@ -23,7 +23,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from qkit.api import QuantizeOptions, quantize_model
-from qkit.checkpoint import tensor_shapes
+from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.cli import app
 from qkit.errors import InputError
 from qkit.export import REGISTRY, QkitFormat, find_format, format_help, format_names, get_format, recognise
@@ -41,6 +41,19 @@ def test_qkit_is_a_registered_format():
     assert format_names()[0] == REGISTRY.names()[0] == "qkit"
     assert format_help().startswith("qkit (every scheme, as qkit's own safetensors directory); ")
     assert find_format("onxx") is None
+
+
+def test_qkit_writes_what_it_encodes_and_recognises_it(tiny_model_dir, tmp_path):
+    out = tmp_path / "q"
+    result = quantize_model(tiny_model_dir, output=out, scheme="int4-g32", collect=True)
+    qkit = get_format("qkit")
+    assert result.format == "qkit" and recognise(out) is qkit and recognise(tiny_model_dir) is None
+    name = "model.layers.0.mlp.down_proj.weight"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for key, t in qkit.encode(name, result.quantized[name]).items():
+            assert torch.equal(f.get_tensor(key), t), key
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "qkit" and config["scheme"] == read_manifest(out)["scheme"]
 
 
 def test_the_registry_wording_names_every_format():

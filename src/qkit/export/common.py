@@ -1,7 +1,9 @@
 """What every export format shares: the ``Format`` protocol, the model's linear layers, the checks, the
 export record and the streaming writer.
 
-An export format (``compressed_tensors.py``, ``bitsandbytes.py``, ``gguf/``) is a ``Format``: it refuses
+Every ``--format`` (``qkit_format.py``, qkit's own; ``compressed_tensors.py``, ``bitsandbytes.py``, ``gguf/``) is a
+``Format``: it answers what the rest of qkit asks of it instead of its name (``stores_llama_types``,
+``torch_loads``, ``takes_plan``, ...), refuses
 what it cannot express before any work (``check``, ``prepare``), owns its container (``check_output``,
 ``atomic_output``, ``output_bytes``, ``recognises``: a safetensors directory, or GGUF's one file), turns
 one qkit ``QuantizedTensor`` into the tensors its target library stores (``encode``), reads them back into
