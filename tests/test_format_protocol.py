@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkit.export import REGISTRY, find_format, format_help, format_names
+from qkit.export import REGISTRY, format_help, format_names, get_format
 from qkit.export import compressed_tensors as ct
 from qkit.errors import ExportError
 from qkit.plan import candidates, ladder, plan_formats
@@ -29,8 +29,8 @@ def test_docs_table_is_the_generated_one():
 
 def test_every_format_is_found_by_its_names():
     assert format_names()[0] == "qkit" and set(REGISTRY.names()) <= set(format_names())
-    assert find_format("CT") is find_format("compressed-tensors") is ct.FORMAT
-    assert find_format("bnb").name == "bitsandbytes" and find_format("nope") is None
+    assert get_format("CT") is get_format("compressed-tensors") is ct.FORMAT
+    assert get_format("bnb").name == "bitsandbytes" and REGISTRY.find("nope") is None
     assert plan_formats() == ("qkit", "compressed-tensors", "gguf")  # bitsandbytes stores one type
 
 
@@ -38,7 +38,7 @@ def test_every_format_is_found_by_its_names():
 @pytest.mark.parametrize("shape", [(64, 576), (64, 512), (16, 96), (8, 1536)])
 def test_supports_is_refusal_and_native_storage(fmt, shape):
     """``supports`` = no refusal and stored as itself (``stores_natively``), for every registered scheme."""
-    holder = find_format(fmt)
+    holder = get_format(fmt)
     for name in scheme_names():
         s = get_scheme(name)
         expect = holder.refusal(s) is None and stores_natively(s, shape)
@@ -68,7 +68,7 @@ def test_gguf_refuses_what_is_not_a_block_type():
 
 def test_plan_types_are_schemes_the_format_can_hold():
     for fmt in plan_formats():
-        holder = find_format(fmt)
+        holder = get_format(fmt)
         for name in holder.plan_types():
             s = get_scheme(name)
             assert not isinstance(s, Recipe) and holder.refusal(s) is None, (fmt, name)

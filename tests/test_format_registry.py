@@ -26,7 +26,7 @@ from qkit.api import QuantizeOptions, quantize_model
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.cli import app
 from qkit.errors import InputError
-from qkit.export import REGISTRY, QkitFormat, find_format, format_help, format_names, get_format, recognise
+from qkit.export import REGISTRY, QkitFormat, format_help, format_names, get_format, recognise
 from qkit.export.common import SafetensorsFormat
 from qkit.plan import PlanOptions, candidates, ladder, plan_formats
 from qkit.plan.table import markdown
@@ -37,10 +37,10 @@ UNKNOWN = REGISTRY.unknown("onxx")  # the registry's one wording
 
 def test_qkit_is_a_registered_format():
     qkit = get_format("qkit")
-    assert isinstance(qkit, QkitFormat) and qkit is get_format(" QKIT ") is find_format("qkit")
+    assert isinstance(qkit, QkitFormat) and qkit is get_format(" QKIT ") is REGISTRY.find("qkit")
     assert format_names()[0] == REGISTRY.names()[0] == "qkit"
     assert format_help().startswith("qkit (every scheme, as qkit's own safetensors directory); ")
-    assert find_format("onxx") is None
+    assert REGISTRY.find("onxx") is None
 
 
 def test_qkit_writes_what_it_encodes_and_recognises_it(tiny_model_dir, tmp_path):

@@ -52,11 +52,6 @@ def get_format(name: str) -> Format:
     return REGISTRY.get(name)
 
 
-def find_format(name: str) -> Format | None:
-    """The format called ``name``, or None."""
-    return REGISTRY.find(name)
-
-
 def formats_that(has: Callable[[Format], bool]) -> tuple[str, ...]:
     """The names of the formats ``has`` answers true for (``lambda f: f.stores_llama_types``): what a refusal
     lists as the formats that would take an option."""
@@ -129,4 +124,4 @@ def atomic_output(export: PreparedExport, out: Path, force: bool = False,
 
 __all__ = ["EXPORT_MANIFEST", "QKIT", "QKIT_PLAN_GROUPS", "REGISTRY", "ExportPlan", "Format", "PreparedExport",
            "QkitFormat", "activation_format", "atomic_output", "check_output",
-           "find_format", "format_help", "format_names", "formats_that", "get_format", "prepare_export", "recognise"]
+           "format_help", "format_names", "formats_that", "get_format", "prepare_export", "recognise"]
