@@ -47,8 +47,8 @@ def test_spec_names_are_derived_from_their_parts():
     "names, methods, message",
     [
         (["int4-g12x"], ["rtn"], "unknown scheme 'int4-g12x'"),
-        (["nf5"], ["rtn"], "did you mean 'nf4'"),
-        (["nf4"], ["rnt"], "unknown method 'rnt' (did you mean 'rtn'?)"),
+        (["nf5"], ["rtn"], "unknown scheme 'nf5'; did you mean nf4? use one of: "),
+        (["nf4"], ["rnt"], "unknown method 'rnt'; did you mean rtn? use one of: rtn, gptq"),
         (["nf4+nope"], ["rtn"], "unknown method 'nope'"),
     ],
 )

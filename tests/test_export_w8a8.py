@@ -81,7 +81,7 @@ def test_activations_need_compressed_tensors_and_int8_row(tiny_model_dir, tmp_pa
     with pytest.raises(ExportError, match="stores int8 per-channel weights, not int4-g32"):
         quantize_model(tiny_model_dir, output=out, scheme="int4-g32", format="compressed-tensors",
                        options=QuantizeOptions(activations="int8-token"))
-    with pytest.raises(ExportError, match="exported only as compressed-tensors"):
+    with pytest.raises(InputError, match="only compressed-tensors W8A8 .* stores; --format bitsandbytes stores weights only"):
         quantize_model(tiny_model_dir, output=out, scheme="nf4", format="bitsandbytes",
                        options=QuantizeOptions(activations="int8-token"))
     assert not out.exists()

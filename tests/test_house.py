@@ -14,6 +14,10 @@
   manifest's ``kind`` against the scheme's.
 - ``export/`` imports nothing of layer 5 or above (:data:`ABOVE_EXPORT`), and only ``cli/`` imports ``verify/``:
   a format is below every reader of its files.
+- No code dispatches on a format's or a scheme's name (``fmt == QKIT``, ``opts.format != "gguf"``,
+  ``scheme.name == "nvfp4"``): it asks the registered ``Format`` (``stores_llama_types``, ``takes_plan``,
+  ``torch_loads``, ...) or the scheme's class (``isinstance(scheme, NVFP4Scheme)``). :data:`NAME_COMPARED`
+  names the modules where such a word is compared, each with its reason.
 """
 
 from __future__ import annotations
@@ -208,3 +212,71 @@ def test_no_module_dispatches_on_a_scheme_kind(path):
     lines = kind_comparisons(path.read_text())
     assert not lines, (f"src/qkit/{path.relative_to(SRC).as_posix()} compares a scheme's kind with a family name on "
                        f"line(s) {lines}: ask the class or protocol instead (isinstance(scheme, GGMLScheme), ...)")
+
+
+# --------------------------------------------------------------------------- no dispatch on a format's or scheme's name
+
+# Modules that may compare a registered format's or scheme's name, and why: the registries themselves, and
+# places where the same word is something else (a file's own field, a model source's kind, a program name).
+NAME_COMPARED = {
+    "schemes/registry.py": "the scheme registry: a manifest entry's kind against the scheme it names",
+    "schemes/ggml.py": "a family file: which of its own ggml kinds carries a minimum",
+    "evaluation/rows.py": "the eval row registry: which ladder step reads no importance matrix",
+    "export/bitsandbytes.py": "bitsandbytes' own bnb_4bit_quant_type field (its word nf4)",
+    "export/gguf/metadata.py": "a ModelRef's kind (the model came from a GGUF file)",
+    "models/files.py": "a ModelRef's kind (a qkit checkpoint given as the model)",
+    "models/resolving.py": "config.json's quant_method, read while resolving (below the format registry)",
+    "outputs.py": "config.json's quant_method, read by the layer-1 check of what qkit wrote",
+    "claims.py": "the program's own name in argv[0]",
+}
+
+
+def _registered_words() -> set[str]:
+    """Every registered format's name and alias, and every registered scheme's name."""
+    from qkit.export import REGISTRY
+    from qkit.schemes import scheme_names
+
+    return {*REGISTRY._keys, *scheme_names()}  # _keys: every normalized name and alias (ct, bnb)
+
+
+def name_comparisons(source: str, words: set[str]) -> list[int]:
+    """Lines comparing (``==``, ``!=``, ``in``, ``not in``) with ``QKIT``, with a literal that is one of ``words``
+    (a format's or scheme's name), or ``scheme.name`` with a literal."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        literals = {c.value for o in operands for c in ([o] if isinstance(o, ast.Constant) else getattr(o, "elts", []))
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        qkit = any(isinstance(o, ast.Name) and o.id == "QKIT" or isinstance(o, ast.Attribute) and o.attr == "QKIT"
+                   for o in operands)
+        scheme_name = literals and any(
+            isinstance(o, ast.Attribute) and o.attr == "name" and (
+                isinstance(o.value, ast.Name) and o.value.id == "scheme"
+                or isinstance(o.value, ast.Attribute) and o.value.attr == "scheme") for o in operands)
+        if qkit or literals & words or scheme_name:
+            found.append(node.lineno)
+    return found
+
+
+def test_the_name_scan_sees_every_spelling():
+    src = ('if fmt == QKIT: pass\nif export.QKIT != f: pass\nif opts.format == "gguf": pass\n'
+           'if name in ("ct", "bnb"): pass\nif qt.scheme.name == "nvfp4": pass\nif scheme.name != "zzz": pass\n'
+           'if isinstance(s, NVFP4Scheme): pass\nif fmt.takes_plan(other): pass\nif method.name == "gptq": pass\n')
+    assert name_comparisons(src, {"gguf", "ct", "bnb", "nvfp4"}) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.relative_to(SRC).as_posix()) for p in _modules()
+                                  if p.relative_to(SRC).as_posix() not in NAME_COMPARED])
+def test_no_module_dispatches_on_a_format_or_scheme_name(path):
+    lines = name_comparisons(path.read_text(), _registered_words())
+    assert not lines, (f"src/qkit/{path.relative_to(SRC).as_posix()} compares a format's or scheme's name on line(s) "
+                       f"{lines}: ask the Format (stores_llama_types, takes_plan, ...) or the scheme's class instead")
+
+
+def test_the_modules_allowed_to_compare_names_exist_and_do():
+    """An entry for a module that is gone, or that no longer compares a name, is stale: remove it."""
+    stale = sorted(rel for rel in NAME_COMPARED
+                   if not (SRC / rel).is_file() or not name_comparisons((SRC / rel).read_text(), _registered_words()))
+    assert not stale, f"NAME_COMPARED names modules that compare no name: {stale}; remove them from tests/test_house.py"

@@ -139,5 +139,5 @@ def test_bad_inputs_one_line():
         with pytest.raises(QkitError) as exc:
             call()
         assert "\n" not in str(exc.value)
-    with pytest.raises(InputError, match="did you mean 'act-int8-token'"):
+    with pytest.raises(InputError, match="unknown run-time simulation 'act-int8-tokn'; did you mean act-int8-token\\? "):
         get_simulation("act-int8-tokn")

@@ -87,7 +87,7 @@ def test_cli_quantize_format_and_verify(llama128, tmp_path):
         (["-s", "int4-g48", "--format", "compressed-tensors"], "cannot be exported; int4-g32 can"),
         (["-s", "nf4", "--format", "compressed-tensors"], "--format bitsandbytes"),
         (["-s", "int4-g64", "--format", "bitsandbytes"], "writes nf4 only"),
-        (["-s", "nf4", "--format", "onnx"], "unknown format 'onnx'; use one of qkit, compressed-tensors, bitsandbytes, gguf"),
+        (["-s", "nf4", "--format", "onnx"], "unknown format 'onnx'; use one of: qkit, compressed-tensors, bitsandbytes, gguf"),
         (["-s", "nf4", "--format", "gguf"], "nf4 is not one of them; use q8_0, q4_0"),
         (["-s", "nf4", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not a size"),
     ],

@@ -23,10 +23,10 @@ from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_
 from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
-from qkit.export import QKIT, atomic_output, check_output, output_bytes, prepare_export
+from qkit.export import PreparedExport, atomic_output, check_output, prepare_export
 from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
-from qkit.methods import RTN, CalibratedOptions
+from qkit.methods import RTN, CalibratedOptions, MethodResult
 from qkit.methods.calibration import model_context
 from qkit.methods.gptq import GPTQMethod
 from qkit.methods.imatrix import (
@@ -156,18 +156,18 @@ def quantize_model(
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
     if opts.emit_tensor_types is not None:
         check_tensor_types(choice)
-    export = None if opts.format == QKIT else prepare_export(opts.format, ref.directory, choice.targets, shapes,
-                                                              choice.manifest, ref=ref, activations=opts.activations)
+    export = prepare_export(opts.format, ref.directory, choice.targets, shapes, choice.manifest, ref=ref,
+                            activations=opts.activations)
     done = _run_method(req, ref, choice, export, dev, progress)
     result = QuantizeResult(out, ref.spec, choice.default.name, 0, 0, 0.0, checkpoint_bytes(ref.directory), 0, 0.0,
-                            format=QKIT if export is None else export.format.name, method=req.method.name if req.method else RTN,
+                            format=export.format.name, method=req.method.name if req.method else RTN,
                             method_record=choice.manifest.get("method", {}), imatrix=choice.manifest.get("imatrix"),
                             plan=choice.manifest.get("plan"), notes=list(choice.notes))
     with atomic_output(export, out, opts.force, inputs) as tmp:
         write_checkpoint(tmp, ref, choice, export, done, result, opts, dev, progress, collect)
     if opts.emit_tensor_types is not None:  # after -o is in place: the file may lie inside its directory
         emit_tensor_types(opts.emit_tensor_types, result)
-    result.bytes_after = output_bytes(out)
+    result.bytes_after = export.format.output_bytes(out)
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -205,8 +205,8 @@ def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | No
     return plan_model(ref, options=planned).plan
 
 
-def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: torch.device,
-                progress: Progress | None) -> Any:
+def _run_method(req: Request, ref: ModelRef, choice: Choice, export: PreparedExport, dev: torch.device,
+                progress: Progress | None) -> MethodResult | None:
     """Run a calibrated method over the whole model (None for rtn); its record goes into the manifest (and an
     export's copy of it)."""
     if req.method is None:
@@ -217,8 +217,8 @@ def _run_method(req: Request, ref: ModelRef, choice: Choice, export: Any, dev: t
     choice.manifest["method"] = {"name": req.method.name, **done.record}
     if "imatrix" in done.record:
         choice.manifest["imatrix"] = done.record["imatrix"]
-    if export is not None:  # a format that copied the manifest when it was prepared sees what the method did
-        export.manifest.update({k: choice.manifest[k] for k in ("method", "imatrix") if k in choice.manifest})
+    # a format that copied the manifest when it was prepared sees what the method did
+    export.manifest.update({k: choice.manifest[k] for k in ("method", "imatrix") if k in choice.manifest})
     return done
 
 

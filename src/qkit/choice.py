@@ -30,8 +30,7 @@ import torch
 
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes
 from qkit.errors import ExportError, InputError, QkitError
-from qkit.export import QKIT, get_format
-from qkit.export.compressed_tensors_w8a8 import check_activations
+from qkit.export import QKIT, activation_format, formats_that, get_format
 from qkit.head_types import Heads, unweighted
 from qkit.methods import RTN, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
@@ -41,7 +40,7 @@ from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.methods.memory import BASELINE, Model, Need, check_need, quantized_bytes, stream_parts
 from qkit.memory import check_bytes
 from qkit.models import ModelRef
-from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_format, check_plan_matches, read_plan
+from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
 from qkit.schemes.recipes import expert_count
@@ -55,8 +54,9 @@ class QuantizeOptions:
 
     ``scheme`` the default scheme of the block projections (``qkit.schemes``), ``scale_dtype`` its scale
     type; ``include`` / ``exclude`` globs and ``keep`` ``SCHEME:GLOB`` overrides (``qkit.transform.Rules``);
-    ``format`` ``qkit`` or an export format (``qkit.export.format_names()``) and ``activations`` what it
-    declares for run-time activation quantization (``int8-token``: W8A8 compressed-tensors); ``method`` how
+    ``format`` a registered format (``qkit.export.format_names()``: ``qkit``'s own or an export format) and
+    ``activations`` what it declares for run-time activation quantization (``int8-token``: W8A8
+    compressed-tensors); ``method`` how
     the codes are chosen (``qkit.methods``) with ``method_options`` (its options dataclass's fields, or the
     dataclass itself); ``max_shard_bytes`` the largest output shard; ``device`` where the weights are
     quantized; ``allow_pickle`` / ``trust_remote_code`` what the model may run; ``force`` replace an output
@@ -159,12 +159,9 @@ def request(opts: QuantizeOptions) -> Request:
     part or a combination that cannot go together."""
     default = get_scheme(opts.scheme, opts.scale_dtype)
     rules = Rules.parse(opts.include, opts.exclude, opts.keep, opts.scale_dtype)
-    fmt = opts.format
-    if opts.activations is not None:  # only an export format can declare them
-        check_activations(opts.activations)
-        if fmt == QKIT:
-            raise InputError("--activations declares run-time activation quantization for --format compressed-tensors "
-                             "(W8A8); a qkit checkpoint stores weights only: simulate it with qkit eval --schemes smoothquant-w8a8")
+    fmt = get_format(opts.format)
+    if opts.activations is not None:  # only a format with a W8A8 variant can declare them
+        activation_format(fmt.name, opts.activations)
     method = get_method(opts.method)
     given = opts.method_options
     if method is None and _names_dtype(given) and not isinstance(opts.plan, PlanOptions):  # a plan first runs it
@@ -174,11 +171,11 @@ def request(opts: QuantizeOptions) -> Request:
     if method is not None:
         typed = given if isinstance(given, method.options_type) else make_options(method, given)
     overrides = TensorTypes.parse(opts.tensor_types)
-    overrides.check_format(QKIT if fmt == QKIT else get_format(fmt).name)
+    overrides.check_format(fmt.name, fmt.stores_llama_types, formats_that(lambda f: f.stores_llama_types))
     heads = Heads.parse(opts.token_embedding_type, opts.output_tensor_type)
     if opts.plan is None:  # with a plan: refused there, in the plan's words
         heads.check_scheme(default)
-    if isinstance(default, Recipe) and fmt != QKIT and (why := get_format(fmt).refusal(default)):
+    if isinstance(default, Recipe) and (why := fmt.refusal(default)):
         raise ExportError(why)  # a recipe's whole file in a format without llama.cpp's types: said of the recipe
     planned = _plan_request(opts)
     matrix = read_imatrix(opts.imatrix) if opts.imatrix is not None else None  # a malformed file: refused now
@@ -194,7 +191,7 @@ def request(opts: QuantizeOptions) -> Request:
     if opts.max_memory is not None:
         check_bytes(opts.max_memory, "--max-memory")  # the upper bound: 1 EiB
     check_bytes(opts.max_shard_bytes, "--max-shard-size")
-    return Request(default, rules, method, typed, overrides, planned, matrix, fmt, opts.activations, opts.max_memory,
+    return Request(default, rules, method, typed, overrides, planned, matrix, fmt.name, opts.activations, opts.max_memory,
                    opts.max_shard_bytes, opts.device, heads)
 
 
@@ -215,7 +212,7 @@ def _plan_request(opts: QuantizeOptions) -> Plan | PlanOptions | None:
                          "(plan the embedding with --include instead)")
     if isinstance(planned, (str, Path)):
         planned = read_plan(planned)  # a malformed file: refused now
-    if isinstance(planned, Plan) and opts.format != QKIT and check_format(opts.format) != planned.format:
+    if isinstance(planned, Plan) and not get_format(opts.format).takes_plan(get_format(planned.format)):
         raise InputError(f"the plan was made for --format {planned.format}: its types and byte counts are that format's; "
                          f"write it with --format {planned.format} (or re-plan for {opts.format})")
     if isinstance(planned, PlanOptions):
@@ -319,8 +316,7 @@ def memory_need(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...
             targets = req.overrides.apply(targets, names)
     dtype = req.method_options.load_dtype if req.method is not None else torch.float32
     model = Model.of(shapes, tensor_dtypes(ref.directory), config, dtype)
-    safetensors = req.format == QKIT or getattr(get_format(req.format), "container", "") == "safetensors"
-    write = stream_parts(model, targets, safetensors, req.max_shard_bytes)
+    write = stream_parts(model, targets, get_format(req.format).holds_shard, req.max_shard_bytes)
     if req.method is None:
         return Need("this quantize", {"the process": BASELINE, **write})
     write = {"the quantized tensors": quantized_bytes(model, targets), **write}

@@ -3,9 +3,9 @@
 Layer 1 (beside ``errors``): it knows nothing of what it holds. A kind makes one ``Registry`` and its
 modules register into it at import::
 
-    FORMATS: Registry[Format] = Registry("format", error=InputError)
-    FORMATS.register("gguf", GGUF_FORMAT, aliases=("GGUF",))
-    FORMATS.get("ggfu")   # InputError: unknown format 'ggfu'; did you mean gguf? (one of: ...)
+    REGISTRY: Registry[Format] = Registry("format", error=InputError)
+    REGISTRY.register("gguf", GGUF_FORMAT)
+    REGISTRY.get("ggfu")   # InputError: unknown format 'ggfu'; did you mean gguf? use one of: qkit, ..., gguf
 
 Names are matched after ``normalize`` (by default: stripped, lower case, ``_`` read as ``-``), so
 ``Q4_K_M`` and ``q4-k-m`` name the same entry when a kind asks for that. A *family* is a pattern plus a
@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
 from qkit.errors import InputError, QkitError
@@ -33,6 +33,19 @@ T = TypeVar("T")
 
 def _default_key(name: str) -> str:
     return name.strip().lower().replace("_", "-")
+
+
+def unknown_name(kind: str, name: str, listed: Sequence[str], *, guesses: Mapping[str, str] | None = None,
+                 hint: str = "", normalize: Callable[[str], str] = _default_key) -> str:
+    """The one wording of every unknown name: "unknown KIND 'x'; did you mean y? use one of: a, b, c{hint}".
+
+    ``listed``: what the message lists; ``guesses``: normalized word -> the name suggested for it (default: the
+    listed names), the closest to ``normalize(name)`` suggested. ``Registry.unknown`` says it for one registry;
+    a refusal over several (an eval row: a scheme, a named row or a preset) says it too."""
+    guesses = guesses if guesses is not None else {normalize(n): n for n in listed}
+    close = difflib.get_close_matches(normalize(str(name)), list(guesses), n=1, cutoff=0.6)
+    guess = f"did you mean {guesses[close[0]]}? " if close else ""
+    return f"unknown {kind} {name!r}; {guess}use one of: {', '.join(listed)}{hint}"
 
 
 class Registry(Generic[T]):
@@ -113,19 +126,18 @@ class Registry(Generic[T]):
         return None
 
     def get(self, name: str) -> T:
-        """The value called ``name``, or ``self.error``: "unknown KIND 'x'; did you mean y? (one of: ...)"."""
+        """The value called ``name``, or ``self.error``: "unknown KIND 'x'; did you mean y? use one of: ..."
+        (``unknown_name``, the one wording of every kind)."""
         value = self.find(name)
         if value is None:
             raise self.error(self.unknown(name))
         return value
 
     def unknown(self, name: str) -> str:
-        """The one-line message for an unknown ``name``."""
-        close = difflib.get_close_matches(self.normalize(str(name)), list(self._keys), n=1, cutoff=0.6)
-        guess = f"did you mean {self._keys[close[0]]}? " if close else ""
+        """The one-line message for an unknown ``name`` (``unknown_name``: every name and alias is a guess)."""
         families = [ex for _, _, ex in self._families if ex]
-        listed = ", ".join([*self._entries, *families])
-        return f"unknown {self.kind} {name!r}; {guess}use one of: {listed}{self.hint}"
+        return unknown_name(self.kind, name, [*self._entries, *families], guesses=self._keys, hint=self.hint,
+                            normalize=self.normalize)
 
     def canonical(self, name: str) -> str | None:
         """The registered name ``name`` (or its alias) stands for, or None (families have no canonical name)."""
@@ -148,4 +160,4 @@ class Registry(Generic[T]):
         return len(self._entries)
 
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "unknown_name"]

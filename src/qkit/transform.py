@@ -9,7 +9,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,13 +155,13 @@ class TensorTypes:
             patterns.append((rx, scheme))
         return cls(words, tuple(patterns))
 
-    def check_format(self, format: str) -> None:
-        """Refuse overrides a format cannot store: llama.cpp's block types are written by ``gguf`` and
-        ``qkit`` (``format``: the registered name), never by compressed-tensors or bitsandbytes."""
-        if self and format not in TENSOR_TYPE_FORMATS:
+    def check_format(self, format: str, stores_llama_types: bool, takes: Sequence[str]) -> None:
+        """Refuse overrides a format cannot store: ``format`` (its registered name) stores llama.cpp's block
+        types or not (``export.Format.stores_llama_types``); ``takes``: the formats that do, for the message."""
+        if self and not stores_llama_types:
             (_, scheme), word = self.patterns[0], self.words[0]
             raise InputError(f"--tensor-type {shown(word)}: --format {format} cannot store {scheme.name} (a llama.cpp "
-                             f"block type); --tensor-type goes with --format gguf (or qkit)")
+                             f"block type); --tensor-type goes with --format {' or '.join(takes)}")
 
     def apply(self, targets: dict[str, Scheme], llama_names: dict[str, str]) -> dict[str, Scheme]:
         """``targets`` with the overridden tensors' schemes replaced (``llama_names``: Hugging Face name ->
@@ -192,7 +192,6 @@ class TensorTypes:
 
 
 MAX_TENSOR_TYPE = 1000  # characters of one PATTERN=TYPE word: llama.cpp's names are some 30
-TENSOR_TYPE_FORMATS = ("qkit", "gguf")  # the formats that store llama.cpp's block types
 
 
 def ggml_scheme(type_name: str, what: str) -> Scheme:

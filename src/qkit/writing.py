@@ -13,21 +13,19 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from qkit.checkpoint import ShardWriter, iter_tensors, write_json
+from qkit.checkpoint import iter_tensors, write_json
 from qkit.choice import Choice, QuantizeOptions
 from qkit.errors import InputError
-from qkit.export import QKIT
+from qkit.export import QKIT, PreparedExport
 from qkit.export.gguf.tensor_types import NEEDS_LLAMA_TYPES, write_tensor_type_file
-from qkit.methods import RTN
+from qkit.methods import RTN, MethodResult
 from qkit.models import ModelRef, copy_aux_files, read_config
 from qkit.schemes import QuantizedTensor, is_llama_type, quantize_tensor
 from qkit.schemes.fidelity import check_written
 from qkit.schemes.ggml import GGMLScheme
-from qkit.version import __version__
 
 
 @dataclass
@@ -45,7 +43,7 @@ class QuantizeResult:
     seconds: float
     schemes_used: dict[str, int] = field(default_factory=dict)
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict, repr=False)
-    format: str = QKIT  # or an export format (qkit.export.FORMATS)
+    format: str = QKIT  # the --format written (qkit.export.format_names())
     method: str = RTN
     # full-precision tensors a method changed (folded scales); with ``collect=True``, for the eval swap
     replaced: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -93,10 +91,13 @@ def block_progress(on_block: Callable[[int, int], None]) -> Progress:
     return forward
 
 
-def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done: Any, result: QuantizeResult,
-           opts: QuantizeOptions, dev: torch.device, progress: Progress | None, collect: bool) -> None:
-    """Stream every tensor of ``ref`` into ``tmp``: the targets quantized (or the method's), the rest as read
-    (or as the method replaced them); then config.json and the model's other files. Fills ``result``."""
+def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: PreparedExport, done: MethodResult | None,
+                     result: QuantizeResult, opts: QuantizeOptions, dev: torch.device, progress: Progress | None,
+                     collect: bool) -> None:
+    """Stream every tensor of ``ref`` into ``tmp`` through ``export``'s writer (``--format``'s, qkit's own
+    included): the targets quantized (or the method's, ``done``; None for rtn), the rest as read (or as the
+    method replaced them); then config.json with the format's ``quantization_config`` and the model's other
+    files. Fills ``result``."""
     targets, manifest = choice.targets, choice.manifest
     if progress is not None:
         progress(QuantizeProgress("quantizing", 0, len(targets)))
@@ -105,7 +106,7 @@ def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done
     result.method_record = manifest.get("method", {})
     result.imatrix = manifest.get("imatrix")
     qbytes = 0
-    writer = export.writer(tmp, opts.max_shard_bytes) if export else ShardWriter(tmp, manifest, opts.max_shard_bytes)
+    writer = export.writer(tmp, opts.max_shard_bytes)
     for name, tensor in iter_tensors(ref.directory):
         s = targets.get(name)
         if s is None:
@@ -118,7 +119,7 @@ def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done
                 if collect:
                     result.replaced[name] = tensor
             writer.add(name, tensor)
-            if kept := (export.kept_nbytes(name, tensor) if export else tensor.numel() * tensor.element_size()):
+            if kept := export.kept_nbytes(name, tensor):
                 result.kept[name] = kept
             continue
         if precomputed is not None:
@@ -145,15 +146,7 @@ def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: Any, done
     # where the source was read from (a GGUF's converted copy records qkit's cache): not a function of the
     # inputs, so not written; transformers sets it again when the checkpoint is loaded
     config.pop("_name_or_path", None)
-    config["quantization_config"] = export.quantization_config() if export else {
-        "quant_method": "qkit",
-        "format_version": manifest["format_version"],
-        "qkit_version": __version__,
-        "scheme": choice.default.to_dict(),
-        "rules": manifest["rules"],
-        **({"method": manifest["method"]} if "method" in manifest else {}),
-        **({"plan": manifest["plan"]} if "plan" in manifest else {}),
-    }
+    config["quantization_config"] = export.quantization_config()
     write_json(tmp / "config.json", config)
     # a trusted model's own code files too: its config names them, the copy cannot load without them
     copy_aux_files(ref.directory, tmp, trust_remote_code=opts.trust_remote_code or ref.trust_remote_code)

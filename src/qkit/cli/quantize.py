@@ -40,7 +40,7 @@ from qkit.cli.common import (
     start,
 )
 from qkit.errors import InputError
-from qkit.export import QKIT, check_output, format_help, get_format
+from qkit.export import QKIT, check_output, format_help
 from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import (
     is_tensor_type_file,
@@ -98,7 +98,7 @@ def quantize(
     include: IncludeOpt = [],
     exclude: ExcludeOpt = [],
     keep: KeepOpt = [],
-    fmt: FormatOpt = "qkit",
+    fmt: FormatOpt = QKIT,
     method: MethodOpt = RTN,
     calibration: CalibrationOpt = None,
     calibration_samples: CalibrationSamplesOpt = None,
@@ -143,9 +143,7 @@ def quantize(
                 may_hold=() if output is None or is_gguf_name(output) else ("-o",))
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
-    if fmt != QKIT:
-        get_format(fmt)
-    check_output(fmt, output, force, run.inputs)
+    check_output(fmt, output, force, run.inputs)  # an unknown --format first, in the registry's words
     if emit_tensor_types is not None:
         check_output_path(emit_tensor_types, kind="file", force=force, inputs=run.inputs, what="--emit-tensor-types",
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")

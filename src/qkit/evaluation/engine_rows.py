@@ -87,12 +87,12 @@ def targets_for(engine: Engine, reference: Reference, saved: list[Target], specs
 
 
 def plan_refusal(spec: RowSpec, engine: Engine) -> str | None:
-    """A plan row is written in the format it was planned for; another engine's format cannot take it
-    (qkit's own format stores whatever types a plan chose)."""
-    if spec.plan is None or engine.format == QKIT:
+    """A plan row is written in the engine's format, which must take the plan (``Format.takes_plan``: the
+    format it was planned for; qkit's own format stores whatever types a plan chose)."""
+    if spec.plan is None:
         return None
     fmt = read_plan(spec.plan).format if spec.plan.endswith(".json") else parse_plan_word(spec.plan)[0]
-    if fmt != engine.format:
+    if not get_format(engine.format).takes_plan(get_format(fmt)):
         return (f"the plan chose {fmt} types; {engine.name} loads {engine.format}: plan for it "
                 f"(plan:{engine.format}@TARGET)")
     return None
@@ -100,7 +100,7 @@ def plan_refusal(spec: RowSpec, engine: Engine) -> str | None:
 
 def refusal(engine: Engine, target: Target) -> str | None:
     """Why ``engine`` cannot measure ``target``, known before anything is written, or None."""
-    if target.checkpoint is not None and engine.format != QKIT:
+    if target.checkpoint is not None and not engine.loads_file(get_format(QKIT)):  # a saved checkpoint is qkit's
         return (f"a saved qkit checkpoint is qkit's format, not {engine.format}: write the row with qkit quantize "
                 f"--format {engine.format} from the reference, or eval the reference with --runtime {engine.name} "
                 "--schemes ...")
@@ -116,7 +116,7 @@ def write_reference(ref: ModelRef, fmt: str, out: Path) -> Path:
     formats store exactly its tensors. For another container (GGUF: one file) it is the exporter
     ``quantize_model`` uses, given no target: every tensor in the source's float type (F32 for an fp32
     model), written to ``out``."""
-    if fmt == QKIT or get_format(fmt).container == "safetensors":
+    if get_format(fmt).unquantized_is_source:
         return ref.directory
     shapes = dict(tensor_shapes(ref.directory))
     manifest = new_manifest(get_scheme(DEFAULT_SCHEME), Rules())  # names a default even with nothing quantized

@@ -29,14 +29,14 @@ from qkit.export.gguf import FORMAT as GGUF_FORMAT
 from qkit.export.gguf.reader import GGUFWeights, read_weights
 from qkit.models import ModelRef, read_config
 
-CONTAINER = GGUF_FORMAT.container  # what a file row's file is: one GGUF file
+FILE_FORMAT = GGUF_FORMAT  # what a file row's file is: one GGUF file
 
 
 def file_refusal(spec: RowSpec, engine: Engine) -> str | None:
     """Why ``engine`` cannot measure the file row ``spec`` (it does not load a GGUF file as it is), or None."""
-    if spec.file is None or engine.loads_file(CONTAINER):
+    if spec.file is None or engine.loads_file(FILE_FORMAT):
         return None
-    able = [n for n in runtime_names() if ENGINES.get(n).loads_file(CONTAINER)]
+    able = [n for n in runtime_names() if ENGINES.get(n).loads_file(FILE_FORMAT)]
     return (f"{engine.name} does not load a GGUF file as it is (it loads {engine.format}); score "
             f"{FILE_PREFIX}{spec.file} with --runtime {' or '.join(able)}")
 
@@ -72,4 +72,4 @@ def file_row(spec: RowSpec, ref: ModelRef) -> RowFile:
     return RowFile(spec, weights.path, facts, {}, read=weights.iter_tensors)
 
 
-__all__ = ["CONTAINER", "check_file_matches", "check_file_runtimes", "file_refusal", "file_row", "file_weights"]
+__all__ = ["FILE_FORMAT", "check_file_matches", "check_file_runtimes", "file_refusal", "file_row", "file_weights"]

@@ -79,7 +79,7 @@ from qkit.evaluation.specs import (  # row_plan and the --candidates words: re-e
 )
 from qkit.evaluation.swap import Swapper
 from qkit.executors import Executor
-from qkit.export import QKIT, output_bytes
+from qkit.export import get_format
 from qkit.methods import RTN
 from qkit.models import ModelRef, load, resolve
 from qkit.staging import (
@@ -194,11 +194,12 @@ def write_row(engine: Engine, spec: RowSpec | None, out: Path, label: str, *, re
         facts = {"bits_per_weight": result.bits_per_weight, "size_bytes": result.bytes_after,
                  "matrices": result.matrices, "method_record": result.method_record, "plan": result.plan or {}}
     else:
-        if spec is None and engine.format != QKIT:
-            say(f"{label}: writing the unquantized reference as {engine.format}")
+        fmt = get_format(engine.format)
+        if spec is None and fmt.written_as:
+            say(f"{label}: writing the unquantized reference{fmt.written_as}")
         path = write_reference(reference.ref, engine.format, out / "reference")
         facts = {"bits_per_weight": reference.ref_row.bits_per_weight, "matrices": 0,
-                 "size_bytes": reference.ref_row.size_bytes if path == reference.ref.directory else output_bytes(path)}
+                 "size_bytes": reference.ref_row.size_bytes if path == reference.ref.directory else fmt.output_bytes(path)}
     written = path != reference.ref.directory  # else nothing was written: the reference's own files
     facts["build_seconds"] = time.perf_counter() - t0 if written else None
     return RowFile(spec, path, facts, settings.simulations.for_row(spec) if spec is not None else {})
@@ -212,7 +213,7 @@ def quantize_row(engine: Engine, spec: RowSpec, ref: ModelRef, settings: RowSett
     ``EngineRefused``: the engine's format cannot store the row."""
     planned = row_plan(spec, settings) if spec.plan is not None else None
     say(f"{label}: " + ("planning and quantizing" if planned is not None else "quantizing")
-        + (f" as {engine.format}" if engine.format != QKIT else "") + (f" ({spec.method})" if spec.method != RTN else ""))
+        + get_format(engine.format).written_as + (f" ({spec.method})" if spec.method != RTN else ""))
     try:
         return quantize_model(
             model=ref, output=out, scheme=spec.scheme, method=spec.method,

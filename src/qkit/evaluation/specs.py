@@ -27,7 +27,6 @@ Names on the command line (``qkit eval --schemes ...``) are resolved here:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from qkit.export.gguf.reader import read_header
 from qkit.lists import check_words, empty, split_list
 from qkit.methods import RTN, get_method
 from qkit.plan import PlanOptions, check_format, ladder, parse_allowed, read_plan
-from qkit.registry import Registry
+from qkit.registry import Registry, unknown_name
 from qkit.schemes import get_scheme, scheme_names
 from qkit.simulate import get_simulation
 
@@ -240,13 +239,11 @@ def resolve_rows(
         try:
             scheme = get_scheme(key)
         except InputError:
-            # One refusal over three registries (schemes, rows, presets): no single registry's message says it.
-            close = difflib.get_close_matches(key, [*scheme_names(), *ROWS, *PRESETS], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise InputError(
-                f"unknown scheme {name!r}{hint}; valid: {', '.join(scheme_names())}, int4-gN / int8-gN, "
-                f"rows {', '.join(ROWS) or '-'}, presets {', '.join(PRESETS) or '-'}"
-            ) from None
+            # One refusal over three registries (schemes, rows, presets), in the registries' one wording.
+            listed = [*scheme_names(), "int4-gN / int8-gN", f"rows {', '.join(ROWS) or '-'}",
+                      f"presets {', '.join(PRESETS) or '-'}"]
+            guesses = {n: n for n in [*scheme_names(), *ROWS, *PRESETS]}
+            raise InputError(unknown_name("scheme", name, listed, guesses=guesses, normalize=str.lower)) from None
         for m, method in chosen.items():
             if method is not None:
                 method.check(scheme)

@@ -7,78 +7,60 @@ Layer 5 (beside ``methods``, ``simulate``, ``serving``): it imports ``checkpoint
 each ``QuantizedTensor`` to a format's ``encode``; ``qkit verify`` (``qkit.verify.verify_checkpoint``)
 loads an export with the target library's own reader and compares it with qkit's dequantization.
 
-Every format is a ``common.Format`` registered in ``FORMATS`` (``qkit.registry.Registry``): it checks a
-plan, prepares its output, knows its container (a safetensors directory, or GGUF's one file: staging,
-atomic publication, recognising a checkpoint of its own, the bytes written) and its stored tensors. The
-functions below ask the format; none of them knows a format by name.
+Every ``--format`` is a ``common.Format`` registered in ``REGISTRY`` (``qkit.registry.Registry``), qkit's own
+safetensors directory first (``qkit_format``): it checks a plan, prepares its output, knows its container (a safetensors directory, or GGUF's one file: staging,
+atomic publication, recognising a checkpoint of its own, the bytes written), its stored tensors, and what the
+rest of qkit asks of it instead of its name (``stores_llama_types``, ``torch_loads``, ``takes_plan``, ...). The
+functions below ask the format; none of them knows a format by name, and an unknown name is refused in the
+registry's one wording (``get_format``).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-from qkit.errors import ExportError, InputError, OutputError
-from qkit.export import bitsandbytes, compressed_tensors, compressed_tensors_w8a8, gguf
-from qkit.export.common import EXPORT_MANIFEST, ExportPlan, Format, PreparedExport, SafetensorsFormat
+from qkit.errors import InputError, OutputError
+from qkit.export import bitsandbytes, compressed_tensors, compressed_tensors_w8a8, gguf, qkit_format
+from qkit.export.common import EXPORT_MANIFEST, ExportPlan, Format, PreparedExport
+from qkit.export.qkit_format import QkitFormat
 from qkit.models import ModelRef
 from qkit.outputs import Input
 from qkit.registry import Registry
-from qkit.schemes import Scheme, get_scheme, scheme_names
-from qkit.schemes.base import Recipe
+from qkit.schemes import Scheme
 
-QKIT = "qkit"  # qkit's own checkpoint (``checkpoint.ShardWriter``): a safetensors directory, no export Format
-# Group sizes qkit's own format offers a plan beside the registered schemes (int4-g128 is one of those).
-QKIT_PLAN_GROUPS = ("int4-g32", "int4-g64", "int8-g32", "int8-g64", "int8-g128")
+QKIT = qkit_format.NAME  # the default --format: qkit's own checkpoint (``checkpoint.ShardWriter``)
+QKIT_PLAN_GROUPS = qkit_format.PLAN_GROUPS
 
+# Every --format, in the order help texts and the docs' table list them; one line per format.
 REGISTRY: Registry[Format] = Registry("format", error=InputError)
+REGISTRY.register(qkit_format.NAME, qkit_format.FORMAT)
 REGISTRY.register(compressed_tensors.NAME, compressed_tensors.FORMAT, aliases=("ct",))
 REGISTRY.register(bitsandbytes.NAME, bitsandbytes.FORMAT, aliases=("bnb",))
 REGISTRY.register(gguf.NAME, gguf.FORMAT)
-FORMATS = (QKIT, *REGISTRY.names())  # the built-in ones; ``format_names()`` also lists any registered later
-
-
-class QkitFormat(SafetensorsFormat):
-    """qkit's own format: the container of ``checkpoint.ShardWriter`` (and of any name that is not an export
-    format), and what it holds: every scheme, stored as its parts (``part_layout``)."""
-
-    name = QKIT
-    library = "qkit"
-    help = "every scheme, as qkit's own safetensors directory"
-
-    def plan_types(self) -> tuple[str, ...]:
-        return (*(n for n in scheme_names() if not isinstance(get_scheme(n), Recipe)), *QKIT_PLAN_GROUPS)
-
-
-_DIRECTORY = QkitFormat()
 
 
 def format_names() -> tuple[str, ...]:
-    """Every format ``--format`` takes: qkit's own first, then the registered export formats in order."""
-    return (QKIT, *REGISTRY.names())
+    """Every format ``--format`` takes, in registration order (qkit's own first), any registered later included."""
+    return tuple(REGISTRY.names())
 
 
-def find_format(name: str) -> Format | None:
-    """The format called ``name`` (an alias such as ``ct`` too), qkit's own included; None for no format."""
-    key = str(name).strip().lower()
-    return _DIRECTORY if key == QKIT else REGISTRY.find(key)
+def get_format(name: str) -> Format:
+    """The format called ``name`` (an alias such as ``ct`` too); ``InputError`` in the registry's words ("unknown
+    format 'x'; did you mean ...? use one of: ...") for any other name."""
+    return REGISTRY.get(name)
+
+
+def formats_that(has: Callable[[Format], bool]) -> tuple[str, ...]:
+    """The names of the formats ``has`` answers true for (``lambda f: f.stores_llama_types``): what a refusal
+    lists as the formats that would take an option."""
+    return tuple(n for n, fmt in REGISTRY.items() if has(fmt))
 
 
 def format_help() -> str:
     """The ``--format`` help: each format with what it stores and what loads it (``Format.help``)."""
-    return "; ".join(f"{n} ({fmt.help})" if (fmt := find_format(n)) is not None and fmt.help else n
-                     for n in format_names()) + "."
-
-
-def get_format(name: str) -> Format:
-    """The export format called ``name`` (``compressed-tensors``/``ct``, ``bitsandbytes``/``bnb`` or ``gguf``);
-    ``InputError`` with "did you mean" for any other name."""
-    fmt = REGISTRY.find(name)
-    if fmt is None:
-        # the registry's words, with qkit's own format (a --format value that is no export Format) listed first
-        raise InputError(REGISTRY.unknown(name).replace("use one of: ", f"use one of {QKIT}, ", 1))
-    return fmt
+    return "; ".join(f"{n} ({fmt.help})" if fmt.help else n for n, fmt in REGISTRY.items()) + "."
 
 
 def recognise(path: Path) -> Format | None:
@@ -86,8 +68,18 @@ def recognise(path: Path) -> Format | None:
     return next((fmt for _, fmt in REGISTRY.items() if fmt.recognises(Path(path))), None)
 
 
-def _container(name: str) -> Format:
-    return REGISTRY.find(name) or _DIRECTORY
+def activation_format(name: str, activations: str) -> Format:
+    """The variant of format ``name`` that declares quantized ``activations`` (``int8-token``:
+    compressed-tensors' W8A8, ``Format.for_activations``); ``InputError`` (one line) for an unknown word or a
+    format that stores weights only."""
+    key = compressed_tensors_w8a8.check_activations(activations)
+    fmt = get_format(name)
+    variant = fmt.for_activations(key)
+    if variant is None:
+        raise InputError(f"--activations declares run-time activation quantization, which only compressed-tensors "
+                         f"W8A8 (int-quantized) stores; --format {fmt.name} stores weights only: use --format "
+                         "compressed-tensors (or simulate it: qkit eval --schemes smoothquant-w8a8)")
+    return variant
 
 
 def prepare_export(
@@ -102,43 +94,34 @@ def prepare_export(
     """
     if activations is None:
         return get_format(name).prepare(directory, targets, shapes, manifest, ref=ref)
-    key = compressed_tensors_w8a8.check_activations(activations)
-    base = REGISTRY.find(name)
-    fmt = base.for_activations(key) if base is not None else None
-    if fmt is None:
-        raise ExportError(f"--activations {key} is exported only as compressed-tensors W8A8 (int-quantized), not "
-                          f"--format {name}; use --format compressed-tensors")
-    prepared = fmt.prepare(directory, targets, shapes, manifest, ref=ref)
-    manifest["activations"] = key
+    prepared = activation_format(name, activations).prepare(directory, targets, shapes, manifest, ref=ref)
+    manifest["activations"] = compressed_tensors_w8a8.check_activations(activations)
     return prepared
 
 
 def check_output(name: str, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
-    """Refuse an output of format ``name`` qkit must not or cannot write, before any work: one that is,
-    contains or lies inside one of ``inputs`` (whatever ``force``), an existing one without ``force`` or
-    not written by qkit, an unwritable place (``qkit.outputs.check_output``, through the format's container)."""
+    """Refuse an output of format ``name`` qkit must not or cannot write, before any work: an unknown format,
+    an output that is, contains or lies inside one of ``inputs`` (whatever ``force``), an existing one without
+    ``force`` or not written by qkit, an unwritable place (``qkit.outputs.check_output``, through the format's
+    container)."""
+    fmt = get_format(name)
     if out is None or str(out) == "":  # before Path(), which reads "" as ".": the current directory
         raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
-    _container(name).check_output(Path(out), force, inputs)
+    fmt.check_output(Path(out), force, inputs)
 
 
 @contextlib.contextmanager
-def atomic_output(export: PreparedExport | None, out: Path, force: bool = False,
+def atomic_output(export: PreparedExport, out: Path, force: bool = False,
                   inputs: Iterable[Input] = ()) -> Iterator[Path]:
-    """The staging directory an export is written into, published atomically on success (the format's
-    container: ``checkpoint.atomic_directory`` for qkit and the safetensors formats; for GGUF a staging
-    directory whose ``model.gguf`` becomes OUT.gguf or OUT/model.gguf). A failed write (full disk) leaves
-    nothing and is one ``OutputError`` line.
+    """The staging directory ``export`` is written into, published atomically on success (the format's
+    container: ``checkpoint.atomic_directory`` for the safetensors formats, qkit's own included; for GGUF a
+    staging directory whose ``model.gguf`` becomes OUT.gguf or OUT/model.gguf). A failed write (full disk)
+    leaves nothing and is one ``OutputError`` line.
     """
-    container = export.format if export is not None else _DIRECTORY
-    with container.atomic_output(Path(out), force, inputs) as tmp:
+    with export.format.atomic_output(Path(out), force, inputs) as tmp:
         yield tmp
 
 
-def output_bytes(out: Path) -> int:
-    """Bytes of the weights written to ``out`` (safetensors shards, or the GGUF file)."""
-    return (recognise(out) or _DIRECTORY).output_bytes(Path(out))
-
-
-__all__ = ["EXPORT_MANIFEST", "FORMATS", "QKIT", "QKIT_PLAN_GROUPS", "REGISTRY", "ExportPlan", "Format", "PreparedExport",
-           "QkitFormat", "atomic_output", "check_output", "find_format", "format_help", "format_names", "get_format", "output_bytes", "prepare_export", "recognise"]
+__all__ = ["EXPORT_MANIFEST", "QKIT", "QKIT_PLAN_GROUPS", "REGISTRY", "ExportPlan", "Format", "PreparedExport",
+           "QkitFormat", "activation_format", "atomic_output", "check_output",
+           "format_help", "format_names", "formats_that", "get_format", "prepare_export", "recognise"]

@@ -1,7 +1,9 @@
 """What every export format shares: the ``Format`` protocol, the model's linear layers, the checks, the
 export record and the streaming writer.
 
-An export format (``compressed_tensors.py``, ``bitsandbytes.py``, ``gguf/``) is a ``Format``: it refuses
+Every ``--format`` (``qkit_format.py``, qkit's own; ``compressed_tensors.py``, ``bitsandbytes.py``, ``gguf/``) is a
+``Format``: it answers what the rest of qkit asks of it instead of its name (``stores_llama_types``,
+``torch_loads``, ``takes_plan``, ...), refuses
 what it cannot express before any work (``check``, ``prepare``), owns its container (``check_output``,
 ``atomic_output``, ``output_bytes``, ``recognises``: a safetensors directory, or GGUF's one file), turns
 one qkit ``QuantizedTensor`` into the tensors its target library stores (``encode``), reads them back into
@@ -87,6 +89,12 @@ class Format(Protocol):
     library: str
     help: str  # what it stores and what loads it, for ``--format`` help: "nf4: transformers"
     ties_fused: bool  # whether vLLM's fused layers (q/k/v, gate/up) must share one type (``plan.fused_groups``)
+    # What the rest of qkit asks of a format instead of its name (docs/architecture.md, "What a format holds"):
+    stores_llama_types: bool  # llama.cpp's block types: --tensor-type, a recipe's whole file (token_embd, output)
+    torch_loads: bool  # qkit reads a file of it tensor by tensor: the torch engine measures such a file as it is
+    holds_shard: bool  # its writer holds one safetensors shard in memory (``methods.memory.stream_parts``)
+    unquantized_is_source: bool  # nothing quantized, it stores the source's tensors as they are: the source is it
+    written_as: str  # what a status line adds for a file written in it (" as gguf"; "" for qkit's own, the default)
 
     # ---- what it holds (the planner, the engines and the checks ask the format, never compare its name)
     def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
@@ -105,6 +113,10 @@ class Format(Protocol):
 
     def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
         """Refuse (``InputError``, one line) plan candidates the format could not store for a ``dtype`` model."""
+
+    def takes_plan(self, planned: Format) -> bool:
+        """Whether a plan made for ``planned`` is written in this format as it is (its own plans; qkit's own
+        format takes any, as it stores every type)."""
 
     # ---- before any work
     def check(self, plan: ExportPlan) -> None:
@@ -137,9 +149,6 @@ class Format(Protocol):
 
     def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
         """Inverse of ``encode``: one module's stored tensors (keys without the module prefix)."""
-
-    def quantization_config(self, plan: ExportPlan) -> dict:
-        """The ``config.json`` ``quantization_config`` the target library reads."""
 
 
 def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[str]:
@@ -303,17 +312,20 @@ class ExportWriter(ShardWriter):
 
 @dataclass
 class PreparedExport:
-    """A checked export: the writer to stream into and the ``quantization_config`` to put in config.json."""
+    """A checked output: the writer to stream into and the ``quantization_config`` to put in config.json.
+
+    This one is a safetensors export format's (``ExportWriter``, the format's ``quantization_config(plan)``);
+    qkit's own format and GGUF prepare their own (``qkit_format.PreparedCheckpoint``, ``gguf.GGUFExport``)."""
 
     format: Format
-    plan: ExportPlan
+    plan: ExportPlan | None  # None: a format that needs none (qkit's own stores every tensor as it is given)
     manifest: dict = field(default_factory=dict)
 
-    def writer(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ExportWriter:
+    def writer(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ShardWriter:
         return ExportWriter(directory, self.format, self.manifest, max_shard_bytes)
 
     def quantization_config(self) -> dict:
-        return self.format.quantization_config(self.plan)
+        return self.format.quantization_config(self.plan)  # type: ignore[attr-defined]  # SafetensorsFormat's
 
     def kept_nbytes(self, name: str, tensor: torch.Tensor) -> int:
         """Bytes the checkpoint stores for ``name`` kept unquantized as ``tensor`` (a safetensors file: as given)."""
@@ -325,7 +337,8 @@ class SafetensorsFormat:
     ``prepare`` as ``make_plan`` + ``check``, and what ``qkit verify`` asks of a directory format.
 
     A format class lists this as its base and gives ``name``, ``library``, ``check``, ``encode``,
-    ``decode``, ``quantization_config``, ``reader`` and ``stored_parts``; it overrides what differs.
+    ``decode``, ``quantization_config(plan)`` (the ``config.json`` entry its library reads, which
+    ``PreparedExport`` writes), ``reader`` and ``stored_parts``; it overrides what differs.
     """
 
     container = "safetensors"
@@ -333,6 +346,14 @@ class SafetensorsFormat:
     library: str  # the pip package transformers loads the directory with ("compressed-tensors")
     help: str
     ties_fused = False
+    stores_llama_types = False
+    torch_loads = False  # a library's layout: qkit verify reads it, the torch engine does not load it
+    holds_shard = True  # ShardWriter
+    unquantized_is_source = True  # with nothing quantized, every tensor is stored as read
+
+    @property
+    def written_as(self) -> str:
+        return f" as {self.name}"
     # Compare the library's weights before its first forward (bitsandbytes: a forward may repack them).
     compares_before_forward = False
 
@@ -353,6 +374,9 @@ class SafetensorsFormat:
 
     def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
         return None
+
+    def takes_plan(self, planned: Format) -> bool:
+        return planned is self
 
     # ---- before any work
     def check(self, plan: ExportPlan) -> None:

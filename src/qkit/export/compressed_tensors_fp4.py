@@ -37,6 +37,7 @@ from qkit.errors import ExportError
 from qkit.export.common import ExportPlan
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme
 from qkit.schemes import is_fp4 as _is_fp4
+from qkit.schemes.fp4 import NVFP4Scheme
 
 FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 # The tensors each module stores (compressed-tensors' ``compression_param_names`` for a W4A16 scheme).
@@ -76,7 +77,7 @@ def stored_nbytes(scheme: Scheme, shape: tuple[int, int]) -> int:
     if not is_fp4(scheme) or cols % scheme.block_size:
         raise ExportError(f"compressed-tensors stores {scheme.name} only in whole blocks of FP4 codes along each row; "
                           f"a [{rows}, {cols}] weight is not")
-    return rows * cols // 2 + rows * (cols // scheme.block_size) + (4 if scheme.name == "nvfp4" else 0)
+    return rows * cols // 2 + rows * (cols // scheme.block_size) + (4 if isinstance(scheme, NVFP4Scheme) else 0)
 
 
 def encode(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
@@ -84,7 +85,7 @@ def encode(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     rows, cols = qt.shape
     out = {f"{module}.weight_packed": qt.qweight.reshape(rows, cols // 2)}
     scales = qt.scales.reshape(rows, -1)
-    if qt.scheme.name == "nvfp4":
+    if isinstance(qt.scheme, NVFP4Scheme):
         out[f"{module}.weight_scale"] = scales.view(torch.float8_e4m3fn)
         out[f"{module}.weight_global_scale"] = qt.extra["global_scale"].reshape(1).to(torch.float32)
     else:
@@ -99,21 +100,21 @@ def decode(tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype)
         raise ExportError(f"weight_packed of an {scheme.name} module must be uint8 [out, in/2]; re-export the checkpoint")
     rows, cols = packed.shape[0], packed.shape[1] * 2
     scale = tensors["weight_scale"]
-    want = torch.float8_e4m3fn if scheme.name == "nvfp4" else torch.uint8
+    want = torch.float8_e4m3fn if isinstance(scheme, NVFP4Scheme) else torch.uint8
     if scale.dtype != want or tuple(scale.shape) != (rows, cols // scheme.block_size):
         raise ExportError(
             f"weight_scale of an {scheme.name} module must be {want} [{rows}, {cols // scheme.block_size}], "
             f"not {scale.dtype} {list(scale.shape)}; re-export the checkpoint"
         )
     parts = {"qweight": packed.contiguous(), "scales": scale.contiguous().view(torch.uint8)}
-    if scheme.name == "nvfp4":
+    if isinstance(scheme, NVFP4Scheme):
         parts["global_scale"] = tensors["weight_global_scale"].reshape(1).to(torch.float32)
     return QuantizedTensor.from_parts(scheme, parts, (rows, cols), dtype)
 
 
 def weights_args(scheme: Scheme) -> dict:
     """The ``weights`` entry of a config group: compressed-tensors' ``NVFP4A16`` / ``MXFP4A16`` presets."""
-    if scheme.name == "nvfp4":
+    if isinstance(scheme, NVFP4Scheme):
         return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
                 "dynamic": False, "scale_dtype": "torch.float8_e4m3fn", "zp_dtype": "torch.float8_e4m3fn"}
     return {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",

@@ -19,6 +19,7 @@ from qkit.plan.candidates import (
     check_format,
     ladder,
     parse_allowed,
+    plan_format,
     plan_formats,
 )
 from qkit.plan.planfile import (
@@ -45,4 +46,4 @@ from qkit.plan.solve import Solution, solve
 
 __all__ = ["KEEP", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
            "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "is_plan_file",
-           "ladder", "parse_allowed", "plan_formats", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]
+           "ladder", "parse_allowed", "plan_format", "plan_formats", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from qkit.errors import InputError, SchemeError
-from qkit.export import QKIT_PLAN_GROUPS, Format, find_format, format_names
+from qkit.export import QKIT_PLAN_GROUPS, Format, formats_that, get_format
 from qkit.export.common import dtype_name
 from qkit.export.compressed_tensors import PLAN_GROUPS as CT_GROUPS
 from qkit.export.compressed_tensors import PLAN_TYPES as CT_TYPES
@@ -91,30 +91,24 @@ class Candidate:
 
 
 def plan_formats() -> tuple[str, ...]:
-    """The formats a plan can be written for: every format (``export.format_names``) that mixes types."""
-    return tuple(n for n in format_names() if (fmt := find_format(n)) is not None and fmt.plan_types())
+    """The formats a plan can be written for: every registered format (``export.format_names``) that mixes types."""
+    return formats_that(lambda fmt: bool(fmt.plan_types()))
+
+
+def plan_format(format: str) -> Format:
+    """The format the planner plans for called ``format`` (``ct``: compressed-tensors); ``InputError`` (one line)
+    for an unknown name (the registry's words: ``export.get_format``) and for a format that stores one type
+    (bitsandbytes)."""
+    fmt = get_format(format)
+    if not fmt.plan_types():
+        raise InputError(f"--format {fmt.name} stores one type ({fmt.help}) and cannot mix types; "
+                         f"plan for {', '.join(plan_formats())}")
+    return fmt
 
 
 def check_format(format: str) -> str:
-    """The canonical name of a format the planner plans for (``ct`` -> ``compressed-tensors``); ``InputError``
-    (one line) for a format that stores one type (bitsandbytes) and for an unknown name (with "did you mean")."""
-    fmt = find_format(format)
-    planned = plan_formats()
-    if fmt is not None and fmt.plan_types():
-        return fmt.name
-    if fmt is not None:
-        raise InputError(f"--format {fmt.name} stores one type ({fmt.help}) and cannot mix types; "
-                         f"plan for {', '.join(planned)}")
-    key = str(format).strip().lower()
-    close = difflib.get_close_matches(key, planned, n=1, cutoff=0.6)
-    guess = f"did you mean {close[0]}? " if close else ""
-    raise InputError(f"unknown format {format!r} to plan for; {guess}use one of: {', '.join(planned)}")
-
-
-def _format(name: str) -> Format:
-    fmt = find_format(check_format(name))
-    assert fmt is not None  # check_format returned a format's own name
-    return fmt
+    """The registered name of the format the planner plans for (``plan_format``)."""
+    return plan_format(format).name
 
 
 @functools.cache
@@ -125,12 +119,12 @@ def _scheme(name: str, scale_dtype: torch.dtype) -> Scheme:
 def native(format: str, scheme: Scheme, shape: tuple[int, int]) -> bool:
     """Whether ``format`` stores a ``shape`` weight as ``scheme`` itself (``Format.supports``): no width
     fallback, whole blocks along each row, and no short last group."""
-    return _format(format).supports(scheme, shape)
+    return plan_format(format).supports(scheme, shape)
 
 
 def stored_nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype: torch.dtype) -> int:
     """Exact stored bytes of a ``shape`` tensor of source ``dtype`` in format ``fmt`` (``scheme`` None: KEEP)."""
-    return _format(fmt).stored_nbytes(scheme, shape, dtype)
+    return plan_format(fmt).stored_nbytes(scheme, shape, dtype)
 
 
 # vLLM's ``packed_modules_mapping`` for llama-style models: the fused module and its shards.
@@ -143,7 +137,7 @@ def fused_groups(format: str, names: Sequence[str]) -> list[list[int]]:
     """Indices into ``names`` that must share one type in ``format``, in order of first appearance: for
     compressed-tensors, the shards of one fused vLLM layer (``...self_attn.{q,k,v}_proj.weight`` of one
     layer; ``...mlp.{gate,up}_proj.weight``); every other tensor, and every tensor of other formats, alone."""
-    if not _format(format).ties_fused:
+    if not plan_format(format).ties_fused:
         return [[i] for i in range(len(names))]
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
@@ -159,7 +153,7 @@ def ladder(format: str) -> tuple[str, ...]:
     ``[4096, 4096]`` fp16 tensor with fp16 scales (ties by name), ``KEEP`` last."""
     fmt = check_format(format)
     fp16 = parse_scale_dtype(DEFAULT_SCALE_DTYPE)
-    size = {n: stored_nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in _format(fmt).plan_types()}
+    size = {n: stored_nbytes(fmt, _scheme(n, fp16), _LADDER_SHAPE, torch.float16) for n in plan_format(fmt).plan_types()}
     return (*sorted(size, key=lambda n: (size[n], n)), KEEP)
 
 
@@ -223,7 +217,7 @@ def candidates(
         raise InputError(f"a planned tensor's source dtype must be float32, float16 or bfloat16, not {dtype_name(dtype)}")
     sdtype = parse_scale_dtype(scale_dtype)
     wanted = set(ladder(fmt) if allowed is None else parse_allowed(fmt, allowed))
-    holder = _format(fmt)
+    holder = plan_format(fmt)
     fits: list[Candidate] = []
     for name in ladder(fmt):
         scheme = None if name == KEEP else _scheme(name, sdtype)
@@ -242,4 +236,4 @@ def candidates(
 
 
 __all__ = ["CT_GROUPS", "CT_TYPES", "FUSED_MODULES", "fused_groups", "GGUF_TYPES", "KEEP", "QKIT_GROUPS", "Candidate",
-           "candidates", "check_format", "ladder", "native", "parse_allowed", "plan_formats", "stored_nbytes"]
+           "candidates", "check_format", "ladder", "plan_format", "native", "parse_allowed", "plan_formats", "stored_nbytes"]

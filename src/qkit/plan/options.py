@@ -17,14 +17,13 @@ from qkit.bounds import real, show_number
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError
 from qkit.executors import SERIAL, ExecutorOptions
-from qkit.export import find_format
 from qkit.memory import check_bytes
 from qkit.methods import RTN, get_method
 from qkit.methods.calibration import CalibrationOptions, fit_seqlen
 from qkit.methods.gptq.method import GPTQMethod, GPTQOptions
 from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.models import parse_device
-from qkit.plan.candidates import check_format, parse_allowed
+from qkit.plan.candidates import check_format, parse_allowed, plan_format
 from qkit.schemes import get_scheme
 from qkit.schemes.ggml import GGMLScheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
@@ -126,7 +125,7 @@ class PlanOptions:
         if self.executor.name != SERIAL and parse_device(self.device).type != "cpu":
             raise InputError(f"--executor {self.executor.name} costs the candidates in CPU worker processes; pass --device cpu "
                              "or drop --executor")
-        fmt = find_format(check_format(self.format))  # a format that cannot mix types: refused here
+        fmt = plan_format(self.format)  # a format that cannot mix types: refused here
         found = get_method(self.method)
         if found is not None and not self.collects and not isinstance(found, GPTQMethod):
             raise InputError(f"qkit plan measures candidates by rtn, the importance matrix (--method imatrix / --imatrix) or "

@@ -60,6 +60,7 @@ from qkit.plan.candidates import (
     candidates,
     check_format,
     ladder,
+    plan_format,
     parse_allowed,
     stored_nbytes,
 )
@@ -79,7 +80,7 @@ from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
 from qkit.plan.solve import solve, tied_items  # tied_items re-exported
 from qkit.schemes import get_scheme
-from qkit.transform import TENSOR_TYPE_FORMATS, Rules, shapes_fingerprint
+from qkit.transform import Rules, shapes_fingerprint
 from qkit.version import __version__
 
 ESTIMATOR = "fisher-diagonal"
@@ -120,7 +121,7 @@ def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int,
     rules = Rules(tuple(options.include), tuple(options.exclude))
     rules.check_matches((n for n, _ in shapes), ref.spec)  # a glob that matches no tensor: a typo, refused
     # a recipe's bytes in a format of llama.cpp's types: the tensors its whole file quantizes (token_embd, output)
-    whole = options.target_scheme is not None and check_format(options.format) in TENSOR_TYPE_FORMATS
+    whole = options.target_scheme is not None and plan_format(options.format).stores_llama_types
     default = get_scheme(options.target_scheme) if whole else object()
     chosen = {n: s for n, s in shapes if rules.scheme_for(n, tuple(s), default) is not None}  # type: ignore[arg-type]
     if not chosen:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from qkit.export import find_format, format_names
+from qkit.export import REGISTRY
 from qkit.plan.candidates import KEEP, ladder
 from qkit.schemes import get_scheme
 from qkit.schemes.table import table_command, table_in
@@ -31,10 +31,7 @@ def markdown() -> str:
     blocks or groups of it, with no width fallback)."""
     lines = ["| `--format` | stores, loaded by | plan candidates, smallest first (÷N: width a multiple of N) |",
              "|---|---|---|"]
-    for name in format_names():
-        fmt = find_format(name)
-        if fmt is None:
-            continue
+    for name, fmt in REGISTRY.items():
         if fmt.plan_types():
             cands = ", ".join(_candidate(n) for n in ladder(name))
             if fmt.ties_fused:

@@ -15,7 +15,6 @@ lookup: ``get_scheme("nf4", scale_dtype="fp32")``; schemes whose format fixes it
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,15 +91,9 @@ def parse_scale_dtype(value: str | torch.dtype) -> torch.dtype:
 def get_scheme(name: str, scale_dtype: str | torch.dtype | None = None) -> Scheme:
     """Look up ``name`` (a registered name or a family member such as ``int4-g64``).
 
-    Raises ``SchemeError`` listing the valid names (and the closest match) for anything else.
+    Raises ``SchemeError`` in the registry's words (the closest match, every name and family) for anything else.
     """
-    name = name.strip().lower()
-    scheme = REGISTRY.find(name)
-    if scheme is None:
-        close = difflib.get_close_matches(name, scheme_names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        families = "".join(f", or {f.spelling}" for f in FAMILIES)
-        raise SchemeError(f"unknown scheme {name!r}{hint}; valid schemes: {', '.join(scheme_names())}{families}")
+    scheme = REGISTRY.get(name)
     if scale_dtype is not None and not scheme.fixed_scale_dtype:
         scheme = dataclasses.replace(scheme, scale_dtype=parse_scale_dtype(scale_dtype))  # type: ignore[type-var]
     return scheme

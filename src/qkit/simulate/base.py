@@ -20,7 +20,6 @@ quantized on the fly by hooks. (A *runtime* is where a row runs: torch, vLLM, ll
 from __future__ import annotations
 
 import contextlib
-import difflib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,16 +57,9 @@ class Simulation(Protocol):
 SimulationFactory = Callable[[Mapping[str, Any]], Simulation]
 
 
-class _SimulationRegistry(Registry[SimulationFactory]):
-    # The wording every simulation refusal has always had ("(did you mean 'x'?)"; the tests pin it).
-    def unknown(self, name: str) -> str:
-        close = difflib.get_close_matches(self.normalize(str(name)), self.names(), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return f"unknown {self.kind} {name!r}{hint}; use one of {', '.join(self.names()) or '-'}"
-
-
 # Names are matched stripped and lower-cased (no "_" for "-": simulation names have always been exact).
-SIMULATIONS = _SimulationRegistry("run-time simulation", error=InputError, normalize=lambda n: n.strip().lower())
+SIMULATIONS: Registry[SimulationFactory] = Registry("run-time simulation", error=InputError,
+                                                    normalize=lambda n: n.strip().lower())
 
 
 def register_simulation(name: str, factory: SimulationFactory) -> None:

@@ -18,7 +18,6 @@ imported only inside the worker.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,6 +27,7 @@ import torch
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, QkitError
 from qkit.evaluation.measuring import Measured, Reference, RowFile
+from qkit.export import Format
 from qkit.registry import Registry
 
 TORCH = "torch"  # qkit's own forward pass (dequantized weights, simulation hooks): the default runtime
@@ -167,10 +167,10 @@ class Engine(Protocol):
         """A session measuring rows against ``reference`` with ``options``; ``say``: status lines."""
         ...
 
-    def loads_file(self, container: str) -> bool:
-        """Whether the engine measures a file given in this container (an ``export`` ``Format.container``:
-        ``"gguf"`` for ``qkit eval --schemes file:PATH.gguf``) as it is, nothing written: torch dequantizes its
-        tensors into the reference model, llama.cpp loads it; vLLM does not."""
+    def loads_file(self, fmt: Format) -> bool:
+        """Whether the engine measures a file given in format ``fmt`` (a registered ``export.Format``: GGUF for
+        ``qkit eval --schemes file:PATH.gguf``, qkit's own for a saved checkpoint) as it is, nothing written:
+        torch reads what ``Format.torch_loads`` says, llama.cpp loads a GGUF file; vLLM neither."""
         ...
 
 
@@ -225,10 +225,7 @@ def check_runtimes(runtimes: tuple[str, ...], dtype: str, options: EngineOptions
         if key in seen:
             raise InputError(f"--runtime names {key} twice")
         seen.add(key)
-        if ENGINES.find(key) is None:
-            close = difflib.get_close_matches(key, runtime_names(), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise InputError(f"unknown runtime {key!r}{hint}; use one of: {', '.join(runtime_names())}")
+        ENGINES.get(key)  # an unknown name: the registry's words
     options.validate()
     if options.parallel and seen == {TORCH}:
         raise InputError("--tensor-parallel-size, --pipeline-parallel-size and --distributed-executor-backend are "

@@ -31,7 +31,7 @@ from qkit.evaluation.engines.base import (
 )
 from qkit.evaluation.measuring import Measured, Reference, RowFile
 from qkit.evaluation.perplexity import CorpusReference, TokenScores, kl_per_position
-from qkit.export import get_format
+from qkit.export import Format, get_format
 
 NO_KL = "returns only the top-k log-probabilities per position: KL needs the full distribution"
 
@@ -131,9 +131,9 @@ class WorkerEngine:
     def open(self, reference: Reference, options: EngineOptions, say: Callable[[str], None]) -> WorkerSession:
         return WorkerSession(self, reference, options, say)
 
-    def loads_file(self, container: str) -> bool:
-        """A worker loads a given file in its own format's container (llama.cpp: a GGUF file) and no other."""
-        return get_format(self.format).container == container
+    def loads_file(self, fmt: Format) -> bool:
+        """A worker loads a given file in its own format (llama.cpp: a GGUF file) and no other."""
+        return get_format(self.format) is fmt
 
 
 __all__ = ["NO_KL", "WorkerEngine", "WorkerSession", "agreement_of", "build_job", "engine_scores"]

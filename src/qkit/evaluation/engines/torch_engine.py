@@ -51,8 +51,7 @@ from qkit.evaluation.perplexity import (
     choose_window,
 )
 from qkit.evaluation.swap import Swapper
-from qkit.export import QKIT
-from qkit.export.gguf import FORMAT as GGUF_FORMAT
+from qkit.export import QKIT, Format
 from qkit.models import ModelRef
 from qkit.simulate import SimulationContext, apply_simulation, simulation_bits
 from qkit.transform import is_block_projection
@@ -82,9 +81,10 @@ class TorchEngine:
     def open(self, reference: Reference, options: EngineOptions, say: Callable[[str], None]) -> TorchSession:
         return TorchSession(reference, say)
 
-    def loads_file(self, container: str) -> bool:
-        """A GGUF file: its tensors dequantized by the gguf package into the reference model (``RowFile.tensors``)."""
-        return container == GGUF_FORMAT.container
+    def loads_file(self, fmt: Format) -> bool:
+        """A file qkit reads tensor by tensor (``Format.torch_loads``): a saved qkit checkpoint, streamed into the
+        reference model; a GGUF file, its tensors dequantized by the gguf package (``RowFile.tensors``)."""
+        return fmt.torch_loads
 
 
 def answer(model, reference: Reference, cache: PromptCache, label: str, say: Callable[[str], None]) -> tuple[list[str], torch.Tensor]:

@@ -53,6 +53,7 @@ from qkit.evaluation.engines.scoring import WorkerEngine
 from qkit.evaluation.engines.worker import ENGINE_PYTHON as PYTHON_ENV
 from qkit.evaluation.engines.worker import engine_python as _engine_python
 from qkit.evaluation.engines.worker import probe_seconds, run_worker
+from qkit.export import QKIT, get_format
 from qkit.export.compressed_tensors import FORMAT as COMPRESSED_TENSORS
 from qkit.export.compressed_tensors_w8a8 import INT8_TOKEN
 from qkit.models import check_config
@@ -202,7 +203,7 @@ def check_readable(path: Path) -> dict:
         raise InputError(f"vLLM reads a compressed-tensors model directory, not {path}; {fix}")
     config = _config(path)
     qc = config.get("quantization_config")
-    if (qc or {}).get("quant_method") == "qkit" or (qc is None and read_manifest(path) is not None):
+    if get_format(QKIT).recognises(path) or (qc is None and read_manifest(path) is not None):
         raise InputError(f"{path} is a qkit checkpoint, which vLLM cannot read; {fix}")
     if qc is not None and qc.get("quant_method") != FORMAT:
         raise InputError(f"{path} is a {qc.get('quant_method')!r} checkpoint; qkit's vLLM runtime reads {FORMAT}: {fix}")

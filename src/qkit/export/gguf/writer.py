@@ -31,6 +31,7 @@ from qkit.export.common import (
     EXPORT_MANIFEST,
     EXPORT_VERSION,
     ExportPlan,
+    Format,
     PreparedExport,
     fingerprint,
 )
@@ -96,6 +97,11 @@ class GGUFFormat:
     library = "gguf"
     help = "q8_0, q4_0, q4_1, q5_0, q5_1, q2_k ... q6_k, iq4_nl, iq4_xs, q4_k_m, mxfp4: llama.cpp; -o FILE.gguf, or a directory for model.gguf"
     ties_fused = False  # llama.cpp keeps every tensor separate
+    stores_llama_types = True
+    torch_loads = True  # reader.GGUFWeights dequantizes its tensors into the reference model (qkit eval file:PATH)
+    holds_shard = False  # GGUFFileWriter spools each tensor to disk
+    unquantized_is_source = False  # one file of llama.cpp's names and layout, written even with nothing quantized
+    written_as = " as gguf"
 
     # ---- what it holds
     def refusal(self, scheme: Scheme, tensor: str | None = None) -> str | None:
@@ -122,6 +128,9 @@ class GGUFFormat:
 
     def check_candidates(self, schemes: Sequence[Scheme], dtype: torch.dtype, scale_dtype: torch.dtype) -> None:
         return None
+
+    def takes_plan(self, planned: Format) -> bool:
+        return planned is self
 
     # ---- before any work
     def check(self, plan: ExportPlan) -> None:
@@ -161,9 +170,6 @@ class GGUFFormat:
         """``tensors``: ``{"qweight": uint8 [rows, bytes_per_row]}`` (llama.cpp's blocks) with the q/k permutation
         already undone; a scheme with ``from_ggml_blocks`` turns them into its own parts."""
         return decode_blocks(tensors["qweight"], scheme, dtype)
-
-    def quantization_config(self, plan: ExportPlan) -> dict:
-        return {"quant_method": NAME}
 
 
 FORMAT = GGUFFormat()
