@@ -286,10 +286,11 @@ def test_eval_notes_mention_q4_1_only_for_the_default_model():
     from helpers_eval import make_row
 
     from qkit.evaluation.notes import interpret
+    from qkit.pinned_models import DEFAULT
 
     ref = make_row("reference", 17.0, 0.0, 0.0, None, matrices=0)
     rows = [ref, make_row("q4_k", 17.0, 0.0, 0.0, 0), make_row("q5_1", 17.1, 0.3, 0.1, 4, matrices=14)]
-    other, default = interpret(rows), interpret(rows, default_model=True)
+    other, default = interpret(rows), interpret(rows, model=DEFAULT)
     assert any(n.startswith("q4_k reproduces the reference's weights bit for bit: they already lie on q4_k's grid")
                for n in other)
     assert any(n.startswith("q5_1 reproduces 10 of its 14 quantized tensors") for n in other)

@@ -279,12 +279,12 @@ def test_a_killed_fetch_leaves_nothing_the_next_fetch_keeps(tmp_path, monkeypatc
     or ``NAME.part-PID`` in the cache; the next fetch removes those of dead processes and keeps a live one's."""
     import dataclasses
 
-    from qkit import assets
+    from qkit import assets, pinned_models
 
     monkeypatch.setenv("QKIT_CACHE", str(tmp_path / "cache"))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a PID that no longer exists
-    pin = dataclasses.replace(assets.DEFAULT_MODEL, name="stale-test")
+    pin = dataclasses.replace(pinned_models.DEFAULT.asset, name="stale-test")
     downloads = tmp_path / "cache" / "downloads"
     (downloads / f".download-{dead.pid}-abc").mkdir(parents=True)
     (downloads / f".download-{dead.pid}-abc" / "half.whl").write_bytes(b"x")

@@ -131,14 +131,15 @@ def test_force_refuses_a_directory_qkit_did_not_write(tiny_model_dir, tmp_path):
 def test_pinned_asset_hash_mismatch(tmp_path, monkeypatch):
     import dataclasses
 
-    from qkit import assets
+    from qkit import pinned_models
 
     monkeypatch.setenv("QKIT_CACHE", str(tmp_path / "cache"))
-    bad = dataclasses.replace(assets.DEFAULT_MODEL, member_sha256="0" * 64)
+    bad = dataclasses.replace(pinned_models.DEFAULT,
+                              asset=dataclasses.replace(pinned_models.DEFAULT.asset, member_sha256="0" * 64))
     # Plant a cached file where the bad pin points, so no download is needed: its hash cannot match.
-    bad.path.parent.mkdir(parents=True)
-    bad.path.write_bytes(b"not the model")
-    monkeypatch.setattr(assets, "DEFAULT_MODEL", bad)
+    bad.asset.path.parent.mkdir(parents=True)
+    bad.asset.path.write_bytes(b"not the model")
+    monkeypatch.setattr(pinned_models, "DEFAULT", bad)
     out = tmp_path / "out"
     result, text = run("quantize", "-o", str(out))
     assert_clean_error(result, text, "sha256", "expected " + "0" * 64)

@@ -568,9 +568,9 @@ def test_export_error_is_a_qkit_error():
 @pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
 def test_default_model_round_trip(default_model_dir, tmp_path, scheme):
     """The real model: the published GGUF's tokenizer and metadata survive, transformers' logits equal qkit's."""
-    from qkit import assets
+    from qkit import pinned_models
 
-    source = assets.DEFAULT_MODEL.path
+    source = pinned_models.DEFAULT.asset.path
     out = quantize_model(None, output=tmp_path / f"smol-{scheme}.gguf", scheme=scheme, format="gguf").output
     ours_f, src_f = _fields(out), _fields(source)
     for key, value in src_f.items():
@@ -592,11 +592,11 @@ def test_default_model_round_trip(default_model_dir, tmp_path, scheme):
 def test_hf_tokenizer_conversion_reproduces_the_published_one(default_model_dir):
     """The default model's tokenizer, as transformers converted it from the GGUF, converted back the way llama.cpp
     converts a Hugging Face tokenizer: the published file's tokens, merges, types and ids."""
-    from qkit import assets
+    from qkit import pinned_models
 
     config = json.loads((default_model_dir / "config.json").read_text())
     got = gg.hf_tokenizer(default_model_dir, config, "llama")
-    src = _fields(assets.DEFAULT_MODEL.path)
+    src = _fields(pinned_models.DEFAULT.asset.path)
     assert got["pre"] == src["tokenizer.ggml.pre"] == "smollm"
     assert got["tokens"] == src["tokenizer.ggml.tokens"]
     assert [int(t) for t in got["types"]] == src["tokenizer.ggml.token_type"]
@@ -630,10 +630,10 @@ def test_requantizing_the_published_q4_1_reproduces_llama_cpps_file(default_mode
     """The default model was published as Q4_1 by llama.cpp; its weights, dequantized and exported again with
     qkit's q4_1, give back the published file's blocks byte for byte in every one of the 210 matrices, q/k
     (permuted by the writer) included: llama.cpp's names, layouts and permutation, checked against llama.cpp."""
-    from qkit import assets
+    from qkit import pinned_models
 
     out = quantize_model(None, output=tmp_path / "smol-q4_1.gguf", scheme="q4_1", format="gguf").output
-    ours, src = _tensors(out), _tensors(assets.DEFAULT_MODEL.path)
+    ours, src = _tensors(out), _tensors(pinned_models.DEFAULT.asset.path)
     checked = 0
     for name, t in src.items():
         if t.tensor_type == T.Q4_1:
@@ -641,7 +641,7 @@ def test_requantizing_the_published_q4_1_reproduces_llama_cpps_file(default_mode
             checked += 1
     assert checked == 210
     # qkit verify reads a file qkit did not write (no record): qkit, gguf and transformers agree on it too
-    r = verify_checkpoint(assets.DEFAULT_MODEL.path, device="cpu")
+    r = verify_checkpoint(pinned_models.DEFAULT.asset.path, device="cpu")
     assert r.passed and r.logits_max_abs_diff == 0.0 and all(c.matches_export is None for c in r.tensors)
     assert {s: v["tensors"] for s, v in r.by_scheme().items()} == {"q4_1": 210, "q8_0": 1}  # token_embd is Q8_0
 

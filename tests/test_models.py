@@ -12,6 +12,7 @@ from qkit.api import quantize_model
 from qkit.errors import InputError, ModelLoadError
 from qkit.texts import load_corpus
 from qkit.models import resolve
+from qkit.pinned_models import DEFAULT
 
 
 def test_directory_and_checkpoint_kinds(tiny_model_dir, tmp_path):
@@ -65,10 +66,10 @@ def test_default_model_is_the_pinned_smollm2(default_model_dir):
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
     assert sum(is_block_projection(n, s) for n, s in tensor_shapes(default_model_dir)) == 210
     # the cached GGUF is verified by sha256 on every use
-    assert assets.sha256_file(assets.DEFAULT_MODEL.path) == assets.DEFAULT_MODEL.member_sha256
+    assert assets.sha256_file(DEFAULT.asset.path) == DEFAULT.asset.sha256
 
 
 @pytest.mark.slow
 def test_a_gguf_path_resolves_to_the_same_cached_conversion(default_model_dir):
-    ref = resolve(assets.DEFAULT_MODEL.path)
+    ref = resolve(DEFAULT.asset.path)
     assert ref.kind == "gguf" and ref.directory == default_model_dir

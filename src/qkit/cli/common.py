@@ -23,6 +23,7 @@ from qkit.lists import check_words, numbers, split_list  # noqa: F401 (check_wor
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
 from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
+from qkit.pinned_models import PINNED_MODELS
 from qkit.texts import joined_sources
 from qkit.threads import set_threads
 from qkit.version import __version__
@@ -32,7 +33,8 @@ from qkit.version import __version__
 ModelArg = Annotated[
     Optional[str],
     typer.Argument(
-        help="Model directory, hub id, .gguf file or qkit checkpoint; omitted: the pinned default model.",
+        help="Model directory, hub id, .gguf file, qkit checkpoint or a pinned model's name "
+        f"({', '.join(PINNED_MODELS.names())}: fetched once); omitted: the pinned default model.",
         show_default=False,
     ),
 ]

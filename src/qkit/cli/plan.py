@@ -34,8 +34,8 @@ from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
 from qkit.memory import gib
 from qkit.memory import parse_size
 from qkit.methods import RTN
-from qkit.models import DEFAULT_MODEL_NAME
 from qkit.outputs import check_output
+from qkit.pinned_models import titled
 from qkit.plan import (
     Plan,
     PlanOptions,
@@ -210,14 +210,15 @@ def memory_line(m: dict) -> str:
 def lossless_note(p: Plan) -> str | None:
     """What the lossless planned tensors say, naming the grids found for this model: which planned types
     reproduce the source weights exactly and how many tensors each (``qkit.plan.planfile.lossless_types``);
-    the default model's Q4_1 history only for the default model. None when no tensor is lossless."""
+    a pinned model's history (the default model's Q4_1) only for that model. None when no tensor is lossless."""
     found = lossless_types(p)
     if not found:
         return None
     n = sum(found.values())
     types = ", ".join(f"{t} ({c} tensor{'s' if c != 1 else ''})" for t, c in found.items())
     them = "that type" if len(found) == 1 else "those types"
-    history = (" (the default model was published as Q4_1)" if p.model == DEFAULT_MODEL_NAME
+    pinned = titled(p.model)
+    history = (f" ({pinned.called} was published as {pinned.published})" if pinned is not None
                else " (the source is a GGUF file, stored in llama.cpp's types)" if p.model.lower().endswith(".gguf") else "")
     why = f"the source weights already lie on {'that type' + chr(39) + 's grid' if len(found) == 1 else 'those types' + chr(39) + ' grids'}{history}"
     return (f"{n} planned tensor{'s are' if n != 1 else ' is'} stored in a type that reproduces the source weights exactly "

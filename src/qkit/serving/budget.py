@@ -39,7 +39,7 @@ from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError, SchemeError
 from qkit.lists import numbers
-from qkit.models import check_complete, read_config, resolve
+from qkit.models import check_complete, pinned_of, read_config, resolve
 from qkit.schemes import Scheme, get_scheme
 from qkit.serving.kv import (
     DEFAULT_KV_DTYPE,
@@ -363,7 +363,8 @@ def model_specs(
         check_complete(ref)  # a missing tensor would be a silently smaller weight size (headers only)
         cfg = read_config(ref.directory)
         arch = architecture_from_config(cfg, ref.spec)
-        label = "default" if ref.kind == "default" else Path(ref.spec).name or ref.spec
+        pinned = pinned_of(ref)
+        label = "default" if ref.kind == "default" else pinned.name if pinned else Path(ref.spec).name or ref.spec
         specs.append(ModelSpec(label, "safetensors headers", arch, directory_shapes(ref.directory), cfg))
     return specs
 

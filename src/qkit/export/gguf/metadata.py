@@ -18,9 +18,9 @@ import gguf
 import numpy as np
 import torch
 
-from qkit import assets
 from qkit.errors import ExportError
 from qkit.jsonfields import NULL, STRING, field
+from qkit.pinned_models import with_sha256
 from qkit.export.common import EXPORT_MANIFEST
 
 NAME = "gguf"
@@ -229,16 +229,16 @@ def read_record(path: Path, reader=None) -> dict | None:
 def source_gguf(directory: Path, ref=None) -> Path | None:
     """The GGUF file a model directory was converted from, when it is still where qkit found it.
 
-    From the resolved model (``qkit.models.ModelRef``: a ``.gguf`` argument, or the pinned default model),
-    else from ``qkit-source.json`` in the cached directory when it names the pinned default model.
+    From the resolved model (``qkit.models.ModelRef``: a ``.gguf`` argument, or a pinned model), else from
+    ``qkit-source.json`` in the cached directory when it names a pinned model's GGUF.
     """
     if ref is not None and ref.kind == "gguf" and ref.provenance.get("gguf"):
         path = Path(ref.provenance["gguf"])
         return path if path.is_file() else None
     record = Path(directory) / SOURCE_FILE
     sha = None
-    if ref is not None and ref.kind == "default":
-        sha = assets.DEFAULT_MODEL.member_sha256
+    if ref is not None and ref.kind in ("default", "pinned"):
+        sha = ref.provenance.get("sha256")
     elif record.is_file():
         fix = "delete the directory and convert the GGUF again"
         try:
@@ -246,9 +246,8 @@ def source_gguf(directory: Path, ref=None) -> Path | None:
         except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ExportError(f"cannot read {record} as JSON ({' '.join(str(exc).split())[:120]}); {fix}") from exc
         sha = field(doc, "sha256", STRING | NULL, str(record), error=ExportError, fix=fix)
-    if sha == assets.DEFAULT_MODEL.member_sha256 and assets.DEFAULT_MODEL.path.is_file():
-        return assets.DEFAULT_MODEL.path
-    return None
+    pinned = with_sha256(sha)
+    return pinned.asset.path if pinned is not None and pinned.asset.path.is_file() else None
 
 
 __all__ = ["FILE", "NAME", "RECORD_KEY", "SOURCE_FILE", "add_architecture_metadata", "copy_fields", "is_qkit_gguf",
