@@ -34,13 +34,6 @@ from qkit.jsonfields import OBJECT, STRING, check, obj
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor
 from qkit.schemes.quantized import check_parts
-from qkit.staging import (  # noqa: F401 (re-exported: callers import them from here)
-    OLD_MARK,
-    TMP_MARK,
-    _pid_alive,
-    remove_stale_siblings,
-    stale_siblings,
-)
 from qkit.transform import (
     MANIFEST_FORMAT,
     MANIFEST_VERSION,

@@ -44,14 +44,9 @@ from qkit.plan import (
     plan_formats,
     upgrades,
 )
-from qkit.plan.planner import (
-    DEFAULT_CHECK_WINDOWS,
-    DEFAULT_DTYPE,
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQLEN,
-    LOAD_DTYPES,
-    lossless_types,
-)
+from qkit.dtypes import LOAD_DTYPES
+from qkit.plan.planfile import lossless_types
+from qkit.plan.options import DEFAULT_CHECK_WINDOWS, DEFAULT_DTYPE, DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.texts import joined_sources
 from qkit.threads import check_threads

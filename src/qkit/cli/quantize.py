@@ -52,7 +52,7 @@ from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
 from qkit.outputs import check_output as check_output_path
 from qkit.plan import PlanOptions
-from qkit.plan.planner import DEFAULT_CHECK_WINDOWS
+from qkit.plan.options import DEFAULT_CHECK_WINDOWS
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
 from qkit.threads import check_threads
