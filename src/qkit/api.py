@@ -23,7 +23,7 @@ from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_
 from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
-from qkit.export import PreparedExport, atomic_output, check_output, prepare_export
+from qkit.export import PreparedExport, atomic_output, check_format_output, prepare_export
 from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, CalibratedOptions, MethodResult
@@ -45,7 +45,7 @@ from qkit.methods.imatrix.method import matrix_for
 from qkit.models import ModelRef, load_tokenizer, parse_device, read_config, resolve_clear_of
 from qkit.models import load as _load
 from qkit.outputs import check_apart, claim_output, file_inputs, model_inputs, scoped
-from qkit.outputs import check_output as check_output_path
+from qkit.outputs import check_output_path
 from qkit.plan import (
     KeptMeasurements,
     Plan,
@@ -114,7 +114,7 @@ def quantize_model(
     ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
     libraries load, or ``gguf`` for one llama.cpp file (``output`` ending in ``.gguf``, else a directory
     holding ``model.gguf``; see ``qkit.export``); a scheme the format cannot express is refused before any work.
-    ``output`` is refused before any work (``qkit.outputs.check_output``) if it is, contains or lies inside
+    ``output`` is refused before any work (``qkit.outputs.check_output_path``) if it is, contains or lies inside
     an input (the model as given and as resolved, the calibration file), whatever ``force``; if it exists,
     unless ``force`` and qkit wrote it; and if its place cannot be written (read-only, full, not a directory).
     ``method``: ``rtn`` (default: round to nearest, streamed) or a calibrated method (``qkit.methods``:
@@ -177,9 +177,9 @@ def quantize_model(
 
 def _check_quantize_outputs(opts: QuantizeOptions, out: Path, inputs: list) -> None:
     """``-o`` and ``--emit-tensor-types`` checked against ``inputs`` (what the arguments name, then the resolved
-    model too: ``qkit.outputs.check_output``) and claimed for this run: a second run writing either refuses
+    model too: ``qkit.outputs.check_output_path``) and claimed for this run: a second run writing either refuses
     until this one has put it in place."""
-    check_output(opts.format, out, opts.force, inputs)
+    check_format_output(opts.format, out, opts.force, inputs)
     claim_output(out, "-o")
     if opts.emit_tensor_types is not None:
         check_output_path(opts.emit_tensor_types, kind="file", force=opts.force, inputs=inputs, what="--emit-tensor-types",

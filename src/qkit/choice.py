@@ -45,7 +45,7 @@ from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
 from qkit.schemes.recipes import expert_count
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
-from qkit.transform import Rules, TensorTypes, new_manifest, plan, shapes_fingerprint
+from qkit.transform import Rules, TensorTypes, assign_schemes, new_manifest, shapes_fingerprint
 
 
 @dataclass(frozen=True)
@@ -243,7 +243,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         default = default.with_imatrix(True)
     rules = Rules(req.rules.include, req.rules.exclude, tuple((g, s and s.bind(config)) for g, s in req.rules.overrides))
     rules.check_matches(shapes, ref.spec)  # a glob that matches no tensor: a typo, refused
-    targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
+    targets = {n: s for n, s in assign_schemes(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
     if planned is not None:
@@ -310,7 +310,7 @@ def memory_need(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...
     tensor's quantize, a safetensors shard); rtn: the write alone. ``targets``: the chosen ones
     (``compile_choice``'s); None: the rules' with ``--tensor-type`` applied (before a plan is made)."""
     if targets is None:
-        targets = {n: s for n, s in plan(shapes.items(), req.default.bind(config), req.rules).items() if s is not None}
+        targets = {n: s for n, s in assign_schemes(shapes.items(), req.default.bind(config), req.rules).items() if s is not None}
         names = llama_names_of(config, shapes) if req.overrides else {}
         if names:
             targets = req.overrides.apply(targets, names)

@@ -35,7 +35,7 @@ from qkit.memory import gib
 from qkit.memory import parse_size
 from qkit.methods import RTN
 from qkit.models import DEFAULT_MODEL_NAME
-from qkit.outputs import check_output
+from qkit.outputs import check_output_path
 from qkit.plan import (
     Plan,
     PlanOptions,
@@ -106,7 +106,7 @@ def plan(
     for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"), (emit_tensor_types,
                                       "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
         if path is not None:
-            check_output(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
+            check_output_path(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
     options = PlanOptions(format=fmt, target_bits=target_bits,
                           target_size=parse_size(target_size, "--target-size") if target_size is not None else None,
                           target_scheme=target_scheme,

@@ -40,7 +40,7 @@ DEFAULT_DTYPE = "fp32"
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What ``make_plan`` plans: ``format`` (gguf, compressed-tensors, qkit); exactly one of
+    """What ``qkit.api.plan_model`` plans: ``format`` (gguf, compressed-tensors, qkit); exactly one of
     ``target_bits`` (bits per weight over the planned tensors), ``target_size`` (the whole file's tensor bytes)
     and ``target_scheme`` (those of the file that scheme writes; ``qkit.plan.budget``);
     ``candidates`` the types allowed (default: the format's whole ladder); ``include``/``exclude``
