@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,6 +29,7 @@ from qkit.methods import RTN, CalibratedOptions, MethodResult
 from qkit.methods.calibration import model_context
 from qkit.methods.gptq import GPTQMethod
 from qkit.methods.imatrix import (
+    Imatrix,
     ImatrixOptions,
     check_collect_memory,
     collect,
@@ -91,7 +91,7 @@ def quantize_model(
     collect: bool = False,
     scheme: str | None = None,
     method: str | None = None,
-    method_options: Mapping[str, Any] | None = None,
+    method_options: Mapping[str, object] | None = None,
     format: str | None = None,
     kept: KeptMeasurements | None = None,
 ) -> QuantizeResult:
@@ -327,7 +327,7 @@ def _tensor_type_names(options: PlanOptions, config: dict, shapes: Mapping[str, 
 
 
 def _plan_weights(ref: ModelRef, options: PlanOptions, config: dict, shapes: Mapping[str, tuple[int, ...]],
-                  matrix: Any) -> tuple[dict[str, torch.Tensor], str | None]:
+                  matrix: Imatrix | None) -> tuple[dict[str, torch.Tensor], str | None]:
     """The importance vectors llama.cpp's candidate types are measured through, and the matrix's sha256 (the
     sensitivity table's key); ``({}, None)`` without a matrix."""
     if matrix is None:
@@ -337,7 +337,7 @@ def _plan_weights(ref: ModelRef, options: PlanOptions, config: dict, shapes: Map
 
 
 def _write_plan_files(plan: Plan, output: str | Path | None, emit_tensor_types: str | Path | None,
-                      names: Mapping[str, str], dtypes: Mapping[str, Any]) -> tuple[Path | None, Path | None]:
+                      names: Mapping[str, str], dtypes: Mapping[str, torch.dtype | None]) -> tuple[Path | None, Path | None]:
     """Write the plan JSON to ``output`` and the tensor-type file to ``emit_tensor_types`` (each where given);
     returns the two paths written (None where not)."""
     out = Path(output) if output is not None else None
