@@ -82,11 +82,11 @@ def main() -> None:
         forward = time.perf_counter() - t
     del loaded
 
-    planner._TABLE.clear()
+    kept = planner.KeptMeasurements()  # the run's tables, passed to every plan below (measured once)
     t = time.perf_counter()
-    first = plan_model(None, options=opts0).plan
+    first = plan_model(None, options=opts0, kept=kept).plan
     cold = time.perf_counter() - t
-    table = next(iter(planner._TABLE.values()))
+    table = next(iter(kept.tables.values()))
     sizes = [[c.nbytes for c in row] for row in table.options]
     solves = []
     for _ in range(5):
@@ -97,7 +97,7 @@ def main() -> None:
     points = []
     for b in budgets:
         p = first if b == budgets[0] else plan_model(None, options=PlanOptions(format=args.format, target_bits=b,
-                                                                                 candidates=cands)).plan
+                                                                                 candidates=cands), kept=kept).plan
         points.append({"row": f"plan@{b}", "bits": p.bits_per_weight, "predicted": p.predicted_kl,
                        "measured": p.check["measured_kl"], "se": p.check["measured_kl_se"]})
     for recipe in LADDER:

@@ -440,11 +440,11 @@ def test_property_output_inside_an_input_is_always_refused(tree, how, in_how, ta
     out = os.path.join(_spell(tree, "src", how), *tail)
     model = _spell(tree, "src", in_how)
     with pytest.raises(OutputError, match=NEVER):
-        outputs.check_output(out, kind=kind, force=force, inputs=[("the model", model)])
+        outputs.check_output_path(out, kind=kind, force=force, inputs=[("the model", model)])
     # the input's parent and the root contain it: refused as well
     for holder in (str(tree), os.path.relpath(tree)):
         with pytest.raises(OutputError, match="contains"):
-            outputs.check_output(holder, kind="dir", force=True, inputs=[("the model", model)])
+            outputs.check_output_path(holder, kind="dir", force=True, inputs=[("the model", model)])
 
 
 @settings(max_examples=100, deadline=None)
@@ -456,15 +456,15 @@ def test_property_output_beside_an_input_is_not_an_overlap(tree, how, in_how, ta
 
 def test_check_output_creates_nothing_and_refuses_existing_outputs(tmp_path):
     out = tmp_path / "a" / "b" / "out"
-    assert outputs.check_output(out, kind="dir") == out
+    assert outputs.check_output_path(out, kind="dir") == out
     assert list(tmp_path.iterdir()) == []  # neither parents nor the probe
     (tmp_path / "r.json").write_text("[1]")
     with pytest.raises(OutputExistsError, match="pass --force"):
-        outputs.check_output(tmp_path / "r.json", kind="json", what="--json")
-    outputs.check_output(tmp_path / "r.json", kind="json", what="--json", force=True)
+        outputs.check_output_path(tmp_path / "r.json", kind="json", what="--json")
+    outputs.check_output_path(tmp_path / "r.json", kind="json", what="--json", force=True)
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
     with pytest.raises(OutputExistsError, match="symbolic link"):
-        outputs.check_output(tmp_path / "dangling", kind="json", force=True)
+        outputs.check_output_path(tmp_path / "dangling", kind="json", force=True)
 
 
 # --------------------------------------------------------------------------- mounts

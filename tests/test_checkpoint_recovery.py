@@ -11,7 +11,8 @@ import textwrap
 from typer.testing import CliRunner
 
 from qkit import claims
-from qkit.checkpoint import TMP_MARK, atomic_directory, remove_stale_siblings, stale_siblings
+from qkit.checkpoint import atomic_directory
+from qkit.staging import TMP_MARK, remove_stale_siblings, stale_siblings
 from qkit.cli import app
 
 

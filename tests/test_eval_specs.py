@@ -137,7 +137,8 @@ def test_a_row_reproducing_some_tensors_is_qualified():
 
 
 def test_the_compressed_tensors_frontier_pairs_each_type_with_its_plan():
-    from qkit.evaluation.runner import EvalOptions, row_plan
+    from qkit.evaluation.runner import EvalOptions
+    from qkit.evaluation.specs import row_plan
     from qkit.plan.candidates import CT_TYPES
 
     rows = resolve_rows(("frontier-ct",))

@@ -202,11 +202,6 @@ def _doc(path: Path) -> dict:
     return doc
 
 
-def _fresh():
-    planner._TABLE.clear()
-    planner._FISHER.clear()
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_the_plan_is_the_same_with_a_tiny_budget_and_without(model4, tmp_path, dtype):
     """The budget never changes the plan: with the smallest budget the plan takes (one block's diagonals at a
@@ -215,28 +210,26 @@ def test_the_plan_is_the_same_with_a_tiny_budget_and_without(model4, tmp_path, d
     ref = resolve(str(model4))
     opts = PlanOptions(format="gguf", target_bits=4.6, dtype=dtype, candidates=CANDIDATES, **FAST)
     minimum = planner.memory_plan(ref, dataclasses.replace(opts, max_memory=GIB)).estimate.minimum
-    _fresh()
     one = plan_model(str(model4), options=dataclasses.replace(opts, max_memory=64 * GIB), output=tmp_path / "one.json")
-    _fresh()
-    many = plan_model(str(model4), options=dataclasses.replace(opts, max_memory=minimum), output=tmp_path / "many.json")
+    kept = planner.KeptMeasurements()
+    many = plan_model(str(model4), options=dataclasses.replace(opts, max_memory=minimum), output=tmp_path / "many.json",
+                      kept=kept)
     assert one.plan.sensitivity["memory"]["groups"] == many.plan.sensitivity["memory"]["groups"] == 2  # the two blocks
     assert many.plan.sensitivity["memory"]["passes"] == one.plan.sensitivity["memory"]["passes"] == 1
     assert many.plan.sensitivity["dtype"] == dtype and many.plan.sensitivity["memory"]["budget_bytes"] == minimum
     assert _doc(tmp_path / "one.json") == _doc(tmp_path / "many.json")
     # the cached walked measurement (no diagonal kept) serves another format: measured again, the same costs
-    other = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit", max_memory=minimum))
-    _fresh()
+    other = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit", max_memory=minimum), kept=kept)
     again = plan_model(str(model4), options=dataclasses.replace(opts, format="qkit"))
     assert {n: t.candidates for n, t in other.plan.tensors.items()} == {n: t.candidates for n, t in again.plan.tensors.items()}
-    _fresh()
 
 
 def test_the_bf16_plan_loads_the_model_in_bf16(model4):
-    _fresh()
-    plan_model(str(model4), options=PlanOptions(format="gguf", target_bits=4.6, dtype="bf16", candidates=CANDIDATES, **FAST))
-    (table,) = planner._TABLE.values()
+    kept = planner.KeptMeasurements()
+    plan_model(str(model4), options=PlanOptions(format="gguf", target_bits=4.6, dtype="bf16", candidates=CANDIDATES, **FAST),
+               kept=kept)
+    (table,) = kept.tables.values()
     assert {p.dtype for p in table.model.parameters()} == {torch.bfloat16}
-    _fresh()
 
 
 # --------------------------------------------------------------------------- refused before the model loads
@@ -249,7 +242,6 @@ def test_a_max_memory_too_small_is_refused_in_one_line_before_the_model_loads(mo
     monkeypatch.setattr(planner, "load", tripwire)
     monkeypatch.setattr(planner, "load_tokenizer", tripwire)
     monkeypatch.setattr("qkit.api.matrix_for", tripwire)  # --method imatrix loads the model to collect its matrix
-    _fresh()
     out = tmp_path / "p.json"
     r = runner.invoke(app, ["plan", str(model4), "-o", str(out), "--format", "gguf", "--target-bits", "4.6",
                             "--calibration-samples", "2", "--calibration-seqlen", "32", "--check-windows", "1",
@@ -264,7 +256,6 @@ def test_without_max_memory_too_little_available_memory_is_refused(model4, tmp_p
     monkeypatch.setattr(methods_memory, "available_ram", lambda: 1 << 20)
     monkeypatch.setattr(methods_memory, "process_rss", lambda: 1 << 20)
     monkeypatch.setattr(planner, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
-    _fresh()
     with pytest.raises(InputError, match=r"only 0.00 GiB is available; .*--max-memory SIZE overrides"):
         plan_model(str(model4), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=tmp_path / "p.json")
     assert not (tmp_path / "p.json").exists()

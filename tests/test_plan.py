@@ -106,8 +106,9 @@ def test_the_check_restores_every_swapped_weight_bit_for_bit_without_a_copy(wide
     from qkit.models import load, resolve
     from qkit.plan import planner
 
-    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST))
-    (table,) = planner._TABLE.values()
+    kept = planner.KeptMeasurements()
+    r = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), kept=kept)
+    (table,) = kept.tables.values()
     clones = []
     real_clone = torch.Tensor.clone
     monkeypatch.setattr(torch.Tensor, "clone", lambda self, *a, **k: clones.append(self.shape) or real_clone(self, *a, **k))
@@ -176,9 +177,6 @@ def test_target_scheme_budgets_what_that_recipe_writes(wide_model, tmp_path):
 
 
 def test_the_same_inputs_give_the_same_plan(wide_model, gguf_plan, tmp_path):
-    from qkit.plan import planner
-
-    planner._TABLE.clear()  # measure again, from scratch
     again = plan_model(str(wide_model), options=PlanOptions(format="gguf", target_bits=4.6, **FAST), output=tmp_path / "p.json")
     first = json.loads(gguf_plan[1].read_text())
     second = json.loads((tmp_path / "p.json").read_text())
@@ -198,8 +196,6 @@ def test_a_plan_measured_in_groups_under_max_memory_is_the_same_plan(wide_model,
 
     ref = resolve(str(wide_model))
     least = planner.memory_plan(ref, PlanOptions(format="gguf", target_bits=4.6, max_memory=1 << 40, **FAST)).estimate.minimum
-    planner._TABLE.clear()
-    planner._FISHER.clear()
     out = tmp_path / "grouped.json"
     r = runner.invoke(app, ["plan", str(wide_model), "-o", str(out), "--format", "gguf", "--target-bits", "4.6",
                             "--calibration-samples", "2", "--calibration-seqlen", "32", "--check-windows", "2",
@@ -211,8 +207,6 @@ def test_a_plan_measured_in_groups_under_max_memory_is_the_same_plan(wide_model,
     assert grouped["sensitivity"]["memory"]["passes"] == 1 == whole["sensitivity"]["memory"]["passes"]
     assert grouped["tensors"] == whole["tensors"] and grouped["totals"] == whole["totals"]
     assert grouped["check"]["measured_kl"] == whole["check"]["measured_kl"]
-    planner._TABLE.clear()
-    planner._FISHER.clear()
 
 
 def test_a_planned_row_is_the_plans_checkpoint(wide_model, gguf_plan, tmp_path):
@@ -248,7 +242,7 @@ def test_a_compressed_tensors_plan_gives_each_fused_vllm_layer_one_type(wide_mod
     tied items); the gguf plan of the same budget is free to split them, and here does."""
     from itertools import product
 
-    from qkit.plan.planner import tied_items
+    from qkit.plan.solve import tied_items
     from qkit.plan.solve import brute_force
 
     opts = PlanOptions(format="compressed-tensors", target_bits=5.0, candidates=("int4-g64", "int8-row", "none"), **FAST)
@@ -345,7 +339,8 @@ def test_a_plan_for_another_model_is_refused(wide_model, gguf_plan, tmp_path):
 
 
 def test_eval_candidates_are_taken_per_format_and_checked():
-    from qkit.evaluation.runner import EvalOptions, row_plan
+    from qkit.evaluation.runner import EvalOptions
+    from qkit.evaluation.specs import row_plan
     from qkit.evaluation.specs import resolve_rows
 
     opts = EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=("q4_k,q8_0", "int4-g64"))

@@ -383,7 +383,8 @@ def test_fused_groups_are_vllms_fused_layers_in_compressed_tensors_only():
 def test_a_budget_named_by_a_scheme_is_its_bytes_in_the_plans_format():
     """plan:ct@int4-g64 gets what int4-g64 stores in compressed-tensors (scales in the fp32 weight dtype,
     plus weight_shape), not qkit's own fp16-scale bytes: the plan competes with the uniform row's real size."""
-    from qkit.plan.planner import PlanOptions, budget_bytes
+    from qkit.plan.budget import budget_bytes
+    from qkit.plan.options import PlanOptions
 
     shapes = {"m.weight": (512, 256)}
     ct = budget_bytes(PlanOptions(format="ct", target_scheme="int4-g64"), 512 * 256, shapes, None, {"m.weight": torch.float32})

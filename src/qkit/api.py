@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -23,13 +22,14 @@ from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_
 from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
 from qkit.errors import InputError, OutputError
-from qkit.export import PreparedExport, atomic_output, check_output, prepare_export
+from qkit.export import PreparedExport, atomic_output, check_format_output, prepare_export
 from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import is_tensor_type_file, write_tensor_type_file
 from qkit.methods import RTN, CalibratedOptions, MethodResult
 from qkit.methods.calibration import model_context
 from qkit.methods.gptq import GPTQMethod
 from qkit.methods.imatrix import (
+    Imatrix,
     ImatrixOptions,
     check_collect_memory,
     collect,
@@ -45,8 +45,9 @@ from qkit.methods.imatrix.method import matrix_for
 from qkit.models import ModelRef, load_tokenizer, parse_device, read_config, resolve_clear_of
 from qkit.models import load as _load
 from qkit.outputs import check_apart, claim_output, file_inputs, model_inputs, scoped
-from qkit.outputs import check_output as check_output_path
+from qkit.outputs import check_output_path
 from qkit.plan import (
+    KeptMeasurements,
     Plan,
     PlanOptions,
     choose,
@@ -90,8 +91,9 @@ def quantize_model(
     collect: bool = False,
     scheme: str | None = None,
     method: str | None = None,
-    method_options: Mapping[str, Any] | None = None,
+    method_options: Mapping[str, object] | None = None,
     format: str | None = None,
+    kept: KeptMeasurements | None = None,
 ) -> QuantizeResult:
     """Quantize MODEL's block projections and write a checkpoint to ``output``; returns what it did.
 
@@ -112,7 +114,7 @@ def quantize_model(
     ``format``: ``qkit`` (default), or ``compressed-tensors`` / ``bitsandbytes`` for a checkpoint those
     libraries load, or ``gguf`` for one llama.cpp file (``output`` ending in ``.gguf``, else a directory
     holding ``model.gguf``; see ``qkit.export``); a scheme the format cannot express is refused before any work.
-    ``output`` is refused before any work (``qkit.outputs.check_output``) if it is, contains or lies inside
+    ``output`` is refused before any work (``qkit.outputs.check_output_path``) if it is, contains or lies inside
     an input (the model as given and as resolved, the calibration file), whatever ``force``; if it exists,
     unless ``force`` and qkit wrote it; and if its place cannot be written (read-only, full, not a directory).
     ``method``: ``rtn`` (default: round to nearest, streamed) or a calibrated method (``qkit.methods``:
@@ -123,7 +125,8 @@ def quantize_model(
     model is refused before any work, and every transformers call is told ``False``.
     ``plan``: a plan file or ``Plan`` gives every planned tensor its type; ``PlanOptions`` plans first
     (``_plan_first``: ``plan_model`` on the resolved model, in memory; ``quantize --target-bits``), then writes
-    that plan as a plan file would be written.
+    that plan as a plan file would be written; ``kept`` (``qkit.plan.KeptMeasurements``, one per run): the
+    sensitivity measured for it is kept there for the run's next plan of the same model (None: nothing kept).
     ``activations``: with ``format="compressed-tensors"`` and ``int8-row`` weights, ``"int8-token"`` writes
     a W8A8 checkpoint (dynamic per-token int8 activations, ``int-quantized``: the layout vLLM serves; see
     ``qkit.export.compressed_tensors_w8a8``), typically after ``method="smoothquant"``.
@@ -153,7 +156,7 @@ def quantize_model(
         req = dataclasses.replace(req, method_options=req.method_options.fitted(config))
     if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
         check_memory(req, ref, shapes, config)
-    choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts))
+    choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts, kept))
     if opts.emit_tensor_types is not None:
         check_tensor_types(choice)
     export = prepare_export(opts.format, ref.directory, choice.targets, shapes, choice.manifest, ref=ref,
@@ -174,9 +177,9 @@ def quantize_model(
 
 def _check_quantize_outputs(opts: QuantizeOptions, out: Path, inputs: list) -> None:
     """``-o`` and ``--emit-tensor-types`` checked against ``inputs`` (what the arguments name, then the resolved
-    model too: ``qkit.outputs.check_output``) and claimed for this run: a second run writing either refuses
+    model too: ``qkit.outputs.check_output_path``) and claimed for this run: a second run writing either refuses
     until this one has put it in place."""
-    check_output(opts.format, out, opts.force, inputs)
+    check_format_output(opts.format, out, opts.force, inputs)
     claim_output(out, "-o")
     if opts.emit_tensor_types is not None:
         check_output_path(opts.emit_tensor_types, kind="file", force=opts.force, inputs=inputs, what="--emit-tensor-types",
@@ -193,7 +196,7 @@ def _remove_stale(out: Path) -> None:
                   f"(their writer process is gone): {', '.join(str(p) for p in removed)}")
 
 
-def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | None:
+def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions, kept: KeptMeasurements | None) -> Plan | None:
     """The plan to write: the one ``opts.plan`` gave (a file or ``Plan``, read by ``request``), or, for
     ``PlanOptions`` (``quantize --target-bits``), one ``plan_model`` makes now, in memory, with the same
     importance matrix and method; None without a plan."""
@@ -202,7 +205,7 @@ def _plan_first(req: Request, ref: ModelRef, opts: QuantizeOptions) -> Plan | No
     gptq = req.method_options if isinstance(req.method, GPTQMethod) else None
     planned = dataclasses.replace(req.plan, imatrix=opts.imatrix, method=opts.method, device=opts.device,
                                   trust_remote_code=opts.trust_remote_code, gptq_options=gptq)
-    return plan_model(ref, options=planned).plan
+    return plan_model(ref, options=planned, kept=kept).plan
 
 
 def _run_method(req: Request, ref: ModelRef, choice: Choice, export: PreparedExport, dev: torch.device,
@@ -248,6 +251,7 @@ def plan_model(
     options: PlanOptions,
     output: str | Path | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    kept: KeptMeasurements | None = None,
 ) -> PlanResult:
     """Plan MODEL's types for a byte budget (``qkit.plan``): measured sensitivity, the exact solve,
     the measured check; write the plan JSON to ``output`` (None: keep it in memory) and, for GGUF, the
@@ -266,7 +270,8 @@ def plan_model(
     ``progress(stage, done, total)``: ``fisher`` windows (over every group's pass), ``candidates`` tensors
     (``gptq``: tensors whose GPTQ candidates are solved). The per-tensor candidate costs run on
     ``options.executor`` (``--executor ray``: one Ray task per tensor, the same costs; the Fisher, the GPTQ
-    feedback and the check stay in this process)."""
+    feedback and the check stay in this process). ``kept``: a ``KeptMeasurements`` the run's plans share (the
+    sensitivity table and the loaded model, for the next plan of the same model); None: nothing outlives the call."""
     t0 = time.perf_counter()
     options.check()  # the budget and how the plan is run: no file of the model read yet
     given = [*(model_inputs(model) if not isinstance(model, ModelRef) else []),
@@ -281,7 +286,7 @@ def plan_model(
     dev = parse_device(options.device)
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
     options = options.fitted(config)  # the default window fitted to the context; a given one checked against it
-    precheck(ref, options, config, device=dev)  # the byte budget and the memory (--max-memory): from the headers
+    precheck(ref, options, config, device=dev, kept=kept)  # the byte budget and the memory (--max-memory): from the headers
     names = _tensor_type_names(options, config, shapes)  # before the work: a model llama.cpp does not name
     if options.collects:
         refuse_unsupported(config)
@@ -289,11 +294,11 @@ def plan_model(
     weights, key = _plan_weights(ref, options, config, shapes, matrix)
     with options.executor.open(torch.get_num_threads()) as ex:  # Ray connected (or started) for the costs, shut down after
         table = sensitivity_table(ref, options, device=dev, quant_weights=weights, imatrix_key=key, on_step=progress,
-                                  gptq=options.gptq, executor=ex)
+                                  gptq=options.gptq, executor=ex, kept=kept)
     record = imatrix_record(matrix, len(weights)) if matrix is not None else None
     plan = choose(table, options, model_spec=ref.spec, shapes_all=shapes, method=options.method, imatrix=record,
                   config=config, dtypes_all=tensor_dtypes(ref.directory))
-    check_plan(plan, table, ref, weights)
+    check_plan(plan, table, ref, weights, kept)
     out, tt = _write_plan_files(plan, output, options.emit_tensor_types, names, tensor_dtypes(ref.directory))
     return PlanResult(plan, out, tt, time.perf_counter() - t0)
 
@@ -322,7 +327,7 @@ def _tensor_type_names(options: PlanOptions, config: dict, shapes: Mapping[str, 
 
 
 def _plan_weights(ref: ModelRef, options: PlanOptions, config: dict, shapes: Mapping[str, tuple[int, ...]],
-                  matrix: Any) -> tuple[dict[str, torch.Tensor], str | None]:
+                  matrix: Imatrix | None) -> tuple[dict[str, torch.Tensor], str | None]:
     """The importance vectors llama.cpp's candidate types are measured through, and the matrix's sha256 (the
     sensitivity table's key); ``({}, None)`` without a matrix."""
     if matrix is None:
@@ -332,7 +337,7 @@ def _plan_weights(ref: ModelRef, options: PlanOptions, config: dict, shapes: Map
 
 
 def _write_plan_files(plan: Plan, output: str | Path | None, emit_tensor_types: str | Path | None,
-                      names: Mapping[str, str], dtypes: Mapping[str, Any]) -> tuple[Path | None, Path | None]:
+                      names: Mapping[str, str], dtypes: Mapping[str, torch.dtype | None]) -> tuple[Path | None, Path | None]:
     """Write the plan JSON to ``output`` and the tensor-type file to ``emit_tensor_types`` (each where given);
     returns the two paths written (None where not)."""
     out = Path(output) if output is not None else None

@@ -34,13 +34,6 @@ from qkit.jsonfields import OBJECT, STRING, check, obj
 from qkit.outputs import Input
 from qkit.schemes import QuantizedTensor
 from qkit.schemes.quantized import check_parts
-from qkit.staging import (  # noqa: F401 (re-exported: callers import them from here)
-    OLD_MARK,
-    TMP_MARK,
-    _pid_alive,
-    remove_stale_siblings,
-    stale_siblings,
-)
 from qkit.transform import (
     MANIFEST_FORMAT,
     MANIFEST_VERSION,
@@ -61,11 +54,11 @@ os.umask(_UMASK)
 # them too); a checkpoint directory is one such output.
 
 
-def check_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) -> None:
-    """Refuse a directory output qkit must not or cannot write (``qkit.outputs.check_output``): one that is,
+def check_directory_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) -> None:
+    """Refuse a directory output qkit must not or cannot write (``qkit.outputs.check_output_path``): one that is,
     contains or lies inside an input (whatever ``force``), an existing one without ``force`` or not written
     by qkit, an unwritable place. Call before any expensive work."""
-    outputs.check_output(out, kind="dir", force=force, inputs=inputs)
+    outputs.check_output_path(out, kind="dir", force=force, inputs=inputs)
 
 
 @contextlib.contextmanager
@@ -82,10 +75,10 @@ def atomic_directory(
     it (``remove_stale_siblings``), reporting the removed paths to ``on_stale``.
     """
     out = Path(out)
-    check_output(out, force, inputs)
+    check_directory_output(out, force, inputs)
     with staging.staged(out, on_stale=on_stale) as tmp:
         yield tmp
-        staging.publish_directory(tmp, out, recheck=lambda: check_output(out, force))
+        staging.publish_directory(tmp, out, recheck=lambda: check_directory_output(out, force))
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -24,17 +24,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
 import torch
 
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes
 from qkit.errors import ExportError, InputError, QkitError
 from qkit.export import QKIT, activation_format, formats_that, get_format
 from qkit.head_types import Heads, unweighted
-from qkit.methods import RTN, Method, get_method, make_options
+from qkit.methods import RTN, CalibratedOptions, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
-from qkit.methods.imatrix import gguf_names, imatrix_record, quant_weights_for
+from qkit.methods.imatrix import Imatrix, gguf_names, imatrix_record, quant_weights_for
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.methods.memory import BASELINE, Model, Need, check_need, quantized_bytes, stream_parts
@@ -45,7 +43,7 @@ from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
 from qkit.schemes.recipes import expert_count
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
-from qkit.transform import Rules, TensorTypes, new_manifest, plan, shapes_fingerprint
+from qkit.transform import Rules, TensorTypes, assign_schemes, new_manifest, shapes_fingerprint
 
 
 @dataclass(frozen=True)
@@ -81,7 +79,7 @@ class QuantizeOptions:
     format: str = QKIT
     activations: str | None = None
     method: str = RTN
-    method_options: Mapping[str, Any] | Any | None = None
+    method_options: Mapping[str, object] | CalibratedOptions | None = None
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     device: str | None = "cpu"
     allow_pickle: bool = False
@@ -109,10 +107,10 @@ class Request:
     default: Scheme  # the default scheme, not yet bound to the model's config
     rules: Rules
     method: Method | None  # None: rtn (streamed)
-    method_options: Any  # the method's options dataclass, validated; None for rtn
+    method_options: CalibratedOptions | None  # the method's options dataclass, validated; None for rtn
     overrides: TensorTypes
     plan: Plan | PlanOptions | None  # a plan read and checked, or options to plan first with
-    matrix: Any  # the importance matrix read (``qkit.methods.imatrix``), or None
+    matrix: Imatrix | None  # the importance matrix read (``qkit.methods.imatrix``), or None
     format: str
     activations: str | None
     max_memory: int | None = None
@@ -195,7 +193,7 @@ def request(opts: QuantizeOptions) -> Request:
                    opts.max_shard_bytes, opts.device, heads)
 
 
-def _names_dtype(given: Any) -> bool:
+def _names_dtype(given: Mapping[str, object] | CalibratedOptions | None) -> bool:
     """Whether method options given by name (``--dtype``: ``{"dtype": ...}``) set the dtype the model runs in."""
     return isinstance(given, Mapping) and given.get("dtype") is not None
 
@@ -243,7 +241,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         default = default.with_imatrix(True)
     rules = Rules(req.rules.include, req.rules.exclude, tuple((g, s and s.bind(config)) for g, s in req.rules.overrides))
     rules.check_matches(shapes, ref.spec)  # a glob that matches no tensor: a typo, refused
-    targets = {n: s for n, s in plan(shapes.items(), default, rules).items() if s is not None}
+    targets = {n: s for n, s in assign_schemes(shapes.items(), default, rules).items() if s is not None}
     if not targets:
         raise InputError(f"no tensor of {ref.spec} matches the quantization rules; check --include/--exclude")
     if planned is not None:
@@ -287,7 +285,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
     return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept)
 
 
-def imatrix_notes(matrix: Any, spec: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+def imatrix_notes(matrix: Imatrix, spec: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
     """A note when ``matrix``'s own record (qkit wrote it) says it was collected from another model: its
     tensors' fingerprint differs from this model's (or, in a record without one, its model is named
     otherwise). Its entries fit this model's names and widths (checked before), so it is a sibling, and
@@ -310,7 +308,7 @@ def memory_need(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ...
     tensor's quantize, a safetensors shard); rtn: the write alone. ``targets``: the chosen ones
     (``compile_choice``'s); None: the rules' with ``--tensor-type`` applied (before a plan is made)."""
     if targets is None:
-        targets = {n: s for n, s in plan(shapes.items(), req.default.bind(config), req.rules).items() if s is not None}
+        targets = {n: s for n, s in assign_schemes(shapes.items(), req.default.bind(config), req.rules).items() if s is not None}
         names = llama_names_of(config, shapes) if req.overrides else {}
         if names:
             targets = req.overrides.apply(targets, names)
@@ -339,7 +337,8 @@ def check_memory(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, ..
     return need
 
 
-def check_plan_method(plan: Plan, matrix: Any, method: Method | None, method_options: Any = None) -> None:
+def check_plan_method(plan: Plan, matrix: Imatrix | None, method: Method | None,
+                      method_options: CalibratedOptions | None = None) -> None:
     """A plan's costs were measured for one method's codes, with one matrix or none: its quantize must use
     the same (a ``gptq`` plan: ``--method gptq`` with the options its costs were measured with)."""
     planned_gptq = plan.method == "gptq"

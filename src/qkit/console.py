@@ -234,7 +234,7 @@ def write_json(path: str | Path, data: Any) -> None:
     """Write ``data`` as sorted, strict JSON to ``path`` atomically, or to stdout for ``-``: a number that
     is not finite (not measured) is written ``null`` (``qkit.jsontext``), never ``NaN`` or ``Infinity``.
 
-    The target was checked before any work (``qkit.outputs.check_output``, kind ``json``); a write that
+    The target was checked before any work (``qkit.outputs.check_output_path``, kind ``json``); a write that
     fails here (a disk filled meanwhile) is one ``OutputError`` and leaves no temporary file behind, and
     a killed run's hidden ``.NAME.qkit-tmp-PID-*`` file is removed by the next write into that directory.
     """

@@ -1,6 +1,6 @@
 """Where qkit may write: the one check every output goes through, and the hidden sibling it is staged in.
 
-Every writer (``quantize -o`` in every format, every ``--json``) calls ``check_output`` before any work.
+Every writer (``quantize -o`` in every format, every ``--json``) calls ``check_output_path`` before any work.
 It refuses, in this order:
 
 1. an output that **is, contains or lies inside an input** (the model as given and as resolved, a
@@ -191,7 +191,7 @@ _DESCRIBE = {"dir": "a qkit checkpoint or export, or an empty directory", "json"
 # --------------------------------------------------------------------------- the check
 
 
-def check_output(
+def check_output_path(
     out: PathLike | None,
     *,
     kind: str = "dir",
@@ -295,7 +295,7 @@ def _inside(inner: PathLike, outer: PathLike) -> bool:
 def claim_output(out: PathLike, what: str = "-o") -> None:
     """Claim ``out`` for this run (``qkit.claims.claim``): refused in one line while another live qkit process
     writes it; held until the caller's ``claims.scope`` (or ``scoped`` function) ends. Call right after
-    ``check_output``."""
+    ``check_output_path``."""
     claims.claim(out, what)
 
 
@@ -347,6 +347,6 @@ def _probe(directory: Path, name: str) -> OSError | None:
                 os.unlink(probe)
 
 
-__all__ = ["EXPORT_MANIFEST", "SOURCE_FILE", "Input", "Output", "check_apart", "check_output", "claim_output",
+__all__ = ["EXPORT_MANIFEST", "SOURCE_FILE", "Input", "Output", "check_apart", "check_output_path", "claim_output",
            "directory_inputs", "file_inputs", "scoped",
            "is_json_file", "is_qkit_directory", "model_inputs", "overlap"]

@@ -209,10 +209,11 @@ def ggml_scheme(type_name: str, what: str) -> Scheme:
     return scheme
 
 
-def plan(
+def assign_schemes(
     shapes: Iterable[tuple[str, tuple[int, ...]]], scheme: Scheme, rules: Rules | None = None
 ) -> dict[str, Scheme | None]:
-    """``{name: scheme or None}`` for every tensor, in the given order."""
+    """Which scheme each tensor gets under ``rules`` with default ``scheme``: ``{name: scheme or None}`` (None:
+    kept as it is) for every tensor, in the given order."""
     rules = rules or Rules()
     return {name: rules.scheme_for(name, shape, scheme) for name, shape in shapes}
 

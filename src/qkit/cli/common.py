@@ -157,10 +157,10 @@ def handles_errors(fn):
 def json_target(json_path: str | None, force: bool = False, inputs: Iterable[outputs.Input] = ()) -> None:
     """Check the ``--json`` target before any work: not empty, not a directory, not one of ``inputs`` (or
     inside one) whatever ``force``, an existing file only with ``force`` and only if it is JSON, a writable
-    place (``qkit.outputs.check_output``); then claim it for this run (``qkit.outputs.claim_output``: a
+    place (``qkit.outputs.check_output_path``); then claim it for this run (``qkit.outputs.claim_output``: a
     second qkit process writing it refuses). With ``--json -`` the JSON owns stdout and the tables move to stderr."""
     if json_path is not None and json_path != "-":
-        outputs.check_output(json_path, kind="json", force=force, inputs=inputs, what="--json")
+        outputs.check_output_path(json_path, kind="json", force=force, inputs=inputs, what="--json")
         outputs.claim_output(json_path, "--json")
     console.use_stderr_for_tables(json_path == "-")
 

@@ -27,7 +27,7 @@ from qkit.errors import InputError
 from qkit.memory import parse_size
 from qkit.methods.imatrix import ImatrixOptions
 from qkit.methods.imatrix.file import is_qkit_imatrix
-from qkit.outputs import check_output
+from qkit.outputs import check_output_path
 from qkit.texts import joined_sources
 from qkit.threads import check_threads
 
@@ -62,7 +62,7 @@ def imatrix(
     run = start(json_path, force, threads, reads(model, ("the calibration text", calibration)), writes=[("-o", output)])
     if output is None:
         raise InputError("missing -o/--output: the importance matrix file to write (e.g. imatrix.gguf)")
-    check_output(output, kind="file", force=force, inputs=run.inputs, describe="an importance matrix qkit wrote",
+    check_output_path(output, kind="file", force=force, inputs=run.inputs, describe="an importance matrix qkit wrote",
                  owned=is_qkit_imatrix)
     options = ImatrixOptions(source=joined_sources(calibration), chunks=chunks, chunk_size=chunk_size, batch=batch,
                              process_output=process_output, dtype=dtype.lower())

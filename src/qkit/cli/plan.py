@@ -34,7 +34,7 @@ from qkit.export.gguf.tensor_types import is_tensor_type_file, types_by_kind
 from qkit.memory import gib
 from qkit.memory import parse_size
 from qkit.methods import RTN
-from qkit.outputs import check_output
+from qkit.outputs import check_output_path
 from qkit.pinned_models import titled
 from qkit.plan import (
     Plan,
@@ -44,14 +44,9 @@ from qkit.plan import (
     plan_formats,
     upgrades,
 )
-from qkit.plan.planner import (
-    DEFAULT_CHECK_WINDOWS,
-    DEFAULT_DTYPE,
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQLEN,
-    LOAD_DTYPES,
-    lossless_types,
-)
+from qkit.dtypes import LOAD_DTYPES
+from qkit.plan.planfile import lossless_types
+from qkit.plan.options import DEFAULT_CHECK_WINDOWS, DEFAULT_DTYPE, DEFAULT_SAMPLES, DEFAULT_SEQLEN
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.texts import joined_sources
 from qkit.threads import check_threads
@@ -111,7 +106,7 @@ def plan(
     for path, option, owned, what in ((output, "-o", is_plan_file, "a plan qkit wrote"), (emit_tensor_types,
                                       "--emit-tensor-types", is_tensor_type_file, "a tensor-type file qkit wrote")):
         if path is not None:
-            check_output(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
+            check_output_path(path, kind="file", force=force, inputs=run.inputs, what=option, describe=what, owned=owned)
     options = PlanOptions(format=fmt, target_bits=target_bits,
                           target_size=parse_size(target_size, "--target-size") if target_size is not None else None,
                           target_scheme=target_scheme,

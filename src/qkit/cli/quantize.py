@@ -40,7 +40,7 @@ from qkit.cli.common import (
     start,
 )
 from qkit.errors import InputError
-from qkit.export import QKIT, check_output, format_help
+from qkit.export import QKIT, check_format_output, format_help
 from qkit.export.gguf import is_gguf_name
 from qkit.export.gguf.tensor_types import (
     is_tensor_type_file,
@@ -50,9 +50,9 @@ from qkit.export.gguf.tensor_types import (
 from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
-from qkit.outputs import check_output as check_output_path
+from qkit.outputs import check_output_path
 from qkit.plan import PlanOptions
-from qkit.plan.planner import DEFAULT_CHECK_WINDOWS
+from qkit.plan.options import DEFAULT_CHECK_WINDOWS
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.schemes.table import scheme_help
 from qkit.threads import check_threads
@@ -143,7 +143,7 @@ def quantize(
                 may_hold=() if output is None or is_gguf_name(output) else ("-o",))
     if output is None:
         raise InputError("missing -o/--output: the directory to write the quantized checkpoint to")
-    check_output(fmt, output, force, run.inputs)  # an unknown --format first, in the registry's words
+    check_format_output(fmt, output, force, run.inputs)  # an unknown --format first, in the registry's words
     if emit_tensor_types is not None:
         check_output_path(emit_tensor_types, kind="file", force=force, inputs=run.inputs, what="--emit-tensor-types",
                           owned=is_tensor_type_file, describe="a tensor-type file qkit wrote")

@@ -16,7 +16,7 @@ from qkit.cli.common import (
     use_threads,
 )
 from qkit.errors import InputError
-from qkit.outputs import check_apart, check_output, claim_output
+from qkit.outputs import check_apart, check_output_path, claim_output
 from qkit.threads import check_threads
 from qkit.report import build
 from qkit.report.inputs import read_inputs
@@ -53,11 +53,11 @@ def report(
         raise InputError("missing -o REPORT.html: the page to write")
     reads = [*(("an input JSON", f) for f in files), *model_inputs(model)]
     check_apart([("-o", output), ("--png", png)])  # the page inside the --png directory would be replaced by it
-    check_output(output, kind="file", force=force, inputs=reads, what="-o", owned=build.is_report_file,
+    check_output_path(output, kind="file", force=force, inputs=reads, what="-o", owned=build.is_report_file,
                  describe="a page qkit report wrote")
     claim_output(output, "-o")
     if png is not None:
-        check_output(png, kind="dir", force=force, inputs=[*reads, ("the report", output)], what="--png",
+        check_output_path(png, kind="dir", force=force, inputs=[*reads, ("the report", output)], what="--png",
                      owned=build.is_png_directory, describe="an empty directory or one of PNG files")
         claim_output(png, "--png")
     build.parse_steps(run)

@@ -1,5 +1,5 @@
 """``qkit eval``'s checks that need no model loaded: calibration texts, a checkpoint against its reference
-(from headers only); the window and corpus tokens are ``perplexity``'s (re-exported here).
+(from headers only); the window and corpus tokens are ``perplexity``'s (``check_corpus_tokens``, ``choose_window``).
 
 Layer 6 (``evaluation``). ``inputs.check_inputs`` calls these before the reference model is loaded, so
 every refusal costs milliseconds, not a model load.
@@ -13,7 +13,6 @@ from typing import Any
 
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import CheckpointError, InputError
-from qkit.evaluation.perplexity import check_corpus_tokens, choose_window
 from qkit.evaluation.specs import RowSpec
 from qkit.methods import get_method, make_options
 from qkit.methods.calibration import calibration_ids, check_fits
@@ -115,5 +114,5 @@ def check_checkpoint_matches(checkpoint: ModelRef, ref: ModelRef, config=None) -
     )
 
 
-__all__ = ["check_calibrations", "check_checkpoint_matches", "check_corpus_tokens", "choose_window", "read_config",
+__all__ = ["check_calibrations", "check_checkpoint_matches", "read_config",
            "stored_weights"]

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from qkit.api import QuantizeOptions, QuantizeResult, quantize_model
+from qkit.plan import KeptMeasurements
 from qkit.errors import ExportError
 from qkit.evaluation.engine_rows import (
     TMP_PREFIX,
@@ -71,13 +72,7 @@ from qkit.evaluation.pairing import compare_methods
 from qkit.evaluation.perplexity import TokenScores
 from qkit.evaluation.provenance import provenance
 from qkit.evaluation.report import EvalReport, Row
-from qkit.evaluation.specs import (  # row_plan and the --candidates words: re-exported for older callers
-    RowSettings,
-    RowSpec,
-    comma_words,
-    row_plan,
-)
-from qkit.evaluation.swap import Swapper
+from qkit.evaluation.specs import RowSettings, RowSpec, row_plan
 from qkit.executors import Executor
 from qkit.export import get_format
 from qkit.methods import RTN
@@ -87,8 +82,8 @@ from qkit.staging import (
     temporary_directory,
 )
 
-__all__ = ["REFERENCE", "ROW_SHARD_BYTES", "TMP_PREFIX", "EvalOptions", "EvalReport", "Row", "comma_words",
-           "compare_methods", "evaluate", "quantize_row", "remove_stale_row_dirs", "row_plan", "write_row"]
+__all__ = ["REFERENCE", "ROW_SHARD_BYTES", "TMP_PREFIX", "EvalOptions", "EvalReport", "Row",
+           "compare_methods", "evaluate", "quantize_row", "remove_stale_row_dirs", "write_row"]
 
 
 def evaluate(
@@ -115,7 +110,9 @@ def evaluate(
         lm = load(ref=models.ref, device=options.device, device_map=options.device_map, dtype=DTYPES[options.dtype]).model
         reference = measure_reference(lm, models.ref, inputs, options.answering, say)
         del lm  # the reference holds it now: released before an engine loads its own copy
-        writer = functools.partial(write_row, reference=reference, settings=options.rows, say=say)
+        # the plan rows' sensitivity, measured once for every row of the same format and method: kept for this run only
+        writer = functools.partial(write_row, reference=reference, settings=options.rows, say=say,
+                                   kept=KeptMeasurements())
         elsewhere = fan_out(executor, reference, options) if executor.parallel else None
         rows = measure_rows(engines, reference, saved_rows(models.checkpoint), specs, writer, options.engine_options, say,
                             elsewhere)
@@ -178,18 +175,19 @@ def measure_elsewhere(job: RowJob, target: Target) -> tuple[Row, TokenScores | N
 
 
 def write_row(engine: Engine, spec: RowSpec | None, out: Path, label: str, *, reference: Reference,
-              settings: RowSettings, say: Callable[[str], None]) -> RowFile:
+              settings: RowSettings, say: Callable[[str], None], kept: KeptMeasurements | None = None) -> RowFile:
     """``spec``'s file for ``engine`` under ``out`` (``spec`` None: the reference's), as ``qkit quantize``
     writes it: ``quantize_model`` (the path that writes checkpoints) with the engine's ``export_options``.
     Unquantized weights are the reference's file in the engine's format (``write_reference``: its own
     directory for a safetensors format); a file row's is its given GGUF file (``file_rows.file_row``). Returns the file and the ``Row`` facts writing it settled.
-    ``EngineRefused``: the engine's format cannot store the row."""
+    ``EngineRefused``: the engine's format cannot store the row. ``kept``: the run's ``KeptMeasurements``
+    (a plan row's sensitivity, kept for the next plan row of the same model; None: nothing kept)."""
     t0 = time.perf_counter()
     if spec is not None and spec.file is not None:  # a given file is the row's file, never written again
         say(f"{label}: {spec.file}, as it is")
         return file_row(spec, reference.ref)
     if spec is not None and spec.quantized:
-        result = quantize_row(engine, spec, reference.ref, settings, out / "row", label, say)
+        result = quantize_row(engine, spec, reference.ref, settings, out / "row", label, say, kept)
         path = out / "row"
         facts = {"bits_per_weight": result.bits_per_weight, "size_bytes": result.bytes_after,
                  "matrices": result.matrices, "method_record": result.method_record, "plan": result.plan or {}}
@@ -206,7 +204,7 @@ def write_row(engine: Engine, spec: RowSpec | None, out: Path, label: str, *, re
 
 
 def quantize_row(engine: Engine, spec: RowSpec, ref: ModelRef, settings: RowSettings, out: Path, label: str,
-                 say: Callable[[str], None]) -> QuantizeResult:
+                 say: Callable[[str], None], kept: KeptMeasurements | None = None) -> QuantizeResult:
     """``spec``'s weights (a scheme or a plan) written to ``out`` as ``engine`` reads them: ``write_row``'s
     quantized half, also what the benchmarks call to build a torch row without an eval around it (then
     streamed into the model with ``Swapper.apply(iter_quantized(out))``, as ``TorchSession.measure`` does).
@@ -220,6 +218,7 @@ def quantize_row(engine: Engine, spec: RowSpec, ref: ModelRef, settings: RowSett
             method_options=dict(spec.method_options) or None,
             options=QuantizeOptions(scale_dtype=settings.scale_dtype, device="cpu", plan=planned,
                                     **engine.export_options(spec.simulation)),
+            kept=kept,
         )
     except ExportError as e:  # the engine's format cannot hold this row (e.g. int4-g128 on 576-wide matrices)
         raise EngineRefused(f"{engine.format} cannot store it: {e}") from None
@@ -240,5 +239,3 @@ def remove_killed_rows(say: Callable[[str], None]) -> None:
     if removed:
         say(f"removed {len(removed)} temporary row checkpoint(s) left by killed evals: {', '.join(map(str, removed))}")
 
-
-_Swapper = Swapper  # the name older scripts import

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from qkit.errors import InputError, OutputError
 from qkit.export import bitsandbytes, compressed_tensors, compressed_tensors_w8a8, gguf, qkit_format
-from qkit.export.common import EXPORT_MANIFEST, ExportPlan, Format, PreparedExport
+from qkit.export.common import EXPORT_MANIFEST, ModelLayout, Format, PreparedExport
 from qkit.export.qkit_format import QkitFormat
 from qkit.models import ModelRef
 from qkit.outputs import Input
@@ -99,15 +99,15 @@ def prepare_export(
     return prepared
 
 
-def check_output(name: str, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+def check_format_output(name: str, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
     """Refuse an output of format ``name`` qkit must not or cannot write, before any work: an unknown format,
     an output that is, contains or lies inside one of ``inputs`` (whatever ``force``), an existing one without
-    ``force`` or not written by qkit, an unwritable place (``qkit.outputs.check_output``, through the format's
+    ``force`` or not written by qkit, an unwritable place (``qkit.outputs.check_output_path``, through the format's
     container)."""
     fmt = get_format(name)
     if out is None or str(out) == "":  # before Path(), which reads "" as ".": the current directory
         raise OutputError("-o is empty; give the directory (or FILE.gguf with --format gguf) to write to")
-    fmt.check_output(Path(out), force, inputs)
+    fmt.check_container_output(Path(out), force, inputs)
 
 
 @contextlib.contextmanager
@@ -122,6 +122,6 @@ def atomic_output(export: PreparedExport, out: Path, force: bool = False,
         yield tmp
 
 
-__all__ = ["EXPORT_MANIFEST", "QKIT", "QKIT_PLAN_GROUPS", "REGISTRY", "ExportPlan", "Format", "PreparedExport",
-           "QkitFormat", "activation_format", "atomic_output", "check_output",
+__all__ = ["EXPORT_MANIFEST", "QKIT", "QKIT_PLAN_GROUPS", "REGISTRY", "ModelLayout", "Format", "PreparedExport",
+           "QkitFormat", "activation_format", "atomic_output", "check_format_output",
            "format_help", "format_names", "formats_that", "get_format", "prepare_export", "recognise"]

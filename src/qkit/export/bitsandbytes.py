@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 
 from qkit.errors import ExportError
-from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, dtype_name
+from qkit.export.common import ModelLayout, SafetensorsFormat, check_linear_targets, dtype_name
 from qkit.granularity import PerGroup, PerRow
 from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme
 from qkit.schemes.ggml import GGMLScheme
@@ -111,19 +111,19 @@ class BitsAndBytesFormat(SafetensorsFormat):
             fix = f"use nf4 here, or --format compressed-tensors with int{s.bits}-row"
         return f"--format bitsandbytes writes nf4 only, not {s.name}; {fix}"
 
-    def check(self, plan: ExportPlan) -> None:
-        check_linear_targets(plan, NAME)
-        for tensor, s in sorted(plan.targets.items()):
+    def check(self, layout: ModelLayout) -> None:
+        check_linear_targets(layout, NAME)
+        for tensor, s in sorted(layout.targets.items()):
             why = self.refusal(s, tensor)
             if why is not None:
                 raise ExportError(why)
         # The format itself lets a block cross a row, and bitsandbytes' own quantizer makes such blocks, but
         # its CPU dequantize kernel (0.50.2) restarts the blocks at each row and silently misreads them
         # (measured: 0.029 max error on a 160-wide matrix). Refuse rather than write a file that loads wrong.
-        bad = sorted(t for t, s in plan.targets.items() if plan.shapes[t][-1] % s.block_size)
+        bad = sorted(t for t, s in layout.targets.items() if layout.shapes[t][-1] % s.block_size)
         if bad:
-            t, s = bad[0], plan.targets[bad[0]]
-            w = plan.shapes[t][-1]
+            t, s = bad[0], layout.targets[bad[0]]
+            w = layout.shapes[t][-1]
             glob = "*." + t.rsplit(".", 2)[-2] + ".weight"
             raise ExportError(
                 f"bitsandbytes' CPU kernels read NF4 blocks of {s.block_size} within a row, so every quantized "
@@ -171,16 +171,16 @@ class BitsAndBytesFormat(SafetensorsFormat):
             raise ExportError("a bitsandbytes module lacks its quant_state.bitsandbytes__nf4; re-export the checkpoint")
         return json.loads(bytes(raw.to(torch.uint8).tolist()).decode("utf-8"))
 
-    def quantization_config(self, plan: ExportPlan) -> dict:
+    def quantization_config(self, layout: ModelLayout) -> dict:
         return {
             "quant_method": "bitsandbytes",
             "load_in_4bit": True,
             "load_in_8bit": False,
             "bnb_4bit_quant_type": "nf4",
             "bnb_4bit_use_double_quant": False,
-            "bnb_4bit_compute_dtype": dtype_name(plan.model_dtype),
+            "bnb_4bit_compute_dtype": dtype_name(layout.model_dtype),
             "bnb_4bit_quant_storage": "uint8",
-            "llm_int8_skip_modules": plan.kept_linears,
+            "llm_int8_skip_modules": layout.kept_linears,
             "llm_int8_enable_fp32_cpu_offload": False,
             "llm_int8_has_fp16_weight": False,
             "llm_int8_threshold": 6.0,

@@ -4,7 +4,7 @@ export record and the streaming writer.
 Every ``--format`` (``qkit_format.py``, qkit's own; ``compressed_tensors.py``, ``bitsandbytes.py``, ``gguf/``) is a
 ``Format``: it answers what the rest of qkit asks of it instead of its name (``stores_llama_types``,
 ``torch_loads``, ``takes_plan``, ...), refuses
-what it cannot express before any work (``check``, ``prepare``), owns its container (``check_output``,
+what it cannot express before any work (``check``, ``prepare``), owns its container (``check_container_output``,
 ``atomic_output``, ``output_bytes``, ``recognises``: a safetensors directory, or GGUF's one file), turns
 one qkit ``QuantizedTensor`` into the tensors its target library stores (``encode``), reads them back into
 the very same ``QuantizedTensor`` (``decode``, what ``qkit verify`` uses) and writes the
@@ -38,7 +38,7 @@ from qkit.checkpoint import (
     tensor_dtypes,
     write_json,
 )
-from qkit.checkpoint import check_output as check_directory_output
+from qkit.checkpoint import check_directory_output
 from qkit.errors import ExportError, QkitError
 from qkit.models import ModelRef, read_config
 from qkit.models import linear_modules as _model_linears
@@ -52,8 +52,8 @@ EXPORT_MANIFEST = "qkit-export.json"
 EXPORT_VERSION = 1
 
 @dataclass(frozen=True)
-class ExportPlan:
-    """Everything a format needs to know about the model before the first tensor is read.
+class ModelLayout:
+    """The model's layout as a format sees it: everything it needs to know before the first tensor is read.
 
     ``targets``: quantized tensor name -> scheme; ``shapes`` and ``dtypes``: of every stored tensor;
     ``linears``: the module names of every ``nn.Linear`` of the model (tied ones included), sorted.
@@ -119,7 +119,7 @@ class Format(Protocol):
         format takes any, as it stores every type)."""
 
     # ---- before any work
-    def check(self, plan: ExportPlan) -> None:
+    def check(self, layout: ModelLayout) -> None:
         """Raise ``ExportError`` (one line, naming what would work) for anything the format cannot express."""
 
     def prepare(self, directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]],
@@ -130,8 +130,8 @@ class Format(Protocol):
         """The variant of this format that declares quantized ``activations`` (``int8-token``), or None."""
 
     # ---- the container
-    def check_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
-        """Refuse an output qkit must not or cannot write (``qkit.outputs.check_output``), before any work."""
+    def check_container_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+        """Refuse an output qkit must not or cannot write (``qkit.outputs.check_output_path``), before any work."""
 
     def atomic_output(self, out: Path, force: bool = False,
                       inputs: Iterable[Input] = ()) -> contextlib.AbstractContextManager[Path]:
@@ -162,8 +162,10 @@ def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[
     return _model_linears(directory, trust_remote_code=trust_remote_code)
 
 
-def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], *,
-              trust_remote_code: bool = False) -> ExportPlan:
+def read_layout(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]], *,
+                trust_remote_code: bool = False) -> ModelLayout:
+    """The ``ModelLayout`` of the model in ``directory`` with ``targets`` quantized: the tensors' dtypes and the
+    model's (config.json's, else the first target's), and its linear modules (``linear_modules``)."""
     dtypes = tensor_dtypes(directory, floating_only=True)  # only the floating ones can be sources
     config = read_config(Path(directory))  # every field it reads type-checked (qkit.models.files.CONFIG)
     name = config.get("dtype") or config.get("torch_dtype")
@@ -171,14 +173,14 @@ def make_plan(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tup
     if not isinstance(model_dtype, torch.dtype):
         first = next((dtypes[n] for n in targets if dtypes.get(n) is not None), torch.float32)
         model_dtype = first
-    return ExportPlan(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None},
+    return ModelLayout(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None},
                       tuple(linear_modules(directory, trust_remote_code=trust_remote_code)), model_dtype)
 
 
-def check_linear_targets(plan: ExportPlan, fmt: str) -> None:
+def check_linear_targets(layout: ModelLayout, fmt: str) -> None:
     """Every quantized tensor must be the ``.weight`` of an ``nn.Linear``: target libraries quantize only those."""
-    linears = set(plan.linears)
-    bad = sorted(n for n in plan.targets if not n.endswith(".weight") or n.removesuffix(".weight") not in linears)
+    linears = set(layout.linears)
+    bad = sorted(n for n in layout.targets if not n.endswith(".weight") or n.removesuffix(".weight") not in linears)
     if bad:
         raise ExportError(
             f"--format {fmt} quantizes only linear layers, but {bad[0]} is not the weight of one"
@@ -275,9 +277,9 @@ EXACT_IN = {
 }
 
 
-def check_scale_in_weight_dtype(plan: ExportPlan, tensor: str, scale_dtype: torch.dtype) -> None:
+def check_scale_in_weight_dtype(layout: ModelLayout, tensor: str, scale_dtype: torch.dtype) -> None:
     """compressed-tensors stores ``weight_scale`` in the weights' dtype: refuse scales it cannot hold exactly."""
-    wdtype = plan.dtypes.get(tensor, plan.model_dtype)
+    wdtype = layout.dtypes.get(tensor, layout.model_dtype)
     if scale_dtype not in EXACT_IN.get(wdtype, set()):
         raise ExportError(
             f"compressed-tensors stores weight_scale in the weights' dtype ({dtype_name(wdtype)}), which "
@@ -314,18 +316,18 @@ class ExportWriter(ShardWriter):
 class PreparedExport:
     """A checked output: the writer to stream into and the ``quantization_config`` to put in config.json.
 
-    This one is a safetensors export format's (``ExportWriter``, the format's ``quantization_config(plan)``);
+    This one is a safetensors export format's (``ExportWriter``, the format's ``quantization_config(layout)``);
     qkit's own format and GGUF prepare their own (``qkit_format.PreparedCheckpoint``, ``gguf.GGUFExport``)."""
 
     format: Format
-    plan: ExportPlan | None  # None: a format that needs none (qkit's own stores every tensor as it is given)
+    layout: ModelLayout | None  # None: a format that needs none (qkit's own stores every tensor as it is given)
     manifest: dict = field(default_factory=dict)
 
     def writer(self, directory: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> ShardWriter:
         return ExportWriter(directory, self.format, self.manifest, max_shard_bytes)
 
     def quantization_config(self) -> dict:
-        return self.format.quantization_config(self.plan)  # type: ignore[attr-defined]  # SafetensorsFormat's
+        return self.format.quantization_config(self.layout)  # type: ignore[attr-defined]  # SafetensorsFormat's
 
     def kept_nbytes(self, name: str, tensor: torch.Tensor) -> int:
         """Bytes the checkpoint stores for ``name`` kept unquantized as ``tensor`` (a safetensors file: as given)."""
@@ -334,10 +336,10 @@ class PreparedExport:
 
 class SafetensorsFormat:
     """The members every safetensors-directory format shares: the container (``checkpoint.atomic_directory``),
-    ``prepare`` as ``make_plan`` + ``check``, and what ``qkit verify`` asks of a directory format.
+    ``prepare`` as ``read_layout`` + ``check``, and what ``qkit verify`` asks of a directory format.
 
     A format class lists this as its base and gives ``name``, ``library``, ``check``, ``encode``,
-    ``decode``, ``quantization_config(plan)`` (the ``config.json`` entry its library reads, which
+    ``decode``, ``quantization_config(layout)`` (the ``config.json`` entry its library reads, which
     ``PreparedExport`` writes), ``reader`` and ``stored_parts``; it overrides what differs.
     """
 
@@ -379,20 +381,20 @@ class SafetensorsFormat:
         return planned is self
 
     # ---- before any work
-    def check(self, plan: ExportPlan) -> None:
+    def check(self, layout: ModelLayout) -> None:
         raise NotImplementedError
 
     def prepare(self, directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple[int, ...]],
                 manifest: dict, *, ref: ModelRef | None = None) -> PreparedExport:
-        plan = make_plan(directory, targets, shapes, trust_remote_code=ref is not None and ref.trust_remote_code)
-        self.check(plan)
-        return PreparedExport(self, plan, manifest)
+        layout = read_layout(directory, targets, shapes, trust_remote_code=ref is not None and ref.trust_remote_code)
+        self.check(layout)
+        return PreparedExport(self, layout, manifest)
 
     def for_activations(self, activations: str) -> Format | None:
         return None
 
     # ---- the container: a directory
-    def check_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+    def check_container_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
         check_directory_output(Path(out), force, inputs)
 
     @contextlib.contextmanager

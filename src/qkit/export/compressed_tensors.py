@@ -39,7 +39,7 @@ from qkit.export import compressed_tensors_fp4 as fp4
 from qkit.export import compressed_tensors_w8a8 as w8a8
 from qkit.export.common import (
     EXACT_IN,
-    ExportPlan,
+    ModelLayout,
     SafetensorsFormat,
     check_linear_targets,
     check_scale_in_weight_dtype,
@@ -181,27 +181,27 @@ class CompressedTensorsFormat(SafetensorsFormat):
                 out[k] = module
         return out
 
-    def check(self, plan: ExportPlan) -> None:
-        check_linear_targets(plan, NAME)
+    def check(self, layout: ModelLayout) -> None:
+        check_linear_targets(layout, NAME)
         by_scheme: dict[str, list[str]] = {}
-        for tensor, s in plan.targets.items():
+        for tensor, s in layout.targets.items():
             by_scheme.setdefault(s.name, []).append(tensor)
-        for tensor, s in sorted(plan.targets.items()):
+        for tensor, s in sorted(layout.targets.items()):
             why = self.refusal(s, tensor)
             if why is not None:
                 raise ExportError(why)
             if fp4.is_fp4(s):
                 continue  # checked by fp4.check below
-            check_scale_in_weight_dtype(plan, tensor, s.scale_dtype)
+            check_scale_in_weight_dtype(layout, tensor, s.scale_dtype)
         for name, tensors in sorted(by_scheme.items()):
-            s = plan.targets[tensors[0]]
+            s = layout.targets[tensors[0]]
             if fp4.is_fp4(s) or not isinstance(s.granularity, PerGroup):
                 continue
             g = s.granularity.size
-            widths = {plan.shapes[t][1] for t in tensors}
-            bad = sorted(t for t in tensors if plan.shapes[t][1] % g)
+            widths = {layout.shapes[t][1] for t in tensors}
+            bad = sorted(t for t in tensors if layout.shapes[t][1] % g)
             if bad:
-                w = plan.shapes[bad[0]][1]
+                w = layout.shapes[bad[0]][1]
                 alt = _largest_dividing_group(widths, g)
                 fix = (
                     f"int{s.bits}-g{alt} can (it divides every width: {', '.join(map(str, sorted(widths)))})"
@@ -212,7 +212,7 @@ class CompressedTensorsFormat(SafetensorsFormat):
                     f"matrix's input width: {bad[0]} is {w} wide ({w} = {w / g:g} x {g}), so {name} cannot be "
                     f"exported; {fix}"
                 )
-        fp4.check(plan)
+        fp4.check(layout)
 
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         s = qt.scheme
@@ -280,9 +280,9 @@ class CompressedTensorsFormat(SafetensorsFormat):
         name = f"int{bits}-g{w.get('group_size')}" if strategy == "group" else f"int{bits}-row"
         return get_scheme(name, tensors["weight_scale"].dtype)
 
-    def quantization_config(self, plan: ExportPlan) -> dict:
+    def quantization_config(self, layout: ModelLayout) -> dict:
         by_scheme: dict[Scheme, list[str]] = {}
-        for module, s in sorted(plan.quantized_modules.items()):
+        for module, s in sorted(layout.quantized_modules.items()):
             by_scheme.setdefault(s, []).append(module)
         groups = {}
         for i, (s, modules) in enumerate(sorted(by_scheme.items(), key=lambda kv: (-len(kv[1]), kv[0].name))):
@@ -314,7 +314,7 @@ class CompressedTensorsFormat(SafetensorsFormat):
             "format": fp4.top_level_format(formats),
             "quantization_status": "compressed",
             "config_groups": groups,
-            "ignore": plan.kept_linears,
+            "ignore": layout.kept_linears,
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from qkit.errors import ExportError
-from qkit.export.common import ExportPlan
+from qkit.export.common import ModelLayout
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme
 from qkit.schemes import is_fp4 as _is_fp4
 from qkit.schemes.fp4 import NVFP4Scheme
@@ -51,12 +51,12 @@ def is_fp4(scheme: Scheme) -> bool:
     return _is_fp4(scheme)
 
 
-def check(plan: ExportPlan) -> None:
+def check(layout: ModelLayout) -> None:
     """Every FP4 target's input width must be whole blocks (the schemes refuse it too, but only mid-run)."""
-    for tensor, s in sorted(plan.targets.items()):
+    for tensor, s in sorted(layout.targets.items()):
         if not is_fp4(s):
             continue
-        cols = plan.shapes[tensor][1]
+        cols = layout.shapes[tensor][1]
         if cols % s.block_size:
             raise ExportError(
                 f"{s.name} stores blocks of {s.block_size} along each row, but {tensor} is {cols} wide; "

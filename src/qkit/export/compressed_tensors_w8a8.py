@@ -36,7 +36,7 @@ from collections.abc import Iterator
 import torch
 
 from qkit.errors import ExportError, InputError
-from qkit.export.common import ExportPlan, SafetensorsFormat, check_linear_targets, check_scale_in_weight_dtype
+from qkit.export.common import ModelLayout, SafetensorsFormat, check_linear_targets, check_scale_in_weight_dtype
 from qkit.granularity import PerRow
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, get_scheme
 
@@ -86,15 +86,15 @@ class W8A8Format(SafetensorsFormat):
     def __init__(self, activations: str = INT8_TOKEN) -> None:
         self.activations = check_activations(activations)
 
-    def check(self, plan: ExportPlan) -> None:
-        check_linear_targets(plan, NAME)
-        for tensor, s in sorted(plan.targets.items()):
+    def check(self, layout: ModelLayout) -> None:
+        check_linear_targets(layout, NAME)
+        for tensor, s in sorted(layout.targets.items()):
             if not (isinstance(s, AbsmaxScheme) and s.bits == 8 and isinstance(s.granularity, PerRow)):
                 raise ExportError(
                     f"a W8A8 (--activations {self.activations}) export stores int8 per-channel weights, not "
                     f"{s.name} ({tensor}); quantize with --scheme int8-row (after --method smoothquant for accuracy)"
                 )
-            check_scale_in_weight_dtype(plan, tensor, s.scale_dtype)
+            check_scale_in_weight_dtype(layout, tensor, s.scale_dtype)
 
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         rows, cols = qt.shape
@@ -122,7 +122,7 @@ class W8A8Format(SafetensorsFormat):
             raise ExportError(f"qkit reads int-quantized checkpoints with int8 per-channel symmetric weights, not {w}")
         return get_scheme("int8-row", tensors["weight_scale"].dtype)
 
-    def quantization_config(self, plan: ExportPlan) -> dict:
+    def quantization_config(self, layout: ModelLayout) -> dict:
         return {
             "quant_method": NAME,
             "format": FORMAT_NAME,
@@ -130,7 +130,7 @@ class W8A8Format(SafetensorsFormat):
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_WEIGHTS),
                                           "input_activations": dict(_INPUT[self.activations]),
                                           "output_activations": None, "format": FORMAT_NAME}},
-            "ignore": plan.kept_linears,
+            "ignore": layout.kept_linears,
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }

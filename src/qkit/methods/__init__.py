@@ -38,6 +38,7 @@ from qkit.registry import Registry
 from qkit.schemes import QuantizedTensor, Scheme
 
 if TYPE_CHECKING:  # annotation only: qkit.models pulls in transformers, which ``import qkit.methods`` need not
+    from qkit.methods.memory import Model
     from qkit.models import ModelRef
 
 RTN = "rtn"
@@ -85,7 +86,7 @@ class CalibratedOptions:
                                      self.calibration_seed)
         return options if config is None else options.fitted(config)
 
-    def fitted(self, config: Any) -> Any:
+    def fitted(self, config: Any) -> CalibratedOptions:
         """These options with the default window fitted to the model (``fit_seqlen``): what a method runs with."""
         return dataclasses.replace(self, calibration_seqlen=fit_seqlen(self.calibration_seqlen, config))
 
@@ -112,7 +113,7 @@ class Method(Protocol):
 
     def check(self, scheme: Scheme) -> None: ...
 
-    def memory(self, model: Any, targets: Mapping[str, Scheme], options: Any) -> dict[str, int]: ...
+    def memory(self, model: Model, targets: Mapping[str, Scheme], options: Any) -> dict[str, int]: ...
 
     def run(
         self,
@@ -149,7 +150,7 @@ def get_method(name: str) -> Method | None:
     return METHODS.get(name)()  # an unknown name: the registry's words
 
 
-def make_options(method: Method, given: Mapping[str, Any] | None) -> Any:
+def make_options(method: Method, given: Mapping[str, object] | None) -> CalibratedOptions:
     """The method's options dataclass from ``given`` (keys it does not know are refused in one line)."""
     given = dict(given or {})
     known = {f.name for f in dataclasses.fields(method.options_type)}

@@ -1,6 +1,6 @@
 """What a resolved model reads, and the preamble every command that writes a file shares.
 
-Layer 4 (``qkit.models``). An output must stay clear of every input (``qkit.outputs.check_output``):
+Layer 4 (``qkit.models``). An output must stay clear of every input (``qkit.outputs.check_output_path``):
 the files the arguments name are known before the model is resolved, the directory it resolves to (and
 the GGUF or hub snapshot it came from) only after. ``resolve_clear_of`` does the second half once for
 ``quantize_model``, ``plan_model`` and ``imatrix_model``.

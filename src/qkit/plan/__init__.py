@@ -31,19 +31,19 @@ from qkit.plan.planfile import (
     write_plan,
 )
 from qkit.plan.planner import (
-    PlanOptions,
+    KeptMeasurements,
     Table,
-    base_type,
-    budget_bytes,
     check,
     choose,
     planned_targets,
     precheck,
     sensitivity_table,
-    upgrades,
 )
+from qkit.plan.planfile import base_type, upgrades
+from qkit.plan.budget import budget_bytes
+from qkit.plan.options import PlanOptions
 from qkit.plan.solve import Solution, solve
 
 __all__ = ["KEEP", "Candidate", "Plan", "PlanOptions", "Solution", "Table", "TensorChoice", "base_type",
-           "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "is_plan_file",
+           "KeptMeasurements", "budget_bytes", "candidates", "check", "check_format", "check_plan_matches", "choose", "is_plan_file",
            "ladder", "parse_allowed", "plan_format", "plan_formats", "planned_targets", "precheck", "read_plan", "sensitivity_table", "solve", "upgrades", "write_plan"]

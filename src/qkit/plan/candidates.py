@@ -74,7 +74,6 @@ from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
 from qkit.transform import KEEP_ORIGINAL
 
 KEEP = KEEP_ORIGINAL  # "none": the candidate that keeps a tensor unquantized in the source dtype
-QKIT_GROUPS = QKIT_PLAN_GROUPS
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LADDER_SHAPE = (4096, 4096)  # the shape ``ladder`` orders by: every candidate fits it natively
 _FLOAT_WORDS = ("f32", "f16", "bf16", "fp32", "fp16", "float32", "float16", "bfloat16", "keep")
@@ -235,5 +234,5 @@ def candidates(
     return out
 
 
-__all__ = ["CT_GROUPS", "CT_TYPES", "FUSED_MODULES", "fused_groups", "GGUF_TYPES", "KEEP", "QKIT_GROUPS", "Candidate",
+__all__ = ["CT_GROUPS", "CT_TYPES", "FUSED_MODULES", "fused_groups", "GGUF_TYPES", "KEEP", "Candidate",
            "candidates", "check_format", "ladder", "plan_format", "native", "parse_allowed", "plan_formats", "stored_nbytes"]

@@ -44,15 +44,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.memory import gib
-from qkit.methods.memory import (  # re-exported: the plan's estimate is built on them
-    BASELINE,
-    HEADROOM,
-    QUANTIZE_COPIES,
-    RETENTION,
-    Dims,
-    block_of,
-    default_budget,
-)
+from qkit.methods.memory import BASELINE, QUANTIZE_COPIES, RETENTION, Dims, block_of
 
 CANDIDATE_COPIES = QUANTIZE_COPIES  # candidate_cost's peak over the target's float32 size
 # per token and layer, saved for the backward pass, in units of the load dtype: the norms' inputs and
@@ -231,5 +223,5 @@ def plan_memory(est: Estimate, budget: int, *, given: bool, available: int | Non
     return MemoryPlan(budget, given, est, groups(est, budget))
 
 
-__all__ = ["BASELINE", "CANDIDATE_COPIES", "HEADROOM", "RETENTION", "Estimate", "MemoryPlan", "default_budget", "estimate", "groups",
+__all__ = ["CANDIDATE_COPIES", "Estimate", "MemoryPlan", "estimate", "groups",
            "layer_order", "passes", "plan_memory"]

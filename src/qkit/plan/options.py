@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from qkit.bounds import real, show_number
 from qkit.dtypes import load_dtype
@@ -40,7 +40,7 @@ DEFAULT_DTYPE = "fp32"
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """What ``make_plan`` plans: ``format`` (gguf, compressed-tensors, qkit); exactly one of
+    """What ``qkit.api.plan_model`` plans: ``format`` (gguf, compressed-tensors, qkit); exactly one of
     ``target_bits`` (bits per weight over the planned tensors), ``target_size`` (the whole file's tensor bytes)
     and ``target_scheme`` (those of the file that scheme writes; ``qkit.plan.budget``);
     ``candidates`` the types allowed (default: the format's whole ladder); ``include``/``exclude``
@@ -159,7 +159,7 @@ class PlanOptions:
         """Tokens per window: ``seqlen`` as given or fitted, else ``DEFAULT_SEQLEN``."""
         return DEFAULT_SEQLEN if self.seqlen is None else self.seqlen
 
-    def fitted(self, config: Any) -> PlanOptions:
+    def fitted(self, config: Mapping[str, object] | None) -> PlanOptions:
         """These options with the default window fitted to the model's context (``fit_seqlen``)."""
         return dataclasses.replace(self, seqlen=fit_seqlen(self.seqlen, config))
 

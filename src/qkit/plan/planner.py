@@ -1,6 +1,6 @@
 """The planner: measured sensitivity, the exact solver, and the plan they give, for a byte budget.
 
-Steps (``make_plan``), each a function a script can call:
+Steps (``qkit.api.plan_model`` runs them), each a function a script can call:
 
 1. **Targets**: the tensors the transform quantizes (``qkit.transform.Rules``: the block projections,
    with ``--include``/``--exclude``; for ``--target-scheme RECIPE`` in a format that stores llama.cpp's
@@ -21,10 +21,11 @@ Steps (``make_plan``), each a function a script can call:
 5. **Check**: the chosen mix swapped into the model (GPTQ's weights for a GPTQ plan) and its KL measured
    on calibration windows, beside the prediction (the solver assumes costs add; this says how far they do).
 
-The sensitivity table (steps 1-3) is kept for the last model, format, candidates and calibration
-(``_TABLE``): a frontier of budgets, or a plan then its quantize, measures it once; the loaded model, its
-labels and the check's reference are kept for the last model and calibration (``_FISHER``), so a plan for
-another format or candidate set walks the Fisher again without loading the model.
+Nothing is kept between calls unless the caller passes one ``KeptMeasurements`` (created per run, e.g. one
+per eval): then the sensitivity table (steps 1-3) is kept for the last model, format, candidates and
+calibration, so a frontier of budgets measures it once; and the loaded model, its labels and the check's
+reference for the last model and calibration, so a plan for another format or candidate set walks the
+Fisher again without loading the model.
 
 Memory: the model, one block's float32 Fisher (the walk down the blocks, ``qkit.plan.fisher_walk``), the
 blocks' kept inputs and one block's backward pass at a time (``memory_plan``, ``qkit.plan.memory``);
@@ -64,21 +65,21 @@ from qkit.plan.candidates import (
     parse_allowed,
     stored_nbytes,
 )
-from qkit.plan.budget import budget_bytes, check_budget, file_budget  # the first two re-exported
+from qkit.plan.budget import check_budget, file_budget
 from qkit.plan.costing import file_tensors, candidate_weights, costs_elsewhere
-from qkit.plan.memory import MemoryPlan, default_budget, estimate, groups, plan_memory  # default_budget re-exported
-from qkit.plan.options import (  # re-exported: callers import them from here too
-    DEFAULT_CHECK_WINDOWS,
-    DEFAULT_DTYPE,
-    DEFAULT_SAMPLES,
-    DEFAULT_SEQLEN,
-    PlanOptions,
+from qkit.plan.memory import (
+    MemoryPlan,
+    estimate,
+    groups,
+    plan_memory,
 )
-from qkit.plan.planfile import Plan, TensorChoice, base_type, lossless_types, upgrades  # the last three re-exported
+from qkit.methods.memory import default_budget
+from qkit.plan.options import DEFAULT_DTYPE, PlanOptions
+from qkit.plan.planfile import Plan, TensorChoice
 from qkit.plan.checking import check_mix
 from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
-from qkit.plan.solve import solve, tied_items  # tied_items re-exported
+from qkit.plan.solve import solve, tied_items
 from qkit.schemes import get_scheme
 from qkit.transform import Rules, shapes_fingerprint
 from qkit.version import __version__
@@ -111,8 +112,19 @@ class Table:
         return sum(math.prod(self.shapes[n]) for n in self.names)
 
 
-_TABLE: dict[tuple, Table] = {}
-_FISHER: dict[tuple, _Measured] = {}  # the last model's measurement (model, labels, calibration record): one entry
+@dataclass
+class KeptMeasurements:
+    """What one run's plans share (created per run and passed explicitly; no module state): the sensitivity
+    tables of the last model (``tables``, by their inputs) and the last model's measurement (``fisher``: its
+    loaded model, labels and calibration record; one entry, so never two models at once)."""
+
+    tables: dict[tuple, Table] = field(default_factory=dict)
+    fisher: dict[tuple, _Measured] = field(default_factory=dict)
+
+    def forget(self) -> None:
+        """Drop the kept model and tables (a check that could not restore the weights)."""
+        self.fisher.clear()
+        self.tables.clear()
 
 
 def planned_targets(ref: ModelRef, options: PlanOptions) -> dict[str, tuple[int, ...]]:
@@ -137,15 +149,16 @@ def _fisher_key(ref: ModelRef, options: PlanOptions, targets: Mapping[str, tuple
             options.dtype)
 
 
-def memory_plan(ref: ModelRef, options: PlanOptions, device: torch.device | str | None = None) -> MemoryPlan:
+def memory_plan(ref: ModelRef, options: PlanOptions, device: torch.device | str | None = None,
+                kept: KeptMeasurements | None = None) -> MemoryPlan:
     """The plan's memory, from the headers and config alone (before the model loads): its estimated peak
     (``qkit.plan.memory``) and the Fisher's groups for ``options.max_memory``, else for a default budget
     from the memory available on ``device`` (None: the CPU). Refuses, in one line, a budget below what the
     largest tensor's group alone needs. For a model already loaded by an earlier plan (same targets,
-    calibration, dtype, device) without ``max_memory``, the groups chosen then."""
+    calibration, dtype, device) without ``max_memory`` and kept in ``kept``, the groups chosen then."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     targets = planned_targets(ref, options)
-    cached = _FISHER.get(_fisher_key(ref, options, targets, dev))
+    cached = kept.fisher.get(_fisher_key(ref, options, targets, dev)) if kept is not None else None
     if cached is not None and options.max_memory is None:
         return cached.memory
     est = estimate(dict(tensor_shapes(ref.directory)), tensor_dtypes(ref.directory), read_config(ref.directory), targets,
@@ -182,8 +195,9 @@ def sensitivity_table(
     on_step: Callable[[str, int, int], None] | None = None,
     gptq: GPTQOptions | None = None,
     executor: Executor = SERIAL_EXECUTOR,
+    kept: KeptMeasurements | None = None,
 ) -> Table:
-    """Steps 1-3 of the module docstring (kept for the same inputs). ``quant_weights``: per tensor, the
+    """Steps 1-3 of the module docstring (kept in ``kept`` for the same inputs; None: nothing kept). ``quant_weights``: per tensor, the
     importance weights llama.cpp's types quantize with (``--imatrix``), identified by ``imatrix_key``.
     ``gptq``: price the candidates for the codes GPTQ with these options writes (``qkit.plan.feedback``:
     each Fisher cost scaled by GPTQ's output-error ratio to RTN's; one more pass over the blocks).
@@ -205,20 +219,20 @@ def sensitivity_table(
     key = (str(ref.directory), fmt, allowed, tuple(options.include), tuple(options.exclude), options.scale_dtype,
            options.calibration_options(), options.windows_checked, imatrix_key, str(device), options.dtype,
            None if gptq is None else tuple(sorted(feedback.record(gptq).items())))
-    if key in _TABLE:
-        return _TABLE[key]
+    kept = kept if kept is not None else KeptMeasurements()
+    if key in kept.tables:
+        return kept.tables[key]
     opts = candidate_sets(ref, options)
     cal = options.calibration_options()
     say = on_step or (lambda *_: None)
     fkey = _fisher_key(ref, options, targets, device)
-    mem = memory_plan(ref, options, device)  # refused here, before the model loads, when nothing fits
+    mem = memory_plan(ref, options, device, kept)  # refused here, before the model loads, when nothing fits
     t0 = time.perf_counter()
-    measured = _FISHER.get(fkey)
+    measured = kept.fisher.get(fkey)
     if measured is None:
         # the text (overlap with the eval text, too short) is refused before the model loads
         ids, provenance = calibration_ids(load_tokenizer(ref.directory), cal)
-        _FISHER.clear()  # an earlier model is let go before this one loads: never two models at once
-        _TABLE.clear()
+        kept.forget()  # an earlier model is let go before this one loads: never two models at once
         loaded = load(ref=ref, device=device, dtype=LOAD_DTYPES[options.dtype])
         check_fits(cal, loaded.model.config)
         model = loaded.model
@@ -268,7 +282,7 @@ def sensitivity_table(
     t_fisher = time.perf_counter() - t1 - t_costs[0]  # the walk and passes, without the candidates costed inside them
     assert first is not None
     if measured is None:
-        _FISHER[fkey] = _Measured(first, model, provenance, ids, mem)
+        kept.fisher[fkey] = _Measured(first, model, provenance, ids, mem)
     names = list(targets)
     record: dict = {}
     t_gptq = 0.0
@@ -289,7 +303,7 @@ def sensitivity_table(
                            **({"gptq": round(t_gptq, 3)} if gptq is not None else {})},
                   memory={**mem.to_dict(), "dtype": options.dtype}, ids=ids, gptq=gptq,
                   feedback=record)
-    _TABLE[key] = table
+    kept.tables[key] = table
     return table
 
 
@@ -303,7 +317,7 @@ def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candid
 
 
 def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
-             device: torch.device | str | None = None) -> int:
+             device: torch.device | str | None = None, kept: KeptMeasurements | None = None) -> int:
     """Everything the headers decide, before any model work: the byte budget against the smallest and the
     unquantized mix, and the memory (``memory_plan`` on ``device``, None: the CPU; a ``--max-memory`` too
     small for one tensor's group refused). Returns the byte budget."""
@@ -313,7 +327,7 @@ def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
     weights = sum(math.prod(s) for s in shapes.values())
     budget = file_budget(options, shapes, dict(tensor_shapes(ref.directory)), config, tensor_dtypes(ref.directory))
     check_budget(budget, tied_items(list(sets), list(sets.values()), options.format)[1], weights)
-    memory_plan(ref, options, device)
+    memory_plan(ref, options, device, kept)
     return budget.planned
 
 
@@ -352,18 +366,13 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
                 imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
 
 
-def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None) -> None:
+def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None,
+          kept: KeptMeasurements | None = None) -> None:
     """Step 5 (``qkit.plan.checking.check_mix``): the plan's mix measured in the table's model, into
-    ``plan.check``; if the weights cannot be restored, the cached model is dropped so that no later plan
+    ``plan.check``; if the weights cannot be restored, ``kept``'s model is dropped so that no later plan
     measures a changed one."""
-    check_mix(plan, table, ref, quant_weights, forget=_forget)
+    check_mix(plan, table, ref, quant_weights, forget=kept.forget if kept is not None else lambda: None)
 
 
-def _forget() -> None:
-    _FISHER.clear()
-    _TABLE.clear()
-
-
-__all__ = ["DEFAULT_CHECK_WINDOWS", "DEFAULT_DTYPE", "DEFAULT_SAMPLES", "DEFAULT_SEQLEN", "ESTIMATOR", "LOAD_DTYPES",
-           "PlanOptions", "Table", "base_type", "budget_bytes", "check", "choose", "default_budget", "lossless_types",
-           "memory_plan", "planned_targets", "precheck", "sensitivity_table", "upgrades"]
+__all__ = ["ESTIMATOR", "KeptMeasurements", "Table", "check", "choose", "memory_plan", "planned_targets", "precheck",
+           "sensitivity_table"]

@@ -154,7 +154,7 @@ def is_png_directory(path: str | os.PathLike) -> bool:
 def write_report(report: Report, out: str | os.PathLike, *, png_dir: str | os.PathLike | None = None,
                  on_stale: Callable[[list[Path]], None] | None = None) -> list[Path]:
     """Write the page to ``out`` atomically and, with ``png_dir``, every figure as ``png_dir/NAME.png``; return
-    the PNG paths. The targets were checked before any work (``qkit.outputs.check_output``)."""
+    the PNG paths. The targets were checked before any work (``qkit.outputs.check_output_path``)."""
     pngs: list[Path] = []
     if png_dir is not None:
         target = Path(png_dir)

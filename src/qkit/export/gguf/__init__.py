@@ -67,7 +67,7 @@ from qkit.export.gguf.writer import (
     GGUFFormat,
     TensorOut,
     atomic_output,
-    check_output,
+    check_gguf_output,
     gguf_path,
     is_gguf_name,
     prepare,
@@ -75,7 +75,7 @@ from qkit.export.gguf.writer import (
 
 __all__ = [
     "ARCHITECTURES", "FILE", "FORMAT", "NAME", "RECORD_KEY", "SOURCE_FILE", "GGUFExport", "GGUFFileWriter",
-    "GGUFFormat", "TensorOut", "add_architecture_metadata", "atomic_output", "block_bytes", "check_output",
+    "GGUFFormat", "TensorOut", "add_architecture_metadata", "atomic_output", "block_bytes", "check_gguf_output",
     "copy_fields", "file_type", "ggml_blocks", "ggml_scheme_names", "gguf_path", "hf_tokenizer",
     "inverse_permutation", "is_ggml", "is_gguf_name", "is_qkit_gguf", "llama3_rope_factors", "permutation_heads", "prepare",
     "read_kv_fields", "read_record", "row_permutation", "scheme_for_type", "source_gguf", "tensor_names",

@@ -30,7 +30,7 @@ from qkit.errors import ExportError
 from qkit.export.common import (
     EXPORT_MANIFEST,
     EXPORT_VERSION,
-    ExportPlan,
+    ModelLayout,
     Format,
     PreparedExport,
     fingerprint,
@@ -133,7 +133,7 @@ class GGUFFormat:
         return planned is self
 
     # ---- before any work
-    def check(self, plan: ExportPlan) -> None:
+    def check(self, layout: ModelLayout) -> None:
         # GGUF needs more than the plan (the config, the source file); see ``prepare``.
         return None
 
@@ -145,8 +145,8 @@ class GGUFFormat:
         return None  # llama.cpp chooses its own activation types at run time
 
     # ---- the container: one file
-    def check_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
-        check_output(out, force, inputs)
+    def check_container_output(self, out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+        check_gguf_output(out, force, inputs)
 
     def atomic_output(self, out: Path, force: bool = False,
                       inputs: Iterable[Input] = ()) -> contextlib.AbstractContextManager[Path]:
@@ -177,7 +177,7 @@ FORMAT = GGUFFormat()
 
 @dataclass
 class GGUFExport(PreparedExport):
-    """A checked GGUF export: the metadata and tokenizer (gathered before any work) and the per-tensor plan."""
+    """A checked GGUF export: the metadata and tokenizer (gathered before any work) and the per-tensor layout."""
 
     arch: str = ""
     config: dict = field(default_factory=dict)
@@ -218,17 +218,17 @@ class GGUFExport(PreparedExport):
         return w
 
 
-def check_output(out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
-    """Refuse an OUT qkit must not or cannot write (``qkit.outputs.check_output``): a ``.gguf`` OUT is one
+def check_gguf_output(out: Path, force: bool, inputs: Iterable[Input] = ()) -> None:
+    """Refuse an OUT qkit must not or cannot write (``qkit.outputs.check_output_path``): a ``.gguf`` OUT is one
     file, replaced (with ``force``) only if it is a GGUF qkit wrote; another OUT is a directory holding
     ``model.gguf``, replaced only if it is a qkit export. Either is refused, whatever ``force``, if it is,
     contains or lies inside one of ``inputs`` (the source GGUF among them)."""
     out = Path(out)
     if is_gguf_name(out):
-        outputs.check_output(out, kind="file", force=force, inputs=inputs, owned=is_qkit_gguf,
+        outputs.check_output_path(out, kind="file", force=force, inputs=inputs, owned=is_qkit_gguf,
                              describe="a GGUF file with qkit's qkit.export record")
     else:
-        outputs.check_output(out, kind="dir", force=force, inputs=inputs)
+        outputs.check_output_path(out, kind="dir", force=force, inputs=inputs)
 
 
 @contextlib.contextmanager
@@ -242,7 +242,7 @@ def atomic_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) 
     leaves nothing behind and is one ``OutputError`` line.
     """
     out = Path(out)
-    check_output(out, force, inputs)
+    check_gguf_output(out, force, inputs)
     if not is_gguf_name(out):
         with atomic_directory(out, force, inputs=inputs) as tmp:
             yield tmp
@@ -253,7 +253,7 @@ def atomic_output(out: Path, force: bool = False, inputs: Iterable[Input] = ()) 
     # the same hidden-sibling staging as checkpoint.atomic_directory, so a killed run's leftovers are found
     with staging.staged(out) as tmp:
         yield tmp
-        check_output(out, force)  # it may have appeared while we worked
+        check_gguf_output(out, force)  # it may have appeared while we worked
         os.replace(tmp / FILE, out)
 
 
@@ -319,13 +319,13 @@ def prepare(directory: Path, targets: dict[str, Scheme], shapes: dict[str, tuple
     source = source_gguf(directory, ref)
     tokenizer = None if source is not None else hf_tokenizer(
         directory, config, arch, trust_remote_code=ref is not None and ref.trust_remote_code)
-    plan = ExportPlan(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None}, (),
+    layout = ModelLayout(dict(targets), dict(shapes), {k: v for k, v in dtypes.items() if v is not None}, (),
                       dtypes.get(next(iter(targets)), torch.float32) if targets else torch.float32)
     ftype = file_type(manifest.get("scheme", {}), resolved)
     manifest = {**manifest, "architecture": arch,
                 "tokenizer": f"copied from {source.name}" if source is not None else "converted from tokenizer.json"}
     name = Path(str(config.get("_name_or_path") or "")).name or directory.resolve().name or "model"
-    return GGUFExport(FORMAT, plan, manifest, arch=arch, config=config, outputs=planned, source=source,
+    return GGUFExport(FORMAT, layout, manifest, arch=arch, config=config, outputs=planned, source=source,
                       tokenizer=tokenizer, ftype=ftype, model_name=name)
 
 
@@ -359,7 +359,7 @@ class GGUFFileWriter:
     def add(self, name: str, value: QuantizedTensor | torch.Tensor) -> None:
         out = self.export.outputs.get(name, "missing")
         if out == "missing":
-            raise ExportError(f"{name} was not in the export plan; re-run the export")
+            raise ExportError(f"{name} was not in the export's layout; re-run the export")
         if out is None:
             return
         self.written.add(name)
@@ -428,5 +428,5 @@ def gguf_path(out: Path) -> Path:
     return out if is_gguf_name(out) and not out.is_dir() else out / FILE
 
 
-__all__ = ["FORMAT", "GGUFExport", "GGUFFileWriter", "GGUFFormat", "TensorOut", "atomic_output", "check_output",
+__all__ = ["FORMAT", "GGUFExport", "GGUFFileWriter", "GGUFFormat", "TensorOut", "atomic_output", "check_gguf_output",
            "gguf_path", "is_gguf_name", "prepare"]
