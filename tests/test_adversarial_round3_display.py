@@ -75,6 +75,7 @@ EXTRA = {
     ("quantize", "--calibration-seqlen"): ["--method", "gptq", "--calibration", "{T}"],
     ("quantize", "--dampening"): ["--method", "gptq", "--calibration", "{T}"],
     ("quantize", "--holdout"): ["--method", "gptq", "--calibration", "{T}"],
+    ("quantize", "--hessian-shrink"): ["--method", "gptq", "--calibration", "{T}"],
     ("quantize", "--alpha"): ["--method", "smoothquant", "--activations", "int8-token", "--format", "compressed-tensors",
                               "--calibration", "{T}"],
     ("quantize", "--target-bits"): ["--format", "gguf"], ("quantize", "--target-size"): ["--format", "gguf"],

@@ -303,6 +303,9 @@ def test_method_serves_every_registered_scheme_and_refuses_an_unknown_kind():
 
 
 @pytest.mark.parametrize("kwargs,match", [({"dampening": 0.0}, "--dampening"), ({"dampening": -1.0}, "--dampening"),
+                                          ({"hessian_shrink": -0.1}, "--hessian-shrink"),
+                                          ({"hessian_shrink": float("nan")}, "--hessian-shrink"),
+                                          ({"hessian_shrink": 1e4}, "--hessian-shrink"), ({"hessian_shrink": True}, "--hessian-shrink"),
                                           ({"calibration_samples": 0}, "--calibration-samples"), ({"block_size": 0}, "block size")])
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises(InputError, match=match):
@@ -589,3 +592,50 @@ def test_mse_scale_rule_never_worse_than_absmax_per_group_under_a_diagonal_hessi
     assert torch.all(group_err(mse) <= group_err(plain) + 1e-6)
     assert torch.all(stored(mse, scheme, (16, 128)).scales <= stored(plain, scheme, (16, 128)).scales)
     assert (group_err(mse) < group_err(plain)).any()
+
+
+def test_hessian_shrink_is_the_reference_solve_of_h_plus_shrink_times_its_diagonal():
+    """``shrink`` factors ``H + shrink * diag(H)`` (the dampening's mean diagonal taken of that matrix): on a
+    hand 2x2 the factor is the Cholesky of the inverse computed by hand in float64, and on a random Gram it
+    is bit for bit the factor of the matrix built by hand, with and without act order."""
+    H = torch.tensor([[4.0, 1.0], [1.0, 2.0]])
+    U, damp, retries = inverse_hessian_factor(H, 0.01, shrink=0.5)
+    a, b, c = 4.0 * 1.5, 1.0, 2.0 * 1.5
+    lam = 0.01 * (a + c) / 2
+    M = torch.tensor([[a + lam, b], [b, c + lam]], dtype=torch.float64)
+    want = torch.linalg.cholesky(torch.linalg.inv(M), upper=True)
+    assert (damp, retries) == (0.01, 0)
+    torch.testing.assert_close(U.double(), want, rtol=1e-6, atol=1e-7)
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(200, 48, generator=g) * torch.linspace(0.1, 3.0, 48)
+    G = X.T @ X
+    for act_order in (False, True):
+        shrunk = prepare_hessian(G, 0.01, act_order, shrink=0.25)
+        by_hand = G.clone()
+        by_hand.diagonal().mul_(1.25)
+        plain = prepare_hessian(by_hand, 0.01, act_order)
+        assert torch.equal(shrunk.U, plain.U)
+        assert shrunk.perm is None if not act_order else torch.equal(shrunk.perm, plain.perm)
+    assert torch.equal(prepare_hessian(G, 0.01, False, shrink=0.0).U, prepare_hessian(G, 0.01, False).U)
+
+
+def test_hessian_shrink_moves_gptq_toward_rtn_and_keeps_its_edge_on_the_calibration():
+    """A strong shrink makes H nearly diagonal, so GPTQ's codes approach RTN's (a diagonal H gives RTN's bytes,
+    tested above); a moderate one keeps most of GPTQ's gain in output error on the calibration inputs."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(512, 64, generator=g)
+    X = base + 0.9 * base[:, :1]  # correlated columns: where GPTQ's error feedback matters
+    W = torch.randn(32, 64, generator=g)
+    H = X.T @ X
+    scheme = get_scheme("int4-g32")
+    rtn = quantize_tensor(W, scheme).dequantize(torch.float32)
+
+    def err(Wq):
+        return output_error(W, Wq, H)
+
+    def solved(shrink):
+        return gptq_solve(W, H, scheme, prepared=prepare_hessian(H, 0.01, False, shrink=shrink)).dequantized
+
+    e_rtn, e0, e_half, e_big = err(rtn), err(solved(0.0)), err(solved(0.5)), err(solved(1e3))
+    assert e0 < e_half < e_rtn  # the reference's H is best on its own inputs; a shrink gives some back
+    assert abs(e_big - e_rtn) < 0.02 * e_rtn  # nearly diagonal: nearly RTN

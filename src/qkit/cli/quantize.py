@@ -71,6 +71,7 @@ MethodOpt = Annotated[str, typer.Option("--method", help=f"How the integers and 
 ActOrderOpt = Annotated[Optional[bool], typer.Option("--act-order/--no-act-order", help=f"gptq: quantize columns by descending Hessian diagonal, scales as static groups; the checkpoint keeps the original column order (default: {'on' if GPTQOptions.act_order else 'off'}; off: the reference's order, group scales from the error-updated weights).", show_default=False)]
 ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help=f"gptq: how absmax scales are chosen: {', '.join(SCALE_RULES)} (default absmax: qkit's rule, what rtn writes; full-range: absmax/(qmax+0.5) with codes in [-qmax-1, qmax], compressed-tensors' rule; mse: per-group shrink search). Every rule writes the same scheme.", show_default=False)]
 DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
+HessianShrinkOpt = Annotated[Optional[float], typer.Option("--hessian-shrink", help=f"gptq: add this fraction of the Hessian's own diagonal to it, pulling it toward its diagonal (default {GPTQOptions.hessian_shrink:g}: the reference's Hessian; 0.5 generalised best to held-out text on the default model, docs/gptq.md).", show_default=False)]
 HoldoutOpt = Annotated[Optional[int], typer.Option("--holdout", help=f"gptq: calibration windows kept out of the Hessian, spread over the text; on them each tensor's GPTQ codes and RTN's are compared by output error and the better is written (default {GPTQOptions.holdout}: GPTQ's always).", metavar="N", show_default=False)]
 ImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix (qkit imatrix, or llama-imatrix's .gguf / legacy .dat): llama.cpp's block types quantize through their weighted searches, as llama-quantize --imatrix does.", metavar="FILE")]
 TensorTypeOpt = Annotated[list[str], typer.Option("--tensor-type", help="PATTERN=TYPE as llama-quantize --tensor-type: a regex searched in llama.cpp's tensor names (blk.3.attn_v.weight), a ggml type (repeatable; the first match wins).", metavar="PATTERN=TYPE")]
@@ -106,6 +107,7 @@ def quantize(
     act_order: ActOrderOpt = None,
     dampening: DampeningOpt = None,
     holdout: HoldoutOpt = None,
+    hessian_shrink: HessianShrinkOpt = None,
     scale_rule: ScaleRuleOpt = None,
     alpha: AlphaOpt = None,
     no_clip: NoClipOpt = False,
@@ -157,7 +159,7 @@ def quantize(
     shard = {"max_shard_bytes": parse_size(max_shard_size, "--max-shard-size")} if max_shard_size else {}
     check_threads(threads)
     method_options = calibration_options(calibration, calibration_samples, calibration_seqlen,
-                                         act_order=act_order, dampening=dampening, holdout=holdout, scale_rule=scale_rule,
+                                         act_order=act_order, dampening=dampening, hessian_shrink=hessian_shrink, holdout=holdout, scale_rule=scale_rule,
                                          alpha=alpha, clip=False if no_clip else None, dtype=dtype)
     run.use_threads()
     with console.progress() as bar:

@@ -59,7 +59,7 @@ def record(options: GPTQOptions) -> dict:
 
 
 # the GPTQ options that change the codes (the calibration text and windows change only the Hessian's estimate)
-MEASURED_OPTIONS = ("dampening", "act_order", "static_groups", "scale_rule", "block_size")
+MEASURED_OPTIONS = ("dampening", "hessian_shrink", "act_order", "static_groups", "scale_rule", "block_size")
 
 
 def _solve(W: torch.Tensor, scheme: Scheme, prepared: PreparedHessian, options: GPTQOptions,
@@ -99,7 +99,8 @@ def _walk(model, ids: torch.Tensor, targets: set[str], read: Callable[[str], tor
             owner = solve_acc.owner[k]
             if owner not in prepared:
                 with one_torch_thread():
-                    prepared[owner] = prepare_hessian(solve_acc.gram(owner), options.dampening, options.act_order)
+                    prepared[owner] = prepare_hessian(solve_acc.gram(owner), options.dampening, options.act_order,
+                                                    options.hessian_shrink)
             G = measure_acc.gram(measure_acc.owner[k])
             full = inputs.prefix + k + ".weight"
             each(full, read(full).to(device=G.device, dtype=torch.float32), G, prepared[owner], linear)

@@ -60,8 +60,8 @@ def symmetrize(H: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 
 
 def inverse_hessian_factor(H: torch.Tensor, dampening: float, retries: int = MAX_DAMP_RETRIES, *,
-                           perm: torch.Tensor | None = None,
-                           dead: torch.Tensor | None = None) -> tuple[torch.Tensor | None, float, int]:
+                           perm: torch.Tensor | None = None, dead: torch.Tensor | None = None,
+                           shrink: float = 0.0) -> tuple[torch.Tensor | None, float, int]:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` (``Uᵀ U = (H + λI)⁻¹``), ``λ = dampening * mean(diag H)``.
 
     fp32, as the reference. Computed without forming the inverse: with ``J`` the reversal permutation and
@@ -71,10 +71,15 @@ def inverse_hessian_factor(H: torch.Tensor, dampening: float, retries: int = MAX
     ``perm``: factor ``H[perm][:, perm]`` (act order); ``dead``: columns whose diagonal counts as 1
     (``prepare_hessian``'s dead columns). Neither is materialised: ``J P H Pᵀ J`` is gathered straight
     into the one working copy, so the peak is ``H`` and three more ``[cols, cols]`` fp32 matrices.
+    ``shrink``: ``H``'s diagonal is taken ``1 + shrink`` times (before the dampening, whose mean diagonal is
+    of the shrunk one): ``H + shrink * diag(H)``, which, since GPTQ's solution does not change when ``H`` is
+    scaled, is ``H`` pulled toward its diagonal by ``shrink / (1 + shrink)`` (0: the reference's ``H``).
     """
     n = H.shape[0]
     order = (torch.arange(n - 1, -1, -1) if perm is None else perm.flip(0)).to(H.device)  # J P
     diag = H.diagonal().to(torch.float32)
+    if shrink:
+        diag = diag * (1.0 + shrink)
     if dead is not None and bool(dead.any()):
         diag = diag.masked_fill(dead, 1.0)
     mean_diag = diag.index_select(0, order.flip(0)).mean()  # in processing order, as P H Pᵀ's diagonal
@@ -115,13 +120,14 @@ class PreparedHessian:
     retries: int
 
 
-def prepare_hessian(H: torch.Tensor, dampening: float = DEFAULT_DAMPENING, act_order: bool = False) -> PreparedHessian:
+def prepare_hessian(H: torch.Tensor, dampening: float = DEFAULT_DAMPENING, act_order: bool = False,
+                    shrink: float = 0.0) -> PreparedHessian:
     """Dead columns (``H[i, i] = 1``), act-order permutation (descending ``diag H``) and the factor ``U``.
     ``H`` is not modified or copied whole (``inverse_hessian_factor`` gathers the one copy it factors)."""
     diag = H.diagonal().to(torch.float32)
     dead = diag == 0
     perm = torch.argsort(diag.masked_fill(dead, 1.0), descending=True, stable=True) if act_order else None
-    U, damp, retries = inverse_hessian_factor(H, dampening, perm=perm, dead=dead)
+    U, damp, retries = inverse_hessian_factor(H, dampening, perm=perm, dead=dead, shrink=shrink)
     return PreparedHessian(U, perm, dead, damp, retries)
 
 
