@@ -108,8 +108,8 @@ def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide_mod
     assert plan.method == "gptq" and read_plan(out).method == "gptq"
     fb = plan.sensitivity["feedback"]
     assert plan.sensitivity["estimator"] == feedback.ESTIMATOR
-    assert fb["gptq"] == {"dampening": 0.01, "act_order": True, "static_groups": False, "scale_rule": "absmax",
-                          "block_size": 128}
+    assert fb["gptq"] == {"dampening": 0.01, "hessian_shrink": 0.0, "act_order": True, "static_groups": False,
+                          "scale_rule": "absmax", "block_size": 128}
     assert fb["solves"] == 14 * 12  # 14 tensors, 12 GPTQ types each (none is not solved)
     assert plan.nbytes <= plan.target["budget_bytes"]
     kl = plan.check["measured_kl"]
@@ -149,8 +149,11 @@ def test_a_gptq_plan_quantizes_with_gptq_into_its_types(wide_model, gptq_plan, t
     (None, {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (re-plan with --method rtn)"),
     ("awq", {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (awq is not planned)"),
     ("gptq", {"dampening": 0.05}, "the plan's costs were measured with GPTQ's act_order=True, block_size=128, dampening=0.01, "
-     "scale_rule='absmax', static_groups=False; this quantize gives dampening=0.05 (the plan: 0.01): use the plan's "
-     "options or re-plan with them"),
+     "hessian_shrink=0.0, scale_rule='absmax', static_groups=False; this quantize gives dampening=0.05 (the plan: 0.01): "
+     "use the plan's options or re-plan with them"),
+    ("gptq", {"hessian_shrink": 0.5}, "the plan's costs were measured with GPTQ's act_order=True, block_size=128, "
+     "dampening=0.01, hessian_shrink=0.0, scale_rule='absmax', static_groups=False; this quantize gives hessian_shrink=0.5 "
+     "(the plan: 0.0): use the plan's options or re-plan with them"),
 ])
 def test_a_gptq_plan_is_quantized_only_as_it_was_priced(wide_model, gptq_plan, tmp_path, method, extra, message):
     _, out = gptq_plan

@@ -351,7 +351,9 @@ def check_plan_method(plan: Plan, matrix: Imatrix | None, method: Method | None,
         raise InputError(f"the plan's costs were measured with {plan.method}; {method.name} chooses other codes for the same "
                          f"types: {hint}")
     if planned_gptq:
-        measured = (plan.sensitivity.get("feedback") or {}).get("gptq") or {}
+        recorded = (plan.sensitivity.get("feedback") or {}).get("gptq") or {}
+        # a plan priced before --hessian-shrink existed was priced with the reference's Hessian (0)
+        measured = {"hessian_shrink": 0.0, **recorded} if recorded else {}
         given = {k: getattr(method_options, k, None) for k in measured}
         differ = [f"{k}={given[k]!r} (the plan: {v!r})" for k, v in sorted(measured.items()) if given[k] != v]
         if differ:
