@@ -146,6 +146,13 @@ def test_rules_select_block_projections_and_apply_overrides(tiny_model_dir, tmp_
     assert not is_block_projection("lm_head.weight", (49152, 576))
     assert not is_block_projection("model.layers.3.input_layernorm.weight", (576,))
     assert not is_block_projection("model.layers.3.self_attn.q_proj.bias", (576,))
+    # mixture-of-experts routers stay unquantized (llama.cpp's ffn_gate_inp); the experts and gate_proj do not
+    for router in ("model.layers.0.mlp.gate.weight", "model.layers.0.block_sparse_moe.gate.weight",
+                   "model.layers.0.mlp.router.weight", "model.layers.0.mlp.shared_expert_gate.weight"):
+        assert not is_block_projection(router, (4, 256)), router
+    for expert in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                   "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.shared_expert.gate_proj.weight"):
+        assert is_block_projection(expert, (512, 256)), expert
     rules = Rules.parse(exclude=["*.layers.0.*"], keep=["int8:*.down_proj.weight", "none:*.v_proj.weight"])
     nf4 = get_scheme("nf4")
     assert rules.scheme_for("model.layers.0.mlp.up_proj.weight", (4, 4), nf4) is None

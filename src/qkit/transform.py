@@ -27,11 +27,23 @@ MANIFEST_VERSION = 1
 # (llama, qwen, mistral, gpt-2, ...), and not a norm or an embedding.
 _BLOCK = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
 _NOT_PROJ = re.compile(r"norm|embed|(^|\.)ln_")
+# A mixture-of-experts router: one row per expert, whose outputs pick the experts (a rounding flips a token's
+# choice, a discrete change no error metric of the matrix shows). llama.cpp keeps it in F32
+# (``ffn_gate_inp``, never quantized), and so does qkit: qwen-moe/deepseek ``mlp.gate``, mixtral
+# ``block_sparse_moe.gate``, gpt-oss ``mlp.router``, qwen2-moe's ``shared_expert_gate``.
+_ROUTER = re.compile(r"\.(mlp\.gate|block_sparse_moe\.gate|mlp\.router|shared_expert_gate)\.weight$")
+
+
+def is_router(name: str) -> bool:
+    """True for a mixture-of-experts router's weight (kept unquantized, as llama.cpp keeps ``ffn_gate_inp``)."""
+    return bool(_ROUTER.search(name))
 
 
 def is_block_projection(name: str, shape: tuple[int, ...]) -> bool:
-    """True for the default targets: the 2-D linear weights inside the transformer blocks."""
-    return len(shape) == 2 and name.endswith(".weight") and bool(_BLOCK.search(name)) and not _NOT_PROJ.search(name)
+    """True for the default targets: the 2-D linear weights inside the transformer blocks, a
+    mixture-of-experts router's excepted (``is_router``)."""
+    return (len(shape) == 2 and name.endswith(".weight") and bool(_BLOCK.search(name)) and not _NOT_PROJ.search(name)
+            and not is_router(name))
 
 
 KEEP_ORIGINAL = "none"  # the scheme word in ``--keep none:GLOB`` that leaves a tensor unquantized
