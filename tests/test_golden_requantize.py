@@ -220,3 +220,25 @@ def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
         assert got["header"] == exp["header"], f"{arch} {key}: the header (metadata, tensor infos) differs"
         assert got["file"] == exp["file"]
         r.path.unlink()
+
+
+@pytest.mark.slow
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+def test_against_llama_quantize_itself(f32, tmp_path, arch):
+    """Live, where the tools are built: llama-quantize --imatrix at Q4_K_M and qkit's file with its
+    ``qkit.export`` record differ in that one KV field only (every other field, tensor info and byte equal)."""
+    tool = benchmark_module("build_llama_ref").tool_path("llama-quantize")
+    if not tool.exists():
+        pytest.skip("llama-quantize is not built (python benchmarks/build_llama_ref.py --tools)")
+    source = f32(arch)
+    work = _work(source, tmp_path)
+    p = subprocess.run([str(tool), "--imatrix", "imatrix.gguf", str(source), "llama.gguf", "Q4_K_M", "2"],
+                       capture_output=True, text=True, cwd=work)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours = _quantize(source, "q4_k_m+imatrix", work, record=True).path
+    theirs, mine = read_header(work / "llama.gguf"), read_header(ours)
+    assert [f for f in mine.kv if f[0] != "qkit.export"] == list(theirs.kv) and mine.kv[-1][0] == "qkit.export"
+    assert mine.tensors == theirs.tensors
+    a, b = ours.read_bytes(), (work / "llama.gguf").read_bytes()
+    assert a[mine.data_offset:] == b[theirs.data_offset:]

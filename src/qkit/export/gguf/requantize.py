@@ -62,9 +62,14 @@ T = gguf.GGMLQuantizationType
 F = gguf.LlamaFileType
 V = gguf.GGUFValueType
 FLOATS = {T.F32: np.float32, T.F16: np.float16, T.BF16: np.uint16}  # what llama-quantize converts from
+def ftype_name(f: F) -> str:
+    """llama-quantize's name of an ftype: ``Q4_K_M``, ``F32``."""
+    return f.name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
 # llama-quantize's QUANT_OPTIONS: each ftype by its name, and its aliases (COPY is not offered here)
 FTYPES: dict[str, F] = {
-    **{m.name.removeprefix("MOSTLY_").removeprefix("ALL_"): m for m in F if m not in (F.GUESSED, F.MOSTLY_NVFP4)},
+    **{ftype_name(m): m for m in F if m not in (F.GUESSED, F.MOSTLY_NVFP4)},
     "Q3_K": F.MOSTLY_Q3_K_M, "Q4_K": F.MOSTLY_Q4_K_M, "Q5_K": F.MOSTLY_Q5_K_M,
 }
 SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
@@ -362,7 +367,7 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
     if record:
         doc = {"format": "gguf", "format_version": EXPORT_VERSION, "qkit_version": __version__,
                "llama_cpp_commit": LLAMA_CPP_COMMIT, "source": {"file": source.name, "sha256": _sha256(source)},
-               "llama_quantize": {"ftype": ftype.name.removeprefix("MOSTLY_"), "pure": pure,
+               "llama_quantize": {"ftype": ftype_name(ftype), "pure": pure,
                                   "token_embedding_type": token_embedding_type, "output_tensor_type": output_tensor_type,
                                   "imatrix": None if imatrix is None else str(imatrix.source)},
                "imatrix_unit_weighted": unit}
@@ -395,9 +400,9 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
                 at += p.nbytes + (-p.nbytes) % DEFAULT_ALIGNMENT
         w.close()
     target = Path(out) if Path(out).suffix.lower() == ".gguf" else Path(out) / FILE
-    return Requantized(target, ftype.name, pure, data_offset, layout, source.stat().st_size, target.stat().st_size,
+    return Requantized(target, ftype_name(ftype), pure, data_offset, layout, source.stat().st_size, target.stat().st_size,
                        None if imatrix is None else str(imatrix.source), tuple(unit))
 
 
 __all__ = ["FTYPES", "ImportanceMatrix", "Planned", "Requantized", "encode", "head_type", "llama_quantize_args",
-           "output_fields", "plan", "quantize_gguf", "tensor_bytes", "to_bf16", "to_f16"]
+           "ftype_name", "output_fields", "plan", "quantize_gguf", "tensor_bytes", "to_bf16", "to_f16"]
