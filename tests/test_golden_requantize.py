@@ -224,7 +224,7 @@ def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
 
 @pytest.mark.slow
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
 def test_against_llama_quantize_itself(f32, tmp_path, arch):
     """Live, where the tools are built: llama-quantize --imatrix at Q4_K_M and qkit's file with its
     ``qkit.export`` record differ in that one KV field only (every other field, tensor info and byte equal)."""
