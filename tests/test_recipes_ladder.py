@@ -38,10 +38,9 @@ from qkit.schemes.recipes import (
     assignment,
     llama_quantize_types,
     llama_types,
-    tensor_type_fallback,
     type_counts,
-    use_more_bits,
 )
+from qkit.schemes.llama_rules import tensor_type_fallback, use_more_bits
 from qkit.schemes.registry import REGISTRY, scheme_from_dict
 
 T = gguf.GGMLQuantizationType

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.schemes import get_scheme, quantize_tensor, scheme_names
 from qkit.schemes.kquant_search import seq_sum, sqrtf
-from qkit.schemes.recipes import Q4KMRecipe, use_more_bits
+from qkit.schemes.llama_rules import use_more_bits
+from qkit.schemes.recipes import Q4KMRecipe
 from qkit.schemes.registry import scheme_from_dict
 
 T = gguf.GGMLQuantizationType

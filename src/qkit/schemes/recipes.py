@@ -1,7 +1,8 @@
 """Recipes: llama.cpp's file types (ftypes), which pick a block type per tensor (the ``Recipe`` protocol).
 
 :class:`LlamaRecipe` is ``llama_tensor_get_type`` of ``src/llama-quant.cpp`` (commit in
-``LLAMA_CPP_COMMIT``) for a dense (not mixture-of-experts) llama or qwen2 model, with llama-quantize's
+``LLAMA_CPP_COMMIT``; ported whole, for every architecture, in ``qkit.schemes.llama_rules``, which this
+recipe calls) for a dense (not mixture-of-experts) llama or qwen2 model, with llama-quantize's
 default options (``--token-embedding-type`` / ``--output-tensor-type`` are ``qkit.head_types``). A
 recipe's file holds what llama-quantize's does: the block projections and ``token_embd`` / ``output``
 (``quantizes``). Per tensor, by its category (``tensor_get_category``; Hugging Face or GGUF names), layer
@@ -63,15 +64,17 @@ import torch
 from qkit.errors import SchemeError
 from qkit.schemes.base import Layout, Scheme, as_2d
 from qkit.schemes.kquants import LLAMA_CPP_COMMIT
+from qkit.schemes.llama_rules import (
+    ModelFacts,
+    Params,
+    block,
+    counters_at,
+    tensor_type_fallback,
+    type_impl,
+)
 from qkit.schemes.registry import REGISTRY, register
 
 T = gguf.GGMLQuantizationType
-
-
-def use_more_bits(i_layer: int, n_layers: int) -> bool:
-    """llama-quant.cpp's ``use_more_bits`` (C integer division): the first and last eighth of the layers
-    and every third layer in between."""
-    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
 # llama-quant.cpp's tensor_get_category, for Hugging Face (llama/qwen2) and GGUF names. llama.cpp's
@@ -119,8 +122,6 @@ WRITTEN = {
     "Q8_0": "Q8_0",
 }
 _BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8, T.IQ4_NL: 4, T.IQ4_XS: 4}
-# tensor_type_fallback's table, for the types a recipe can give
-_FALLBACK = {T.Q2_K: T.Q4_0, T.Q3_K: T.Q4_0, T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0, T.IQ4_XS: T.IQ4_NL}
 ARCHITECTURES = ("llama", "qwen2")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -129,24 +130,6 @@ def expert_count(config: dict[str, Any]) -> int:
     """How many experts a model's ``config.json`` gives each mixture-of-experts layer (its largest count
     under transformers' names); 0 for a dense model. A malformed count raises ``ValueError``/``TypeError``."""
     return max(int(config.get(k) or 0) for k in _EXPERT_KEYS)
-
-
-def _block(t: T) -> int:
-    return gguf.GGML_QUANT_SIZES[t][0]
-
-
-def tensor_type_fallback(t: T, cols: int) -> T:
-    """llama-quant.cpp's ``tensor_type_fallback``: the type written for a row width ``cols`` (F16 where no
-    block type fits)."""
-    if cols % _block(t) == 0:
-        return t
-    if t in _FALLBACK:
-        out = _FALLBACK[t]
-    elif _block(t) <= 32:
-        out = t  # a 32-block type has no smaller block: F16 below
-    else:
-        raise SchemeError(f"llama.cpp defines no width fallback for {t.name}")
-    return out if cols % _block(out) == 0 else T.F16
 
 
 def scheme_for_type(t: T, name: str = "<tensor>") -> Scheme:
@@ -238,49 +221,20 @@ class LlamaRecipe:
         return len(shape) >= 2 and tensor_category(name) in ("token_embd", "output")
 
     def ggml_type_for(self, shape: tuple[int, ...], name: str) -> T:
-        """The type ``llama_tensor_get_type_impl`` gives ``name``, before the width fallback."""
+        """The type ``llama_tensor_get_type_impl`` gives ``name``, before the width fallback: the rules of
+        ``qkit.schemes.llama_rules`` with the counters standing at this tensor's layer (``counters_at``:
+        one attn_v and one ffn_down per layer in a dense llama/qwen2 model)."""
         cols = shape[-1] if shape else 1
-        f, d, cat = self.ftype, self.ggml_type, tensor_category(name)
-        if cat == "output" or (cat == "token_embd" and self.tied_embeddings):
-            if cols % _block(d):
-                return T.Q8_0
-            return d if d == T.Q8_0 else T.Q6_K
+        cat = tensor_category(name)
+        i = self._layer(name) if cat in ("attn_v", "ffn_down") else 0
+        if cat == "attn_v" and self.ftype in ("Q2_K", "IQ4_NL", "IQ4_XS"):
+            self._gqa(name)  # refuses a recipe not given the head counts these rules read
         if cat == "attn_v":
-            i, t = self._layer(name), d
-            if f == "Q2_K":
-                t = T.Q4_K if self._gqa(name) >= 4 else T.Q3_K
-            elif f == "Q3_K_M":
-                t = T.Q5_K if i < 2 else T.Q4_K
-            elif f == "Q3_K_L":  # noqa: SIM114  the branches in llama.cpp's order, one per ftype
-                t = T.Q5_K
-            elif f in ("IQ4_NL", "IQ4_XS") and self._gqa(name) >= 4:
-                t = T.Q5_K
-            elif f in ("Q4_K_M", "Q5_K_M") and use_more_bits(i, self.n_layers):
-                t = T.Q6_K
-            elif f == "Q4_K_S" and i < 4:
-                t = T.Q5_K
-            # 70B: attn_v is 8x smaller than attn_q there, so more bits cost little
-            return T.Q5_K if t in (T.Q3_K, T.Q4_K) and self._is_70b(name) else t
-        if cat == "ffn_down":
-            i, n = self._layer(name), self.n_layers
-            if f == "Q2_K":
-                return T.Q3_K
-            if f == "Q3_K_M":
-                return T.Q5_K if i < n // 16 else T.Q4_K
-            if f == "Q3_K_L":
-                return T.Q5_K
-            if f == "Q4_K_M":
-                return T.Q6_K if use_more_bits(i, n) else d
-            if i < n // 8 and f in ("IQ4_NL", "IQ4_XS") and not self.imatrix:
-                return T.Q5_K
-            if f == "Q5_K_M" and use_more_bits(i, n):
-                return T.Q6_K
-            if f == "Q4_K_S" and i < n // 8:
-                return T.Q5_K
-            return d
-        if cat == "attn_output":
-            return {"Q2_K": T.Q3_K, "Q3_K_M": T.Q4_K, "Q3_K_L": T.Q5_K}.get(f, d)
-        return d
+            self._is_70b(name)  # refuses an 80-layer model whose type is not known
+        counters = counters_at(i, self.n_layers or 0)
+        counters.has_tied_embeddings = self.tied_embeddings
+        facts = ModelFacts(self.architecture or "", self.n_layers or 1, 0, self.n_head or 0, self.n_head_kv)
+        return type_impl(counters, self.ggml_type, name, (cols,), facts, Params(self.llama_ftype, imatrix=self.imatrix), cat)
 
     def llama_type(self, shape: tuple[int, ...], name: str) -> T:
         """The type llama.cpp writes ``name`` in: :meth:`ggml_type_for`, then the width fallback (F16
@@ -318,8 +272,8 @@ class LlamaRecipe:
         which its manifest entry names (``quantize_tensor``'s result holds it)."""
         rows, cols = as_2d(tuple(shape))
         per_row = parts["qweight"].reshape(rows, -1).shape[1]
-        fits = [t for t in self.ggml_types if cols % _block(t) == 0
-                and per_row == cols // _block(t) * gguf.GGML_QUANT_SIZES[t][1]]
+        fits = [t for t in self.ggml_types if cols % block(t) == 0
+                and per_row == cols // block(t) * gguf.GGML_QUANT_SIZES[t][1]]
         if len(fits) != 1:
             which = " or ".join(t.name for t in fits) or "none of its types"
             raise SchemeError(f"{self.name}: {per_row} bytes per row of width {cols} fit {which}; decode the tensor with "
@@ -490,7 +444,5 @@ __all__ = [
     "llama_types",
     "scheme_for_type",
     "tensor_category",
-    "tensor_type_fallback",
     "type_counts",
-    "use_more_bits",
 ]

@@ -101,7 +101,7 @@ GENERAL_KEPT = ("architecture", "type", "file_type", "quantization_version", "al
 
 
 # numpy dtypes of GGUF's scalar value types (GGUFValueType: UINT8 0 ... FLOAT64 12; 8 STRING, 9 ARRAY)
-_KV_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+KV_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 
 
 def read_kv_fields(path: Path) -> list[Field]:
@@ -162,10 +162,17 @@ def parse_kv(buf: memoryview, n_kv: int) -> tuple[list[Field], int]:
         elif vtype == 9:
             sub, count = struct.unpack_from("<IQ", buf, pos)
             pos += 12
-            if sub == 8:
-                out.append((key, vtype, [string() for _ in range(count)], sub))
-            elif sub in _KV_DTYPES:
-                dt = np.dtype(_KV_DTYPES[sub])
+            if sub == 8:  # a vocabulary: 100k strings, read in one tight loop
+                items, unpack, size = [], struct.Struct("<Q").unpack_from, len(buf)
+                for _ in range(count):
+                    (n,) = unpack(buf, pos)
+                    start, pos = pos + 8, pos + 8 + n
+                    if pos > size:
+                        raise IndexError("string past the buffer")
+                    items.append(bytes(buf[start:pos]))
+                out.append((key, vtype, items, sub))
+            elif sub in KV_DTYPES:
+                dt = np.dtype(KV_DTYPES[sub])
                 end = pos + dt.itemsize * count
                 if end > len(buf):
                     raise IndexError("array past the buffer")
@@ -173,8 +180,8 @@ def parse_kv(buf: memoryview, n_kv: int) -> tuple[list[Field], int]:
                 pos = end
             else:
                 raise ExportError(f"GGUF field {key}: arrays of type {sub} are not copied by qkit")
-        elif vtype in _KV_DTYPES:
-            dt = np.dtype(_KV_DTYPES[vtype])
+        elif vtype in KV_DTYPES:
+            dt = np.dtype(KV_DTYPES[vtype])
             out.append((key, vtype, np.frombuffer(buf[pos : pos + dt.itemsize], dtype=dt).tolist()[0], None))
             pos += dt.itemsize
         else:

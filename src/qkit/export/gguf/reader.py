@@ -34,7 +34,7 @@ import torch
 
 from qkit.checkpoint import tensor_shapes
 from qkit.errors import ExportError, InputError
-from qkit.export.gguf.metadata import parse_kv
+from qkit.export.gguf.metadata import Field, parse_kv
 from qkit.llama_names import (
     ARCHITECTURES,
     arch_name,
@@ -62,11 +62,13 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Header:
-    """A GGUF file's header: its KV fields (``metadata.Field``), tensor infos and where the data begins."""
+    """A GGUF file's header: its KV fields (``{key: value}``, and ``kv``: every ``metadata.Field`` with its
+    type, in the file's order), tensor infos and where the data begins."""
 
     fields: dict[str, Any]
     tensors: tuple[TensorInfo, ...]
     data_offset: int
+    kv: tuple[Field, ...] = ()
 
 
 def read_header(path: Path, what: str | None = None) -> Header:
@@ -111,7 +113,7 @@ def _parse_header(buf: memoryview, n_kv: int, n_tensors: int) -> Header:
     kv = {key: value for key, _vtype, value, _sub in fields}
     alignment = int(kv.get("general.alignment", DEFAULT_ALIGNMENT))
     start = 24 + pos
-    return Header(kv, tuple(infos), start + (-start) % alignment)
+    return Header(kv, tuple(infos), start + (-start) % alignment, tuple(fields))
 
 
 @functools.cache

@@ -1,0 +1,244 @@
+"""``quantize_gguf`` against llama-quantize, for every architecture of the converter issue, without llama.cpp:
+its output recorded once, per file, per tensor.
+
+The claim (docs/gguf.md, "llama-quantize in qkit"): from the F32 GGUF that llama.cpp's converter writes
+for a model, ``quantize_gguf(F32, OUT, FTYPE[, imatrix])`` writes the file ``llama-quantize [--imatrix
+imatrix.gguf] [--pure] F32.gguf OUT.gguf FTYPE`` writes, byte for byte: the header (KV fields, tensor
+infos) and every tensor. The models are ``helpers_archs``' tiny seeded ones (the default model's
+tokenizer); the importance matrix is ``helpers_requantize.seeded_imatrix`` (one row per expert for the
+``_exps`` tensors, one expert that counted no token). ``tests/golden/requantize.json`` holds, per
+architecture, the sha256 of the F32 input (a changed converter or numpy/torch stream is reported as
+that) and per file the sha256 of the whole file, of its header and of each tensor's bytes as
+llama-quantize wrote them; and per ftype llama-quantize's ``--dry-run`` types of every tensor, which the
+rules (``qkit.schemes.llama_rules``) must give for every ftype, those qkit has no encoder for included.
+
+qwen2, gemma2 and phi3 are left out: the pinned converter refuses them with the default model's tokenizer
+(qwen2: "BPE pre-tokenizer was not recognized"; gemma2 and phi3 need a tokenizer.model).
+
+Recorded with llama.cpp's tools built (``python benchmarks/build_llama_ref.py --tools``):
+
+    QKIT_RECORD_REQUANTIZE=1 python -m pytest tests/test_golden_requantize.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import benchmark_module
+from helpers_archs import ARCHS
+from helpers_requantize import f32_model, file_digest, seeded_imatrix
+
+from qkit.export.gguf.reader import read_header
+from qkit.export.gguf.requantize import FTYPES, quantize_gguf
+from qkit.methods.imatrix import read, write_gguf
+from qkit.schemes import get_scheme
+from qkit.schemes.llama_rules import ModelFacts, Params, llama_order, tensor_types
+from qkit.schemes.recipes import llama_quantize_types
+
+GOLDEN_PATH = Path(__file__).parent / "golden" / "requantize.json"
+RECORD = os.environ.get("QKIT_RECORD_REQUANTIZE") == "1"
+RECORD_COMMAND = "QKIT_RECORD_REQUANTIZE=1 python -m pytest tests/test_golden_requantize.py"
+REFUSED = {"qwen2": "BPE pre-tokenizer was not recognized", "gemma2": "needs tokenizer.model",
+           "phi3": "needs tokenizer.model"}
+CONVERTED = tuple(a for a in ARCHS if a not in REFUSED)
+# key -> (what quantize_gguf is given, llama-quantize's ftype, --pure, --imatrix)
+FILES = {
+    "q8_0": ("Q8_0", "Q8_0", False, False),
+    "q4_k": ("scheme:q4_k", "Q4_K_S", True, False),  # qkit's uniform q4_k: the ftype its GGUF writer records
+    "q4_k_m": ("Q4_K_M", "Q4_K_M", False, False),
+    "q4_k_m+imatrix": ("Q4_K_M", "Q4_K_M", False, True),
+    "iq4_xs+imatrix": ("IQ4_XS", "IQ4_XS", False, True),
+    "q2_k+imatrix": ("Q2_K", "Q2_K", False, True),
+}
+# the ftypes whose rules read whether a matrix is given (has_imatrix): their dry runs are recorded both ways
+READS_IMATRIX = ("IQ3_XXS", "IQ4_NL", "IQ4_XS", "Q4_0", "Q5_0")
+DRY_RUNS = [(f, False) for f in FTYPES if f not in ("Q3_K", "Q4_K", "Q5_K", "F32")] + [(f, True) for f in READS_IMATRIX]
+IMATRIX_SEED = 20251
+
+
+def _dry_key(ftype: str, weighted: bool) -> str:
+    return ftype + ("+imatrix" if weighted else "")
+
+
+@pytest.fixture(scope="module")
+def golden() -> dict:
+    return {} if RECORD else json.loads(GOLDEN_PATH.read_text())
+
+
+@pytest.fixture(scope="module")
+def f32(default_model_dir, tmp_path_factory):
+    """arch -> the converter's F32 GGUF (made on first use, cached)."""
+    work = tmp_path_factory.mktemp("f32")
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = f32_model(arch, default_model_dir, work)
+        return made[arch]
+
+    return get
+
+
+def _quantize(source: Path, key: str, work: Path, *, record: bool = False):
+    given, _, _, weighted = FILES[key]
+    ftype = get_scheme(given.removeprefix("scheme:")) if given.startswith("scheme:") else given
+    cwd = Path.cwd()
+    os.chdir(work)  # quantize.imatrix.file records the path as given: "imatrix.gguf", as in the recording
+    try:
+        return quantize_gguf(source, work / f"{key}.gguf", ftype, imatrix=read("imatrix.gguf") if weighted else None,
+                             record=record)
+    finally:
+        os.chdir(cwd)
+
+
+def _work(source: Path, tmp: Path) -> Path:
+    write_gguf(seeded_imatrix(source, IMATRIX_SEED), tmp / "imatrix.gguf")
+    return tmp
+
+
+# --------------------------------------------------------------------------- recording (llama.cpp's tools)
+
+
+def _record_arch(arch: str, source: Path, work: Path) -> dict:
+    blr = benchmark_module("build_llama_ref")
+    tool = blr.tool_path("llama-quantize")
+    if not tool.exists():
+        pytest.fail("recording needs llama.cpp's tools: python benchmarks/build_llama_ref.py --tools")
+    files = {}
+    for key, (_, ftype, pure, weighted) in FILES.items():
+        out = work / f"llama-{key}.gguf"
+        cmd = [str(tool), *(["--imatrix", "imatrix.gguf"] if weighted else []), *(["--pure"] if pure else []),
+               str(source), str(out), ftype, "2"]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
+        assert p.returncode == 0, (arch, key, p.stderr[-2000:])
+        files[key] = file_digest(out)
+    header = read_header(source)
+    names = [t.name for t in header.tensors]
+    dry = {}
+    for ftype, weighted in DRY_RUNS:
+        cmd = [str(tool), "--dry-run", *(["--imatrix", "imatrix.gguf"] if weighted else []), str(source), ftype, "2"]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
+        assert p.returncode == 0, (arch, ftype, p.stderr[-2000:])
+        types = llama_quantize_types(p.stdout + p.stderr)
+        assert set(types) == set(names), (arch, ftype)
+        dry[_dry_key(ftype, weighted)] = [types[n].name for n in _order(header)]
+    return {"f32_sha256": _sha(source), "files": files, "order": _order(header), "dry_run": dry}
+
+
+def _order(header) -> list[str]:
+    return llama_order(t.name for t in header.tensors)
+
+
+def _sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def test_record(f32, tmp_path_factory):
+    """With ``QKIT_RECORD_REQUANTIZE=1``: rewrite the golden file from llama-quantize (else nothing to do)."""
+    if not RECORD:
+        pytest.skip("records only with QKIT_RECORD_REQUANTIZE=1")
+    blr = benchmark_module("build_llama_ref")
+    archs = {}
+    for arch in CONVERTED:
+        source = f32(arch)
+        archs[arch] = _record_arch(arch, source, _work(source, tmp_path_factory.mktemp(arch)))
+    doc = {
+        "description": "llama-quantize's output from the converter's F32 GGUF of each tiny seeded model: per file the "
+                       "sha256 of the whole file, its header and each tensor; per ftype the --dry-run type of each tensor",
+        "command": RECORD_COMMAND,
+        "llama_cpp_commit": blr.commit(),
+        "llama_cpp_python_sdist": blr.LLAMA_CPP_PYTHON,
+        "converter": "convert_hf_to_gguf.py MODEL --outtype f32 (the sdist's source, a stub sentencepiece)",
+        "imatrix": f"tests/helpers_requantize.py seeded_imatrix(F32, {IMATRIX_SEED}), as imatrix.gguf in the working directory",
+        "llama_quantize": {k: " ".join(["llama-quantize", *(["--imatrix imatrix.gguf"] if w else []), *(["--pure"] if p else []),
+                                        "F32.gguf", "OUT.gguf", f, "2"]) for k, (_, f, p, w) in FILES.items()},
+        "refused_by_the_converter": REFUSED,
+        "archs": archs,
+    }
+    GOLDEN_PATH.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+def test_golden_file_says_where_it_came_from(golden):
+    if RECORD:
+        pytest.skip("recording")
+    assert golden["command"] == RECORD_COMMAND
+    assert golden["llama_cpp_commit"] == benchmark_module("build_llama_ref").LLAMA_CPP_COMMIT
+    assert set(golden["archs"]) == set(CONVERTED) and set(golden["refused_by_the_converter"]) == set(REFUSED)
+    for arch in golden["archs"].values():
+        assert set(arch["files"]) == set(FILES)
+        assert set(arch["dry_run"]) == {_dry_key(f, w) for f, w in DRY_RUNS}
+
+
+@pytest.mark.parametrize("arch", CONVERTED)
+def test_rules_give_llama_quantizes_types_for_every_ftype(golden, f32, arch):
+    """``tensor_types`` on the F32 header equals llama-quantize --dry-run's type of every tensor, for every
+    ftype (those without a qkit encoder too), with and without a matrix where the rules read it."""
+    if RECORD:
+        pytest.skip("recording")
+    want = golden["archs"][arch]
+    source = f32(arch)
+    assert _sha(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
+    header = read_header(source)
+    facts = ModelFacts.from_metadata(header.fields)
+    infos = [(t.name, t.ne, t.ggml_type) for t in header.tensors]
+    for ftype, weighted in DRY_RUNS:
+        got = tensor_types(infos, facts, Params(FTYPES[ftype], imatrix=weighted))
+        assert list(got) == want["order"]
+        bad = {n: (g.name, w) for (n, g), w in zip(got.items(), want["dry_run"][_dry_key(ftype, weighted)]) if g.name != w}
+        assert not bad, f"{arch} {_dry_key(ftype, weighted)}: qkit/llama-quantize types differ: {bad}"
+
+
+@pytest.mark.parametrize("arch", CONVERTED)
+def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
+    if RECORD:
+        pytest.skip("recording")
+    want = golden["archs"][arch]
+    source = f32(arch)
+    assert _sha(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
+    work = _work(source, tmp_path)
+    for key in FILES:
+        r = _quantize(source, key, work)
+        got = file_digest(r.path, (r.data_offset, r.tensors))
+        exp = want["files"][key]
+        assert list(got["tensors"]) == want["order"] and set(exp["tensors"]) == set(want["order"]), (arch, key)
+        types = {n: (g[0], exp["tensors"][n][0]) for n, g in got["tensors"].items() if g[0] != exp["tensors"][n][0]}
+        assert not types, f"{arch} {key}: qkit/llama-quantize types differ: {types}"
+        differ = [n for n, g in got["tensors"].items() if g[1] != exp["tensors"][n][1]]
+        assert not differ, f"{arch} {key}: bytes differ from llama-quantize's in {differ}"
+        assert got["header"] == exp["header"], f"{arch} {key}: the header (metadata, tensor infos) differs"
+        assert got["file"] == exp["file"]
+        r.path.unlink()
+
+
+@pytest.mark.slow
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize("arch", ["qwen3_moe"])
+def test_against_llama_quantize_itself(f32, tmp_path, arch):
+    """Live, where the tools are built: llama-quantize --imatrix at Q4_K_M and qkit's file with its
+    ``qkit.export`` record differ in that one KV field only (every other field, tensor info and byte equal)."""
+    tool = benchmark_module("build_llama_ref").tool_path("llama-quantize")
+    if not tool.exists():
+        pytest.skip("llama-quantize is not built (python benchmarks/build_llama_ref.py --tools)")
+    source = f32(arch)
+    work = _work(source, tmp_path)
+    p = subprocess.run([str(tool), "--imatrix", "imatrix.gguf", str(source), "llama.gguf", "Q4_K_M", "2"],
+                       capture_output=True, text=True, cwd=work)
+    assert p.returncode == 0, p.stderr[-2000:]
+    ours = _quantize(source, "q4_k_m+imatrix", work, record=True).path
+    theirs, mine = read_header(work / "llama.gguf"), read_header(ours)
+    assert [f for f in mine.kv if f[0] != "qkit.export"] == list(theirs.kv) and mine.kv[-1][0] == "qkit.export"
+    assert mine.tensors == theirs.tensors
+    a, b = ours.read_bytes(), (work / "llama.gguf").read_bytes()
+    assert a[mine.data_offset:] == b[theirs.data_offset:]
