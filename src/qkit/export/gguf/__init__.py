@@ -40,6 +40,8 @@ The package, one module per job: ``types`` (scheme <-> ggml type, the ftype), ``
 llama.cpp names, the q/k permutation), ``metadata`` (the converter's keys, the bulk header reader, copying
 a source GGUF, qkit's record), ``tokenizer`` (a Hugging Face BPE tokenizer converted), ``writer`` (the
 ``Format``: checks, the one-file container, the streaming writer). Their public names are re-exported here.
+``converter`` (with ``rowmap`` and ``_converter_worker``) is llama.cpp's own converter, pinned and run in a
+subprocess, for every architecture it knows: import it as ``qkit.export.gguf.converter`` (docs/gguf-converter.md).
 """
 
 from __future__ import annotations

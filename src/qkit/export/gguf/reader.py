@@ -116,6 +116,21 @@ def _parse_header(buf: memoryview, n_kv: int, n_tensors: int) -> Header:
     return Header(kv, tuple(infos), start + (-start) % alignment, tuple(fields))
 
 
+def float32_tensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a GGUF whose tensors are all F32 (the converter's ``--outtype f32`` file), by its GGUF
+    name, as a read-only float32 view of the file (numpy order: ``ne`` reversed). ``InputError`` for a
+    tensor of another type."""
+    header = read_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for t in header.tensors:
+        if t.ggml_type != gguf.GGMLQuantizationType.F32:
+            raise InputError(f"{path}: tensor {t.name} is {gguf.GGMLQuantizationType(t.ggml_type).name}, not F32")
+        start = header.data_offset + t.offset
+        out[t.name] = data[start:start + 4 * math.prod(t.ne)].view(np.float32).reshape(t.ne[::-1])
+    return out
+
+
 @functools.cache
 def dequantizable(ggml_type: gguf.GGMLQuantizationType) -> bool:
     """Whether ``gguf.quants.dequantize`` has a dequantizer for the type (tried on one zero block)."""
@@ -264,6 +279,7 @@ def read_weights(path: str | Path, reference: Path, config: dict, *, what: str |
 
 __all__ = [
     "RUNTIME_TABLES",
+    "float32_tensors",
     "GGUFWeights",
     "Header",
     "StoredTensor",
