@@ -1,7 +1,7 @@
 """Helpers of the golden test of ``quantize_gguf`` against llama-quantize (tests/test_golden_requantize.py).
 
-``convert_f32`` is the one place an architecture's F32 GGUF is made by llama.cpp's pinned converter; the
-lead swaps it for qkit's bridge when that lands. ``f32_model`` caches the converter's output under the
+``convert_f32`` is the one place an architecture's F32 GGUF is made, by qkit's bridge to llama.cpp's pinned
+converter. ``f32_model`` caches the converter's output under the
 qkit cache, keyed by everything it depends on (the seeded model's builder, the tokenizer, the converter's
 commit), so a test run converts each architecture once. ``seeded_imatrix`` is an importance matrix in
 llama-imatrix's layout (one row per expert for ``_exps`` tensors) drawn from a seeded generator, and
@@ -11,47 +11,23 @@ llama-imatrix's layout (one row per expert for ``_exps`` tensors) drawn from a s
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
-import pytest
 
 from qkit.assets import cache_dir, cache_lock
+from qkit.export.gguf import converter
 from qkit.export.gguf.reader import read_header
 from qkit.export.gguf.requantize import tensor_bytes
 from qkit.methods.imatrix import Imatrix, ImatrixEntry
 from qkit.schemes.llama_rules import allows_quantization, category, llama_order
 
-LLAMA_CPP_PYTHON = "0.3.36"
-SHIM = "class SentencePieceProcessor:\n    def __init__(self, *args, **kwargs):\n        raise ImportError('sentencepiece stub')\n"
-
-
-def converter_source() -> Path:
-    """llama.cpp's source in the llama-cpp-python sdist the reference tools are built from."""
-    return cache_dir() / "llama_ref" / f"llama-cpp-python-{LLAMA_CPP_PYTHON}" / "src"
-
-
 def convert_f32(model: Path, out: Path) -> Path:
-    """``convert_hf_to_gguf.py MODEL --outtype f32 --outfile OUT`` (the pinned converter, with a stub
-    ``sentencepiece``: it is imported before the converter looks for tokenizer.model). Skips where the
-    source is absent. The lead swaps this function for the converter bridge."""
-    src = converter_source()
-    if not (src / "convert_hf_to_gguf.py").is_file():
-        pytest.skip(f"llama.cpp's converter is not at {src} (python benchmarks/build_llama_ref.py --tools)")
-    shim = out.parent / "shim"
-    shim.mkdir(parents=True, exist_ok=True)
-    (shim / "sentencepiece.py").write_text(SHIM)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(shim)])}
-    p = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(model), "--outtype", "f32",
-                        "--outfile", str(out)], env=env, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"the converter failed on {model.name}: {p.stderr[-600:]}")
-    return out
+    """The converter's F32 GGUF of ``model`` at ``out``: qkit's bridge to llama.cpp's pinned converter
+    (``qkit.export.gguf.converter.convert_f32``, the bytes of ``convert_hf_to_gguf.py --outtype f32``)."""
+    return converter.convert_f32(model, out)
 
 
 def _sha256(path: Path) -> str:
@@ -70,7 +46,7 @@ def f32_model(arch: str, tokenizer_dir: Path, work: Path) -> Path:
     for name in helpers_archs.TOKENIZER_FILES + ("config.json",):
         if (tokenizer_dir / name).is_file():
             h.update(name.encode() + (tokenizer_dir / name).read_bytes())
-    h.update(str(converter_source()).encode())
+    h.update(f"{converter.CONVERTER.name} {converter.CONVERTER.version}".encode())
     target = cache_dir() / "test-f32" / h.hexdigest()[:16] / f"{arch}.gguf"
     with cache_lock(f"test-f32-{arch}", f"the F32 GGUF of a tiny {arch}"):
         if not target.is_file():
