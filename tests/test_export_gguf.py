@@ -522,7 +522,12 @@ def test_refuses_an_architecture_it_does_not_know(tmp_path):
 
     d = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=300)).save_pretrained(str(d))
-    _refused(tmp_path, d, "writes llama and qwen2 models; ", scheme="q8_0", include=["*.c_attn.weight"])
+    # gpt2 is llama.cpp's converter's (qkit.converted), which takes no --include
+    _refused(tmp_path, d, "--include with --format gguf is for llama and qwen2 models", scheme="q8_0",
+             include=["*.c_attn.weight"])
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    _refused(tmp_path, d, "does not convert architecture 'NoSuchForCausalLM'", scheme="q8_0")
 
 
 def test_refuses_a_width_the_block_type_cannot_take(tmp_path):

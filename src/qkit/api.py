@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from qkit import converted
 from qkit.choice import Choice, QuantizeOptions, Request, check_memory, compile_choice, llama_names_of, request
 from qkit.checkpoint import checkpoint_bytes, tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype
@@ -154,6 +155,9 @@ def quantize_model(
     shapes, config = dict(tensor_shapes(ref.directory)), read_config(ref.directory)
     if isinstance(req.method_options, CalibratedOptions):  # a default window fitted to the context, then checked
         req = dataclasses.replace(req, method_options=req.method_options.fitted(config))
+    if converted.takes(opts.format, config):  # GGUF of another architecture: llama.cpp's converter, then llama-quantize's file
+        converted.check(req, opts, ref, config)
+        return converted.quantize(req, opts, ref, out, t0)
     if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
         check_memory(req, ref, shapes, config)
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts, kept))

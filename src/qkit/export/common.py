@@ -94,6 +94,8 @@ class Format(Protocol):
     torch_loads: bool  # qkit reads a file of it tensor by tensor: the torch engine measures such a file as it is
     holds_shard: bool  # its writer holds one safetensors shard in memory (``methods.memory.stream_parts``)
     unquantized_is_source: bool  # nothing quantized, it stores the source's tensors as they are: the source is it
+    # the model_types its own writer names (None: any); a GGUF of another is written from llama.cpp's converter
+    native_architectures: tuple[str, ...] | None
     written_as: str  # what a status line adds for a file written in it (" as gguf"; "" for qkit's own, the default)
 
     # ---- what it holds (the planner, the engines and the checks ask the format, never compare its name)
@@ -352,6 +354,7 @@ class SafetensorsFormat:
     torch_loads = False  # a library's layout: qkit verify reads it, the torch engine does not load it
     holds_shard = True  # ShardWriter
     unquantized_is_source = True  # with nothing quantized, every tensor is stored as read
+    native_architectures = None  # every architecture transformers loads
 
     @property
     def written_as(self) -> str:

@@ -10,7 +10,9 @@ Per model, in this order, so that a model the converter refuses costs no tensor 
 
 1. **class**: the architecture (``get_model_architecture``) and the converter's class for it.
 2. **vocab**: the class's ``set_vocab`` on an instance of its own (its writer thrown away): a tokenizer
-   the converter cannot convert fails here, before any tensor is read.
+   the converter cannot convert fails here, before any tensor is read. A job with ``"vocab": false`` (a
+   model converted from a GGUF, whose own ``tokenizer.*`` fields the caller copies) skips it, and its F32
+   file has no ``tokenizer.*`` field.
 3. **convert** (``f32``: the output path): exactly what ``convert_hf_to_gguf.py MODEL --outtype f32
    --outfile OUT`` does with every other option at its default: the class instantiated the same way,
    ``write()`` under ``torch.inference_mode()``.
@@ -84,9 +86,13 @@ def check_vocab(cls, model: Path, scratch: Path) -> None:
         raise Refused(kind, one_line(exc)) from None
 
 
-def convert(cls, model: Path, out: Path) -> None:
+def convert(cls, model: Path, out: Path, *, vocab: bool = True) -> None:
+    """``vocab=False``: no ``tokenizer.*`` field (``set_vocab`` not run): the caller has the model's own."""
+    converter = instance(cls, model, out)
+    if not vocab:
+        converter.set_vocab = lambda: None  # the instance's own: the class is the converter's, unchanged
     with torch.inference_mode():
-        instance(cls, model, out).write()
+        converter.write()
 
 
 # --- the row map -----------------------------------------------------------------------------------
@@ -250,11 +256,12 @@ def run_model(task: dict[str, Any], scratch: Path) -> dict[str, Any]:
         t = time.perf_counter()
         arch, cls = model_class(model)
         result.update(architecture=arch, converter_class=cls.__name__)
-        check_vocab(cls, model, scratch)
+        if task.get("vocab", True):
+            check_vocab(cls, model, scratch)
         result["seconds"]["checks"] = time.perf_counter() - t
         if task.get("f32"):
             t = time.perf_counter()
-            convert(cls, model, Path(task["f32"]))
+            convert(cls, model, Path(task["f32"]), vocab=task.get("vocab", True))
             result["seconds"]["f32"] = time.perf_counter() - t
         if task.get("rows"):
             t = time.perf_counter()

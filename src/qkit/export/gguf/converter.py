@@ -207,7 +207,7 @@ def _nested_architectures(config: dict[str, Any]) -> list[str]:
     return found
 
 
-def check_model(model_dir: Path) -> str:
+def check_model(model_dir: Path, *, tokenizer: bool = True) -> str:
     """The converter's class name for ``model_dir``, or ``ExportError`` in one line: an architecture it does
     not register (named), one it converts only as a vision/audio projector, a ``tokenizer.model`` without
     ``sentencepiece``. Reads only the config and the converter's cached list: instant. (A language model
@@ -224,7 +224,7 @@ def check_model(model_dir: Path) -> str:
         raise ExportError(f"{WHO} does not convert architecture {arch!r} ({len(known.text)} architectures are "
                           "registered; `python convert_hf_to_gguf.py --print-supported-models` lists them): "
                           "no GGUF can be written for this model")
-    if (model_dir / "tokenizer.model").is_file() and not sentencepiece_installed():
+    if tokenizer and (model_dir / "tokenizer.model").is_file() and not sentencepiece_installed():
         raise ExportError(f"{model_dir / 'tokenizer.model'} is a SentencePiece tokenizer, which {WHO} reads "
                           f"with the sentencepiece package: {_SENTENCEPIECE}")
     return cls
@@ -335,14 +335,18 @@ def _refusal(model: Path, error: dict[str, str]) -> ExportError:
     return ExportError(f"{WHO} failed on {model} ({kind}: {message})")
 
 
-def convert(models: Sequence[Path], *, f32: bool = True, rows: bool = True) -> list[Conversion]:
+def convert(models: Sequence[Path], *, f32: bool = True, rows: bool = True, vocab: bool = True) -> list[Conversion]:
     """For each model directory, the converter's F32 GGUF (``f32``) and row map (``rows``): from the cache,
     or made by one subprocess for all of them. Every model is checked first (``check_model``); a refusal of
-    the converter's (a tokenizer it cannot convert) is ``ExportError`` in one line, before tensor work."""
+    the converter's (a tokenizer it cannot convert) is ``ExportError`` in one line, before tensor work.
+    ``vocab=False``: the F32 file without ``tokenizer.*`` fields and the tokenizer not converted (a model
+    converted from a GGUF, whose own fields the caller copies: the converter would read the tokenizer.json
+    qkit rebuilt from them, and may take it for another model's by its hash)."""
     models = [Path(m) for m in models]
     for m in models:
-        check_model(m)
-    keys = [(_files_digest(m)[:32] if f32 else None, _shapes_digest(m)[:32] if rows else None) for m in models]
+        check_model(m, tokenizer=vocab)
+    keys = [((_files_digest(m)[:32] + ("" if vocab else "-novocab")) if f32 else None,
+             _shapes_digest(m)[:32] if rows else None) for m in models]
     cache = _cache()
     cache.mkdir(parents=True, exist_ok=True)
     paths = [(cache / f"f32-{kf}.gguf" if kf else None, cache / f"rows-{kr}" if kr else None) for kf, kr in keys]
@@ -351,7 +355,7 @@ def convert(models: Sequence[Path], *, f32: bool = True, rows: bool = True) -> l
             locks.enter_context(assets.cache_lock(f"converted-{name}", "running llama.cpp's converter on the same model"))
         pending = [i for i, (pf, pr) in enumerate(paths) if (pf and not pf.is_file()) or (pr and not RowMap.exists(pr))]
         if pending:
-            _make(models, paths, pending, cache)
+            _make(models, paths, pending, cache, vocab)
     return [Conversion(m, pf, RowMap.load(pr) if pr else None, _record(pf, pr)) for m, (pf, pr) in zip(models, paths)]
 
 
@@ -363,12 +367,14 @@ def _record(pf: Path | None, pr: Path | None) -> dict[str, Any]:
     return {}
 
 
-def _make(models: list[Path], paths: list[tuple[Path | None, Path | None]], pending: list[int], cache: Path) -> None:
+def _make(models: list[Path], paths: list[tuple[Path | None, Path | None]], pending: list[int], cache: Path,
+          vocab: bool = True) -> None:
     _log.info("running %s on %d model(s), once (cached in %s)", WHO, len(pending), cache)
     with tempfile.TemporaryDirectory(dir=cache, prefix=f".run-{os.getpid()}-") as tmp:
         scratch = Path(tmp)
         tasks = [{"model": str(models[i].resolve()),
                   "f32": str(scratch / f"{i}.gguf") if paths[i][0] and not paths[i][0].is_file() else None,
+                  "vocab": vocab,
                   "rows": str(scratch / f"rows-{i}") if paths[i][1] and not RowMap.exists(paths[i][1]) else None}
                  for i in pending]
         for i, task, result in zip(pending, tasks, _run(tasks, scratch)):
@@ -385,11 +391,11 @@ def _make(models: list[Path], paths: list[tuple[Path | None, Path | None]], pend
                 pf.with_name(pf.name.removesuffix(".gguf") + ".record.json").write_text(record, encoding="utf-8")
 
 
-def convert_f32(model_dir: Path, out_path: Path | None = None) -> Path:
+def convert_f32(model_dir: Path, out_path: Path | None = None, *, vocab: bool = True) -> Path:
     """The converter's F32 GGUF of ``model_dir`` (``convert_hf_to_gguf.py MODEL --outtype f32``'s bytes),
     cached by the digest of the model's files; copied to ``out_path`` (atomically) when given, which is
     returned, else the cached file's path (read-only use)."""
-    (done,) = convert([model_dir], f32=True, rows=False)
+    (done,) = convert([model_dir], f32=True, rows=False, vocab=vocab)
     assert done.f32 is not None
     if out_path is None:
         return done.f32

@@ -264,8 +264,10 @@ def _c_string(value: Any) -> Any:
     return value.split(b"\0", 1)[0] if isinstance(value, bytes) else value
 
 
-def output_fields(header: Header, ftype: F, imatrix: ImportanceMatrix | None) -> list[Field]:
-    """The KV fields llama-quantize writes, in its order (module docstring)."""
+def output_fields(header: Header, ftype: F, imatrix: ImportanceMatrix | None,
+                  tokenizer: Sequence[Field] | None = None) -> list[Field]:
+    """The KV fields llama-quantize writes, in its order (module docstring). ``tokenizer``: ``tokenizer.*``
+    fields that replace the source's (a model converted from a GGUF: that GGUF's own), after its other fields."""
     fields: list[Field] = []
 
     def put(key: str, vtype: int, value: Any, sub: int | None = None) -> None:  # gguf_set_val_*: remove, append
@@ -278,6 +280,10 @@ def output_fields(header: Header, ftype: F, imatrix: ImportanceMatrix | None) ->
         if vtype == V.ARRAY and sub == V.STRING and b"\0" in b"".join(value):
             value = [_c_string(v) for v in value]
         put(key, vtype, value if vtype == V.ARRAY else _c_string(value), sub)
+    if tokenizer is not None:
+        fields = [f for f in fields if not f[0].startswith("tokenizer.")]
+        for key, vtype, value, sub in tokenizer:
+            put(key, vtype, value, sub)
     put("general.quantization_version", V.UINT32, QUANTIZATION_VERSION)
     put("general.file_type", V.UINT32, int(ftype))
     fields = [f for f in fields if f[0] not in SPLIT_KEYS]
@@ -368,12 +374,14 @@ def _sha256(path: Path) -> str:
 
 def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str | Scheme,
                   imatrix: ImportanceMatrix | None = None, pure: bool = False, token_embedding_type: str | None = None,
-                  output_tensor_type: str | None = None, *, force: bool = False, record: bool = True) -> Requantized:
+                  output_tensor_type: str | None = None, *, force: bool = False, record: bool = True,
+                  tokenizer: Sequence[Field] | None = None) -> Requantized:
     """Write ``out`` (``.gguf``, or a directory for ``model.gguf``) as ``llama-quantize [--imatrix]
     [--pure] [--token-embedding-type T] [--output-tensor-type T] source_f32 out FTYPE`` would
     (module docstring). ``imatrix``: ``qkit.methods.imatrix.read(path)``, whose ``source`` (the path as
     given) becomes ``quantize.imatrix.file``. ``record``: add qkit's ``qkit.export`` record (without it the
-    file is llama-quantize's, whole). Refusals are ``QkitError`` lines, before anything is written."""
+    file is llama-quantize's, whole). ``tokenizer``: ``tokenizer.*`` fields written instead of the source's
+    (``output_fields``). Refusals are ``QkitError`` lines, before anything is written."""
     source = Path(source_f32)
     what = str(source_f32)
     ftype, scheme_pure = llama_quantize_args(ftype_or_scheme)
@@ -384,7 +392,7 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
     end = header.data_offset + max((p.info.offset + tensor_bytes(p.info.ggml_type, p.info.ne) for p in planned), default=0)
     if source.stat().st_size < end:
         raise InputError(f"{what} is truncated: its tensors end at byte {end}, the file has {source.stat().st_size}")
-    fields = output_fields(header, ftype, imatrix)
+    fields = output_fields(header, ftype, imatrix, tokenizer)
     if record:
         doc = {"format": "gguf", "format_version": EXPORT_VERSION, "qkit_version": __version__,
                "llama_cpp_commit": LLAMA_CPP_COMMIT, "source": {"file": source.name, "sha256": _sha256(source)},

@@ -21,7 +21,7 @@ MAX_TENSOR_TYPE_BYTES = 64 * 1024**2  # one PATTERN=TYPE line per tensor: a 70B 
 # what --emit-tensor-types needs of a quantize, said before its work (writing.check_tensor_types) and at the write
 NEEDS_LLAMA_TYPES = "--emit-tensor-types needs llama.cpp names: a llama or qwen2 model quantized with llama.cpp types"
 _WORD = re.compile(r"\^[^\s=]+\$=[A-Za-z0-9_]+")
-_LAYER = re.compile(r"(^|\.)(layers|h|blocks)\.\d+\.")
+_LAYER = re.compile(r"(^|\.)(layers|h|blocks|blk)\.\d+\.")  # blk.N: llama.cpp's names (a converted file)
 
 
 def read_tensor_type_file(path: str | None) -> list[str]:

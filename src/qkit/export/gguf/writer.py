@@ -101,6 +101,7 @@ class GGUFFormat:
     torch_loads = True  # reader.GGUFWeights dequantizes its tensors into the reference model (qkit eval file:PATH)
     holds_shard = False  # GGUFFileWriter spools each tensor to disk
     unquantized_is_source = False  # one file of llama.cpp's names and layout, written even with nothing quantized
+    native_architectures = ARCHITECTURES  # qkit's names and permutation; others: qkit.converted
     written_as = " as gguf"
 
     # ---- what it holds

@@ -1,0 +1,72 @@
+"""``qkit quantize --format gguf`` of an architecture qkit's own GGUF writer does not name (``qkit.converted``):
+llama.cpp's converter writes the F32 GGUF, and qkit writes llama-quantize's file from it.
+
+The file the command writes is checked tensor for tensor against ``tests/golden/requantize.json``, the
+bytes llama-quantize wrote from the same F32 file (``test_golden_requantize.py`` records them), so the
+command line, the conversion and the requantization are checked together, for a dense model (qwen3) and
+a mixture-of-experts one (qwen3_moe). The refusals come in one line, exit 2, before any work.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers_archs import make_arch_model
+from helpers_requantize import file_digest
+from typer.testing import CliRunner
+
+from qkit.cli import app
+from qkit.export.gguf import read_kv_fields
+from qkit.export.gguf.metadata import RECORD_KEY
+from qkit.export.gguf.reader import read_header
+from qkit.export.gguf.requantize import output_fields
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "requantize.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def models(default_model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("converted")
+    return {arch: make_arch_model(work / arch, arch, default_model_dir) for arch in ("qwen3", "qwen3_moe")}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_the_command_writes_llama_quantizes_file_for_another_architecture(models, tmp_path, arch):
+    out = tmp_path / f"{arch}.gguf"
+    r = CliRunner().invoke(app, ["quantize", str(models[arch]), "-s", "q4_k_m", "--format", "gguf", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    golden = GOLDEN["archs"][arch]["files"]["q4_k_m"]["tensors"]
+    assert file_digest(out)["tensors"] == golden
+    assert "written from llama.cpp's converter's F32 GGUF" in r.output
+    assert RECORD_KEY in read_header(out).fields  # qkit's record, the one difference from llama-quantize's file
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    (["--method", "gptq"], "--method gptq with --format gguf writes llama and qwen2 models"),
+    (["--keep", "none:*.down_proj.weight"], "--keep with --format gguf is for llama and qwen2 models"),
+    (["--tensor-type", "attn_v=q8_0"], "--tensor-type with --format gguf is for llama and qwen2 models"),
+])
+def test_what_the_converted_route_does_not_take_is_refused_in_one_line(models, tmp_path, extra, says):
+    out = tmp_path / "x.gguf"
+    r = CliRunner().invoke(app, ["quantize", str(models["qwen3"]), "-s", "q4_k_m", "--format", "gguf", "-o", str(out),
+                                 *extra])
+    assert r.exit_code == 2, r.output
+    assert says in r.output and "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_the_tokenizer_fields_of_a_source_gguf_replace_the_converters(models):
+    """A model converted from a GGUF keeps that GGUF's tokenizer: the F32's ``tokenizer.*`` fields are dropped
+    and the source's written after the other fields, before the ones llama-quantize appends."""
+    from qkit.export.gguf.converter import convert_f32
+
+    f32 = read_header(convert_f32(models["qwen3"]))
+    ours = [("tokenizer.ggml.model", 8, b"llama", None), ("tokenizer.ggml.tokens", 9, [b"a", b"b"], 8)]
+    fields = output_fields(f32, 15, None, ours)
+    keys = [f[0] for f in fields]
+    assert [f for f in fields if f[0].startswith("tokenizer.")] == ours
+    assert keys[-2:] == ["general.quantization_version", "general.file_type"]
+    assert keys.index("tokenizer.ggml.model") > max(i for i, k in enumerate(keys) if k.startswith("qwen3."))
+    assert any(k.startswith("tokenizer.") for k, *_ in read_kv_fields(convert_f32(models["qwen3"])))
