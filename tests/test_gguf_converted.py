@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from helpers_archs import make_arch_model
 from helpers_requantize import file_digest
 from typer.testing import CliRunner
@@ -44,7 +46,7 @@ def test_the_command_writes_llama_quantizes_file_for_another_architecture(models
 
 
 @pytest.mark.parametrize(("extra", "says"), [
-    (["--method", "gptq"], "--method gptq with --format gguf writes llama and qwen2 models"),
+    (["--method", "awq"], "--method awq with --format gguf writes llama and qwen2 models"),
     (["--keep", "none:*.down_proj.weight"], "--keep with --format gguf is for llama and qwen2 models"),
     (["--tensor-type", "attn_v=q8_0"], "--tensor-type with --format gguf is for llama and qwen2 models"),
 ])
@@ -70,3 +72,39 @@ def test_the_tokenizer_fields_of_a_source_gguf_replace_the_converters(models):
     assert keys[-2:] == ["general.quantization_version", "general.file_type"]
     assert keys.index("tokenizer.ggml.model") > max(i for i, k in enumerate(keys) if k.startswith("qwen3."))
     assert any(k.startswith("tokenizer.") for k, *_ in read_kv_fields(convert_f32(models["qwen3"])))
+
+
+def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path):
+    """mistral: llama.cpp permutes its q/k rows. ``--method gptq --format gguf`` writes, in each GGUF tensor,
+    exactly the block rows GPTQ chose for the Hugging Face matrix (the same run written as qkit's own
+    checkpoint), each at the row the converter's map says; a tensor the rules give another type (none here:
+    q4_k is --pure) would be RTN's."""
+    from qkit.checkpoint import iter_quantized
+    from qkit.export.gguf.converter import row_map
+    from qkit.export.gguf.types import ggml_blocks
+
+    model = make_arch_model(tmp_path / "mistral", "mistral", default_model_dir)
+    small = ["--calibration-samples", "4", "--calibration-seqlen", "128"]
+    gguf_out, qkit_out = tmp_path / "g.gguf", tmp_path / "q"
+    for out, fmt in ((gguf_out, "gguf"), (qkit_out, "qkit")):
+        r = CliRunner().invoke(app, ["quantize", str(model), "-s", "q4_k", "--method", "gptq", "--format", fmt,
+                                     "-o", str(out), *small])
+        assert r.exit_code == 0, r.output
+    codes = {n: ggml_blocks(qt).numpy() for n, qt in iter_quantized(qkit_out) if not isinstance(qt, torch.Tensor)}
+    rows = row_map(model)
+    header = read_header(gguf_out)
+    data = gguf_out.read_bytes()
+    names = list(rows.hf)
+    checked = 0
+    for info in header.tensors:
+        g = rows.gguf.get(info.name)
+        if g is None or g.kind != "rows" or not all(names[int(k)] in codes for k in np.unique(g.src)):
+            continue
+        per_row = codes[names[int(g.src[0])]].shape[-1]
+        expect = np.stack([codes[names[int(k)]].reshape(-1, per_row)[int(f)] for k, f in zip(g.src, g.flat)])
+        start = header.data_offset + info.offset
+        assert data[start:start + expect.nbytes] == expect.tobytes(), info.name
+        checked += 1
+    assert checked == 14  # 2 layers x q, k, v, o, gate, up, down
+    q = rows.gguf["blk.0.attn_q.weight"]
+    assert not np.array_equal(q.flat, np.arange(len(q.flat)))  # the permutation was exercised

@@ -26,21 +26,33 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
 
 from qkit.checkpoint import checkpoint_bytes
 from qkit.choice import QuantizeOptions, Request
 from qkit.errors import InputError
 from qkit.export import get_format
 from qkit.export.gguf import read_kv_fields, source_gguf
-from qkit.export.gguf.converter import check_model, convert_f32
+from qkit.export.gguf.converter import check_model, convert_f32, row_map
 from qkit.export.gguf.reader import read_header
-from qkit.export.gguf.requantize import quantize_gguf
+from qkit.export.gguf.requantize import head_type, llama_quantize_args, plan, quantize_gguf
+from qkit.export.gguf.rowmap import RowMap
+from qkit.export.gguf.types import ggml_blocks
+from qkit.methods.gptq import GPTQMethod
+from qkit.methods.imatrix import Imatrix
+from qkit.schemes.recipes import expert_count, scheme_for_type
+from qkit.transform import is_block_projection
 from qkit.methods import RTN
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.models import ModelRef
 from qkit.writing import QuantizeResult
 
+T = gguf.GGMLQuantizationType
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 # the options this route cannot honour yet, as the command line names them
 _REFUSED = (("include", "--include"), ("exclude", "--exclude"), ("keep", "--keep"), ("tensor_types", "--tensor-type"),
@@ -60,30 +72,88 @@ def check(req: Request, opts: QuantizeOptions, ref: ModelRef, config: dict) -> N
     sentencepiece), then the options it does not take."""
     arch = config.get("model_type")
     check_model(ref.directory, tokenizer=source_gguf(ref.directory, ref) is None)
-    if req.method is not None:
-        raise InputError(f"--method {req.method.name} with --format gguf writes llama and qwen2 models; a {arch} "
-                         "model's GGUF is written as llama-quantize writes it (--method rtn, with --imatrix)")
+    if req.method is not None and not isinstance(req.method, GPTQMethod):
+        raise InputError(f"--method {req.method.name} with --format gguf writes llama and qwen2 models (it changes "
+                         f"full-precision tensors too); a {arch} model's GGUF takes --method rtn or gptq")
+    if req.method is not None and expert_count(config) > 1:
+        raise InputError(f"--method {req.method.name} with --format gguf writes dense models of architecture {arch}; "
+                         "a mixture-of-experts model's GGUF takes --method rtn (with --imatrix)")
     for field_name, option in _REFUSED:
         if getattr(opts, field_name):
             raise InputError(f"{option} with --format gguf is for llama and qwen2 models; a {arch} model's GGUF takes "
                              "a recipe or block type, --imatrix, --token-embedding-type and --output-tensor-type")
 
 
-def quantize(req: Request, opts: QuantizeOptions, ref: ModelRef, out: Path, t0: float) -> QuantizeResult:
+_HEADS = ("--token-embedding-type", "--output-tensor-type")
+
+
+def _method_blocks(req: Request, ref: ModelRef, rows: RowMap, planned: list, matrix: Imatrix | None,
+                   device: torch.device) -> tuple[Callable[[str, T], np.ndarray | None], dict]:
+    """Run the calibrated method on the Hugging Face model for every block projection whose rows the converter
+    moves whole into quantized GGUF tensors of one type, each with that type (and its importance row); the
+    ``blocks`` hook that places its codes' rows where the converter puts them, and the method's record.
+    A projection the converter changes otherwise is left to ``quantize_gguf``'s RTN, and counted."""
+    types = {p.info.name: p.ggml_type for p in planned if p.converted}
+    targets, sources, weights, by_rtn = {}, {}, {}, []
+    for hf, shape in rows.hf.items():
+        if not is_block_projection(hf, shape):
+            continue
+        placed = rows.placements(hf)
+        kinds = {(p.kind, types.get(p.gguf_name)) for p in placed}
+        if not placed or len(kinds) != 1 or next(iter(kinds))[0] != "rows" or next(iter(kinds))[1] is None:
+            by_rtn.append(hf)
+            continue
+        t = next(iter(kinds))[1]
+        targets[hf] = scheme_for_type(t, hf)
+        for p in placed:
+            sources.setdefault(p.gguf_name, []).append(hf)
+            qw = matrix.quant_weights(p.gguf_name) if matrix is not None else None
+            if qw is not None:
+                weights[hf] = qw
+    done = req.method.run(ref, targets, req.method_options, device=device,
+                          **({"quant_weights": weights} if matrix is not None else {}))
+    codes = {hf: ggml_blocks(qt).numpy() for hf, qt in done.quantized.items()}
+    names = list(rows.hf)
+
+    def blocks(name: str, t: T) -> np.ndarray | None:
+        g = rows.gguf[name]
+        if name not in sources or any(hf not in codes for hf in sources[name]) or t != types[name]:
+            return None
+        per_row = codes[sources[name][0]].shape[-1]
+        out = np.empty((g.rows, per_row), dtype=np.uint8)
+        for k in np.unique(g.src):
+            (where,) = np.nonzero(g.src == k)
+            out[where] = codes[names[int(k)]].reshape(-1, per_row)[g.flat[where]]
+        return out
+
+    record = {"name": req.method.name, **done.record, "written_by_rtn": sorted(by_rtn)}
+    return blocks, record
+
+
+def quantize(req: Request, opts: QuantizeOptions, ref: ModelRef, out: Path, t0: float,
+             device: torch.device | None = None) -> QuantizeResult:
     """Convert (cached), then quantize the F32 file into ``out`` (module docstring)."""
+    device = device or torch.device("cpu")
     source = source_gguf(ref.directory, ref)
     matrix = read_imatrix(opts.imatrix) if opts.imatrix else None
     f32 = convert_f32(ref.directory, vocab=source is None)
     tokenizer = None if source is None else [f for f in read_kv_fields(source) if f[0].startswith("tokenizer.")]
-    done = quantize_gguf(f32, out, req.default, matrix, token_embedding_type=opts.token_embedding_type,
-                         output_tensor_type=opts.output_tensor_type, force=opts.force, tokenizer=tokenizer)
+    heads = opts.token_embedding_type, opts.output_tensor_type
+    blocks, method = None, None
+    if req.method is not None:
+        ftype, pure = llama_quantize_args(req.default)
+        planned, _ = plan(read_header(f32), ftype, pure, matrix, *(head_type(w, o) for w, o in zip(heads, _HEADS)), str(f32))
+        blocks, method = _method_blocks(req, ref, row_map(ref.directory), planned, matrix, device)
+    done = quantize_gguf(f32, out, req.default, matrix, token_embedding_type=heads[0], output_tensor_type=heads[1],
+                         force=opts.force, tokenizer=tokenizer, blocks=blocks)
     sizes = {t.name: math.prod(t.ne) for t in read_header(done.path).tensors}
     quantized = {n: t for n, (t, _, _) in done.tensors.items() if t not in _FLOAT_TYPES}
     parameters = sum(sizes[n] for n in quantized)
     qbytes = sum(done.tensors[n][2] for n in quantized)
     result = QuantizeResult(out, ref.spec, req.default.name, len(quantized), parameters,
                             8 * qbytes / parameters if parameters else 0.0, checkpoint_bytes(ref.directory),
-                            done.nbytes, 0.0, format="gguf", method=RTN,
+                            done.nbytes, 0.0, format="gguf", method=RTN if method is None else req.method.name,
+                            method_record=method or {},
                             schemes_used=dict(Counter(t.lower() for t in quantized.values()).most_common()),
                             types={n: t.lower() for n, t in quantized.items()},
                             kept={n: b for n, (t, _, b) in done.tensors.items() if t in _FLOAT_TYPES})

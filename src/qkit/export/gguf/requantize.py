@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -375,13 +375,15 @@ def _sha256(path: Path) -> str:
 def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str | Scheme,
                   imatrix: ImportanceMatrix | None = None, pure: bool = False, token_embedding_type: str | None = None,
                   output_tensor_type: str | None = None, *, force: bool = False, record: bool = True,
-                  tokenizer: Sequence[Field] | None = None) -> Requantized:
+                  tokenizer: Sequence[Field] | None = None,
+                  blocks: Callable[[str, T], np.ndarray | None] | None = None) -> Requantized:
     """Write ``out`` (``.gguf``, or a directory for ``model.gguf``) as ``llama-quantize [--imatrix]
     [--pure] [--token-embedding-type T] [--output-tensor-type T] source_f32 out FTYPE`` would
     (module docstring). ``imatrix``: ``qkit.methods.imatrix.read(path)``, whose ``source`` (the path as
     given) becomes ``quantize.imatrix.file``. ``record``: add qkit's ``qkit.export`` record (without it the
     file is llama-quantize's, whole). ``tokenizer``: ``tokenizer.*`` fields written instead of the source's
-    (``output_fields``). Refusals are ``QkitError`` lines, before anything is written."""
+    (``output_fields``). ``blocks(name, type)``: a tensor's block bytes chosen elsewhere (a calibrated
+    method's), or None for qkit's encoder. Refusals are ``QkitError`` lines, before anything is written."""
     source = Path(source_f32)
     what = str(source_f32)
     ftype, scheme_pure = llama_quantize_args(ftype_or_scheme)
@@ -421,7 +423,13 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
         layout, at = {}, 0
         with open(source, "rb") as src:
             for p in planned:
-                if p.converted:
+                given = blocks(p.info.name, p.ggml_type) if blocks is not None and p.converted else None
+                if given is not None:  # a method's codes (qkit.converted), placed by the converter's row map
+                    if given.nbytes != p.nbytes:
+                        raise SchemeError(f"{p.info.name}: {given.nbytes} bytes given for {p.ggml_type.name}, "
+                                          f"which stores {p.nbytes}")
+                    fout.write(memoryview(np.ascontiguousarray(given)).cast("B"))
+                elif p.converted:
                     data = encode(_floats(source, header, p.info), p)
                     fout.write(memoryview(np.ascontiguousarray(data)).cast("B"))
                 else:
