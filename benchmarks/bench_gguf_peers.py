@@ -67,7 +67,11 @@ import build_llama_ref as blr  # noqa: E402
 
 from qkit.api import QuantizeOptions, plan_model, quantize_model  # noqa: E402
 from qkit.assets import cache_dir  # noqa: E402
-from qkit.models import resolve  # noqa: E402
+from qkit.models import read_config, resolve  # noqa: E402
+from qkit.converted import takes  # noqa: E402
+from qkit.export.gguf import read_kv_fields, source_gguf  # noqa: E402
+from qkit.export.gguf.converter import convert_f32  # noqa: E402
+from qkit.export.gguf.requantize import quantize_gguf  # noqa: E402
 from qkit.plan import PlanOptions  # noqa: E402
 from qkit.catalog import check_calibration, eval_texts, model_text  # noqa: E402
 from qkit.methods.calibration import CalibrationOptions, calibration_ids  # noqa: E402
@@ -99,6 +103,18 @@ def peer_types(path: Path) -> list[str]:
 def _embedding(words: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     """``--include`` for the token embedding where ``words`` set its type (``-s q8_0`` targets the projections only)."""
     return ("model.embed_tokens.weight",) if any("token_embd" in w for w in words) else ()
+
+
+def converted_f32(ref, out: Path) -> dict:
+    """The F32 GGUF llama.cpp's tools read for a model of another architecture than llama/qwen2: the
+    converter's (``qkit.converted``), with the source GGUF's own tokenizer fields for a model qkit converted
+    from one (the pinned Gemma 3), as ``qkit quantize --format gguf`` writes them."""
+    t = time.perf_counter()
+    source = source_gguf(ref.directory, ref)
+    fields = None if source is None else [f for f in read_kv_fields(source) if f[0].startswith("tokenizer.")]
+    quantize_gguf(convert_f32(ref.directory, vocab=source is None), out, "F32", tokenizer=fields, record=False, force=True)
+    return {"command": "qkit.converted: convert_f32 + quantize_gguf(F32" + (", the source GGUF's tokenizer)" if fields else ")"),
+            "seconds": round(time.perf_counter() - t, 2), "bytes": out.stat().st_size}
 
 
 def calibration_text(model_dir: Path, source: str | None, out: Path) -> dict:
@@ -139,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="qkit's --calibration for both tools (default: qkit's mix; kjv:Genesis,Exodus: the Bible)")
     ap.add_argument("--holdout", type=int, default=0, help="gptq --holdout N (windows held out, RTN's codes where better)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="a model qkit resolves (default: the default model; gemma3-270m)")
+    ap.add_argument("--hessian-shrink", type=float, default=None, help="gptq --hessian-shrink S for every GPTQ file")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--reuse", action="store_true", help="score the files a previous run wrote (its seconds not re-measured)")
     ap.add_argument("--match-peers", action="store_true", help="qkit files at each peer file's block types (step 4)")
@@ -151,14 +169,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in types if t not in FTYPES]
     if unknown:
         raise SystemExit(f"--types: {', '.join(unknown)} not one of {', '.join(FTYPES)}")
-    work = cache_dir() / "bench_gguf_peers"
+    work = cache_dir() / ("bench_gguf_peers" + (f"-{args.model}" if args.model else ""))
     work.mkdir(parents=True, exist_ok=True)
-    ref = resolve(None)
+    ref = resolve(args.model)
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "llama_cpp_commit": blr.commit(), "threads": args.threads,
                  "load_average_start": os.getloadavg()[0], "files": {}, "steps": {}}
     f32 = work / "F32.gguf"
     if not f32.exists():
-        doc["steps"]["convert"] = b.convert_f32(ref.directory, f32, work)
+        doc["steps"]["convert"] = converted_f32(ref, f32) if takes("gguf", read_config(ref.directory)) else \
+            b.convert_f32(ref.directory, f32, work)
     cal = work / "cal.txt"
     doc["calibration"] = calibration_text(ref.directory, args.calibration, cal)
     domains = domain_texts(ref.directory, work)
@@ -172,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     doc["steps"]["imatrix"] = {"command": f"llama-imatrix -m F32.gguf -f cal.txt -c {CTX}", "seconds": round(sec, 1)}
     print(f"imatrix on {doc['calibration']['name']}: {sec:.1f} s", flush=True)
     method_options = {"holdout": args.holdout} if args.holdout else {}
+    if args.hessian_shrink is not None:
+        method_options["hessian_shrink"] = args.hessian_shrink
     if args.calibration is not None:
         method_options["calibration"] = args.calibration
 
