@@ -15,10 +15,12 @@ the Hugging Face tensors and takes every method and option. Any other architectu
    byte (qkit's record aside).
 
 What this route takes: a llama.cpp recipe (``q4_k_m``, ...) or block type (``q4_k``: ``--pure``),
-``--imatrix`` (llama-imatrix's names, or ``qkit imatrix``'s), ``--token-embedding-type`` and
-``--output-tensor-type``. Everything else (a calibrated method, ``--keep``, ``--include``, ``--exclude``,
-``--tensor-type``, a plan) is refused in one line before any work: those need the Hugging Face tensors
-mapped through the converter's row moves (``converter.row_map``), which this route does not write yet.
+``--imatrix`` (llama-imatrix's names, or ``qkit imatrix``'s), ``--token-embedding-type``,
+``--output-tensor-type``, and ``--method gptq`` for a dense model: GPTQ runs on the Hugging Face model,
+each block projection at the type its GGUF tensor gets, and its block rows are placed where the
+converter's row map (``converter.row_map``) puts them. The rest (awq and smoothquant, which change
+full-precision tensors too; a calibrated method on a mixture-of-experts model; ``--keep``, ``--include``,
+``--exclude``, ``--tensor-type``, a plan) is refused in one line before any work.
 """
 
 from __future__ import annotations
