@@ -111,7 +111,7 @@ def _method_blocks(req: Request, ref: ModelRef, rows: RowMap, planned: list, mat
             sources.setdefault(p.gguf_name, []).append(hf)
             qw = matrix.quant_weights(p.gguf_name) if matrix is not None else None
             if qw is not None:
-                weights[hf] = qw
+                weights[hf] = torch.as_tensor(np.asarray(qw, dtype=np.float32))
     done = req.method.run(ref, targets, req.method_options, device=device,
                           **({"quant_weights": weights} if matrix is not None else {}))
     codes = {hf: ggml_blocks(qt).numpy() for hf, qt in done.quantized.items()}
