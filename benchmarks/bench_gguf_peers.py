@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in types:
         ft = FTYPES[t]
         out = work / f"llama-{t}+imatrix.gguf"
-        if args.reuse and out.exists():
+        if args.reuse and all(p.exists() for p in (out, *(work / f"qkit-{t}+{m}+imatrix.gguf" for m in ("rtn", "gptq")))):
             add(f"llama.cpp {t}+imatrix", out, math.nan, "(reused)", t)
             for method in ("rtn", "gptq"):
                 add(f"qkit {t}+{method}+imatrix", work / f"qkit-{t}+{method}+imatrix.gguf", math.nan, "(reused)", t)
