@@ -338,3 +338,23 @@ def test_refusals(moe2, cal, tiny_model_dir, tmp_path):
         layout_for({"model_type": "gpt_oss", "num_local_experts": 4})
     with pytest.raises(InputError, match="does not know how deepseek_v3"):
         layout_for({"model_type": "deepseek_v3", "n_routed_experts": 8})
+
+
+def test_tensor_types_name_a_layers_stacked_experts(moe2, tmp_path):
+    """``--tensor-type`` patterns match llama.cpp's names, where a layer's experts are one ``_exps`` tensor: every
+    expert's matrix takes its type. ``--emit-tensor-types`` refuses experts of one layer in several types (llama.cpp
+    stores them as one tensor of one type)."""
+    from qkit.checkpoint import tensor_shapes
+    from qkit.choice import QuantizeOptions, compile_choice, request
+    from qkit.models import resolve
+
+    ref = resolve(str(moe2))
+    req = request(QuantizeOptions(scheme="q4_0", tensor_types=("ffn_down_exps=q8_0",)))
+    choice = compile_choice(req, ref, dict(tensor_shapes(moe2)), read_config(moe2), None)
+    down = {n: s.name for n, s in choice.targets.items() if "down_proj" in n}
+    assert down == {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight": "q8_0" for i in range(2) for e in range(2)}
+    assert choice.llama_names["model.layers.1.mlp.experts.1.up_proj.weight"] == "blk.1.ffn_up_exps.weight"
+    refused(["quantize", moe2, "-s", "q4_0", "--keep", "q8_0:*experts.1.up_proj*", "--emit-tensor-types",
+             tmp_path / "tt.txt", "-o", tmp_path / "q"], "one tensor (blk.0.ffn_up_exps.weight) of one type")
+    assert not (tmp_path / "q").exists()
+
