@@ -320,6 +320,22 @@ def test_the_imatrix_with_every_token_counts_every_token_for_every_expert(moe2):
     np.testing.assert_allclose(m.entries["blk.0.ffn_gate_exps.weight"].sums[1], gate_inp.sums[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_the_imatrix_names_every_entry_as_llama_cpp(arch):
+    """mixtral (a llama in llama.cpp) and qwen2_moe (with its shared expert and that expert's gate): the entries
+    llama-imatrix writes, the stacked ``_exps`` ones with one row per expert."""
+    model = moe_model(arch, experts=4, top_k=2)
+    ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    m = collect(model, model.config.to_dict(), ids, ImatrixOptions(chunks=2, chunk_size=16))
+    want = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"}
+    if arch == "qwen2_moe":
+        want |= {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp"}
+    assert set(m.entries) == {f"blk.{i}.{n}.weight" for i in range(2) for n in want}
+    for i in range(2):
+        e = m.entries[f"blk.{i}.ffn_down_exps.weight"]
+        assert e.sums.shape == (4, 64) and e.counts.sum() == 2 * ids.numel()  # two experts per token
+
+
 # --------------------------------------------------------------------------- refusals, one line and exit 2
 
 

@@ -22,7 +22,7 @@ from qkit.errors import ExportError
 ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2"}
 # Mixture-of-experts architectures whose tensors qkit names as llama.cpp does (importance matrices,
 # ``--tensor-type``) but whose GGUF it does not write here. llama.cpp converts mixtral as a llama model.
-NAMED_MOE = {"qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA"}
+NAMED_MOE = {"qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA"}
 # A per-expert matrix as a checkpoint stores it (``mlp.experts.3.gate_proj.weight``, ``block_sparse_moe.
 # experts.3.w1.weight``): llama.cpp's converter stacks the experts into one tensor (``blk.N.ffn_gate_exps``),
 # the expert index becoming its outermost dimension.
