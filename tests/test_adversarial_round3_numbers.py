@@ -4,8 +4,8 @@
   more) refuses the run before anything is renamed into place, whatever made it: an importance matrix of
   zeros, of 3e38s or of denormals, fractional token counts, weights below what a scale resolves. The model's
   activations overflowing fp16 refuse imatrix, gptq, plan and eval instead of writing NaN statistics. A
-  mixture-of-experts model is refused by the calibrated methods, never written by RTN under their name, and a
-  GPTQ fallback is counted on screen and in the record.
+  mixture-of-experts model is refused by the calibrated methods that do not route tokens to its experts, never
+  written by RTN under their name, and a GPTQ fallback is counted on screen and in the record.
 - Class 3: the calibration window's default is fitted to the model's context and checked like a given one.
 - Class 5: a budget above the largest mix of the allowed candidates is planned, not refused with a false reason.
 """
@@ -314,12 +314,12 @@ def moe_model(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_a_mixture_of_experts_model_is_refused_by_the_calibrated_methods(moe_model, tmp_path, cal, method):
-    """gptq exited 0 with the experts written by RTN under its name, and nothing said so."""
+def test_a_mixture_of_experts_model_is_refused_by_the_methods_that_do_not_route(moe_model, tmp_path, cal):
+    """gptq exited 0 with the experts written by RTN under its name, and nothing said so. It now calibrates each
+    expert on the tokens routed to it (tests/test_moe_calibration.py); awq, which does not, is refused."""
     with Unchanged(inputs=[moe_model], dirs=[tmp_path]):
-        assert_refused(invoke("quantize", moe_model, "-s", "int4-g16", "--method", method, "--calibration", cal,
-                              "-o", tmp_path / "q"), "mixture-of-experts", "4 experts", "--method rtn")
+        assert_refused(invoke("quantize", moe_model, "-s", "int4-g16", "--method", "awq", "--calibration", cal,
+                              "-o", tmp_path / "q"), "mixture-of-experts", "4 experts", "--method gptq")
 
 
 def test_rtn_quantizes_every_expert(moe_model, tmp_path):

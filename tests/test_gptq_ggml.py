@@ -528,7 +528,7 @@ def test_observer_refuses_what_it_cannot_round():
 def test_rtn_dequantized_is_what_rtn_writes_for_every_family(name):
     """``rtn_dequantized`` takes absmax schemes (the class, not the kind's name) through qkit's own quantizer
     without packing; bit for bit what ``quantize_tensor`` writes and decodes, for that family and the others."""
-    from qkit.methods.gptq.method import rtn_dequantized
+    from qkit.methods.gptq import rtn_dequantized
 
     W = torch.randn(8, 256, generator=torch.Generator().manual_seed(7))
     expected = quantize_tensor(W, get_scheme(name)).dequantize(torch.float32)

@@ -61,7 +61,9 @@ def test_gguf_file_reads_back_in_the_gguf_package_and_in_qkit(tmp_path):
     # llama.cpp's order: entries sorted by name, each as in_sum2 then counts
     assert list(tensors) == [n + sfx for n in sorted(m.entries) for sfx in (".in_sum2", ".counts")]
     t = tensors["blk.0.ffn_down.weight.in_sum2"]
-    assert t.tensor_type == gguf.GGMLQuantizationType.F32 and list(t.shape) == [160, 1]  # ggml ne [ne0, n_mat]
+    # ggml ne [ne0, n_mat] with n_mat 1, stored 1-D as llama-imatrix's gguf_add_tensor stores it (ggml_n_dims)
+    assert t.tensor_type == gguf.GGMLQuantizationType.F32 and list(t.shape) == [160]
+    assert list(tensors["blk.0.ffn_down.weight.counts"].shape) == [1]
     assert np.array_equal(np.asarray(t.data).reshape(-1), m.entries["blk.0.ffn_down.weight"].sums.reshape(-1))
     assert np.asarray(tensors["blk.0.attn_q.weight.counts"].data).reshape(-1).tolist() == [100.0]
     back = read(tmp_path / "im.gguf")

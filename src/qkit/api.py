@@ -368,6 +368,8 @@ class ImatrixResult:
     tokens: int
     calibration: dict
     seconds: float
+    # a mixture-of-experts model: {llama.cpp name of a stacked ``_exps`` tensor: tokens per expert}; {} for a dense one
+    expert_tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self) | {"output": str(self.output)}
@@ -390,8 +392,8 @@ def imatrix_model(
     ``qkit.methods.imatrix``) and write it as llama.cpp's GGUF imatrix file to ``output``.
 
     Refused before any work: an ``output`` that is or lies inside an input (the model, the calibration
-    file), an existing one unless ``force`` and qkit wrote it, a mixture-of-experts model or one without
-    llama.cpp names, a calibration text that overlaps the eval text or is shorter than two chunks, an
+    file), an existing one unless ``force`` and qkit wrote it, a model without llama.cpp names here or a
+    mixture-of-experts one whose experts qkit does not route calibration to, a calibration text that overlaps the eval text or is shorter than two chunks, an
     estimate (``check_collect_memory``) above ``max_memory`` bytes. ``progress(done, total)``: chunks evaluated."""
     opts = options or ImatrixOptions()
     opts.check()
@@ -418,10 +420,12 @@ def imatrix_model(
     matrix = collect(loaded.model, config, chunks, opts, on_chunk=progress, provenance=provenance)
     matrix.record = {"qkit_version": __version__, "model": ref.spec, "calibration": provenance,
                      "model_fingerprint": shapes_fingerprint(tensor_shapes(ref.directory)),
-                     "process_output": opts.process_output, "dtype": opts.dtype}
+                     "process_output": opts.process_output, "dtype": opts.dtype,
+                     "calibrate_all_experts": opts.calibrate_all_experts}
     out = Path(output)
     with staged(out, directory=False, what="-o") as tmp:
         write_gguf(matrix, tmp)
         os.replace(tmp, out)
+    per_expert = {g: [int(c) for c in e.counts] for g, e in sorted(matrix.entries.items()) if e.counts.size > 1}
     return ImatrixResult(out, ref.spec, len(matrix.entries), int(chunks.shape[0]), opts.chunk_size,
-                         int(chunks.numel()), provenance, time.perf_counter() - t0)
+                         int(chunks.numel()), provenance, time.perf_counter() - t0, per_expert)

@@ -32,7 +32,8 @@ from qkit.export import QKIT, activation_format, formats_that, get_format
 from qkit.head_types import Heads, unweighted
 from qkit.methods import RTN, CalibratedOptions, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
-from qkit.methods.imatrix import Imatrix, gguf_names, imatrix_record, quant_weights_for
+from qkit.methods.experts import check_method
+from qkit.methods.imatrix import Imatrix, gguf_names, imatrix_record, quant_weights_for, unreached_experts
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
 from qkit.methods.memory import BASELINE, Model, Need, check_need, quantized_bytes, stream_parts
@@ -41,7 +42,6 @@ from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
-from qkit.schemes.recipes import expert_count
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, TensorTypes, assign_schemes, new_manifest, shapes_fingerprint
 
@@ -260,12 +260,8 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
                          "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
     weights = quant_weights_for(req.matrix, config, shapes, targets) if req.matrix is not None else {}
     if req.method is not None:
-        if expert_count(config) > 1:  # until calibration is routed to experts: refused, never a silent RTN
-            raise InputError(
-                f"{ref.spec} is a mixture-of-experts model ({expert_count(config)} experts per layer); --method "
-                f"{req.method.name} calibrates each linear from the tokens that reach it, and qkit does not route "
-                "calibration to experts yet, so its experts would be written by rtn under the method's name: "
-                "quantize it with --method rtn (every expert is quantized)")
+        # experts are calibrated on the tokens routed to them (gptq, imatrix); another method, refused
+        check_method(config, req.method.name, req.method_options)
         for s in {s.name: s for s in targets.values()}.values():
             req.method.check(s)
         if req.method.calibrated:  # windows beyond the model's context, activations beyond memory: refused now
@@ -281,6 +277,8 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         manifest["imatrix"] = imatrix_record(req.matrix, len(weights))
         if without := unweighted(targets, shapes, weights):  # token_embd, output: as llama-quantize writes them
             manifest["imatrix"]["unweighted"] = without
+        if unreached := unreached_experts(req.matrix, config, list(targets)):  # weighted by 1s, as llama-quantize
+            manifest["imatrix"]["unreached_experts"] = unreached
     notes = [*head_notes, *(imatrix_notes(req.matrix, ref.spec, shapes) if req.matrix is not None else [])]
     return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept)
 

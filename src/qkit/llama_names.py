@@ -11,6 +11,8 @@ converter reorders the rows of ``q_proj`` and ``k_proj`` (``LlamaModel.permute``
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import torch
 
@@ -18,6 +20,13 @@ from qkit.errors import ExportError
 
 # Hugging Face model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name)
 ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2"}
+# Mixture-of-experts architectures whose tensors qkit names as llama.cpp does (importance matrices,
+# ``--tensor-type``) but whose GGUF it does not write here. llama.cpp converts mixtral as a llama model.
+NAMED_MOE = {"qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA"}
+# A per-expert matrix as a checkpoint stores it (``mlp.experts.3.gate_proj.weight``, ``block_sparse_moe.
+# experts.3.w1.weight``): llama.cpp's converter stacks the experts into one tensor (``blk.N.ffn_gate_exps``),
+# the expert index becoming its outermost dimension.
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 # Architectures whose q/k rows llama.cpp reorders (``LlamaModel.undo_permute``); Qwen2Model does not.
 _PERMUTED = {"llama"}
 _SKIPPED = (".rotary_emb.inv_freq", ".attention.masked_bias", ".attention.bias")  # the converter drops these
@@ -28,15 +37,23 @@ def arch_name(arch: str) -> str:
     return gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, ARCHITECTURES[arch])]
 
 
+def expert_index(name: str) -> int | None:
+    """The expert a per-expert matrix belongs to (``model.layers.0.mlp.experts.3.up_proj.weight``: 3), else None."""
+    found = _EXPERT.search(name)
+    return None if found is None else int(found.group(1))
+
+
 def tensor_names(arch: str, n_blocks: int, names: list[str], tied: bool) -> dict[str, str | None]:
-    """Hugging Face tensor name -> llama.cpp's (None: not written). Raises ``ExportError`` for a name llama.cpp has no slot for."""
-    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, ARCHITECTURES[arch]), n_blocks)
+    """Hugging Face tensor name -> llama.cpp's (None: not written); every expert of a mixture-of-experts layer
+    names the one stacked tensor (``blk.N.ffn_up_exps.weight``; ``expert_index`` gives its row of experts).
+    Raises ``ExportError`` for a name llama.cpp has no slot for."""
+    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, {**ARCHITECTURES, **NAMED_MOE}[arch]), n_blocks)
     out: dict[str, str | None] = {}
     for name in names:
         if name.endswith(_SKIPPED) or (tied and name == "lm_head.weight"):
             out[name] = None  # the converter drops these; a tied head is the embedding (transformers re-ties it)
             continue
-        new = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
+        new = name_map.get_name(_EXPERT.sub(".experts.", name), try_suffixes=(".weight", ".bias"))
         if new is None:
             raise ExportError(
                 f"--format gguf: llama.cpp's {arch} architecture has no tensor for {name}; "
@@ -77,4 +94,4 @@ def inverse_permutation(rows: int, n_head: int) -> torch.Tensor:
     return torch.argsort(row_permutation(rows, n_head))
 
 
-__all__ = ["ARCHITECTURES", "arch_name", "inverse_permutation", "permutation_heads", "row_permutation", "tensor_names"]
+__all__ = ["ARCHITECTURES", "NAMED_MOE", "arch_name", "expert_index", "inverse_permutation", "permutation_heads", "row_permutation", "tensor_names"]

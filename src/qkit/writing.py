@@ -158,6 +158,14 @@ def check_tensor_types(choice: Choice) -> None:
     the model has no llama.cpp names, or none of its chosen types is one of llama.cpp's."""
     if not any(is_llama_type(s) for n, s in choice.targets.items() if n in choice.llama_names):
         raise InputError(NEEDS_LLAMA_TYPES)
+    stacked: dict[str, set[str]] = {}  # a mixture-of-experts layer's experts: one llama.cpp tensor, one type
+    for n, s in choice.targets.items():
+        if n in choice.llama_names:
+            stacked.setdefault(choice.llama_names[n], set()).add(s.name)
+    mixed = sorted(g for g, kinds in stacked.items() if len(kinds) > 1)
+    if mixed:
+        raise InputError(f"--emit-tensor-types: llama.cpp stacks a layer's experts into one tensor ({mixed[0]}) of one type; "
+                         "these experts were given several: give every expert of a layer the same type")
 
 
 def emit_tensor_types(path: str | Path, result: QuantizeResult) -> None:

@@ -125,6 +125,8 @@ AlphaOpt = Annotated[
                  f"(default {_SQ_ALPHA}).", show_default=False),
 ]
 NoClipOpt = Annotated[bool, typer.Option("--no-clip", help="awq: skip the clipping search (on by default, as in AutoAWQ).")]
+# Mixture-of-experts calibration (qkit.methods.experts): quantize's gptq and imatrix, and qkit imatrix
+CalibrateAllExpertsOpt = Annotated[bool, typer.Option("--calibrate-all-experts", help="Mixture-of-experts models: every expert computes on every calibration token for its statistics (llm-compressor's moe_calibrate_all_experts), while each layer's output still combines only the router's top-k with its weights (default: each expert sees the tokens routed to it).")]
 
 
 def calibration_options(calibration: str | list[str] | None, samples: int | None, seqlen: int | None, **more) -> dict:

@@ -9,6 +9,7 @@ import typer
 from qkit import console
 from qkit.api import imatrix_model
 from qkit.cli.common import (
+    CalibrateAllExpertsOpt,
     CalibrationOpt,
     DeviceOpt,
     ForceOpt,
@@ -50,6 +51,7 @@ def imatrix(
     batch: BatchOpt = _D.batch,
     process_output: ProcessOutputOpt = _D.process_output,
     dtype: ImatrixDtypeOpt = _D.dtype,
+    calibrate_all_experts: CalibrateAllExpertsOpt = _D.calibrate_all_experts,
     device: DeviceOpt = None,
     force: ForceOpt = False,
     json_path: JsonOpt = None,
@@ -65,7 +67,7 @@ def imatrix(
     check_output_path(output, kind="file", force=force, inputs=run.inputs, describe="an importance matrix qkit wrote",
                  owned=is_qkit_imatrix)
     options = ImatrixOptions(source=joined_sources(calibration), chunks=chunks, chunk_size=chunk_size, batch=batch,
-                             process_output=process_output, dtype=dtype.lower())
+                             process_output=process_output, dtype=dtype.lower(), calibrate_all_experts=calibrate_all_experts)
     options.check()
     limit = parse_size(max_memory, "--max-memory") if max_memory is not None else None
     check_threads(threads)
@@ -87,8 +89,19 @@ def imatrix(
         ["entries", f"{r.entries} weights"],
         ["tokens", f"{r.tokens:,} ({r.chunks} chunks of {r.chunk_size})"],
         ["calibration", f"{cal['name']} (sha256 {cal['sha256'][:12]}..., disjoint from {cal['disjoint_from']['name']})"],
+        *([["experts", expert_row(r.expert_tokens, calibrate_all_experts)]] if r.expert_tokens else []),
         ["size", human_bytes(r.output.stat().st_size)],
         ["seconds", f"{r.seconds:.1f}"],
     ], title=f"qkit imatrix: {r.model}", show_header=False)
     run.write_json(r.to_dict)
+
+
+def expert_row(expert_tokens: dict[str, list[int]], every_token: bool) -> str:
+    """How the experts were reached: "4 tensors x 4 experts (one row each, as llama-imatrix); tokens per
+    expert 70 to 186, 0 reached by no token"."""
+    counts = [c for row in expert_tokens.values() for c in row]
+    rows = len(next(iter(expert_tokens.values())))
+    how = "every token sent to every expert" if every_token else f"tokens per expert {min(counts):,} to {max(counts):,}"
+    return (f"{len(expert_tokens)} tensors x {rows} experts (one row each, as llama-imatrix); {how}, "
+            f"{sum(c == 0 for c in counts)} rows reached by no token")
 

@@ -67,9 +67,11 @@ class MethodResult:
 @dataclass(frozen=True)
 class CalibratedOptions:
     """The calibration fields of every calibrated method's options dataclass (gptq, awq, smoothquant
-    extend it): which calibration tokens, as ``CalibrationOptions``' source, samples, seqlen and seed; and
+    extend it): which calibration tokens, as ``CalibrationOptions``' source, samples, seqlen and seed;
     ``dtype``, what the model runs in while it is calibrated (``--dtype``: fp32, bf16, fp16; the weights a
-    method quantizes are read from the file in their stored dtype either way)."""
+    method quantizes are read from the file in their stored dtype either way); and, for a mixture-of-experts
+    model, ``calibrate_all_experts``: every expert computes on every token for its statistics, while each
+    layer's output still combines only the router's choice (``qkit.methods.experts``)."""
 
     calibration: str | None = None  # None: the default mix (catalog.DEFAULT_MIX); a UTF-8 file; hf:DATASET
     calibration_samples: int = DEFAULT_SAMPLES
@@ -77,11 +79,15 @@ class CalibratedOptions:
     calibration_seqlen: int | None = None
     calibration_seed: int = DEFAULT_SEED
     dtype: str = "fp32"
+    calibrate_all_experts: bool = False
 
     def calibration_options(self, config: Any = None) -> CalibrationOptions:
-        """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` is checked here too),
-        with the default window fitted to ``config``'s context when a config is given."""
+        """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` and
+        ``calibrate_all_experts`` are checked here too), with the default window fitted to ``config``'s
+        context when a config is given."""
         load_dtype(self.dtype)
+        if not isinstance(self.calibrate_all_experts, bool):
+            raise InputError(f"calibrate_all_experts must be true or false, got {self.calibrate_all_experts!r}")
         options = CalibrationOptions(self.calibration, self.calibration_samples, self.calibration_seqlen,
                                      self.calibration_seed)
         return options if config is None else options.fitted(config)

@@ -48,7 +48,9 @@ Usage (a method's ``run``)::
   (``torch.cat(hidden)`` is ``[N, L, hidden]``); ``kwargs``: ``list[dict]``, the keyword arguments
   the model calls this block with, per batch (on ``device``); ``prefix``: the block's parameter-name prefix, e.g.
   ``"model.layers.3."``; ``block``: the module (on ``device`` during the call).
-* ``linears()``: the block's ``nn.Linear`` submodules by their name inside the block.
+* ``linears()``: the block's ``nn.Linear`` submodules by their name inside the block, as the checkpoint
+  names their weights (an expert's linears inside ``qkit.methods.experts.unfused_experts``:
+  ``block_sparse_moe.experts.3.w1`` for mixtral).
 * ``forward(on_input=None, on_output=None, modules=None) -> list[Tensor]``: run the block on every
   batch; for each module of ``modules`` (``{name: module}``), call ``on_input(name, x)`` with the
   module's first positional input and ``on_output(name, y)`` with its output, batch by batch (so
@@ -75,6 +77,7 @@ import torch
 
 from qkit.dtypes import check_finite
 from qkit.errors import InputError
+from qkit.methods.experts import linear_names
 
 DEFAULT_BATCH_SIZE = 8  # calibration windows per forward call
 
@@ -133,7 +136,7 @@ class BlockInputs:
     kwargs: list[dict[str, Any]]
 
     def linears(self) -> dict[str, torch.nn.Linear]:
-        return {n: m for n, m in self.block.named_modules() if isinstance(m, torch.nn.Linear)}
+        return linear_names(self.block)  # an expert's under its checkpoint name (qkit.methods.experts)
 
     @torch.no_grad()
     def forward(

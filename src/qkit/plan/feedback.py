@@ -37,7 +37,8 @@ from dataclasses import asdict
 
 import torch
 
-from qkit.methods.gptq.method import GPTQOptions, HessianInputs, output_errors, rtn_dequantized
+from qkit.methods.gptq.errors import output_errors, rtn_dequantized
+from qkit.methods.gptq.method import GPTQOptions, HessianInputs
 from qkit.methods.gptq.solver import PreparedHessian, gptq_solve, prepare_hessian
 from qkit.methods.sequential import BlockInputs, walk_blocks
 from qkit.plan.candidates import Candidate

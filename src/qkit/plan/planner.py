@@ -81,6 +81,7 @@ from qkit.plan.fisher_walk import block_targets, fisher_by_blocks
 from qkit.plan.sensitivity import Fisher, candidate_cost, fisher_diagonal
 from qkit.plan.solve import solve, tied_items
 from qkit.schemes import get_scheme
+from qkit.schemes.recipes import expert_count
 from qkit.transform import Rules, shapes_fingerprint
 from qkit.version import __version__
 
@@ -320,7 +321,11 @@ def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
              device: torch.device | str | None = None, kept: KeptMeasurements | None = None) -> int:
     """Everything the headers decide, before any model work: the byte budget against the smallest and the
     unquantized mix, and the memory (``memory_plan`` on ``device``, None: the CPU; a ``--max-memory`` too
-    small for one tensor's group refused). Returns the byte budget."""
+    small for one tensor's group refused), and a mixture-of-experts model. Returns the byte budget."""
+    if config is not None and (experts := expert_count(dict(config))) > 1:
+        raise InputError(f"{ref.spec} is a mixture-of-experts model ({experts} experts per layer): qkit plan prices a tensor "
+                         "by the Fisher of its parameter, and transformers holds a layer's experts as one fused parameter, "
+                         "so experts are not priced yet; quantize it with --scheme (and --method gptq or imatrix)")
     check_fits(options.calibration_options(), config)  # windows beyond the context, a default's too: before the budget
     sets = candidate_sets(ref, options)
     shapes = planned_targets(ref, options)

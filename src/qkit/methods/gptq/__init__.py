@@ -10,22 +10,16 @@ In llm-compressor's split:
 
 * ``solver``: the maths (Hessian, dampening with retries, dead columns, Cholesky factor of the inverse,
   the lazy-block update), tensors in, tensors out;
-* ``method``: the lifecycle (calibration, the block walk, one solve per linear, the record);
+* ``method``: the lifecycle (calibration, the block walk, one solve per linear, the record), with
+  ``errors``: the output errors it records and what rtn would write instead;
 * the grids and scale rules are observers of the schemes layer (``qkit.schemes.observers``), which RTN
   can drive too.
 
 The derivation and every numerical choice: docs/gptq.md.
 """
 
-from qkit.methods.gptq.method import (
-    METHOD,
-    SCALE_RULES,
-    GPTQMethod,
-    GPTQOptions,
-    output_error,
-    output_errors,
-    rtn_dequantized,
-)
+from qkit.methods.gptq.errors import output_error, output_errors, rtn_dequantized
+from qkit.methods.gptq.method import METHOD, SCALE_RULES, GPTQMethod, GPTQOptions
 from qkit.methods.gptq.solver import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DAMPENING,

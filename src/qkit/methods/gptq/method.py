@@ -27,12 +27,15 @@ from typing import Any
 
 import torch
 
-from qkit.bounds import show_number
+from qkit.bounds import MAX_COUNT, show_number, whole
 from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_reader, tensor_shapes
 from qkit.dtypes import check_finite
 from qkit.errors import InputError
+from qkit.llama_names import expert_index
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
+from qkit.methods.experts import DEFAULT_MIN_EXPERT_TOKENS, check_method, routed_tokens, unfused_experts
+from qkit.methods.gptq.errors import output_error, output_errors, rtn_dequantized, rtn_parts
 from qkit.methods.gptq.solver import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DAMPENING,
@@ -47,8 +50,7 @@ from qkit.methods.gptq.solver import (
 from qkit.methods.memory import RETENTION, Model, largest, walked_weights
 from qkit.methods.sequential import BlockInputs, walk_blocks
 from qkit.models import load, load_tokenizer, read_config
-from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, is_llama_type, quantize_tensor
-from qkit.schemes.absmax import dequantize_absmax, quantize_absmax
+from qkit.schemes import QuantizedTensor, Scheme, is_llama_type, quantize_tensor
 from qkit.schemes.fidelity import check_written
 from qkit.schemes.observers import SCALE_RULES as _RULES
 from qkit.schemes.base import as_2d
@@ -81,6 +83,9 @@ class GPTQOptions(CalibratedOptions):
     # calibration windows kept out of the Hessian, spread evenly over the windows; on them each tensor's GPTQ
     # codes and RTN's are compared by output error and the better is written (0: GPTQ's always)
     holdout: int = 0
+    # an expert matrix (mixture-of-experts) whose Hessian got fewer tokens is written by rtn (with the
+    # importance matrix when given): a Hessian of a few tokens fits the solve to those tokens alone
+    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
 
     def __post_init__(self) -> None:
         self.check()  # malformed options are refused when the options are made, before any model is read
@@ -106,6 +111,7 @@ class GPTQOptions(CalibratedOptions):
                 and 0 <= self.holdout < self.calibration_samples):
             raise InputError(f"--holdout must be a whole number of windows from 0 to --calibration-samples - 1 "
                              f"({show_number(self.calibration_samples - 1)}), got {show_number(self.holdout)}")
+        whole(self.min_expert_tokens, "--min-expert-tokens", 0, MAX_COUNT)
 
     def held_out(self) -> torch.Tensor:
         """bool ``[calibration_samples]``: the windows kept out of the Hessian, ``holdout`` of them spread evenly
@@ -115,38 +121,6 @@ class GPTQOptions(CalibratedOptions):
         mask = torch.zeros(n, dtype=torch.bool)
         mask[[int((j + 0.5) * n / self.holdout) for j in range(self.holdout)]] = True
         return mask
-
-
-# --------------------------------------------------------------------------- errors for the record
-
-
-def output_errors(W: torch.Tensor, W_hats: list[torch.Tensor], XtX: torch.Tensor) -> list[float]:
-    """``||W X - Ŵ X||² / ||W X||²`` for each ``Ŵ`` of ``W_hats``, from ``XtX = X Xᵀ`` (any positive scale):
-    ``tr(Δ G Δᵀ) / tr(W G Wᵀ)`` with ``Δ = W - Ŵ``; fp32 matmuls, row sums accumulated in fp64."""
-    G = XtX.to(torch.float32)
-    W = W.to(device=G.device, dtype=torch.float32)
-    den = _quadratic(W, G)
-    return [_quadratic(W - h.to(device=G.device, dtype=torch.float32), G) / den if den > 0 else 0.0 for h in W_hats]
-
-
-def _quadratic(M: torch.Tensor, G: torch.Tensor) -> float:
-    """``tr(M G Mᵀ)``: rows of ``M @ G`` dotted with rows of ``M``, summed in fp64."""
-    return float(torch.linalg.vecdot(M @ G, M).sum(dtype=torch.float64))
-
-
-def output_error(W: torch.Tensor, W_hat: torch.Tensor, XtX: torch.Tensor) -> float:
-    """``||W X - Ŵ X||² / ||W X||²`` (see ``output_errors``)."""
-    return output_errors(W, [W_hat], XtX)[0]
-
-
-def rtn_dequantized(W: torch.Tensor, scheme: Scheme, quant_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """What ``--method rtn`` (with ``--imatrix``: ``quant_weights``, llama.cpp's types) would store for ``W``
-    (fp32 ``[rows, cols]``), dequantized to fp32: absmax schemes through qkit's own quantizer without
-    packing the codes; others through ``quantize_tensor``."""
-    if isinstance(scheme, AbsmaxScheme):
-        q, scales = quantize_absmax(W, scheme.bits, scheme.granularity, scheme.scale_dtype)
-        return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
-    return quantize_tensor(W, scheme, quant_weights=quant_weights).dequantize(torch.float32)
 
 
 # --------------------------------------------------------------------------- Hessians of one block
@@ -234,12 +208,36 @@ class GPTQRun:
     checked: dict[str, float] = field(default_factory=dict)  # tensor -> relative error (check_written)
     layers: dict[str, dict[str, Any]] = field(default_factory=dict)
     blocks: list[dict[str, Any]] = field(default_factory=list)
+    routed: dict[str, int] = field(default_factory=dict)  # expert (``...mlp.experts.3``) -> tokens the router sent it
 
 
 def prepare(run: GPTQRun, XtX: torch.Tensor) -> PreparedHessian:
     """Dead columns, act-order permutation and ``U`` of one input's ``XtX`` (the column maths on one thread)."""
     with one_torch_thread():
         return prepare_hessian(XtX, run.options.dampening, run.options.act_order, run.options.hessian_shrink)
+
+
+FEW_TOKENS = "rtn (an expert whose Hessian got fewer than --min-expert-tokens tokens)"
+NO_TOKENS = "rtn (an expert no calibration token reached)"
+
+
+def few_tokens(run: GPTQRun, full: str, tokens: int) -> bool:
+    """Whether ``full`` is an expert matrix whose Hessian got fewer than ``--min-expert-tokens`` tokens (rtn)."""
+    return expert_index(full) is not None and tokens < run.options.min_expert_tokens
+
+
+def rtn_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Tensor, tokens: int) -> None:
+    """Write ``full`` by rtn (with its importance-matrix entry) instead of GPTQ's solve: an expert whose Hessian
+    got too few tokens (``few_tokens``); record it and put the dequantized weights into ``linear``."""
+    W = (linear.weight.detach() if run.read is None else run.read(full)).to(device=XtX.device, dtype=torch.float32)
+    with one_torch_thread():
+        qt, W_hat = rtn_parts(full, W, run.targets[full], run.quant_weights.get(full), tuple(linear.weight.shape),
+                              run.dtypes.get(full) or torch.float32)
+    run.checked[full] = check_written(full, W, qt, decoded=W_hat, cause="rtn (an expert with too few calibration tokens)")
+    run.layers[full] = {"rtn_error": output_error(W, W_hat, XtX) if tokens else 0.0, "tokens": tokens,
+                        "dampening_retries": 0, "fallback": FEW_TOKENS}
+    run.quantized[full] = qt
+    linear.weight.data.copy_(W_hat.to(linear.weight.device))
 
 
 def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Tensor, prepared: PreparedHessian,
@@ -269,8 +267,7 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
         gptq_held, rtn_held = output_errors(W, [W_hat, rtn], held)
         chosen = {"gptq_error_held_out": gptq_held, "rtn_error_held_out": rtn_held}
         if rtn_held < gptq_held and not solved.fallback:
-            qt = quantize_tensor(W, scheme, name=full, quant_weights=qw)
-            qt = QuantizedTensor.from_parts(qt.scheme, qt.parts, tuple(linear.weight.shape), dtype)
+            qt, _ = rtn_parts(full, W, scheme, qw, tuple(linear.weight.shape), dtype)
             W_hat, chosen["fallback"] = rtn, "rtn (lower output error on the held-out windows)"
     run.checked[full] = check_written(full, W, qt, decoded=W_hat, cause=(
         f"GPTQ's solve on {tokens} calibration tokens (dampening {solved.dampening:g}); compare --method rtn"))
@@ -301,6 +298,10 @@ class _PreHookSolver:
     def __call__(self, n: str, x: torch.Tensor) -> None:
         tp = time.perf_counter()
         owner = self.acc.add(n, x)
+        full = self.inputs.prefix + n + ".weight"
+        if few_tokens(self.run, full, self.acc.tokens[owner]):
+            rtn_linear(self.run, full, self.linears[n], self.acc.gram(owner), self.acc.tokens[owner])
+            return
         if owner == n:
             self.cache.clear()
             self.cache[owner] = prepare(self.run, self.acc.gram(owner))
@@ -323,12 +324,18 @@ def quantize_after_forward(run: GPTQRun, inputs: BlockInputs, linears: dict[str,
     inputs.forward(on_input=acc.add, modules=linears)
     prepared: dict[str, PreparedHessian] = {}
     for n in linears:
-        owner = acc.owner[n]
+        owner = acc.owner.get(n)
+        full = inputs.prefix + n + ".weight"
+        if owner is None:  # an expert no token reached: written by rtn after the walk
+            continue
+        if few_tokens(run, full, acc.tokens[owner]):
+            rtn_linear(run, full, linears[n], acc.gram(owner), acc.tokens[owner])
+            continue
         tp = time.perf_counter()
         if owner not in prepared:
             prepared[owner] = prepare(run, acc.gram(owner))
-        solve_linear(run, inputs.prefix + n + ".weight", linears[n], acc.gram(owner), prepared[owner],
-                     acc.tokens[owner], time.perf_counter() - tp, acc.held(owner))
+        solve_linear(run, full, linears[n], acc.gram(owner), prepared[owner], acc.tokens[owner],
+                     time.perf_counter() - tp, acc.held(owner))
 
 
 def quantize_block(run: GPTQRun, i: int, block: torch.nn.Module, inputs: BlockInputs) -> list[torch.Tensor] | None:
@@ -338,11 +345,13 @@ def quantize_block(run: GPTQRun, i: int, block: torch.nn.Module, inputs: BlockIn
     if not linears:
         return None
     acc = HessianInputs(inputs.prefix, run.options.held_out() if run.options.holdout else None)
+    routed_tokens(block, reset=True)  # counted from here: the pass the Hessians are accumulated on
     if run.one_pass:
         outputs = quantize_in_forward(run, inputs, linears, acc)
     else:
         quantize_after_forward(run, inputs, linears, acc)
         outputs = None
+    run.routed.update({inputs.prefix + k: v for k, v in routed_tokens(block).items()})
     acc.release()
     run.blocks.append({"block": i, "seconds": round(time.perf_counter() - t0, 3)})
     return outputs
@@ -367,6 +376,24 @@ def gptq_record(run: GPTQRun, provenance: dict[str, Any], rtn_fallback: list[str
         "rtn_fallback_reasons": {**{n: "outside the blocks (not a block linear)" for n in rtn_fallback},
                                  **{n: r["fallback"] for n, r in sorted(run.layers.items()) if "fallback" in r}},
         "seconds": round(seconds, 3),
+        **({"experts": experts_record(run)} if run.routed else {}),
+    }
+
+
+def experts_record(run: GPTQRun) -> dict[str, Any]:
+    """A mixture-of-experts model's part of the record: per expert the tokens the router sent it and those its
+    Hessians were accumulated on (all of them with ``calibrate_all_experts``), and the expert matrices written
+    by rtn for too few tokens (``min_expert_tokens``)."""
+    seen: dict[str, int] = {}
+    for name, layer in run.layers.items():
+        if expert_index(name) is not None:
+            expert = name.rsplit(".", 2)[0]  # model.layers.0.mlp.experts.3.up_proj.weight -> ...experts.3
+            seen[expert] = min(seen.get(expert, layer["tokens"]), layer["tokens"])
+    return {
+        "calibrate_all_experts": run.options.calibrate_all_experts,
+        "min_expert_tokens": run.options.min_expert_tokens,
+        "tokens": {e: {"routed": n, "calibrated_on": seen.get(e, 0)} for e, n in sorted(run.routed.items())},
+        "rtn_fallback": sorted(n for n, r in run.layers.items() if r.get("fallback") in (FEW_TOKENS, NO_TOKENS)),
     }
 
 
@@ -426,24 +453,30 @@ class GPTQMethod:
             if not is_llama_type(targets.get(name)):
                 raise InputError(f"an importance matrix weights llama.cpp's block types; {name} is not one")
         t_start = time.perf_counter()
+        config = read_config(ref.directory)
+        check_method(config, self.name, options)  # a mixture-of-experts model gptq cannot route: refused now
         # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.
         ids, provenance = calibration_ids(load_tokenizer(ref.directory, ref.trust_remote_code),
-                                          options.calibration_options(read_config(ref.directory)))
+                                          options.calibration_options(config))
         loaded = load(ref=ref, device="cpu", dtype=options.load_dtype)
         batch = options.batch_size or ids.shape[0]
         read = None if options.load_dtype == torch.float32 else tensor_reader(ref.directory, targets)
         run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights,
                       read=read)
-        # each block's weights are freed once solved: its quantized parts (kept in ``run``) take their place
-        walk_blocks(loaded.model, ids, partial(quantize_block, run), device=device, batch_size=batch, on_block=on_block,
-                    release=True)
+        # each block's weights are freed once solved: its quantized parts (kept in ``run``) take their place;
+        # each expert is one linear per matrix meanwhile, calibrated on the tokens routed to it
+        with unfused_experts(loaded.model, config, options.calibrate_all_experts):
+            walk_blocks(loaded.model, ids, partial(quantize_block, run), device=device, batch_size=batch,
+                        on_block=on_block, release=True)
         del loaded
         rtn_fallback = sorted(set(targets) - set(run.quantized))
-        if rtn_fallback:  # targets outside the blocks (or not nn.Linear): round to nearest (+ imatrix), streamed
+        if rtn_fallback:  # targets outside the blocks, experts no token reached: round to nearest (+ imatrix), streamed
             for name, tensor in iter_tensors(ref.directory):
                 if name in rtn_fallback:
                     run.quantized[name] = quantize_tensor(tensor, targets[name], name=name, quant_weights=weights.get(name))
-        record = gptq_record(run, provenance, rtn_fallback, time.perf_counter() - t_start)
+        unreached = [n for n in rtn_fallback if expert_index(n) is not None]
+        run.layers.update({n: {"tokens": 0, "dampening_retries": 0, "fallback": NO_TOKENS} for n in unreached})
+        record = gptq_record(run, provenance, sorted(set(rtn_fallback) - set(unreached)), time.perf_counter() - t_start)
         if weights:
             record["imatrix_tensors"] = len(weights)
         return MethodResult(quantized=run.quantized, replaced={}, record=record, checked=run.checked)
@@ -452,4 +485,4 @@ class GPTQMethod:
 METHOD = GPTQMethod()
 
 __all__ = ["SCALE_RULES", "GPTQMethod", "GPTQOptions", "GPTQRun", "HessianInputs", "METHOD", "gptq_record",
-           "output_error", "output_errors", "quantize_block", "rtn_dequantized", "solve_linear"]
+           "quantize_block", "solve_linear"]

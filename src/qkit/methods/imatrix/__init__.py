@@ -10,7 +10,7 @@ block type's ``quantize_row_*_impl`` path (``qkit.schemes.ggml``: ``encode(w, qu
 
 from qkit.methods.imatrix.collect import ImatrixOptions, check_collect_memory, collect, imatrix_ids
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry, read, write_gguf
-from qkit.methods.imatrix.names import gguf_names, quant_weights_for, refuse_unsupported
+from qkit.methods.imatrix.names import gguf_names, quant_weights_for, refuse_unsupported, unreached_experts
 
 
 def imatrix_record(matrix: Imatrix, weighted: int) -> dict:
@@ -30,5 +30,6 @@ __all__ = [
     "quant_weights_for",
     "read",
     "refuse_unsupported",
+    "unreached_experts",
     "write_gguf",
 ]

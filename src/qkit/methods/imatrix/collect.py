@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
@@ -44,10 +45,13 @@ from qkit.methods.calibration import (
     sample_parts,
     set_provenance,
 )
+from qkit.llama_names import expert_index
 from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
 from qkit.methods.imatrix.names import gguf_names, refuse_unsupported
 from qkit.methods.memory import BASELINE, RETENTION, Model, Need, check_need
+from qkit.methods.experts import linear_names, routers, unfused_experts
 from qkit.methods.sequential import find_blocks
+from qkit.schemes.recipes import expert_count
 from qkit.texts import Corpus, split_sources
 
 MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens)?"
@@ -59,7 +63,9 @@ class ImatrixOptions:
     ``kjv:``, ``hf:...``: ``qkit.catalog.calibration_set``); ``chunks``
     of ``chunk_size`` tokens (llama-imatrix's ``--chunks`` and ``-c``); ``batch`` chunks per forward pass;
     ``process_output``: also collect the untied ``output.weight`` (llama-imatrix's ``--process-output``);
-    ``dtype``: what the model runs in (``--dtype``: fp32, bf16, fp16; the sums are accumulated in fp32)."""
+    ``dtype``: what the model runs in (``--dtype``: fp32, bf16, fp16; the sums are accumulated in fp32);
+    ``calibrate_all_experts``: a mixture-of-experts model's experts each summed over every token, not only
+    those routed to them (``qkit.methods.experts``)."""
 
     source: str | None = None
     chunks: int = DEFAULT_SAMPLES
@@ -67,9 +73,12 @@ class ImatrixOptions:
     batch: int = 4
     process_output: bool = False
     dtype: str = "fp32"
+    calibrate_all_experts: bool = False
 
     def check(self) -> None:
         load_dtype(self.dtype)
+        if not isinstance(self.calibrate_all_experts, bool):
+            raise InputError(f"calibrate_all_experts must be true or false, got {self.calibrate_all_experts!r}")
         for name, v, low in (("--chunks", self.chunks, 1), ("--chunk-size", self.chunk_size, MIN_BATCH_TOKENS),
                              ("--batch", self.batch, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -130,27 +139,41 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
     """Run ``model`` (a transformers causal LM) on ``chunks`` ``[n, chunk_size]`` and return the matrix.
 
     The head is not run (its input is the final norm's output, hooked when ``process_output``), so the
-    collection costs the blocks' forward pass and the squares of their inputs."""
+    collection costs the blocks' forward pass and the squares of their inputs. A mixture-of-experts model
+    runs with one linear per expert matrix (``qkit.methods.experts``): each expert's sums cover the tokens
+    the router sends it (every token with ``calibrate_all_experts``), stored as llama-imatrix stores a
+    stacked ``_exps`` tensor's (``expert_entries``); its router's input is collected too (``ffn_gate_inp``)."""
     refuse_unsupported(config)
+    with unfused_experts(model, config, options.calibrate_all_experts):
+        return _collect(model, config, chunks, options, on_chunk, provenance)
+
+
+def _collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options: ImatrixOptions,
+             on_chunk: Callable[[int, int], None] | None, provenance: dict | None) -> Imatrix:
     prefix, blocks = find_blocks(model)
-    linears = {f"{prefix}.{i}.{n}.weight": m for i, b in enumerate(blocks)
-               for n, m in b.named_modules() if isinstance(m, torch.nn.Linear)}
+    inside = [(f"{prefix}.{i}.", b) for i, b in enumerate(blocks)]
+    linears = {p + n + ".weight": m for p, b in inside for n, m in linear_names(b).items()}
+    # a router is no nn.Linear in transformers; llama.cpp's ffn_gate_inp is a matrix product it collects
+    linears.update({p + n + ".weight": m for p, b in inside for n, m in routers(b).items()})
     head = model.get_output_embeddings()  # transformers' API: the lm_head
     tied = bool(config.get("tie_word_embeddings", False))
     if options.process_output and not tied and isinstance(head, torch.nn.Linear):
         linears["lm_head.weight"] = head
     names = gguf_names(config, list(linears))
-    sums = {n: torch.zeros(m.in_features, dtype=torch.float64) for n, m in linears.items()}
+    sums = {n: torch.zeros(_width(m), dtype=torch.float64) for n, m in linears.items()}
     counts = dict.fromkeys(linears, 0)
     # The last input and its squares: q/k/v (and gate/up) are called one after another on the same tensor
     # object. Held by reference, so its memory cannot be reused by another tensor while it is compared.
     last: list = [None, None]
 
     def hook(name: str) -> Callable:
+        # an expert's product is llama.cpp's MUL_MAT_ID, collected whatever its tokens; a plain one from 16
+        least = 1 if expert_index(name) is not None else MIN_BATCH_TOKENS
+
         def pre(module: torch.nn.Module, args: tuple) -> None:
             x = args[0]
             tokens = x.numel() // x.shape[-1]
-            if tokens < MIN_BATCH_TOKENS:
+            if tokens < least:
                 return
             if last[0] is x:
                 sq = last[1]
@@ -164,11 +187,9 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
             counts[name] += tokens
         return pre
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items() if n != "lm_head.weight"]
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
     base = model.base_model  # transformers' API: the model without its head (what llama.cpp's blk.* run in)
     run_base = base is not model and "lm_head.weight" not in linears
-    if "lm_head.weight" in linears:
-        handles.append(linears["lm_head.weight"].register_forward_pre_hook(hook("lm_head.weight")))
     device = next(model.parameters()).device
     try:
         with torch.inference_mode():
@@ -181,11 +202,32 @@ def collect(model: torch.nn.Module, config: dict, chunks: torch.Tensor, options:
         for h in handles:
             h.remove()
         last[0] = last[1] = None
+    experts = {n for n in linears if expert_index(n) is not None}
     entries = {names[n]: ImatrixEntry(sums[n].to(torch.float32).numpy().reshape(1, -1),
                                       torch.tensor([counts[n]], dtype=torch.float32).numpy())
-               for n in linears if counts[n] > 0}
+               for n in linears if counts[n] > 0 and n not in experts}
+    entries.update(expert_entries({n: (names[n], sums[n], counts[n]) for n in experts}, expert_count(config)))
     datasets = [provenance["name"]] if provenance else []
     return Imatrix(entries, chunk_count=chunks.shape[0], chunk_size=options.chunk_size, datasets=datasets)
+
+
+def _width(module: torch.nn.Module) -> int:
+    """The input width of a linear or a router (a module with a ``weight [out, in]``)."""
+    return int(module.weight.shape[-1])
+
+
+def expert_entries(collected: dict[str, tuple[str, torch.Tensor, int]], experts: int) -> dict[str, ImatrixEntry]:
+    """llama-imatrix's entries of the stacked ``_exps`` tensors from each expert matrix's ``(llama.cpp name, sums
+    fp64 [in], tokens)``: ``sums`` ``[experts, in]`` with expert ``e``'s in row ``e`` and ``counts`` ``[experts]``
+    (0 and a row of zeros for an expert no token reached, as llama-imatrix writes "partial data")."""
+    out: dict[str, ImatrixEntry] = {}
+    for name, (g, sq, tokens) in sorted(collected.items()):
+        if g not in out:
+            out[g] = ImatrixEntry(np.zeros((experts, sq.numel()), dtype=np.float32), np.zeros(experts, dtype=np.float32))
+        e = expert_index(name)
+        out[g].sums[e] = sq.to(torch.float32).numpy()
+        out[g].counts[e] = tokens
+    return out
 
 
 def collect_memory(model: Model, options: ImatrixOptions) -> dict[str, int]:

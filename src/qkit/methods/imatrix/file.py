@@ -4,8 +4,9 @@
 "imatrix"``, ``imatrix.datasets`` (array of strings), ``imatrix.chunk_count`` and ``imatrix.chunk_size``
 (u32); per weight ``NAME`` (llama.cpp's tensor name, ``blk.3.attn_q.weight``) two F32 tensors in sorted
 name order: ``NAME.in_sum2`` ggml ``[ne0, n_mat]`` (numpy ``[n_mat, ne0]``), the sum over the collected
-tokens of ``x[j]**2`` for each input column ``j`` (one row per expert), and ``NAME.counts`` ``[1, n_mat]``,
-the number of tokens each row summed.
+tokens of ``x[j]**2`` for each input column ``j`` (one row per expert of a stacked ``_exps`` tensor:
+``n_mat`` experts; 1 for any other), and ``NAME.counts`` ``[1, n_mat]``, the number of tokens each row
+summed. A dense entry's two tensors are stored 1-D (``[ne0]``, ``[1]``): gguf drops a trailing 1.
 
 **Legacy** (``save_imatrix_legacy``): int32 ``n_entries``; per entry int32 ``len``, the name, int32
 ``ncall``, int32 ``nval``, ``nval`` float32 ``(sum / count) * ncall``; then optionally int32 ``chunk_count``
@@ -102,8 +103,13 @@ def write_gguf(imatrix: Imatrix, path: Path) -> None:
         w.add_string(KEY_QKIT, jsontext.dumps(imatrix.record, what=f"{path}: its {KEY_QKIT} record"))
     for name in sorted(imatrix.entries):
         e = imatrix.entries[name]
-        w.add_tensor(name + SUMS, np.ascontiguousarray(e.sums, dtype=np.float32).reshape(-1, e.width))
-        w.add_tensor(name + COUNTS, np.asarray(e.counts, dtype=np.float32).reshape(-1, 1))
+        # ggml ne [ne0, n_mat] and [1, n_mat], as llama-imatrix makes them; gguf_add_tensor stores ggml_n_dims
+        # dimensions, so a dense entry's (n_mat 1) are 1-D: [ne0] and [1]
+        sums = np.ascontiguousarray(e.sums, dtype=np.float32).reshape(-1, e.width)
+        counts = np.asarray(e.counts, dtype=np.float32).reshape(-1, 1)
+        dense = sums.shape[0] == 1
+        w.add_tensor(name + SUMS, sums.reshape(-1) if dense else sums)
+        w.add_tensor(name + COUNTS, counts.reshape(-1) if dense else counts)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

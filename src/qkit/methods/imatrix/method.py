@@ -21,7 +21,7 @@ from qkit.dtypes import load_dtype
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.imatrix.collect import ImatrixOptions, collect, collect_memory, imatrix_ids
 from qkit.methods.memory import Model
-from qkit.methods.imatrix.names import quant_weights_for, refuse_unsupported
+from qkit.methods.imatrix.names import quant_weights_for, refuse_unsupported, unreached_experts
 from qkit.models import ModelRef, load, read_config
 from qkit.schemes import QuantizedTensor, Scheme, is_llama_type, quantize_tensor
 
@@ -35,7 +35,8 @@ class ImatrixMethodOptions(CalibratedOptions):
 
     def collection(self) -> ImatrixOptions:
         return ImatrixOptions(source=self.calibration, chunks=self.calibration_samples,
-                              chunk_size=self.seqlen, batch=self.batch_size, dtype=self.dtype)
+                              chunk_size=self.seqlen, batch=self.batch_size, dtype=self.dtype,
+                              calibrate_all_experts=self.calibrate_all_experts)
 
     def __post_init__(self) -> None:
         self.collection().check()
@@ -80,6 +81,8 @@ class ImatrixMethod:
                 quantized[name] = quantize_tensor(w, targets[name], name=name, quant_weights=weights.get(name))
         record = {"calibration": provenance, "imatrix": matrix.to_record(len(weights)), "dtype": options.dtype,
                   "seconds": round(time.perf_counter() - t0, 3)}
+        if unreached := unreached_experts(matrix, config, list(targets)):  # weighted by 1s, as llama-quantize
+            record["imatrix"]["unreached_experts"] = unreached
         return MethodResult(quantized, {}, record)
 
 

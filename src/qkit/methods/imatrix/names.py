@@ -12,12 +12,19 @@ weights columns, so it applies unchanged.
 * an entry that cannot weight a search (``qkit.schemes.ggml.importance_problem``: all zeros, a largest value
   outside the range where llama.cpp's fp32 searches stay exact, NaN, inf or negative values): llama-quantize
   writes such a tensor as zeros;
-* a quantized tensor with no entry, or whose entry counts no token (llama-quantize weights it by 1s). llama-quantize instead logs "did not find weights for ..." and
+* an entry with another number of rows than the model's tensor has experts (one for a dense tensor; one
+  per expert for a mixture-of-experts layer's stacked ``_exps`` tensor, whose row ``e`` weights expert
+  ``e``'s matrix): a matrix from another model, or a legacy ``.dat`` that runs the experts together;
+* a quantized tensor with no entry, or whose entry counts no token (llama-quantize weights it by 1s).
+  llama-quantize instead logs "did not find weights for ..." and
   quantizes that tensor without weights, so one file silently mixes weighted and unweighted tensors;
   qkit refuses, and ``--exclude`` (or a matrix that covers the tensor) is the way through. Except
   ``token_embd`` and ``output`` (a recipe's whole file): llama-imatrix never collects the first and the second
   only with ``--process-output``, so every llama.cpp file of a recipe quantizes them without weights where the
   matrix has no entry; qkit writes the same bytes (the manifest's ``imatrix.unweighted`` names them).
+  And an expert's row that counts no token: the experts a calibration text never reaches are a mixture-of-
+  experts model's normal case (llama-imatrix writes such "partial data"); llama-quantize and qkit weight
+  that expert by 1s (the manifest's ``imatrix.unreached_experts`` names them).
 """
 
 from __future__ import annotations
@@ -29,22 +36,22 @@ import numpy as np
 import torch
 
 from qkit.errors import InputError
-from qkit.llama_names import ARCHITECTURES, tensor_names
+from qkit.llama_names import ARCHITECTURES, NAMED_MOE, expert_index, tensor_names
+from qkit.methods.experts import layout_for
 from qkit.methods.imatrix.file import Imatrix
 from qkit.schemes.ggml import GGMLScheme, importance_problem, uses_importance
 from qkit.schemes.recipes import expert_count, tensor_category
 
 def refuse_unsupported(config: Mapping) -> None:
-    """One line for a model whose importance matrix qkit does not collect: mixture-of-experts (llama.cpp
-    keeps one row per expert; qkit does not route), and architectures without llama.cpp names here."""
-    experts = expert_count(config)
-    if experts > 1:
-        raise InputError(f"importance matrices of mixture-of-experts models ({experts} experts) are not supported; "
-                         "use llama-imatrix, whose file qkit reads")
+    """One line for a model whose importance matrix qkit does not collect: an architecture without llama.cpp
+    names here, a mixture-of-experts one whose experts qkit does not route calibration to
+    (``qkit.methods.experts.layout_for``)."""
     arch = config.get("model_type")
-    if arch not in ARCHITECTURES:
+    named = {**ARCHITECTURES, **NAMED_MOE}
+    if arch not in named:
         raise InputError(f"importance matrices name tensors as llama.cpp does; model_type {arch!r} is not one qkit "
-                         f"maps ({', '.join(sorted(ARCHITECTURES))})")
+                         f"maps ({', '.join(sorted(named))})")
+    layout_for(config)
 
 
 def gguf_names(config: Mapping, names: list[str]) -> dict[str, str]:
@@ -60,6 +67,7 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
     """``{hf name: fp32 [cols]}`` for every target whose scheme takes an importance matrix; refusals as in
     the module docstring. ``shapes``: every tensor of the model; ``targets``: ``{name: scheme}``."""
     src = imatrix.source or "the importance matrix"
+    experts = expert_count(dict(config))
     to_gguf = gguf_names(config, [n for n in shapes if n.endswith(".weight")])
     by_gguf = {g: n for n, g in to_gguf.items()}
     unknown = sorted(e for e in imatrix.entries if e not in by_gguf)
@@ -67,13 +75,20 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
         raise InputError(f"--imatrix {src}: {len(unknown)} entries name no tensor of this model ({', '.join(unknown[:3])}); "
                          "it was collected from another model")
     for g, e in imatrix.entries.items():
+        if imatrix.legacy and expert_index(by_gguf[g]) is not None:  # its experts' rows run together in one
+            raise InputError(f"--imatrix {src}: a legacy .dat matrix keeps one row for {g}, whose experts it runs "
+                             "together; give llama-imatrix's GGUF (one row per expert) or qkit imatrix's")
         shape = shapes.get(by_gguf[g])
         cols = shape[-1] if shape else None
         if shape is not None and e.width != cols:
             raise InputError(f"--imatrix {src}: entry {g} has {e.width} columns, the model's {by_gguf[g]} has {cols}; "
                              "it was collected from another model")
-        if e.sums.shape[0] != 1:
-            raise InputError(f"--imatrix {src}: entry {g} has {e.sums.shape[0]} expert rows; qkit quantizes dense models only")
+        rows = experts if expert_index(by_gguf[g]) is not None else 1
+        if e.sums.shape[0] != rows:  # llama-imatrix keeps one row per expert of an ``_exps`` tensor, one otherwise
+            theirs = f"has {rows} experts per layer" if rows > 1 else f"has no experts in {by_gguf[g]}"
+            held = f"{e.sums.shape[0]} expert rows" if e.sums.shape[0] != 1 else "1 row, not one per expert"
+            raise InputError(f"--imatrix {src}: entry {g} holds {held}, the model {theirs}; "
+                             "it was collected from another model")
     out: dict[str, torch.Tensor] = {}
     missing = []
     for name, scheme in targets.items():
@@ -87,8 +102,11 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
         if qw is None:
             missing.append(g or name)
             continue
+        expert = expert_index(name)
+        if expert is not None:  # the expert's row of the stacked entry: 1s where no token reached it, as llama-quantize
+            qw = qw.reshape(experts, -1)[expert]
         # llama-quantize rounds a count to whole tokens (std::lround) and weights a row of 0 by 1s
-        if (np.rint(imatrix.entries[g].counts.astype(np.float64)) <= 0).any():
+        elif (np.rint(imatrix.entries[g].counts.astype(np.float64)) <= 0).any():
             raise InputError(f"--imatrix {src}: entry {g} counts 0 tokens, so it holds no statistics and {name} would be "
                              "quantized without weights; collect a matrix whose calibration reaches it, or --exclude it")
         problem = importance_problem(torch.from_numpy(np.ascontiguousarray(qw, dtype=np.float32)))
@@ -104,4 +122,16 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
     return out
 
 
-__all__ = ["gguf_names", "quant_weights_for", "refuse_unsupported"]
+def unreached_experts(imatrix: Imatrix, config: Mapping, names: list[str]) -> list[str]:
+    """The expert matrices among ``names`` whose row of ``imatrix`` counts no token: llama-quantize (and qkit)
+    weight them by 1s, as if the matrix had no entry for them (the manifest names them)."""
+    to_gguf = gguf_names(config, names)
+    out = []
+    for name in names:
+        e, expert = imatrix.entries.get(to_gguf.get(name, "")), expert_index(name)
+        if e is not None and expert is not None and expert < e.counts.size and np.rint(float(e.counts[expert])) <= 0:
+            out.append(name)
+    return sorted(out)
+
+
+__all__ = ["gguf_names", "quant_weights_for", "refuse_unsupported", "unreached_experts"]

@@ -1,0 +1,261 @@
+"""Mixture-of-experts in the calibrated methods: each expert matrix its own ``nn.Linear`` while they run.
+
+transformers (5.x) holds a mixture-of-experts layer's experts fused, as one module with two 3-D
+parameters: ``gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows) and ``down_proj``
+``[E, H, I]``, called as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``. A
+checkpoint stores one 2-D matrix per expert (``mlp.experts.3.gate_proj.weight``, mixtral's
+``block_sparse_moe.experts.3.w1.weight``), and qkit quantizes those. The methods hook ``nn.Linear``
+modules, so none of them would see an expert.
+
+``unfused_experts(model, config, every_token)`` replaces, for the duration of a method, each fused module by
+``ExpertLinears``: one ``nn.Linear`` per expert matrix (views of the fused weights, no copy), named as the
+checkpoint names them (``linear_names``), whose forward routes exactly as the fused one: expert ``e`` runs
+on the tokens whose top-k holds ``e`` and its output, times the router's weight, is added to those
+tokens'. Each expert's linears therefore see exactly the tokens the router sends it. With ``every_token``
+(llm-compressor's ``moe_calibrate_all_experts``) every expert runs on every token, so its statistics
+cover them all, and the layer's output still combines only the router's top-k with its weights. On exit
+the fused modules are put back, holding whatever weights the linears hold then (a method's quantized
+ones), or nothing where a walk released them.
+
+Layer 5 (``methods``), below the methods that use it (``sequential``, ``gptq``, ``imatrix``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from qkit.errors import InputError
+from qkit.schemes.recipes import expert_count
+
+DEFAULT_MIN_EXPERT_TOKENS = 128  # an expert matrix calibrated on fewer tokens is written by rtn (gptq)
+# The methods that calibrate experts through ``unfused_experts``; the others are refused for a
+# mixture-of-experts model (``check_method``).
+ROUTED_METHODS = ("gptq", "imatrix")
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where an architecture keeps its experts: ``moe`` the sparse block's attribute in a decoder layer
+    (in memory), ``stored`` its name in the checkpoint, ``gate``/``up``/``down`` the stored names of each
+    expert's three matrices, ``router`` the router's attribute in the sparse block."""
+
+    moe: str
+    stored: str
+    gate: str
+    up: str
+    down: str
+    router: str = "gate"
+
+    @property
+    def names(self) -> tuple[str, str, str]:
+        return self.gate, self.up, self.down
+
+
+_QWEN = ExpertLayout("mlp", "mlp", "gate_proj", "up_proj", "down_proj")
+# model_type -> layout: transformers' conversion mapping (``conversion_mapping.py``: qwen2_moe's pattern,
+# mixtral's with ``.block_sparse_moe.`` renamed ``.mlp.``), for the architectures whose fused forward
+# ``ExpertLinears`` reproduces (tests/test_moe_calibration.py)
+LAYOUTS: dict[str, ExpertLayout] = {
+    "qwen2_moe": _QWEN,
+    "qwen3_moe": _QWEN,
+    "mixtral": ExpertLayout("mlp", "block_sparse_moe", "w1", "w3", "w2"),
+}
+# Why another mixture-of-experts architecture's experts are not calibrated, where that is known
+_WHY_NOT = {
+    "gpt_oss": "gpt_oss stores each layer's experts as 3-D tensors [experts, in, out] (mlp.experts.gate_up_proj, "
+               "gate and up interleaved by column, with biases), not one 2-D matrix per expert, which is what qkit "
+               "quantizes (--method rtn quantizes its attention and keeps the experts in their source dtype)",
+}
+
+
+def layout_for(config: Mapping[str, Any]) -> ExpertLayout | None:
+    """The experts' layout of a mixture-of-experts ``config``; None for a dense model. A mixture-of-experts
+    architecture qkit does not route calibration through is refused in one line naming why."""
+    n = expert_count(dict(config))
+    if n <= 1:
+        return None
+    arch = str(config.get("model_type"))
+    if arch in LAYOUTS:
+        return LAYOUTS[arch]
+    why = _WHY_NOT.get(arch, f"qkit does not know how {arch} holds its experts: quantize it with --method rtn")
+    raise InputError(f"a mixture-of-experts {arch} model ({n} experts per layer): calibration is routed to the experts of "
+                     f"{', '.join(sorted(LAYOUTS))} models only; {why}")
+
+
+def check_method(config: Mapping[str, Any], method: str, options: Any) -> None:
+    """Refuse, in one line before any work, a calibrated ``method`` (with ``options``) that cannot serve a
+    model of ``config``: ``--calibrate-all-experts`` without experts; on a mixture-of-experts model, a method
+    other than gptq and imatrix, an architecture without a layout, and ``--holdout``."""
+    every = bool(getattr(options, "calibrate_all_experts", False))
+    n = expert_count(dict(config))
+    if n <= 1:
+        if every:
+            raise InputError("--calibrate-all-experts sends every calibration token to every expert; this model has no "
+                             "experts: drop it")
+        return
+    if method not in ROUTED_METHODS:
+        raise InputError(
+            f"--method {method} is not run on mixture-of-experts models ({n} experts per layer): it folds one scale per "
+            "input channel into the norm that the router and every expert read, and qkit searches that scale for "
+            "linears it runs as one module, not across routed experts; use --method gptq (or imatrix)")
+    layout_for(config)
+    if getattr(options, "holdout", 0):
+        raise InputError("--holdout keeps whole calibration windows out of each Hessian; an expert is calibrated on the "
+                         "tokens routed to it, not on windows: drop --holdout for a mixture-of-experts model")
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    """An ``nn.Linear`` whose weight is ``weight`` itself (a view: nothing is copied)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
+class _Expert(torch.nn.Module):
+    """One expert: ``down(act(gate(x)) * up(x))``, its linears under the checkpoint's names."""
+
+    def __init__(self, layout: ExpertLayout, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                 act: torch.nn.Module) -> None:
+        super().__init__()
+        for name, w in zip(layout.names, (gate, up, down)):
+            self.add_module(name, _linear(w))
+        object.__setattr__(self, "_act", act)  # the fused module's, shared: not a submodule of each expert
+        object.__setattr__(self, "_names", layout.names)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self._names)
+        return down(self._act(gate(x)) * up(x))
+
+
+class ExpertLinears(torch.nn.ModuleList):
+    """A fused experts module as one ``_Expert`` per expert (see the module docstring). ``routed``: int64
+    ``[E]``, the tokens the router has sent each expert since it was last zeroed."""
+
+    def __init__(self, fused: torch.nn.Module, layout: ExpertLayout, every_token: bool, router: torch.nn.Module):
+        gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
+        inter = down.shape[2]
+        super().__init__(_Expert(layout, gate_up[e, :inter], gate_up[e, inter:], down[e], fused.act_fn)
+                         for e in range(gate_up.shape[0]))
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "every_token", every_token)
+        object.__setattr__(self, "router", router)  # the sparse block's: its input is the experts'
+        object.__setattr__(self, "routed", torch.zeros(len(self), dtype=torch.int64))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """``hidden_states`` ``[T, H]``, ``top_k_index`` int ``[T, k]``, ``top_k_weights`` ``[T, k]`` -> ``[T, H]``:
+        ``sum over the k chosen e of weight * expert_e(x)``, experts in index order as transformers adds them."""
+        out = torch.zeros_like(hidden_states)
+        picks = top_k_index.reshape(-1)
+        self.routed += torch.bincount(picks[picks < len(self)].cpu(), minlength=len(self))
+        for e, expert in enumerate(self):
+            pos, token = torch.where(top_k_index.T == e)  # the order transformers' one-hot mask gives
+            if self.every_token:
+                y = expert(hidden_states)[token]
+            elif token.numel():
+                y = expert(hidden_states[token])
+            else:
+                continue
+            out.index_add_(0, token, (y * top_k_weights[token, pos, None]).to(out.dtype))
+        return out
+
+    def stored_path(self, path: str) -> str:
+        """This module's path (``path``, e.g. ``mlp.experts`` or ``model.layers.0.mlp.experts``) as the checkpoint
+        names it (mixtral: ``model.layers.0.block_sparse_moe.experts``)."""
+        head = path[: len(path) - len(self.layout.moe + ".experts")]
+        return f"{head}{self.layout.stored}.experts"
+
+    def restore(self, fused: torch.nn.Module) -> None:
+        """Put the experts' current weights back into ``fused``'s two parameters (empty where they were released)."""
+        gate, up, down = ([getattr(e, n).weight.data for e in self] for n in self.layout.names)
+        if any(w.numel() == 0 for w in (*gate, *up, *down)):
+            fused.gate_up_proj.data = torch.empty(0, dtype=fused.gate_up_proj.dtype)
+            fused.down_proj.data = torch.empty(0, dtype=fused.down_proj.dtype)
+            return
+        fused.gate_up_proj.data = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+        fused.down_proj.data = torch.stack(down)
+
+
+def _fused(module: torch.nn.Module) -> bool:
+    w = getattr(module, "gate_up_proj", None)
+    return isinstance(w, torch.Tensor) and w.ndim == 3 and not isinstance(module, ExpertLinears)
+
+
+def _check_fused(name: str, module: torch.nn.Module, layout: ExpertLayout) -> None:
+    """The fused layout ``ExpertLinears`` reproduces: concatenated gate/up, [out, in] per expert, no biases, a
+    gate, no norm after each expert (transformers' ``use_experts_implementation`` flags)."""
+    flags = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
+             "has_post_expert_norm": False}
+    odd = [k for k, v in flags.items() if getattr(module, k, v) != v]
+    params = {n for n, _ in module.named_parameters(recurse=False)}
+    if odd or params != {"gate_up_proj", "down_proj"} or not name.endswith(f"{layout.moe}.experts"):
+        raise InputError(f"{name} ({type(module).__name__}) is not the fused experts layout qkit routes calibration "
+                         f"through ({', '.join(odd) or ', '.join(sorted(params))}); quantize it with --method rtn")
+
+
+@contextmanager
+def unfused_experts(model: torch.nn.Module, config: Mapping[str, Any], every_token: bool = False) -> Iterator[list[ExpertLinears]]:
+    """Within the block, every fused experts module of ``model`` is an ``ExpertLinears`` (module docstring);
+    yields them (none for a dense model). A mixture-of-experts model without one is refused in one line."""
+    layout = layout_for(config)
+    swapped: list[tuple[torch.nn.Module, torch.nn.Module, ExpertLinears]] = []
+    try:
+        if layout is not None:
+            for name, module in list(model.named_modules()):
+                if not _fused(module):
+                    continue
+                _check_fused(name, module, layout)
+                parent = model.get_submodule(name.rpartition(".")[0])
+                unfused = ExpertLinears(module, layout, every_token, getattr(parent, layout.router))
+                # the views own the weights now: a walk that releases a block's parameters frees them
+                module.gate_up_proj.data = torch.empty(0, dtype=module.gate_up_proj.dtype)
+                module.down_proj.data = torch.empty(0, dtype=module.down_proj.dtype)
+                parent.experts = unfused
+                swapped.append((parent, module, unfused))
+            if not swapped:
+                raise InputError(f"{type(model).__name__} holds no fused experts module although its config gives "
+                                 f"{expert_count(dict(config))} experts; quantize it with --method rtn")
+        yield [u for _, _, u in swapped]
+    finally:
+        for parent, fused, unfused in reversed(swapped):
+            unfused.restore(fused)
+            parent.experts = fused
+
+
+def linear_names(root: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every ``nn.Linear`` under ``root`` by its name as the checkpoint names the weight, ``.weight`` left off
+    (an expert's: ``block_sparse_moe.experts.3.w1`` for mixtral, though it sits at ``mlp.experts.3.w1``)."""
+    renames = [(n + ".", m.stored_path(n) + ".") for n, m in root.named_modules() if isinstance(m, ExpertLinears)]
+    out = {}
+    for n, m in root.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            old, new = next(((o, s) for o, s in renames if n.startswith(o)), ("", ""))
+            out[new + n[len(old):]] = m
+    return out
+
+
+def routers(root: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The router of every ``ExpertLinears`` under ``root``, by its weight's stored name, ``.weight`` left off
+    (``mlp.gate``, ``block_sparse_moe.gate``): its input is the tokens the experts choose among."""
+    return {m.stored_path(n)[: -len(".experts")] + "." + m.layout.router: m.router
+            for n, m in root.named_modules() if isinstance(m, ExpertLinears)}
+
+
+def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
+    """The tokens the router has sent each expert under ``root`` (by its stored prefix,
+    ``mlp.experts.3``), since the counts were last reset; ``reset``: zero them after reading."""
+    out = {}
+    for n, m in root.named_modules():
+        if isinstance(m, ExpertLinears):
+            out.update({f"{m.stored_path(n)}.{e}": int(c) for e, c in enumerate(m.routed.tolist())})
+            if reset:
+                m.routed.zero_()
+    return out
+
+
+__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "LAYOUTS", "ROUTED_METHODS", "ExpertLayout", "ExpertLinears", "check_method",
+           "layout_for", "linear_names", "routed_tokens", "routers", "unfused_experts"]
