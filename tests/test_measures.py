@@ -25,7 +25,7 @@ from qkit.evaluation.domains import domain_rows
 from qkit.evaluation.klstats import llama_kl_stats
 from qkit.evaluation.measures import MEASURES, Evidence, TokenMeasure, measure_values, num
 from qkit.evaluation.measures.builtin import KLP99
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 from qkit.jsonfields import MEASURE
 
 

@@ -140,7 +140,7 @@ def eval_(
         options = dataclasses.replace(options, repetition_penalty=False)
     if no_battery:
         options = dataclasses.replace(options, battery=False)
-    options.validate()  # every check that needs no model, before the model is touched
+    options.resolve()  # every check that needs no model, before the model is touched
     run.use_threads()
     report = evaluation.evaluate(model, options=options, on_status=console.status)
     render_eval(report)

@@ -23,7 +23,8 @@ from qkit.evaluation.agreement import ReferenceContinuation
 from qkit.evaluation.battery import Question
 from qkit.evaluation.domains import domain_rows
 from qkit.evaluation.measures import Evidence, blank_values, measure_values
-from qkit.evaluation.perplexity import CorpusReference, TokenScores
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.token_scores import TokenScores
 from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec
 from qkit.models import ModelRef

@@ -31,7 +31,7 @@ import torch
 
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
-from qkit.evaluation.perplexity import MIN_SCORED
+from qkit.evaluation.token_scores import MIN_SCORED
 from qkit.inspect.matrix_stats import matrix_stats
 from qkit.inspect.outliers import (
     check_context,

@@ -2,7 +2,7 @@
 
 Layer 5 (``methods``). The texts themselves, pinned and checked for overlap with the eval texts, are
 data below every layer that uses them: ``qkit.catalog`` (the default is ``DEFAULT_MIX``, ten registered
-corpora of seven domains; ``catalog.check_calibration`` refuses any part that shares a run of
+corpora of seven domains; ``catalog.checked_calibration`` refuses any part that shares a run of
 ``texts.SHINGLE_WORDS`` words with an eval text). This module chooses the tokens.
 
 Sampling. Each part of the calibration set is given to the model as it would be (``catalog.model_text``:
@@ -23,13 +23,14 @@ from __future__ import annotations
 import hashlib
 import os
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
-from qkit.catalog import CalibrationSet, calibration_set, check_calibration, disjoint_record, eval_texts, model_text
+from qkit.catalog import CalibrationSet, checked_calibration, disjoint_record, model_text
 from qkit.errors import InputError
 from qkit.texts import Corpus, joined_sources, split_sources
 
@@ -222,15 +223,6 @@ def part_ids(tokenizer: Any, calibration: CalibrationSet) -> list[torch.Tensor]:
     return out
 
 
-def checked_set(source: str | None, evaluation: Corpus | list[Corpus] | None) -> tuple[CalibrationSet, list[Corpus]]:
-    """The calibration set ``source`` names, checked disjoint from ``evaluation`` (default: every text of
-    the default eval suite, ``catalog.eval_texts``): refused in one line where a part overlaps one."""
-    calibration = calibration_set(source)
-    texts = eval_texts(None) if evaluation is None else [evaluation] if isinstance(evaluation, Corpus) else list(evaluation)
-    check_calibration(calibration, texts)
-    return calibration, texts
-
-
 def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares: list[int], texts: list[Corpus]) -> dict:
     """The set's name, source, sha256 and tokens, each part's (name, domain, sha256, tokens, windows chosen)
     where there are several, and the eval texts it was checked against (``disjoint_from``)."""
@@ -253,7 +245,7 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     bytes), ``disjoint_from`` (the eval texts' names and sha256).
     """
     options.check()
-    calibration, texts = checked_set(options.source, evaluation)
+    calibration, texts = checked_calibration(options.source, evaluation)  # read and checked in one place: the catalog
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; calibrated methods need one (tokenizer.json or similar)")
     ids = part_ids(tokenizer, calibration)
@@ -266,6 +258,21 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     return chosen, provenance
 
 
+def check_calibrations(tokenizer: Any, options: Sequence[CalibrationOptions], evaluation: list[Corpus],
+                       config: Any = None) -> list[dict[str, Any]]:
+    """Each calibration of ``options`` with its default window fitted to the model (``config``), refused where
+    its windows do not fit the model or the machine (``check_fits``), then read, checked disjoint from the
+    ``evaluation`` texts and sampled (``calibration_ids``), so an unreadable, overlapping or too short text is
+    refused in one line before any model is loaded. Returns each distinct one's provenance, in order (a row
+    reads and samples it again when it is built: milliseconds next to a row)."""
+    seen: dict[CalibrationOptions, dict[str, Any]] = {}
+    for fitted in (o.fitted(config) for o in options):
+        if fitted not in seen:
+            check_fits(fitted, config)
+            seen[fitted] = calibration_ids(tokenizer, fitted, evaluation=evaluation)[1]
+    return list(seen.values())
+
+
 __all__ = [
     "DEFAULT_SAMPLES",
     "DEFAULT_SEED",
@@ -273,7 +280,7 @@ __all__ = [
     "CalibrationOptions",
     "allocate",
     "calibration_ids",
-    "checked_set",
+    "check_calibrations",
     "check_fits",
     "fit_seqlen",
     "model_context",

@@ -32,7 +32,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.evaluation.battery import Question
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 from qkit.jsonfields import Kind
 from qkit.registry import Registry
 

@@ -1,6 +1,6 @@
 """qkit eval's metrics, each one class and one ``MEASURES.register`` line, in the order the tables show them.
 
-Layer 6 (``evaluation.measures``). The formulas (``perplexity.TokenScores``, ``klstats``, ``stats``):
+Layer 6 (``evaluation.measures``). The formulas (``token_scores.TokenScores``, ``klstats``, ``stats``):
 
 - ``perplexity``: ``exp(mean nll)`` ± ``ppl * SE(nll)`` (delta method);
 - ``perplexity-change``: ``100 (exp(mean d) - 1)`` with ``d = nll - nll_ref`` per position, paired SE

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
+from qkit.catalog import checked_calibration
 from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype, non_finite_activations
 from qkit.errors import InputError
@@ -39,7 +40,6 @@ from qkit.methods.calibration import (
     DEFAULT_SAMPLES,
     DEFAULT_SEED,
     DEFAULT_SEQLEN,
-    checked_set,
     part_ids,
     sample_parts,
     set_provenance,
@@ -84,7 +84,7 @@ def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
     """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate (one text), or the mix's
     sampled windows (several: see the module docstring), and their provenance."""
     options.check()
-    calibration, texts = checked_set(options.source, evaluation)  # a calibration text never contains an eval text
+    calibration, texts = checked_calibration(options.source, evaluation)  # a calibration text never contains an eval text
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; qkit imatrix needs one (tokenizer.json or similar)")
     bos = _bos(tokenizer)
