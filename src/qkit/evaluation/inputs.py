@@ -88,17 +88,15 @@ class Inputs:
 
 
 def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], settings: InputSettings) -> Inputs:
-    """Read and check every input before anything heavy: the corpus, the window against the model's
-    context, every tensor the reference's (and a checkpoint's) config implies, a checkpoint's tensors
-    against the reference's, shape for shape, a plan file against the reference's shapes, a file row's
-    GGUF against the reference's architecture, tensor names and shapes, the tokenizer,
-    enough corpus tokens, the calibration texts, the engines' ``--max-model-len`` against the window and
-    the battery prompts."""
+    """Read and check every input before anything heavy: the corpus, every tensor the reference's (and a
+    checkpoint's) config implies, a checkpoint's tensors against the reference's, shape for shape, a plan file
+    against the reference's shapes, a file row's GGUF against the reference's architecture, tensor names and
+    shapes, the tokenizer, the window against the model's context, enough corpus tokens, the calibration
+    texts, the engines' ``--max-model-len`` against the window and the battery prompts."""
     ref, checkpoint = models.ref, models.checkpoint
     texts = eval_texts(settings.corpus)  # the default suite's domains, or the one --corpus
     corpus = suite_corpus(texts)
     config = read_config(ref)  # None: transformers cannot read it; ``load`` says why in one line
-    window = choose_window(settings.window, settings.tokens, config) if config is not None else None
     check_complete(ref)  # the reference too, before the status line of the load (load() reuses the build)
     if checkpoint is not None:  # headers only (and a meta-device build of the config): before anything heavy
         check_complete(checkpoint)  # every tensor its config implies (load() checks the reference's)
@@ -111,6 +109,7 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     tok = load_tokenizer(ref.directory)
     if tok is None:
         raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
+    window = choose_window(settings.window, settings.tokens, config) if config is not None else None
     ids, segments = scored_ids(tok, texts, settings.tokens, window)
     calibrations = check_calibrations(tok, settings.calibrations, texts, config)
     questions = load_battery()

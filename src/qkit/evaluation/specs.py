@@ -349,8 +349,9 @@ def check_rows(names: Iterable[str], methods: Iterable[str], method_options: Map
     """The rows ``--schemes`` and ``--methods`` name (``resolve_rows``), each checked before any model: its plan
     (``check_plan_rows``), a calibrated method's options (``make_options``), its simulations built with their
     options (an unknown one, ``--threshold 0``, ``--kv-residual -1``). Returns them, and the calibration tokens
-    they read, each distinct one once in order of first use and checked (malformed numbers, an empty source):
-    a calibrated method's, and a simulation's that calibrates (``act-int8-static``'s scales)."""
+    they read, each distinct one once in order of first use (a ``CalibrationOptions`` is checked when made:
+    malformed numbers, an empty source): a calibrated method's, and a simulation's that calibrates
+    (``act-int8-static``'s scales)."""
     specs = resolve_rows(names, methods, method_options)
     check_plan_rows(specs, settings)
     chosen: dict[CalibrationOptions, None] = {}
@@ -362,8 +363,6 @@ def check_rows(names: Iterable[str], methods: Iterable[str], method_options: Map
             wants = get_simulation(name, settings.simulations.for_row(spec)).calibration_options()
             if wants is not None:
                 chosen.setdefault(wants)
-    for options in chosen:
-        options.check()
     return specs, tuple(chosen)
 
 

@@ -47,7 +47,7 @@ class CalibrationOptions:
     """Which calibration tokens: ``source`` None (the default mix, ``catalog.DEFAULT_MIX``), a UTF-8 file, a
     directory or several files (comma-separated, or the values of a repeated ``--calibration``), ``kjv:``
     or ``hf:DATASET[:CONFIG[:SPLIT]]`` (``catalog.calibration_set``); ``samples`` windows of ``seqlen``
-    tokens chosen with ``seed``."""
+    tokens chosen with ``seed``. Checked when made (``check``): a value of this class is never malformed."""
 
     source: str | None = None
     samples: int = DEFAULT_SAMPLES
@@ -57,6 +57,7 @@ class CalibrationOptions:
     def __post_init__(self) -> None:
         # a repeated --calibration's list of values, as one hashable value (texts.joined_sources)
         object.__setattr__(self, "source", joined_sources(self.source))
+        self.check()
 
     @property
     def window(self) -> int:
@@ -244,7 +245,6 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     mix's), ``samples``, ``seqlen``, ``seed``, ``ids_sha256`` (of the chosen ids as little-endian int64
     bytes), ``disjoint_from`` (the eval texts' names and sha256).
     """
-    options.check()
     calibration, texts = checked_calibration(options.source, evaluation)  # read and checked in one place: the catalog
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; calibrated methods need one (tokenizer.json or similar)")
