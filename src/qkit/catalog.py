@@ -34,7 +34,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -53,6 +53,9 @@ from qkit.texts import (
     sha256_text,
     verified,
 )
+
+if TYPE_CHECKING:  # annotations only: a tokenizer is transformers', imported where a model's files are read
+    from transformers import PreTrainedTokenizerBase
 
 
 # --------------------------------------------------------------------------- entries
@@ -367,7 +370,7 @@ def disjoint_record(evaluation: Sequence[Corpus]) -> dict[str, Any]:
             "texts": [{"name": t.name, "sha256": t.sha256} for t in evaluation]}
 
 
-def model_text(corpus: Corpus, tokenizer: Any) -> str:
+def model_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> str:
     """What a model is given of ``corpus``: its conversations in the tokenizer's chat template (turns
     alternating user and assistant, no generation prompt), where it has both; else its plain text."""
     if not corpus.conversations or not getattr(tokenizer, "chat_template", None):

@@ -9,7 +9,7 @@ token ids, battery prompts) is what the eval then uses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,9 @@ from qkit.models import ModelRef, check_complete, load_tokenizer
 from qkit.plan import check_plan_matches, read_plan
 from qkit.catalog import eval_texts, suite_corpus
 from qkit.texts import Corpus
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -75,9 +78,9 @@ class Inputs:
     (``windows.scored_ids``)."""
 
     corpus: Corpus
-    config: Any
+    config: PretrainedConfig | None
     window: int | None
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     ids: torch.Tensor
     calibrations: list[dict]
     questions: list[Question]

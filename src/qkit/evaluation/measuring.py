@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,10 @@ from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec
 from qkit.models import ModelRef
 from qkit.schemes import QuantizedTensor
+from qkit.texts import Corpus
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedTokenizerBase
 
 REFERENCE = "reference"  # the reference row's name in the table (an engine's: "reference [ENGINE]")
 
@@ -47,7 +51,7 @@ class Reference:
     began (``time.perf_counter()``)."""
 
     ref: ModelRef
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     corpus: CorpusReference
     ref_scores: TokenScores
     ref_row: Row
@@ -56,7 +60,7 @@ class Reference:
     continuation: ReferenceContinuation
     repetition_penalty: float
     battery_tokens: int
-    text: Any = None
+    text: list[Corpus] | None = None
     model: torch.nn.Module | None = None
     device: str = "cpu"
     started: float = 0.0

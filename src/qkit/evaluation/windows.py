@@ -14,6 +14,8 @@ positions; fewer is refused before the model is loaded (``check_scored``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
@@ -21,6 +23,9 @@ from qkit.catalog import model_text, suite_name
 from qkit.errors import InputError
 from qkit.evaluation.token_scores import MIN_SCORED
 from qkit.texts import Corpus
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedTokenizerBase
 
 
 def scored_positions(tokens: int, window: int) -> int:
@@ -82,7 +87,7 @@ def split_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
     return [c for c in chunks if c.numel() >= 2]
 
 
-def scored_ids(tok, texts: list[Corpus], tokens: int,
+def scored_ids(tok: PreTrainedTokenizerBase, texts: list[Corpus], tokens: int,
                window: int | None) -> tuple[torch.Tensor, tuple[tuple[str, int], ...]]:
     """The scored token ids, int64 ``[n]``: one text's first ``tokens`` as the model is given it
     (``catalog.model_text``, tokenized by ``tok`` without special tokens); a suite's first ``tokens // len(texts)``

@@ -38,6 +38,7 @@ from qkit.registry import Registry
 from qkit.schemes import QuantizedTensor, Scheme
 
 if TYPE_CHECKING:  # annotation only: qkit.models pulls in transformers, which ``import qkit.methods`` need not
+    from qkit.methods.calibration import ModelConfig
     from qkit.methods.memory import Model
     from qkit.models import ModelRef
 
@@ -78,7 +79,7 @@ class CalibratedOptions:
     calibration_seed: int = DEFAULT_SEED
     dtype: str = "fp32"
 
-    def calibration_options(self, config: Any = None) -> CalibrationOptions:
+    def calibration_options(self, config: ModelConfig | None = None) -> CalibrationOptions:
         """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` is checked here too),
         with the default window fitted to ``config``'s context when a config is given."""
         load_dtype(self.dtype)
@@ -86,7 +87,7 @@ class CalibratedOptions:
                                      self.calibration_seed)
         return options if config is None else options.fitted(config)
 
-    def fitted(self, config: Any) -> CalibratedOptions:
+    def fitted(self, config: ModelConfig | None) -> CalibratedOptions:
         """These options with the default window fitted to the model (``fit_seqlen``): what a method runs with."""
         return dataclasses.replace(self, calibration_seqlen=fit_seqlen(self.calibration_seqlen, config))
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 import hashlib
 import os
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,11 @@ from qkit.bounds import MAX_COUNT, whole
 from qkit.catalog import CalibrationSet, checked_calibration, disjoint_record, model_text
 from qkit.errors import InputError
 from qkit.texts import Corpus, joined_sources, split_sources
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where a model or its tokenizer is read
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    ModelConfig = PretrainedConfig | Mapping[str, object]  # a transformers config, or its dict
 
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
 # was measured with in issue 9; on the 2-core reference machine it keeps GPTQ on the default model near
@@ -64,7 +69,7 @@ class CalibrationOptions:
         """Tokens per window: ``seqlen`` as given or fitted (``fitted``), else ``DEFAULT_SEQLEN``."""
         return DEFAULT_SEQLEN if self.seqlen is None else self.seqlen
 
-    def fitted(self, config: Any) -> CalibrationOptions:
+    def fitted(self, config: ModelConfig | None) -> CalibrationOptions:
         """These options with the default window fitted to the model (``fit_seqlen``); a given one is kept."""
         return dataclasses.replace(self, seqlen=fit_seqlen(self.seqlen, config))
 
@@ -80,7 +85,7 @@ class CalibrationOptions:
             split_sources(joined_sources(self.source))
 
 
-def fit_seqlen(seqlen: int | None, config: Any) -> int:
+def fit_seqlen(seqlen: int | None, config: ModelConfig | None) -> int:
     """The calibration window for a model: ``seqlen`` as given (``check_fits`` refuses one beyond the
     context), or for None the default, ``DEFAULT_SEQLEN``, shortened to the model's context where that is
     shorter: a default is never a window the model cannot take, and never skips the check."""
@@ -90,11 +95,11 @@ def fit_seqlen(seqlen: int | None, config: Any) -> int:
     return DEFAULT_SEQLEN if context is None else min(DEFAULT_SEQLEN, context)
 
 
-def _field(config: Any, key: str) -> Any:
+def _field(config: ModelConfig, key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
-def model_context(config: Any) -> int | None:
+def model_context(config: ModelConfig) -> int | None:
     """The model's maximum context in tokens from its config (a dict or a transformers config), or None."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         v = _field(config, key)
@@ -111,7 +116,7 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def check_fits(options: CalibrationOptions, config: Any) -> None:
+def check_fits(options: CalibrationOptions, config: ModelConfig | None) -> None:
     """Refuse (one line, before any work) calibration numbers the model or the machine cannot take: windows
     longer than the model's context (positions it was never trained on; rotary tables end there), and
     more calibration activations than this machine has memory for. A layer-by-layer method keeps every
@@ -202,7 +207,7 @@ _TOKENIZED: dict[tuple, torch.Tensor] = {}  # the last few parts tokenized: the 
 _TOKENIZED_KEPT = 32
 
 
-def part_ids(tokenizer: Any, calibration: CalibrationSet) -> list[torch.Tensor]:
+def part_ids(tokenizer: PreTrainedTokenizerBase, calibration: CalibrationSet) -> list[torch.Tensor]:
     """Each part as the model is given it (``catalog.model_text``), tokenized without special tokens: 1-D int64.
     Kept for the process by tokenizer (class, path, size, chat template) and text (sha256): the default mix
     takes seconds to tokenize, and a plan, an eval or a test suite asks for it more than once."""
@@ -235,7 +240,7 @@ def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares:
     return out
 
 
-def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOptions(),
+def calibration_ids(tokenizer: PreTrainedTokenizerBase | None, options: CalibrationOptions = CalibrationOptions(),
                     evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The calibration token ids ``LongTensor [samples, seqlen]`` and their provenance.
 
@@ -258,8 +263,8 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     return chosen, provenance
 
 
-def check_calibrations(tokenizer: Any, options: Sequence[CalibrationOptions], evaluation: list[Corpus],
-                       config: Any = None) -> list[dict[str, Any]]:
+def check_calibrations(tokenizer: PreTrainedTokenizerBase, options: Sequence[CalibrationOptions],
+                       evaluation: list[Corpus], config: ModelConfig | None = None) -> list[dict[str, Any]]:
     """Each calibration of ``options`` with its default window fitted to the model (``config``), refused where
     its windows do not fit the model or the machine (``check_fits``), then read, checked disjoint from the
     ``evaluation`` texts and sampled (``calibration_ids``), so an unreadable, overlapping or too short text is

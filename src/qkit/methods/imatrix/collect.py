@@ -27,7 +27,7 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from qkit.methods.imatrix.file import Imatrix, ImatrixEntry
 from qkit.methods.imatrix.names import gguf_names, refuse_unsupported
 from qkit.methods.memory import BASELINE, RETENTION, Model, Need, check_need
 from qkit.methods.sequential import find_blocks
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedTokenizerBase
 from qkit.texts import Corpus, split_sources
 
 MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens)?"
@@ -79,7 +82,7 @@ class ImatrixOptions:
             split_sources(self.source)
 
 
-def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
+def imatrix_ids(tokenizer: PreTrainedTokenizerBase | None, options: ImatrixOptions,
                 evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict]:
     """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate (one text), or the mix's
     sampled windows (several: see the module docstring), and their provenance."""
@@ -115,7 +118,7 @@ def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
     return chunks, provenance
 
 
-def _bos(tokenizer: Any) -> int | None:
+def _bos(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The BOS id when the tokenizer adds one (llama.cpp's ``add_bos``), else None."""
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
