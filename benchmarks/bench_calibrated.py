@@ -43,7 +43,8 @@ import torch
 
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.catalog import check_calibration, calibration_set, eval_texts, model_text
-from qkit.evaluation.perplexity import CorpusReference, TokenScores
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.token_scores import TokenScores
 from qkit.methods.calibration import CalibrationOptions, calibration_ids
 from qkit.models import load, resolve
 from qkit.schemes import QuantizedTensor

@@ -20,7 +20,7 @@ Before anything is written, the run refuses when ``MemAvailable`` is below the b
 (``--keep-going`` turns that into a warning) and when ``--dir`` has too little free space for the model
 plus the largest row checkpoint.
 
-Rows are written by ``qkit.evaluation.runner.write_row`` and loaded by the torch engine
+Rows are written by ``qkit.evaluation.row_files.write_row`` and loaded by the torch engine
 (``TorchSession.measure``): the row's tensors are streamed from the temporary checkpoint ``quantize_model``
 writes (``iter_quantized``, one tensor at a time), written in 256 MiB shards (the shard writer holds a pending shard, and safetensors a serialized copy of it).
 """

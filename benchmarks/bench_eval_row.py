@@ -6,7 +6,7 @@ times, in this order:
 
 - peer: ``forward``, one plain forward pass and log-softmax over the window (``position_logprobs`` as it
   stood when this benchmark was written, frozen below so that speeding up qkit's copy cannot move the peer);
-- ``build``: ``runner.quantize_row`` (``qkit.api.quantize_model``, as the torch engine's row is written)
+- ``build``: ``row_files.quantize_row`` (``qkit.api.quantize_model``, as the torch engine's row is written)
   writing the row's checkpoint to a temporary directory, then its tensors streamed into the model
   (``Swapper.apply``, as ``TorchSession.measure`` does);
 - ``perplexity+KL``: ``CorpusReference.score`` (forward, NLL, KL against the stored reference, top-1);
@@ -47,7 +47,9 @@ from qkit.evaluation.battery import (
 )
 from qkit.evaluation.engines.torch_engine import ENGINE as TORCH_ENGINE
 from qkit.evaluation.perplexity import CorpusReference
-from qkit.evaluation.runner import TMP_PREFIX, EvalOptions, evaluate, quantize_row
+from qkit.evaluation import EvalOptions, evaluate
+from qkit.evaluation.engine_rows import TMP_PREFIX
+from qkit.evaluation.row_files import quantize_row
 from qkit.evaluation.specs import resolve_rows
 from qkit.evaluation.swap import Swapper
 from qkit.models import load, resolve

@@ -31,7 +31,8 @@ import torch
 
 from qkit.api import QuantizeOptions, imatrix_model, quantize_model
 from qkit.checkpoint import iter_tensors
-from qkit.evaluation.perplexity import CorpusReference, TokenScores
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.token_scores import TokenScores
 from qkit.models import load, read_config, resolve
 from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
 from qkit.texts import load_corpus

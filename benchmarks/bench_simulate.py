@@ -29,7 +29,9 @@ from qkit.evaluation.agreement import agreement, prefill_prompts, reference_cont
 from qkit.evaluation.battery import build_prompts, generate_answers, load_battery, model_repetition_penalty  # noqa: E402
 from qkit.evaluation.engines.torch_engine import ENGINE as TORCH_ENGINE  # noqa: E402
 from qkit.evaluation.perplexity import CorpusReference  # noqa: E402
-from qkit.evaluation.runner import TMP_PREFIX, EvalOptions, quantize_row  # noqa: E402
+from qkit.evaluation import EvalOptions  # noqa: E402
+from qkit.evaluation.engine_rows import TMP_PREFIX  # noqa: E402
+from qkit.evaluation.row_files import quantize_row  # noqa: E402
 from qkit.evaluation.specs import RowSpec  # noqa: E402
 from qkit.evaluation.swap import Swapper  # noqa: E402
 from qkit.models import load, resolve  # noqa: E402

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from qkit.evaluation.perplexity import TokenScores, position_logprobs
-from qkit.evaluation.runner import Row
+from qkit.evaluation.perplexity import position_logprobs
+from qkit.evaluation.token_scores import TokenScores
+from qkit.evaluation.report import Row
 
 
 def whole_window_reference(model, windows):

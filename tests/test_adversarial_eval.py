@@ -65,7 +65,7 @@ def test_too_few_tokens_for_a_standard_error_are_refused(tiny_model_dir, corpus,
 
 
 def test_the_window_that_is_just_enough_passes_the_check():
-    from qkit.evaluation.perplexity import check_scored, scored_positions, split_windows
+    from qkit.evaluation.windows import check_scored, scored_positions, split_windows
 
     import torch
 
@@ -265,7 +265,7 @@ def test_the_json_report_has_null_not_nan():
 def test_a_huge_mean_nll_is_an_infinite_perplexity_not_an_overflow():
     import torch
 
-    from qkit.evaluation.perplexity import TokenScores
+    from qkit.evaluation.token_scores import TokenScores
 
     s = TokenScores(torch.full((4,), 1e4, dtype=torch.float64), torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.bool))
     assert s.perplexity == math.inf
@@ -329,7 +329,7 @@ def test_an_eval_failing_in_a_row_removes_its_row_dir(tiny_model_dir, corpus, tm
         assert len(_row_dirs(tmp_path)) == 1  # it exists while the row is written
         raise InputError("the row failed")
 
-    monkeypatch.setattr("qkit.evaluation.runner.quantize_model", fail)
+    monkeypatch.setattr("qkit.evaluation.row_files.quantize_model", fail)
     r = invoke("eval", tiny_model_dir, "--corpus", corpus, "--schemes", "int8-row", *FAST)
     assert r.code == 2 and r.lines[-1] == "error: the row failed" and "Traceback" not in r.text, r.text
     assert _row_dirs(tmp_path) == []

@@ -142,7 +142,7 @@ def test_library_entry_points_refuse_empty_lists_where_the_string_is_parsed():
     from qkit.serving.budget import parse_floats
 
     assert resolve_rows([]) == []  # the library's empty tuple is the reference row alone (the CLI refuses '')
-    EvalOptions(schemes=()).validate()
+    EvalOptions(schemes=()).resolve()
     for call, needle in [
         (lambda: resolve_rows(["nf4", " "]), "--schemes is empty"),
         (lambda: resolve_rows(["nf4"], []), "--methods is empty"),

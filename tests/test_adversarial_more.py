@@ -94,7 +94,8 @@ def test_a_sigkilled_inspect_errors_method_leaves_a_dir_the_next_run_removes(tin
 
 
 def test_eval_and_inspect_share_one_scratch_helper(tmp_path, dead_pid):
-    from qkit.evaluation.runner import TMP_PREFIX, remove_stale_row_dirs
+    from qkit.evaluation.engine_rows import TMP_PREFIX
+    from qkit.evaluation.runner import remove_stale_row_dirs
     from qkit.staging import remove_stale_temporary, temporary_directory
 
     dead = tmp_path / f"{TMP_PREFIX}{dead_pid}-zz99_abc"
@@ -137,17 +138,15 @@ def test_a_corpus_overlapping_the_static_rows_calibration_is_refused_before_load
 def test_eval_calibration_chooses_the_static_rows_text(tiny, tmp_path, calibration, no_load):
     """--calibration reaches the static row: an overlapping one is refused before loading (and a disjoint
     one would be what it calibrates on: the same check, passed)."""
-    from qkit.evaluation.runner import EvalOptions
-    from qkit.evaluation.specs import resolve_rows
+    from qkit.evaluation import EvalOptions
 
     corpus = tmp_path / "c.txt"
     corpus.write_text(calibration.read_text())
     with Unchanged(inputs=[tiny, corpus, calibration], dirs=[tmp_path]):
         assert_refused(invoke("eval", tiny, "--corpus", corpus, "--schemes", "w8a8-static", "--calibration", calibration,
                               *FAST), "calibration text cal.txt overlaps the evaluation text c.txt")
-    opts = EvalOptions(method_options=(("calibration", str(calibration)),))
-    (spec,) = resolve_rows(["w8a8-static"])
-    assert opts.simulation_options_for(spec)["calibration"] == str(calibration)
+    run = EvalOptions(schemes=("w8a8-static",), method_options=(("calibration", str(calibration)),)).resolve()
+    assert [c.source for c in run.inputs.calibrations] == [str(calibration)]  # what the static row reads
 
 
 # --------------------------------------------------------------------------- d. calibration bounds

@@ -289,7 +289,7 @@ def test_eval_in_fp16_against_a_non_finite_reference_is_refused_never_100_percen
 
 
 def test_a_row_with_nan_log_probabilities_has_no_top1():
-    from qkit.evaluation.perplexity import TokenScores
+    from qkit.evaluation.token_scores import TokenScores
 
     nll = torch.tensor([1.0, float("nan"), 2.0], dtype=torch.float64)
     scores = TokenScores(nll, torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.bool), measurable=False)

@@ -22,7 +22,8 @@ from qkit import assets, catalog
 from qkit.catalog import CORPORA, DEFAULT_MIX, DEFAULT_SUITE, calibration_set, check_calibration, model_text
 from qkit.errors import AssetError, InputError
 from qkit.evaluation.domains import domain_rows, paired_domains, slices, worst
-from qkit.evaluation.perplexity import CorpusReference, TokenScores
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.token_scores import TokenScores
 from qkit.methods.calibration import CalibrationOptions, allocate, calibration_ids, sample_parts
 from qkit.texts import SHINGLE_WORDS, Corpus, check_disjoint, data_file, sha256_text, shingle_hashes
 

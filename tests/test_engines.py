@@ -453,5 +453,5 @@ def test_a_stand_in_is_registered_only_for_its_block():
 
 def test_an_unknown_runtime_lists_every_runtime_torch_included():
     with pytest.raises(InputError) as e:
-        EvalOptions(runtimes=("troch",)).validate()
+        EvalOptions(runtimes=("troch",)).resolve()
     assert str(e.value) == "unknown runtime 'troch'; did you mean torch? use one of: torch, vllm, llama.cpp"

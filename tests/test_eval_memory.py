@@ -23,13 +23,8 @@ import torch
 from qkit.api import quantize_model
 from qkit.checkpoint import iter_quantized
 from qkit.evaluation import EvalOptions, evaluate
-from qkit.evaluation.perplexity import (
-    MIN_CHUNK,
-    CorpusReference,
-    TokenScores,
-    chunk_positions,
-    split_head,
-)
+from qkit.evaluation.perplexity import MIN_CHUNK, CorpusReference, chunk_positions, split_head
+from qkit.evaluation.token_scores import TokenScores
 from qkit.evaluation.swap import Swapper
 from qkit.models import load
 from helpers_eval import assert_same_scores, whole_window_reference, whole_window_score  # the implementations replaced

@@ -98,7 +98,7 @@ def test_a_calibrated_row_is_compared_with_its_rtn_row_per_token():
     import torch
 
     from qkit.evaluation.pairing import compare_methods
-    from qkit.evaluation.perplexity import TokenScores
+    from qkit.evaluation.token_scores import TokenScores
     from qkit.evaluation.specs import RowSpec
 
     kl_rtn = torch.tensor([0.10, 0.20, 0.30, 0.40], dtype=torch.float64)
@@ -137,7 +137,7 @@ def test_a_row_reproducing_some_tensors_is_qualified():
 
 
 def test_the_compressed_tensors_frontier_pairs_each_type_with_its_plan():
-    from qkit.evaluation.runner import EvalOptions
+    from qkit.evaluation import EvalOptions
     from qkit.evaluation.specs import row_plan
     from qkit.plan.candidates import CT_TYPES
 

@@ -31,11 +31,8 @@ from qkit.evaluation.battery import (
     generate_answers,
     load_battery,
 )
-from qkit.evaluation.perplexity import (
-    CorpusReference,
-    TokenScores,
-    kl_per_position,
-)
+from qkit.evaluation.perplexity import CorpusReference, kl_per_position
+from qkit.evaluation.token_scores import TokenScores
 from helpers_eval import assert_same_scores, whole_window_score  # the scoring before chunking
 
 

@@ -10,7 +10,8 @@ import torch
 from qkit.errors import AssetError, InputError
 from qkit.evaluation.battery import is_correct, load_battery
 from qkit.texts import load_corpus, verified
-from qkit.evaluation.perplexity import CorpusReference, split_windows
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.windows import split_windows
 from qkit.evaluation.stats import mcnemar_exact, wilson_interval
 
 

@@ -219,7 +219,7 @@ def test_a_worker_killed_mid_eval_gives_one_line_and_no_json(tiny, cluster, tmp_
 def _killed_row(job, target):
     if target.name == "nf4":
         os.kill(os.getpid(), signal.SIGKILL)
-    from qkit.evaluation.runner import measure_elsewhere
+    from qkit.evaluation.engine_rows import measure_elsewhere
 
     return measure_elsewhere(job, target)
 

@@ -5,6 +5,8 @@
   quantize and plan commands, the planner, an eval plan row;
 - what the rest of qkit asks a format (llama.cpp types, the torch engine, the writer's shard, the reference,
   plans, a status line) each format answers itself;
+- qkit's own format reads back what it encodes (``decode``, given the shape its manifest records), as
+  ``checkpoint.iter_quantized`` reads a written checkpoint;
 - a toy format, one class and one registry line in this file, is a format like the others: it is listed and
   helped, planned for with exact bytes, in the docs' table, and written by ``quantize_model`` and the CLI.
 """
@@ -23,13 +25,15 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from qkit.api import QuantizeOptions, quantize_model
-from qkit.checkpoint import read_manifest, tensor_shapes
+from qkit.checkpoint import iter_quantized, read_manifest, tensor_shapes
 from qkit.cli import app
-from qkit.errors import InputError
+from qkit.errors import ExportError, InputError, SchemeError
 from qkit.export import REGISTRY, QkitFormat, format_help, format_names, get_format, recognise
 from qkit.export.common import SafetensorsFormat
 from qkit.plan import PlanOptions, candidates, ladder, plan_formats
 from qkit.plan.table import markdown
+from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor, scheme_names
+from qkit.schemes.base import Recipe
 
 MISSING = "/nonexistent-qkit-model"
 UNKNOWN = REGISTRY.unknown("onxx")  # the registry's one wording
@@ -54,6 +58,51 @@ def test_qkit_writes_what_it_encodes_and_recognises_it(tiny_model_dir, tmp_path)
             assert torch.equal(f.get_tensor(key), t), key
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "qkit" and config["scheme"] == read_manifest(out)["scheme"]
+
+
+@pytest.mark.parametrize("name", [n for n in scheme_names() if not isinstance(get_scheme(n), Recipe)])
+def test_qkit_decodes_what_it_encodes_given_the_shape(name):
+    """The protocol's read-back: ``decode`` of ``encode``'s tensors (without the module prefix) is the same
+    QuantizedTensor, part for part, bit for bit, given the weight's shape; without it, one line."""
+    qkit = get_format("qkit")
+    w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
+    qt = quantize_tensor(w, get_scheme(name))
+    module = "model.layers.0.mlp.down_proj"
+    stored = {k.removeprefix(f"{module}."): v for k, v in qkit.encode(f"{module}.weight", qt).items()}
+    assert set(stored) == {f"weight.{part}" for part in qt.parts}
+    back = qkit.decode(stored, qt.scheme, qt.dtype, shape=qt.shape)
+    assert back.scheme is qt.scheme and back.shape == qt.shape == (64, 512) and back.dtype == qt.dtype
+    assert back.parts.keys() == qt.parts.keys() and all(torch.equal(back.parts[k], v) for k, v in qt.parts.items())
+    assert torch.equal(back.dequantize(), qt.dequantize())
+    with pytest.raises(ExportError, match=rf"^a qkit checkpoint's {qt.scheme.name} parts do not hold the weight's shape; "
+                                          r"pass the shape its manifest records"):
+        qkit.decode(stored, qt.scheme, qt.dtype)
+    with pytest.raises(SchemeError, match=r"cannot be stored in|but a \[64, 256\] weight"):  # parts of another shape
+        qkit.decode(stored, qt.scheme, qt.dtype, shape=(64, 256))
+
+
+def test_qkit_decode_reads_a_checkpoint_as_iter_quantized_does(tiny_model_dir, tmp_path):
+    """Every quantized weight of a written checkpoint: its stored parts, decoded with the manifest's shape, are
+    exactly what ``checkpoint.iter_quantized`` (what the torch engine streams into the model) reads."""
+    out = tmp_path / "q"
+    quantize_model(tiny_model_dir, output=out, scheme="int4-tensor")
+    qkit, read = get_format("qkit"), 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for name, qt in iter_quantized(out):
+            if not isinstance(qt, QuantizedTensor):
+                continue
+            module = name.removesuffix(".weight")
+            stored = {k.removeprefix(f"{module}."): f.get_tensor(k) for k in f.keys() if k.startswith(f"{name}.")}
+            back = qkit.decode(stored, qt.scheme, qt.dtype, shape=qt.shape)
+            assert all(torch.equal(back.parts[k], v) for k, v in qt.parts.items()) and back.shape == qt.shape
+            read += 1
+            last = stored, qt
+    assert read == len(read_manifest(out)["tensors"]) > 0
+    # int4-tensor's parts are one run of codes and one scale: another shape of as many weights decodes too, which
+    # is why the shape comes from the manifest, not from the parts
+    stored, qt = last
+    rows, cols = qt.shape
+    assert qkit.decode(stored, qt.scheme, qt.dtype, shape=(1, rows * cols)).shape == (1, rows * cols)
 
 
 def test_the_registry_wording_names_every_format():

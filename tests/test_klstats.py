@@ -27,7 +27,7 @@ from qkit.evaluation.klstats import (
     llama_median,
     llama_percentile,
 )
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 
 runner = CliRunner()
 

@@ -7,7 +7,8 @@
   against that line re-done here by hand, against numpy's percentile (which forms the index in float64), and
   per domain of an eval suite.
 - A toy measure defined here, one class and one registry line, appears in ``qkit eval``'s table, its
-  ``--json`` (each row and each domain) and ``qkit report``'s page with no other edit.
+  per-domain table, its ``--json`` (each row and each domain) and ``qkit report``'s page (the quality table and a
+  panel of the frontier) with no other edit.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch
 from adversarial import invoke
 from qkit.evaluation.domains import domain_rows
 from qkit.evaluation.klstats import llama_kl_stats
-from qkit.evaluation.measures import MEASURES, Evidence, TokenMeasure, measure_values, num
+from qkit.evaluation.measures import MEASURES, Evidence, FrontierPanel, TokenMeasure, measure_values, num
 from qkit.evaluation.measures.builtin import KLP99
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 from qkit.jsonfields import MEASURE
 
 
@@ -87,8 +88,9 @@ class MeanNLL(TokenMeasure):
 
     keys = ("toy_mean_nll",)
     fields = {"toy_mean_nll": MEASURE}
-    header, suite_header, page_header = "toy nll", "worst toy nll", "toy nll"
+    header, suite_header, page_header, domain_header = "toy nll", "worst toy nll", "toy nll", "toy nll"
     worst, worst_key = max, "toy_mean_nll"
+    frontier = FrontierPanel("the toy", "mean NLL, nats/token", "size against the toy", "symlog", "toy nll", 5)
 
     def compute(self, e: Evidence) -> dict:
         return {"toy_mean_nll": float(e.scores.nll.mean())}
@@ -137,12 +139,30 @@ def test_a_measure_registered_in_one_line_is_in_the_table_the_json_and_the_repor
         assert "T" not in next(line for line in r.stdout.splitlines() if line.startswith("│ reference"))
     else:
         assert f"T{rows[1]['toy_mean_nll']:.5f}" in row
+    # over the suite, the per-domain table: its part of the title, and every row's value on every domain (after
+    # KL and the change for a row, after the perplexity for the reference: the measures' place, then their order)
+    lines = r.stdout.splitlines()
+    if suite:
+        assert "per domain: KL (nats) · Δ ppl ± paired SE · toy nll" in lines
+        for x in rows:
+            cells = next(line for line in lines if line.startswith(f"│ {x['scheme']} ") and "·" in line).split("│")[2:-1]
+            assert len(cells) == len(x["domains"]) == 4
+            for cell, d in zip(cells, x["domains"]):
+                assert cell.strip().endswith(f" · T{d['toy_mean_nll']:.5f}"), (cell, d)
+    else:
+        assert not any(line.startswith("per domain") for line in lines)
     # the report's quality table: its column and every row's value
     html = page.read_text()
     quality = re.search(r'<section id="quality">(.*?)</section>', html, re.S).group(1)
     assert "<th>toy nll</th>" in quality
     for x in rows:
         assert f"<td>T{x['toy_mean_nll']:.5f}</td>" in quality
+    # the report's frontier: a third panel, after KL and Δ perplexity, and its column of the points drawn
+    frontier = re.search(r'<section id="frontier">(.*?)</section>', html, re.S).group(1)
+    assert "each row&#x27;s bits/w, KL, Δ perplexity and the toy from the eval JSON" in frontier
+    assert "<th>KL ± 2 SE</th><th>Δ ppl % ± 2 SE</th><th>toy nll</th>" in frontier
+    assert f"<td>{rows[1]['toy_mean_nll']:.5f}</td></tr>" in frontier  # no SE: the value alone
+    assert "size against the toy" in frontier and "mean NLL, nats/token" in frontier  # the figure's third panel
     assert "toy" not in MEASURES  # the registry is as it was
 
 

@@ -211,7 +211,7 @@ def test_a_plan_measured_in_groups_under_max_memory_is_the_same_plan(wide_model,
 
 def test_a_planned_row_is_the_plans_checkpoint(wide_model, gguf_plan, tmp_path):
     """plan:FILE as an eval row and the checkpoint quantize --plan writes, evaluated against the model: the same row."""
-    from qkit.evaluation.runner import EvalOptions, evaluate
+    from qkit.evaluation import EvalOptions, evaluate
 
     out = gguf_plan[1]
     ck = tmp_path / "ck"
@@ -339,30 +339,30 @@ def test_a_plan_for_another_model_is_refused(wide_model, gguf_plan, tmp_path):
 
 
 def test_eval_candidates_are_taken_per_format_and_checked():
-    from qkit.evaluation.runner import EvalOptions
+    from qkit.evaluation import EvalOptions
     from qkit.evaluation.specs import row_plan
     from qkit.evaluation.specs import resolve_rows
 
     opts = EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=("q4_k,q8_0", "int4-g64"))
-    opts.validate()
+    opts.resolve()
     gguf_row, ct_row = resolve_rows(opts.schemes)
     assert row_plan(gguf_row, opts).candidates == ("q4_k", "q8_0") and row_plan(ct_row, opts).candidates == ("int4-g64",)
     assert gguf_row.name == "plan:gguf@q4_k_m" and row_plan(gguf_row, opts).target_scheme == "q4_k_m"
     for words, message in ((("int4-g64",), "no type that plan:gguf@q4_k_m"), (("q4_k", "int4-g64", "nf4"), "nf4")):
         with pytest.raises(InputError, match=message):
-            EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=words).validate()
+            EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=words).resolve()
     with pytest.raises(InputError, match="the table has none"):
-        EvalOptions(schemes=("q4_k_m",), plan_candidates=("q4_k",)).validate()
+        EvalOptions(schemes=("q4_k_m",), plan_candidates=("q4_k",)).resolve()
     with pytest.raises(InputError, match="plan:FORMAT@BITS"):
         resolve_rows(["plan:gguf"])
 
 
 def test_a_plan_file_row_keeps_its_path_and_is_read_before_the_reference_loads(tmp_path):
-    from qkit.evaluation.runner import EvalOptions
+    from qkit.evaluation import EvalOptions
     from qkit.evaluation.specs import resolve_rows
 
     missing = tmp_path / "My Plan.json"
     (row,) = resolve_rows([f"plan:{missing}+imatrix"])
     assert row.plan == str(missing) and row.method == "imatrix"  # the path's case kept, the method read
     with pytest.raises(InputError, match="no such file"):
-        EvalOptions(schemes=(f"plan:{missing}",)).validate()
+        EvalOptions(schemes=(f"plan:{missing}",)).resolve()

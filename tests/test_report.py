@@ -118,7 +118,7 @@ def test_frontier_points_equal_the_eval_json():
     assert [p["kind"] for p in pts] == ["uniform", "uniform", "plan", "engine"]
     measured = [r for r in doc["rows"][1:] if not r["refused"]]
     for p, r in zip(pts, measured):
-        assert (p["bits"], p["kld"], p["kld_se"], p["dppl"], p["dppl_se"]) == (
+        assert (p["bits"], p["kld"], p["kld_se"], p["perplexity_change_pct"], p["perplexity_change_se_pct"]) == (
             r["bits_per_weight"], r["kld"], r["kld_se"], r["perplexity_change_pct"], r["perplexity_change_se_pct"])
 
 

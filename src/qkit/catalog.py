@@ -34,7 +34,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -53,6 +53,9 @@ from qkit.texts import (
     sha256_text,
     verified,
 )
+
+if TYPE_CHECKING:  # annotations only: a tokenizer is transformers', imported where a model's files are read
+    from transformers import PreTrainedTokenizerBase
 
 
 # --------------------------------------------------------------------------- entries
@@ -328,6 +331,20 @@ def suite_name(texts: Sequence[Corpus]) -> str:
     return DEFAULT_SUITE.name if [t.name for t in texts] == list(DEFAULT_SUITE.domains) else texts[0].name
 
 
+def suite_sha256(texts: Sequence[Corpus]) -> str:
+    """One text's own sha256; several texts' (an eval suite's): the sha256 of their names and sha256s, one per line."""
+    return texts[0].sha256 if len(texts) == 1 else sha256_text("".join(f"{t.name} {t.sha256}\n" for t in texts))
+
+
+def suite_corpus(texts: Sequence[Corpus]) -> Corpus:
+    """One text as it is; several (an eval suite) as one ``Corpus`` named after the suite (``suite_name``), whose
+    sha256 is ``suite_sha256`` (its text: theirs joined by blank lines, for a simulation)."""
+    if len(texts) == 1:
+        return texts[0]
+    text = "\n\n".join(t.text for t in texts)
+    return Corpus(suite_name(texts), text, suite_sha256(texts), ", ".join(t.source for t in texts), "suite")
+
+
 def check_calibration(calibration: CalibrationSet, evaluation: Sequence[Corpus]) -> None:
     """Refuse (one line, ``InputError``) a calibration part sharing a run of 12 words with an eval text."""
     for part in calibration.parts:
@@ -335,15 +352,25 @@ def check_calibration(calibration: CalibrationSet, evaluation: Sequence[Corpus])
             check_disjoint(part.corpus, text)
 
 
+def checked_calibration(source: str | Sequence[str] | None,
+                        evaluation: Corpus | Sequence[Corpus] | None) -> tuple[CalibrationSet, list[Corpus]]:
+    """The calibration set ``source`` names (``calibration_set``), checked disjoint from ``evaluation`` (default:
+    every text of the default eval suite, ``eval_texts``), and those texts: refused in one line where a part
+    overlaps one (``check_calibration``). Every calibration a command reads is resolved here, once."""
+    calibration = calibration_set(source)
+    texts = eval_texts(None) if evaluation is None else [evaluation] if isinstance(evaluation, Corpus) else list(evaluation)
+    check_calibration(calibration, texts)
+    return calibration, texts
+
+
 def disjoint_record(evaluation: Sequence[Corpus]) -> dict[str, Any]:
     """What a calibration was checked against, for provenance: the suite's (or text's) name, the sha256 of
     its texts' sha256s (the text's own for one), and each text."""
-    sha = evaluation[0].sha256 if len(evaluation) == 1 else sha256_text("".join(f"{t.name} {t.sha256}\n" for t in evaluation))
-    return {"name": suite_name(evaluation), "sha256": sha,
+    return {"name": suite_name(evaluation), "sha256": suite_sha256(evaluation),
             "texts": [{"name": t.name, "sha256": t.sha256} for t in evaluation]}
 
 
-def model_text(corpus: Corpus, tokenizer: Any) -> str:
+def model_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> str:
     """What a model is given of ``corpus``: its conversations in the tokenizer's chat template (turns
     alternating user and assistant, no generation prompt), where it has both; else its plain text."""
     if not corpus.conversations or not getattr(tokenizer, "chat_template", None):
@@ -370,5 +397,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["CORPORA", "CUTS", "DEFAULT_MIX", "DEFAULT_SUITE", "CalibrationSet", "Entry", "Mix", "Part", "Suite",
-           "calibration_set", "check_calibration", "disjoint_record", "eval_texts", "load_calibration_text",
-           "members_of", "mix_set", "model_text", "register", "suite_name"]
+           "calibration_set", "check_calibration", "checked_calibration", "disjoint_record", "eval_texts", "load_calibration_text",
+           "members_of", "mix_set", "model_text", "register", "suite_corpus", "suite_name", "suite_sha256"]

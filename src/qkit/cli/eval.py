@@ -41,10 +41,10 @@ from qkit.cli.common import (
     start,
 )
 from qkit.evaluation import EvalOptions
-from qkit.evaluation.columns import table_cells, table_headers
+from qkit.evaluation.columns import domain_captions, domain_cell, domain_title, table_cells, table_headers
 from qkit.evaluation.engines import runtime_names
 from qkit.evaluation.klstats import format_llama_kl_stats
-from qkit.evaluation.measures import fmt_change, fmt_estimate, fmt_number
+from qkit.evaluation.measures import fmt_change, fmt_number
 from qkit.evaluation.specs import file_paths, plan_paths
 from qkit.executors import executor_options
 from qkit.methods import method_names
@@ -140,7 +140,7 @@ def eval_(
         options = dataclasses.replace(options, repetition_penalty=False)
     if no_battery:
         options = dataclasses.replace(options, battery=False)
-    options.validate()  # every check that needs no model, before the model is touched
+    options.resolve()  # every check that needs no model, before the model is touched
     run.use_threads()
     report = evaluation.evaluate(model, options=options, on_status=console.status)
     render_eval(report)
@@ -161,22 +161,18 @@ def _with_pairs(options: EvalOptions, field: str, given: dict) -> EvalOptions:
 
 
 def render_domains(report) -> None:
-    """An eval suite's rows per domain: KL and the perplexity change with its paired SE (the reference's
-    perplexity ± SE in its row), each domain scored on its own positions."""
+    """An eval suite's rows per domain, each domain scored on its own positions: in each cell every registered
+    measure's part of the per-domain table (``columns.domain_cell``: KL and the perplexity change with its paired
+    SE; the reference's perplexity ± SE in its row)."""
     rows = [r for r in report.rows if r.domains]
     if not rows:
         return
     names = [d["name"] for d in rows[0].domains]
-    table = []
-    for r in rows:
-        cells = [f"ppl {fmt_estimate(d['perplexity'], d['perplexity_se'], d['scored_tokens'])}" if r is report.rows[0]
-                 else f"{fmt_number(d['kld'], '.4f')} · {fmt_change(d['perplexity_change_pct'], d['perplexity_change_se_pct'])}"
-                 for d in r.domains]
-        table.append([_literal(r.scheme), *cells])
+    table = [[_literal(r.scheme), *(domain_cell(d, r is report.rows[0]) for d in r.domains)] for r in rows]
     scored = {d["name"]: d["scored_tokens"] for d in rows[0].domains}
-    console.table(["scheme", *names], table, title="per domain: KL (nats) · Δ ppl ± paired SE",
+    console.table(["scheme", *names], table, title=f"per domain: {domain_title()}",
                   caption=f"each domain scored on its own {', '.join(f'{n:,}' for n in dict.fromkeys(scored.values()))} "
-                          "positions; the reference's row: its perplexity ± SE.")
+                          "positions" + "".join(f"; {c}" for c in domain_captions()) + ".")
 
 
 def render_eval(report) -> None:

@@ -5,6 +5,8 @@ Layer 6: above ``methods``, ``simulate`` and ``export`` (layer 5), below ``inspe
 """
 
 from qkit.evaluation import rows  # noqa: F401 (registers the named rows and presets)
-from qkit.evaluation.runner import EvalOptions, EvalReport, Row, evaluate
+from qkit.evaluation.options import EvalOptions
+from qkit.evaluation.report import EvalReport, Row
+from qkit.evaluation.runner import evaluate
 
 __all__ = ["EvalOptions", "EvalReport", "Row", "evaluate"]

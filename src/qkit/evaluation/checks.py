@@ -1,5 +1,6 @@
-"""``qkit eval``'s checks that need no model loaded: calibration texts, a checkpoint against its reference
-(from headers only); the window and corpus tokens are ``perplexity``'s (``check_corpus_tokens``, ``choose_window``).
+"""``qkit eval``'s checks that need no model loaded: a checkpoint against its reference (from headers only);
+the window and corpus tokens are ``windows``' (``check_corpus_tokens``, ``choose_window``), the calibration
+texts ``methods.calibration``'s (``check_calibrations``).
 
 Layer 6 (``evaluation``). ``inputs.check_inputs`` calls these before the reference model is loaded, so
 every refusal costs milliseconds, not a model load.
@@ -7,17 +8,11 @@ every refusal costs milliseconds, not a model load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from qkit.checkpoint import read_manifest, tensor_shapes
 from qkit.errors import CheckpointError, InputError
-from qkit.evaluation.specs import RowSpec
-from qkit.methods import get_method, make_options
-from qkit.methods.calibration import calibration_ids, check_fits
 from qkit.models import ModelRef
-from qkit.simulate import get_simulation
 from qkit.transform import entry_to_spec
 
 
@@ -30,34 +25,6 @@ def read_config(ref: ModelRef):
         return AutoConfig.from_pretrained(str(ref.directory), trust_remote_code=ref.trust_remote_code)
     except Exception:
         return None
-
-
-def check_calibrations(specs: list[RowSpec], tokenizer, corpus, config=None,
-                       simulation_options: Callable[[RowSpec], dict] | None = None) -> list[dict]:
-    """Every calibrated row's calibration text (a calibrated method's, and a simulation's such as
-    ``act-int8-static``'s scales), read, checked disjoint from the eval ``corpus`` (one text, or the suite's
-    texts) and sampled
-    (``qkit.methods.calibration.calibration_ids``) before the model is loaded, so an unreadable, overlapping
-    or too short text, or windows beyond the model's context (``config``), is refused in one line before
-    the reference row. ``simulation_options(spec)``: the options each row's simulations are built with. Returns
-    each distinct text's provenance (the row reads and samples it again when it is built: milliseconds
-    next to a row)."""
-    seen: dict[Any, dict] = {}
-    for spec in specs:
-        method = get_method(spec.method)
-        calibrated = method is not None and method.calibrated
-        chosen = [make_options(method, dict(spec.method_options)).calibration_options()] if calibrated else []
-        for name in spec.simulation:  # a simulation that calibrates (static activation scales) says with what
-            simulation = get_simulation(name, simulation_options(spec) if simulation_options else dict(spec.simulation_options))
-            wants = getattr(simulation, "calibration_options", None)
-            if callable(wants) and wants() is not None:
-                chosen += [wants()]
-        for options in chosen:
-            options = options.fitted(config)  # the window the row will use: a default fitted to the context
-            if options not in seen:
-                check_fits(options, config)
-                seen[options] = calibration_ids(tokenizer, options, evaluation=corpus)[1]
-    return list(seen.values())
 
 
 def stored_weights(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -114,5 +81,4 @@ def check_checkpoint_matches(checkpoint: ModelRef, ref: ModelRef, config=None) -
     )
 
 
-__all__ = ["check_calibrations", "check_checkpoint_matches", "read_config",
-           "stored_weights"]
+__all__ = ["check_checkpoint_matches", "read_config", "stored_weights"]

@@ -1,8 +1,9 @@
-"""The measures' columns of ``qkit eval``'s table and of ``qkit report``'s quality table, from the registry.
+"""The measures' columns of ``qkit eval``'s tables and of ``qkit report``'s quality table and frontier, from the
+registry.
 
 Layer 6 (``evaluation``), above ``measures`` and ``domains``: the renderers (``cli/eval.py``,
-``report/data.py``) add the row's name, bits, size and the like, and take every measure column from here, so
-a registered measure appears in both tables with no edit to either. Over one text a column shows a row's own
+``report/data.py``, ``report/page.py``) add the row's name, bits, size and the like, and take every measure's
+part from here, so a registered measure appears in the tables and the frontier with no edit to any of them. Over one text a column shows a row's own
 value (``Measure.cell``); over an eval suite a per-domain measure shows the worst domain's value, named
 (``domains.worst`` by the measure's ``worst`` and ``worst_key``), blank for the reference, and a measure
 that is not per domain its row's value.
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qkit.evaluation.domains import worst
-from qkit.evaluation.measures import Measure, measures
+from qkit.evaluation.measures import FrontierPanel, Measure, measures, placed
 
 
 def _shown(suite: bool) -> list[tuple[Measure, str]]:
@@ -51,4 +52,33 @@ def page_cells(row: Mapping[str, Any], reference: bool) -> list[str]:
     return [m.page_cell(row, reference) for m in measures() if m.page_header]
 
 
-__all__ = ["page_cells", "page_headers", "table_cells", "table_headers"]
+def _in_domains() -> list[Measure]:
+    """The per-domain measures in the per-domain table's order (``place``)."""
+    return placed(measures(per_domain=True))
+
+
+def domain_title() -> str:
+    """The per-domain table's title after "per domain: ": the measures' ``domain_header``s, joined by " · "."""
+    return " · ".join(m.domain_header for m in _in_domains() if m.domain_header)
+
+
+def domain_cell(domain: Mapping[str, Any], reference: bool) -> str:
+    """One domain's cell of a row in the per-domain table: every measure's ``domain_cell`` that says something,
+    joined by " · ". ``domain``: one entry of ``Row.domains`` (its measures' values and ``scored_tokens``)."""
+    cells = (m.domain_cell(domain, domain["scored_tokens"], reference) for m in _in_domains())
+    return " · ".join(c for c in cells if c)
+
+
+def domain_captions() -> list[str]:
+    """What the per-domain table's caption says of its measures (``domain_caption``), in order."""
+    return [m.domain_caption for m in _in_domains() if m.domain_caption]
+
+
+def frontier_panels() -> list[tuple[str, str | None, FrontierPanel]]:
+    """The frontier's panels, left to right (``place``): each measure's value key (``keys[0]``), its SE key
+    (``keys[1]``, None for a measure of one key: no bars) and its ``FrontierPanel``."""
+    return [(m.keys[0], m.keys[1] if len(m.keys) > 1 else None, m.frontier) for m in placed(measures()) if m.frontier]
+
+
+__all__ = ["domain_captions", "domain_cell", "domain_title", "frontier_panels", "page_cells", "page_headers",
+           "table_cells", "table_headers"]

@@ -1,6 +1,6 @@
 """Per-domain statistics of an eval suite: each domain's positions scored as if it were the only text.
 
-Layer 6 (``evaluation``), beside ``perplexity``. The default eval scores several held-out texts
+Layer 6 (``evaluation``), beside ``token_scores``. The default eval scores several held-out texts
 (``qkit.catalog.DEFAULT_SUITE``: the Book of Ruth, the GPL-3 text, argparse.py, a play's dialogue), each in
 windows of its own (``CorpusReference(segments=...)``), so a row's per-position values are the domains'
 one after another; ``TokenScores.domains`` names them and counts their positions. ``slices`` cuts a row's
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from qkit.evaluation.measures import Evidence, measure_values
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 
 
 def slices(scores: TokenScores) -> dict[str, TokenScores]:

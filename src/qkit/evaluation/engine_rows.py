@@ -1,9 +1,11 @@
 """An engine's rows (``--runtime torch,vllm,llama.cpp``): every row measured the same way, in every engine.
 
-Layer 6 (``evaluation``): above ``engines`` (the ``Engine`` protocol, its sessions) and ``measuring`` (the
-values a row passes around). The runner calls ``measure_rows``, which measures every engine's rows
-(``measure_in``), torch first, then pairs them (``pairing``); the torch reference is measured before any of
-them (``engines.torch_engine.measure_reference``), since every row is compared with it.
+Layer 6 (``evaluation``): above ``engines`` (the ``Engine`` protocol, its sessions), ``measuring`` (the
+values a row passes around) and ``row_files`` (how a row's file is written). The runner calls
+``measure_rows``, which measures every engine's rows (``measure_in``), torch first, then pairs them
+(``pairing``); the torch reference is measured before any of them
+(``engines.torch_engine.measure_reference``), since every row is compared with it. With ``--executor ray``
+the torch rows are measured in other processes (``fan_out``, ``measure_elsewhere``), each as here.
 
 For each target (an engine's own reference, a saved checkpoint, every spec), in order:
 
@@ -11,9 +13,9 @@ For each target (an engine's own reference, a saved checkpoint, every spec), in 
    for, a simulation the engine does not run, a plan for another format, a saved qkit checkpoint in an
    engine that reads another format, a file row in an engine that does not load GGUF files): a row that
    says so (``Row.refused``), nothing written.
-2. The row's file is written by the runner's writer (``qkit.api.quantize_model`` with the engine's
-   ``export_options``, exactly as ``qkit quantize --format ...`` writes it; the reference's is the same
-   exporter with nothing quantized: ``write_reference``) into the row's temporary directory
+2. The row's file is written by the runner's writer (``row_files.write_row``: ``qkit.api.quantize_model``
+   with the engine's ``export_options``, exactly as ``qkit quantize --format ...`` writes it; the
+   reference's is the same exporter with nothing quantized: ``row_files.write_reference``) into the row's temporary directory
    (``$TMPDIR/qkit-eval-PID-RANDOM``). The engine loads that very file: a row is scored from the file a
    user would deploy (torch: qkit's own checkpoint, streamed into the reference model).
 3. ``Session.measure`` measures it against the reference; ``EngineRefused`` becomes a refused row.
@@ -24,6 +26,8 @@ For each target (an engine's own reference, a saved checkpoint, every spec), in 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -31,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkit.checkpoint import checkpoint_bytes, iter_tensors, read_manifest, tensor_shapes
-from qkit.evaluation.engines import TORCH, Engine, EngineOptions, EngineRefused, Session
+from qkit.checkpoint import checkpoint_bytes, read_manifest
+from qkit.evaluation.engines import DTYPES, TORCH, Engine, EngineOptions, EngineRefused, Session
+from qkit.evaluation.engines.torch_engine import ENGINE as TORCH_ENGINE
 from qkit.evaluation.file_rows import file_refusal
 from qkit.evaluation.klstats import llama_kl_stats
 from qkit.evaluation.measuring import (
@@ -43,16 +48,16 @@ from qkit.evaluation.measuring import (
     refused_row,
 )
 from qkit.evaluation.pairing import pair_rows
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 from qkit.evaluation.report import Row
-from qkit.evaluation.specs import RowSpec, parse_plan_word
-from qkit.export import QKIT, atomic_output, get_format, prepare_export
-from qkit.models import ModelRef
+from qkit.evaluation.row_files import write_row
+from qkit.evaluation.specs import RowSettings, RowSpec, parse_plan_word
+from qkit.executors import Executor
+from qkit.export import QKIT, get_format
+from qkit.models import ModelRef, load
 from qkit.plan import read_plan
-from qkit.schemes import get_scheme
-from qkit.schemes.registry import DEFAULT_SCHEME
 from qkit.staging import temporary_directory
-from qkit.transform import Rules, entry_to_spec, new_manifest
+from qkit.transform import entry_to_spec
 
 TMP_PREFIX = "qkit-eval-"  # a row's temporary directory: $TMPDIR/qkit-eval-PID-RANDOM (qkit.staging.temporary_directory)
 
@@ -108,25 +113,6 @@ def refusal(engine: Engine, target: Target) -> str | None:
     if spec is None:
         return engine.cannot_run(None, ())
     return plan_refusal(spec, engine) or file_refusal(spec, engine) or engine.cannot_run(spec.scheme, spec.simulation)
-
-
-def write_reference(ref: ModelRef, fmt: str, out: Path) -> Path:
-    """The reference in format ``fmt``, unquantized; returns what the engine loads. For a safetensors
-    format (qkit, compressed-tensors) that is the reference's own directory: with nothing quantized those
-    formats store exactly its tensors. For another container (GGUF: one file) it is the exporter
-    ``quantize_model`` uses, given no target: every tensor in the source's float type (F32 for an fp32
-    model), written to ``out``."""
-    if get_format(fmt).unquantized_is_source:
-        return ref.directory
-    shapes = dict(tensor_shapes(ref.directory))
-    manifest = new_manifest(get_scheme(DEFAULT_SCHEME), Rules())  # names a default even with nothing quantized
-    export = prepare_export(fmt, ref.directory, {}, shapes, manifest, ref=ref)
-    with atomic_output(export, out) as tmp:
-        writer = export.writer(tmp, 1 << 62)  # one file or shard: the engine reads it as written
-        for name, tensor in iter_tensors(ref.directory):
-            writer.add(name, tensor)
-        writer.close()
-    return out
 
 
 def saved_rows(checkpoint: ModelRef | None) -> list[Target]:
@@ -210,5 +196,58 @@ def measure_row(engine: Engine, session: Session, target: Target, reference: Ref
     return out
 
 
-__all__ = ["Elsewhere", "TMP_PREFIX", "Target", "Writer", "measure_in", "measured_elsewhere", "measure_row", "measure_rows", "plan_refusal", "refusal",
-           "row_name", "saved_rows", "targets_for", "write_reference"]
+# --------------------------------------------------------------------------- torch rows in other processes
+
+
+@dataclass(frozen=True)
+class RowJob:
+    """What every torch row measured in another process shares (``--executor ray``: put in Ray's object
+    store once): the reference without its model (its corpus log-probabilities in a named file,
+    ``CorpusReference.share``), how rows are written, and how the reference model is loaded."""
+
+    reference: Reference
+    settings: RowSettings
+    engine: EngineOptions
+    device: str
+    dtype: str
+
+
+def fan_out(executor: Executor, reference: Reference, settings: RowSettings, engine: EngineOptions) -> Elsewhere:
+    """The torch rows as ``executor``'s tasks (``measure_elsewhere``), results in the targets' order: each
+    written with ``settings`` and measured with ``engine`` (whose dtype the tasks load the reference in). The
+    reference's log-probabilities are copied to a named file in a ``qkit-eval-PID-*`` directory (removed
+    after the rows, on an error too), and the driver's model is released first: each task loads its own
+    from the reference's files, so the driver holds no model while the rows run."""
+
+    def run(targets: list[Target]) -> Iterator[tuple[Row, TokenScores | None]]:
+        with temporary_directory(TMP_PREFIX) as tmp:
+            reference.corpus.share(Path(tmp) / "reference-logprobs.f32")
+            reference.release_model()
+            job = RowJob(reference, settings, engine, reference.device, engine.dtype)
+            yield from executor.map(measure_elsewhere, targets, job)
+    return run
+
+
+def measure_elsewhere(job: RowJob, target: Target) -> tuple[Row, TokenScores | None]:
+    """One torch row in this (worker) process, exactly as ``measure_in`` measures it in the driver:
+    the reference model loaded from its files, the row written here (``row_files.write_row``) and swapped
+    into it (``TorchSession``). The model is loaded per row and dropped after it (no model outlives a task)."""
+    model = load(ref=job.reference.ref, device=job.device, dtype=DTYPES[job.dtype]).model
+    reference = dataclasses.replace(job.reference, model=model)
+    session = TORCH_ENGINE.open(reference, job.engine, _quiet)
+    writer = functools.partial(write_row, reference=reference, settings=job.settings, say=_quiet)
+    scores: dict[str, TokenScores] = {}
+    try:
+        row = measure_row(TORCH_ENGINE, session, target, reference, writer, scores, _quiet)
+    finally:
+        session.close()
+    return row, scores.get(row.scheme)
+
+
+def _quiet(_message: str) -> None:
+    pass
+
+
+__all__ = ["Elsewhere", "RowJob", "TMP_PREFIX", "Target", "Writer", "fan_out", "measure_elsewhere", "measure_in",
+           "measured_elsewhere", "measure_row", "measure_rows", "plan_refusal", "refusal", "row_name", "saved_rows",
+           "targets_for"]

@@ -1,7 +1,7 @@
 """What ``qkit eval`` reads before the reference model loads: the models, the corpus, the tokenizer, the
 battery prompts, each checked on the way.
 
-Layer 6 (``evaluation``), above ``checks`` (the refusals it calls) and ``perplexity`` (the window and
+Layer 6 (``evaluation``), above ``checks`` (the refusals it calls) and ``windows`` (the window and
 token counts). Every refusal here costs milliseconds, not a model load; what it read (corpus, tokenizer,
 token ids, battery prompts) is what the eval then uses.
 """
@@ -9,26 +9,26 @@ token ids, battery prompts) is what the eval then uses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from qkit.checkpoint import tensor_shapes
 from qkit.errors import InputError
 from qkit.evaluation.battery import Question, build_prompts, load_battery
-from qkit.evaluation.checks import (
-    check_calibrations,
-    check_checkpoint_matches,
-    read_config,
-)
+from qkit.evaluation.checks import check_checkpoint_matches, read_config
 from qkit.evaluation.engines import Engine, EngineOptions, check_engine_lengths
 from qkit.evaluation.file_rows import check_file_matches
-from qkit.evaluation.perplexity import check_corpus_tokens, choose_window
-from qkit.evaluation.specs import RowSpec, SimulationSettings
+from qkit.evaluation.windows import choose_window, scored_ids
+from qkit.evaluation.specs import RowSpec
+from qkit.methods.calibration import CalibrationOptions, check_calibrations
 from qkit.models import ModelRef, check_complete, load_tokenizer
 from qkit.plan import check_plan_matches, read_plan
-from qkit.catalog import eval_texts, model_text, suite_name
-from qkit.texts import Corpus, sha256_text
+from qkit.catalog import eval_texts, suite_corpus
+from qkit.texts import Corpus
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,14 @@ def pair_models(target: ModelRef, reference: ModelRef | None, given: str | None)
 @dataclass(frozen=True)
 class InputSettings:
     """What reading and checking the inputs reads of eval's options: the corpus (None: the pinned text),
-    the tokens scored, the window (None: the model's default), what the rows' simulations are built with
-    (their calibration texts), and the engines' settings with the battery's and agreement's new tokens
+    the tokens scored, the window (None: the model's default), the calibrations the rows read
+    (``specs.check_rows``), and the engines' settings with the battery's and agreement's new tokens
     (their ``--max-model-len``)."""
 
     corpus: str | None
     tokens: int
     window: int | None
-    simulations: SimulationSettings
+    calibrations: tuple[CalibrationOptions, ...]
     engine: EngineOptions
     battery_tokens: int
     agree_tokens: int
@@ -73,13 +73,14 @@ class Inputs:
     ``[tokens]``), the reference's config (None: transformers cannot read it; ``load`` says why), the
     window (None until the config is known), the tokenizer, the calibration texts' provenance, the
     battery's questions and their prompts (agreement's prompts too), and the settings they were read with.
-    An eval suite (the default): ``texts`` its domains, ``corpus`` their summary (``suite_corpus``),
-    ``ids`` the domains' tokens one after another and ``segments`` each one's ``(name, tokens)``."""
+    An eval suite (the default): ``texts`` its domains, ``corpus`` their summary (``catalog.suite_corpus``),
+    ``ids`` the domains' tokens one after another and ``segments`` each one's ``(name, tokens)``
+    (``windows.scored_ids``)."""
 
     corpus: Corpus
-    config: Any
+    config: PretrainedConfig | None
     window: int | None
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     ids: torch.Tensor
     calibrations: list[dict]
     questions: list[Question]
@@ -89,45 +90,16 @@ class Inputs:
     segments: tuple[tuple[str, int], ...] = ()
 
 
-def suite_corpus(texts: list[Corpus]) -> Corpus:
-    """One text as it is; several (an eval suite) as one ``Corpus`` named after the suite, whose sha256 is of
-    the texts' names and sha256s, one per line (its text: theirs joined by blank lines, for a simulation)."""
-    if len(texts) == 1:
-        return texts[0]
-    text = "\n\n".join(t.text for t in texts)
-    return Corpus(suite_name(texts), text, sha256_text("".join(f"{t.name} {t.sha256}\n" for t in texts)),
-                  ", ".join(t.source for t in texts), "suite")
-
-
-def suite_ids(tok, texts: list[Corpus], tokens: int, window: int | None) -> tuple[torch.Tensor, tuple]:
-    """The scored token ids: one text's first ``tokens``; a suite's first ``tokens // len(texts)`` of each
-    domain, one after another, with each domain's ``(name, tokens)`` (windows never cross a domain). A
-    domain too short to score a standard error is refused, naming it."""
-    per = tokens // len(texts)
-    ids = [torch.tensor(tok(model_text(t, tok), add_special_tokens=False)["input_ids"][:per], dtype=torch.long)
-           for t in texts]
-    if window is not None:
-        for t, i in zip(texts, ids):
-            if len(texts) > 1 and int(i.numel()) < 3:
-                raise InputError(f"--tokens {tokens} gives {per} token(s) to each of the {len(texts)} domains of "
-                                 f"{suite_name(texts)}, too few for a standard error; pass --tokens {3 * len(texts)} or more")
-            check_corpus_tokens(t, int(i.numel()), window)
-    segments = tuple((t.name, int(i.numel())) for t, i in zip(texts, ids)) if len(texts) > 1 else ()
-    return torch.cat(ids), segments
-
-
 def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], settings: InputSettings) -> Inputs:
-    """Read and check every input before anything heavy: the corpus, the window against the model's
-    context, every tensor the reference's (and a checkpoint's) config implies, a checkpoint's tensors
-    against the reference's, shape for shape, a plan file against the reference's shapes, a file row's
-    GGUF against the reference's architecture, tensor names and shapes, the tokenizer,
-    enough corpus tokens, the calibration texts, the engines' ``--max-model-len`` against the window and
-    the battery prompts."""
+    """Read and check every input before anything heavy: the corpus, every tensor the reference's (and a
+    checkpoint's) config implies, a checkpoint's tensors against the reference's, shape for shape, a plan file
+    against the reference's shapes, a file row's GGUF against the reference's architecture, tensor names and
+    shapes, the tokenizer, the window against the model's context, enough corpus tokens, the calibration
+    texts, the engines' ``--max-model-len`` against the window and the battery prompts."""
     ref, checkpoint = models.ref, models.checkpoint
     texts = eval_texts(settings.corpus)  # the default suite's domains, or the one --corpus
     corpus = suite_corpus(texts)
     config = read_config(ref)  # None: transformers cannot read it; ``load`` says why in one line
-    window = choose_window(settings.window, settings.tokens, config) if config is not None else None
     check_complete(ref)  # the reference too, before the status line of the load (load() reuses the build)
     if checkpoint is not None:  # headers only (and a meta-device build of the config): before anything heavy
         check_complete(checkpoint)  # every tensor its config implies (load() checks the reference's)
@@ -140,8 +112,9 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     tok = load_tokenizer(ref.directory)
     if tok is None:
         raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
-    ids, segments = suite_ids(tok, texts, settings.tokens, window)
-    calibrations = check_calibrations(specs, tok, texts, config, settings.simulations.for_row)
+    window = choose_window(settings.window, settings.tokens, config) if config is not None else None
+    ids, segments = scored_ids(tok, texts, settings.tokens, window)
+    calibrations = check_calibrations(tok, settings.calibrations, texts, config)
     questions = load_battery()
     prompts = build_prompts(tok, [q.question for q in questions])  # agreement's prompts too
     if window is not None:  # the engines' context: the window, the longest prompt and its new tokens
@@ -151,4 +124,4 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     return Inputs(corpus, config, window, tok, ids, calibrations, questions, prompts, settings, texts, segments)
 
 
-__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "pair_models", "suite_corpus", "suite_ids"]
+__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "pair_models"]

@@ -3,7 +3,7 @@
 ``llama-perplexity --kl-divergence`` (llama.cpp ``tools/perplexity/perplexity.cpp``, function
 ``kl_divergence()``, with ``log_softmax(..., base_log_prob, tok, kld)`` filling the running sums of
 ``struct kl_divergence_result`` per scored position) ends with three blocks of statistics. Here they are
-computed from a row's :class:`~qkit.evaluation.perplexity.TokenScores` against the reference's own
+computed from a row's :class:`~qkit.evaluation.token_scores.TokenScores` against the reference's own
 scores: per scored position ``t`` (``n`` of them)::
 
     nll_t   = row.nll[t]                 (-ln q(x_t), the quantized model: llama.cpp's "Q")
@@ -74,7 +74,7 @@ import math
 import numpy as np
 
 from qkit.errors import InputError
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 
 # llama.cpp's mean_and_uncertainty gives an SE only for count > 10 (and covariance() for count >= 10)
 MIN_FOR_SE = 11

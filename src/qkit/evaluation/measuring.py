@@ -14,7 +14,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,11 +23,16 @@ from qkit.evaluation.agreement import ReferenceContinuation
 from qkit.evaluation.battery import Question
 from qkit.evaluation.domains import domain_rows
 from qkit.evaluation.measures import Evidence, blank_values, measure_values
-from qkit.evaluation.perplexity import CorpusReference, TokenScores
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.token_scores import TokenScores
 from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec
 from qkit.models import ModelRef
 from qkit.schemes import QuantizedTensor
+from qkit.texts import Corpus
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedTokenizerBase
 
 REFERENCE = "reference"  # the reference row's name in the table (an engine's: "reference [ENGINE]")
 
@@ -46,7 +51,7 @@ class Reference:
     began (``time.perf_counter()``)."""
 
     ref: ModelRef
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     corpus: CorpusReference
     ref_scores: TokenScores
     ref_row: Row
@@ -55,7 +60,7 @@ class Reference:
     continuation: ReferenceContinuation
     repetition_penalty: float
     battery_tokens: int
-    text: Any = None
+    text: list[Corpus] | None = None
     model: torch.nn.Module | None = None
     device: str = "cpu"
     started: float = 0.0

@@ -1,10 +1,11 @@
-"""``qkit eval``'s options: every default once (``EvalOptions``), and the small values each step reads.
+"""``qkit eval``'s options: every default once (``EvalOptions``), resolved into the small values each step reads.
 
-Layer 6 (``evaluation``), below the runner. ``EvalOptions.validate`` is every check that needs no model
-(it returns the row specs it resolved); the runner then hands each step only the fields it reads:
-``inputs`` (``checks.InputSettings``: corpus, tokens, window, the simulations' calibration, the engines'
-context), ``answering`` (battery and agreement), ``rows`` (``specs.RowSettings``: how a row's file is
-written and its simulations built) and ``engine_options`` (the engines' settings in the eval's dtype).
+Layer 6 (``evaluation``), below the runner. ``EvalOptions.resolve`` is every check that needs no model, and
+returns an ``EvalRun``: the row specs, the engines, and each step's settings apart, so no step is handed the
+whole options value: ``inputs`` (``inputs.InputSettings``: corpus, tokens, window, the rows' calibrations,
+the engines' context), ``answering`` (battery and agreement), ``rows`` (``specs.RowSettings``: how a row's
+file is written and its simulations built), ``engine`` (the engines' settings in the eval's dtype),
+``loading`` (the reference model), ``executor`` and ``models`` (MODEL's ``--reference``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.executors import SERIAL, ExecutorOptions
-from qkit.evaluation.engines import EngineOptions, check_runtimes, engines_named
+from qkit.evaluation.engines import Engine, EngineOptions, check_runtimes, engines_named
 from qkit.evaluation.file_rows import check_file_runtimes
 from qkit.evaluation.inputs import InputSettings
-from qkit.evaluation.perplexity import check_scored, min_tokens
+from qkit.evaluation.windows import check_scored
 from qkit.evaluation.specs import RowSettings, RowSpec, SimulationSettings, check_rows
 from qkit.methods import RTN
 from qkit.models import check_device_map, parse_device
@@ -73,64 +74,86 @@ class EvalOptions:
     # Where the torch rows run (qkit.executors): here one after another, or each a Ray task (--executor ray)
     executor: ExecutorOptions = ExecutorOptions()
 
-    def validate(self) -> list[RowSpec]:
+    def resolve(self) -> EvalRun:
         """Every check that needs no model (counts, names, device), so a bad option fails in milliseconds:
         ``evaluate`` calls it before anything is resolved or loaded. The window's upper bound (the model's
         context) and the default window's token minimum are checked from the model's config, before loading.
-        Returns the row specs ``schemes`` and ``methods`` name, resolved."""
+        Returns what each step reads, resolved: the row specs ``schemes`` and ``methods`` name, the engines
+        ``runtimes`` names, the calibrations the rows read, and the settings of each step."""
         self.executor.validate()  # an unknown executor, Ray not installed, a --ray-address nothing answers at
         if self.executor.name != SERIAL and (self.device_map is not None or parse_device(self.device).type != "cpu"):
             raise InputError(f"--executor {self.executor.name} measures the torch rows in CPU worker processes; "
                              "pass --device cpu (and no --device-map), or drop --executor")
         rows = self.rows
-        for flag, value, least in (("--agree-tokens", self.agree_tokens, 1),
-                                   ("--window", self.window, 2), ("battery_tokens", self.battery_tokens, 1)):
-            if value is not None and value < least:
-                raise InputError(f"{flag} must be at least {least}, got {value}")
-            if value is not None:
-                whole(value, flag, least, MAX_COUNT)  # the upper bound, named
         check_scored(self.tokens, self.window)  # a perplexity without a standard error is never reported
-        whole(self.tokens, "--tokens", min_tokens(self.window), MAX_COUNT)  # the upper bound, named
+        for flag, value in (("--agree-tokens", self.agree_tokens), ("battery_tokens", self.battery_tokens)):
+            if value < 1:
+                raise InputError(f"{flag} must be at least 1, got {value}")
+            whole(value, flag, 1, MAX_COUNT)  # the upper bound, named
         check_runtimes(self.runtimes, self.dtype, self.engine)  # unknown names, an engine not installed, bad counts
         given = dict(self.method_options)
         if given.get("calibration") is not None:  # an empty value or entry named now, even with no calibrated row
             split_sources(joined_sources(given["calibration"]))
-        specs = check_rows(self.schemes, self.methods, given, rows)  # names, simulations, plans, files
-        check_file_runtimes(specs, engines_named(self.runtimes))  # a file row in a runtime that cannot load it
+        specs, calibrations = check_rows(self.schemes, self.methods, given, rows)  # names, plans, simulations, files
+        engines = engines_named(self.runtimes)
+        check_file_runtimes(specs, engines)  # a file row in a runtime that cannot load it
         check_keys(dict(self.simulation_options))  # a misspelt simulation option, even with no simulation row
         parse_scale_dtype(self.scale_dtype)
         parse_device(self.device)
         if self.device_map is not None:
             check_device_map(self.device_map)
-        return specs
-
-    # ------------------------------------------------------------------ what each step reads
-
-    @property
-    def inputs(self) -> InputSettings:
-        return InputSettings(self.corpus, self.tokens, self.window, self.rows.simulations, self.engine,
-                             self.battery_tokens, self.agree_tokens)
-
-    @property
-    def answering(self) -> AnswerSettings:
-        return AnswerSettings(self.agree_tokens, self.battery_tokens, self.battery, self.repetition_penalty)
+        inputs = InputSettings(self.corpus, self.tokens, self.window, calibrations, self.engine, self.battery_tokens,
+                               self.agree_tokens)
+        answering = AnswerSettings(self.agree_tokens, self.battery_tokens, self.battery, self.repetition_penalty)
+        # the engines compute in the eval's dtype, as the torch runtime does (vLLM; a GGUF's types are its own)
+        engine = dataclasses.replace(self.engine, dtype=self.dtype)
+        return EvalRun(specs, engines, inputs, answering, rows, engine, Loading(self.device, self.device_map, self.dtype),
+                       self.executor, Pairing(self.reference, self.trust_remote_code), self.seed, self.scale_dtype)
 
     @property
     def rows(self) -> RowSettings:
         calibration = tuple((k, v) for k, v in self.method_options if k in SIMULATION_CALIBRATION)
         return RowSettings(self.scale_dtype, self.plan_candidates, SimulationSettings(self.simulation_options, calibration))
 
-    @property
-    def engine_options(self) -> EngineOptions:
-        """The engines' settings; an engine computes in the eval's dtype, as the torch runtime does (vLLM;
-        a GGUF's types are its own)."""
-        return dataclasses.replace(self.engine, dtype=self.dtype)
 
-    def simulation_options_for(self, spec: RowSpec) -> dict[str, Any]:
-        """The options ``spec``'s simulations are built with: the row's own, else eval's; ``--calibration``,
-        ``--calibration-samples`` and ``--calibration-seqlen`` choose a static activation row's calibration
-        too (the same text a calibrated method's row uses)."""
-        return self.rows.simulations.for_row(spec)
+@dataclass(frozen=True)
+class Loading:
+    """How the reference model is loaded: ``device`` (None: the default), ``device_map`` (spread over several
+    devices), ``dtype`` (``engines.DTYPES``' name: the torch runtime's)."""
+
+    device: str | None
+    device_map: str | None
+    dtype: str
 
 
-__all__ = ["AnswerSettings", "EvalOptions", "SIMULATION_CALIBRATION"]
+@dataclass(frozen=True)
+class Pairing:
+    """What MODEL is paired with: ``reference`` (``--reference``, for a saved qkit checkpoint) and whether a
+    model's own code may run (``trust_remote_code``)."""
+
+    reference: str | None
+    trust_remote_code: bool
+
+
+@dataclass(frozen=True)
+class EvalRun:
+    """``EvalOptions`` resolved (``EvalOptions.resolve``), each step's part apart: ``specs`` (the rows),
+    ``engines`` (torch first), ``inputs`` (what reading the inputs reads, the rows' calibrations too),
+    ``answering`` (battery and agreement), ``rows`` (how a row's file is written and its simulations built),
+    ``engine`` (the engines' settings in the eval's dtype), ``loading`` (the reference model), ``executor``
+    (where the torch rows run), ``models`` (MODEL's reference), ``seed`` and ``scale_dtype`` (recorded)."""
+
+    specs: list[RowSpec]
+    engines: list[Engine]
+    inputs: InputSettings
+    answering: AnswerSettings
+    rows: RowSettings
+    engine: EngineOptions
+    loading: Loading
+    executor: ExecutorOptions
+    models: Pairing
+    seed: int
+    scale_dtype: str
+
+
+__all__ = ["AnswerSettings", "EvalOptions", "EvalRun", "Loading", "Pairing", "SIMULATION_CALIBRATION"]

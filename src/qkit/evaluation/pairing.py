@@ -19,7 +19,7 @@ from __future__ import annotations
 from qkit.evaluation.domains import paired_domains
 from qkit.evaluation.engines import TORCH
 from qkit.evaluation.measuring import REFERENCE
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 from qkit.evaluation.report import Row
 from qkit.evaluation.specs import RowSpec, parse_plan_word
 from qkit.methods import RTN

@@ -1,10 +1,7 @@
-"""Perplexity, KL divergence and top-1 agreement over the same corpus tokens.
+"""The reference's log-probabilities over the corpus windows, and every row scored against them.
 
-The corpus's first ``tokens`` tokens are cut into non-overlapping windows of ``window`` tokens; within
-each window, position ``t`` (1..w-1) is predicted from positions ``< t``, so ``tokens - n_windows``
-positions are scored (the first token of each window has no context and is not scored; a last window
-of one token is dropped): ``scored_positions(tokens, window)``. A standard error needs at least
-``MIN_SCORED`` = 2 scored positions; fewer is refused before the model is loaded (``check_scored``).
+The windows are ``windows``' (``split_windows``: non-overlapping, the first token of each unscored); a
+row's per-position values are a ``token_scores.TokenScores``.
 
 For a model with log-probabilities ``log q`` and the reference's ``log p`` at each scored position::
 
@@ -24,148 +21,15 @@ one log-softmax per window (tests/test_eval_memory.py).
 
 from __future__ import annotations
 
-import math
 import shutil
 import tempfile
-from dataclasses import dataclass
 
 import torch
 
 from qkit.dtypes import dtype_of, non_finite_activations
 from qkit.errors import InputError, OutputError
-
-
-@dataclass
-class TokenScores:
-    """Per scored position: ``nll`` float64 [n], ``kl`` float64 [n], ``top1`` bool [n]."""
-
-    nll: torch.Tensor
-    kl: torch.Tensor
-    top1: torch.Tensor
-    # False when some log-probability was NaN (an overflowed row): its argmax, hence its top-1, means nothing
-    measurable: bool = True
-    # (name, positions) of each domain of an eval suite, in order (qkit.evaluation.domains); () for one text
-    domains: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def n(self) -> int:
-        return int(self.nll.numel())
-
-    @property
-    def perplexity(self) -> float:
-        return _exp(self.nll.mean().item())
-
-    @property
-    def perplexity_se(self) -> float:
-        return self.perplexity * _se(self.nll)
-
-    @property
-    def kld(self) -> float:
-        return self.kl.mean().item()
-
-    @property
-    def kld_se(self) -> float:
-        return _se(self.kl)
-
-    @property
-    def top1_match(self) -> float:
-        """The share of positions whose argmax is the reference's; NaN ("not measured") for a row whose
-        log-probabilities were not all numbers."""
-        return self.top1.double().mean().item() if self.measurable else math.nan
-
-    def change_against(self, reference: TokenScores) -> tuple[float, float]:
-        """Perplexity change vs ``reference`` in percent, with its paired standard error.
-
-        Both score the same tokens, so the per-token difference ``d = nll - nll_ref`` gives the change
-        ``exp(mean d) - 1`` and, by the delta method, SE ``exp(mean d) * SE(mean d)``; far tighter than
-        comparing two independent perplexity SEs.
-        """
-        d = self.nll - reference.nll
-        ratio = _exp(d.mean().item())
-        return 100 * (ratio - 1), 100 * ratio * _se(d)
-
-    def kl_change_against(self, other: TokenScores) -> tuple[float, float]:
-        """Mean KL to the reference minus ``other``'s, with its paired standard error: both rows score the
-        same positions against the same reference, so ``d = kl - kl_other`` per position."""
-        d = self.kl - other.kl
-        return d.mean().item(), _se(d)
-
-    def paired(self, other: TokenScores, kl: bool = True) -> dict[str, float]:
-        """This row minus ``other`` on the same positions, as ``Row.versus`` holds it: the perplexity change
-        (``change_against``) and, with ``kl`` (both have the full distribution), the KL difference."""
-        pct, pct_se = self.change_against(other)
-        out = {"perplexity_change_pct": pct, "perplexity_change_se_pct": pct_se}
-        if kl:
-            out["kld_change"], out["kld_change_se"] = self.kl_change_against(other)
-        return out
-
-
-def _exp(x: float) -> float:
-    # math.exp raises OverflowError past ~709; a collapsed row's mean NLL can get there: its perplexity is inf
-    return math.exp(x) if x < 709.0 else math.inf
-
-
-def _se(x: torch.Tensor) -> float:
-    """Standard error of the mean; NaN when it does not exist (fewer than ``MIN_SCORED`` values): every
-    reader (``qkit.evaluation.notes.interpret``, the table) says so instead of calling a NaN significant."""
-    n = x.numel()
-    return x.std(unbiased=True).item() / math.sqrt(n) if n >= MIN_SCORED else float("nan")
-
-
-MIN_SCORED = 2  # scored positions a standard error needs (the unbiased std divides by n - 1)
-
-
-def scored_positions(tokens: int, window: int) -> int:
-    """Positions scored from ``tokens`` tokens in non-overlapping windows of ``window`` (``split_windows``):
-    each full window scores ``window - 1``; a last shorter window of ``r >= 2`` tokens scores ``r - 1``."""
-    full, rest = divmod(tokens, window)
-    return full * (window - 1) + max(0, rest - 1)
-
-
-def min_tokens(window: int | None) -> int:
-    """The fewest tokens that score ``MIN_SCORED`` positions: 3 in one window of 3 or more, else two windows
-    of 2 (``window`` 2). ``None`` (window not known yet: any default window is at least 3) gives 3."""
-    return 2 * MIN_SCORED if window == 2 else MIN_SCORED + 1
-
-
-def check_scored(tokens: int, window: int | None) -> None:
-    """Refuse ``--tokens`` too few for a standard error with this window, in one line, before any model work."""
-    least = min_tokens(window)
-    if tokens < least:
-        scored = f"{scored_positions(tokens, window)} position(s)" if window else f"at most {max(0, tokens - 1)} position(s)"
-        raise InputError(
-            f"--tokens must be at least {least}" + (f" with --window {window}" if window else "")
-            + f", got {tokens}: that scores {scored} (the first token of each window has no context), and a "
-            f"standard error needs {MIN_SCORED}; pass --tokens {least} or more"
-        )
-
-
-def choose_window(window: int | None, tokens: int, config) -> int:
-    """The window (``--window`` or min(2048, the model's context)), checked against the context and the tokens."""
-    max_ctx = int(getattr(config, "max_position_embeddings", 2048) or 2048)
-    window = window or min(2048, max_ctx)
-    if window > max_ctx:
-        raise InputError(f"--window {window} exceeds the model's maximum context {max_ctx}; pass --window {max_ctx} or less")
-    check_scored(tokens, window)
-    return window
-
-
-def check_corpus_tokens(corpus, n: int, window: int) -> None:
-    """A corpus shorter than ``--tokens`` must still score ``MIN_SCORED`` positions."""
-    scored = scored_positions(n, window)
-    if scored < MIN_SCORED:
-        raise InputError(
-            f"the corpus {corpus.name} has only {n} token(s), which score {scored} position(s) in windows of {window} "
-            f"(the first token of each window has no context); a standard error needs {MIN_SCORED}: pass a longer --corpus"
-        )
-
-
-def split_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
-    """Non-overlapping windows of ``window`` tokens; a last shorter window is kept if it has >= 2 tokens."""
-    if window < 2:
-        raise InputError(f"--window must be at least 2 tokens, got {window}")
-    chunks = [ids[i : i + window] for i in range(0, ids.numel(), window)]
-    return [c for c in chunks if c.numel() >= 2]
+from qkit.evaluation.token_scores import MIN_SCORED, TokenScores
+from qkit.evaluation.windows import split_windows
 
 
 def position_logprobs(model, window_ids: torch.Tensor) -> torch.Tensor:

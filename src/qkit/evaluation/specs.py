@@ -9,7 +9,7 @@ A row names its storage ``scheme`` (or ``None``: the reference's full-precision 
 and the run-time simulations applied while the model runs (``simulation``: activation quantization,
 LLM.int8, a quantized KV cache; see ``qkit.simulate``). Where a row *runs* (torch, vLLM, llama.cpp) is
 its runtime, an engine (``qkit.evaluation.engines``), not part of the spec: the same spec is measured in
-every engine ``--runtime`` names. ``qkit.evaluation.runner.write_row`` writes a spec's file through the
+every engine ``--runtime`` names. ``qkit.evaluation.row_files.write_row`` writes a spec's file through the
 same ``quantize_model`` that writes checkpoints; the engine loads it (torch: into the reference model, with
 the simulation hooks installed); the runner only loops over specs and engines and measures.
 
@@ -37,7 +37,8 @@ from qkit import reading
 from qkit.errors import InputError
 from qkit.export.gguf.reader import read_header
 from qkit.lists import check_words, empty, split_list
-from qkit.methods import RTN, get_method
+from qkit.methods import RTN, get_method, make_options
+from qkit.methods.calibration import CalibrationOptions
 from qkit.plan import PlanOptions, check_format, ladder, parse_allowed, read_plan
 from qkit.registry import Registry, unknown_name
 from qkit.schemes import get_scheme, scheme_names
@@ -344,16 +345,25 @@ def row_plan(spec: RowSpec, options: RowSettings):
 
 
 def check_rows(names: Iterable[str], methods: Iterable[str], method_options: Mapping[str, Any],
-               settings: RowSettings) -> list[RowSpec]:
-    """The rows ``--schemes`` and ``--methods`` name (``resolve_rows``), each checked before any model:
-    its simulations built with their options (an unknown one, ``--threshold 0``, ``--kv-residual -1``),
-    its plan (``check_plan_rows``)."""
+               settings: RowSettings) -> tuple[list[RowSpec], tuple[CalibrationOptions, ...]]:
+    """The rows ``--schemes`` and ``--methods`` name (``resolve_rows``), each checked before any model: its plan
+    (``check_plan_rows``), a calibrated method's options (``make_options``), its simulations built with their
+    options (an unknown one, ``--threshold 0``, ``--kv-residual -1``). Returns them, and the calibration tokens
+    they read, each distinct one once in order of first use (a ``CalibrationOptions`` is checked when made:
+    malformed numbers, an empty source): a calibrated method's, and a simulation's that calibrates
+    (``act-int8-static``'s scales)."""
     specs = resolve_rows(names, methods, method_options)
     check_plan_rows(specs, settings)
+    chosen: dict[CalibrationOptions, None] = {}
     for spec in specs:
+        method = get_method(spec.method)
+        if method is not None and method.calibrated:
+            chosen.setdefault(make_options(method, dict(spec.method_options)).calibration_options())
         for name in spec.simulation:
-            get_simulation(name, settings.simulations.for_row(spec))
-    return specs
+            wants = get_simulation(name, settings.simulations.for_row(spec)).calibration_options()
+            if wants is not None:
+                chosen.setdefault(wants)
+    return specs, tuple(chosen)
 
 
 def check_plan_rows(specs: list[RowSpec], writing: RowSettings) -> None:

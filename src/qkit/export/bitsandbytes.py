@@ -139,7 +139,8 @@ class BitsAndBytesFormat(SafetensorsFormat):
             f"{name}.{QUANT_STATE}": quant_state_bytes(qt.scheme.block_size, qt.dtype, qt.shape),
         }
 
-    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype, *,
+               shape: tuple[int, ...] | None = None) -> QuantizedTensor:
         """``tensors``: ``weight``, ``weight.absmax``, ``weight.quant_map``, ``weight.quant_state...`` of one module."""
         state = self.quant_state(tensors)
         if not isinstance(scheme, NF4Scheme) or scheme.block_size != state["blocksize"]:

@@ -149,8 +149,11 @@ class Format(Protocol):
     def encode(self, name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
         """The tensors stored for quantized weight ``name`` (``....weight``)."""
 
-    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
-        """Inverse of ``encode``: one module's stored tensors (keys without the module prefix)."""
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype, *,
+               shape: tuple[int, ...] | None = None) -> QuantizedTensor:
+        """Inverse of ``encode``: one module's stored tensors (keys without the module prefix). ``shape``: the
+        weight's, for a format whose stored tensors do not hold it (qkit's own: its manifest records it); the
+        library formats store it, and read it from there."""
 
 
 def linear_modules(directory: Path, *, trust_remote_code: bool = False) -> list[str]:

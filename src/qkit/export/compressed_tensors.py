@@ -234,7 +234,8 @@ class CompressedTensorsFormat(SafetensorsFormat):
             f"{module}.weight_shape": torch.tensor([rows, cols], dtype=torch.int64),
         }
 
-    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype, *,
+               shape: tuple[int, ...] | None = None) -> QuantizedTensor:
         """``tensors``: ``weight_packed``, ``weight_scale``, ``weight_shape`` of one module."""
         need = fp4.STORED.get(scheme.name, ("weight_packed", "weight_scale", "weight_shape"))
         if [k for k in need if k not in tensors]:

@@ -102,7 +102,8 @@ class W8A8Format(SafetensorsFormat):
         return {f"{module}.weight": qt.qweight.reshape(rows, cols).to(torch.int8).contiguous(),
                 f"{module}.weight_scale": qt.scales.reshape(rows, 1).to(qt.dtype)}
 
-    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype, *,
+               shape: tuple[int, ...] | None = None) -> QuantizedTensor:
         if not isinstance(scheme, AbsmaxScheme) or scheme.bits != 8:
             raise ExportError(f"an int-quantized W8A8 module cannot hold {scheme.name}; re-export the checkpoint")
         w = tensors["weight"]

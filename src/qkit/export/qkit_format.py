@@ -5,7 +5,8 @@ asks for it by name: it stores every scheme as its parts (``Scheme.part_layout``
 shard's metadata (``transform.new_manifest``), and a ``quantization_config`` with ``quant_method: qkit``
 that repeats the manifest's scheme, rules, method and plan. It has no target library, so ``qkit verify``
 has nothing to compare it with (``reader``: None); qkit reads it back itself (``checkpoint.iter_quantized``),
-which is what the torch engine streams into the reference model.
+which is what the torch engine streams into the reference model, and ``decode`` reads one weight's parts
+back given the shape the manifest records (the parts alone do not hold it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, ShardWriter
-from qkit.errors import QkitError
+from qkit.errors import ExportError, QkitError
 from qkit.export.common import Format, PreparedExport, SafetensorsFormat
 from qkit.models import ModelRef, read_config
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, scheme_names
@@ -87,9 +88,21 @@ class QkitFormat(SafetensorsFormat):
         """The scheme's parts as they are (``W.qweight``, ``W.scales``, ...): what ``ShardWriter`` stores."""
         return qt.tensors(name)
 
-    # What qkit verify asks of a format that has a target library (``decode``, ``infer_scheme``, ``stored_parts``)
-    # is never asked of this one: ``reader`` is None. qkit reads it back itself, with the manifest's shapes
-    # (``checkpoint.iter_quantized``).
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype, *,
+               shape: tuple[int, ...] | None = None) -> QuantizedTensor:
+        """Inverse of ``encode``: one weight's parts (``weight.qweight``, ``weight.scales``, ...: keys without the
+        module prefix), checked against what ``scheme`` stores for a ``shape`` weight. The parts do not hold the
+        shape (an int4 weight's codes are one run of bytes: a ``[8, 512]`` and a ``[1, 4096]`` int4-tensor weight
+        store the same parts), so ``shape`` is required: the manifest's, as ``checkpoint.iter_quantized`` reads it."""
+        if shape is None:
+            raise ExportError(f"a {self.name} checkpoint's {scheme.name} parts do not hold the weight's shape; pass "
+                              "the shape its manifest records (checkpoint.iter_quantized reads the whole checkpoint)")
+        parts = {key.rpartition(".")[2]: t for key, t in tensors.items()}
+        return QuantizedTensor.from_parts(scheme, parts, tuple(shape), dtype)
+
+    # What qkit verify asks of a format that has a target library (``infer_scheme``, ``stored_parts``) is never
+    # asked of this one: ``reader`` is None. qkit reads it back itself, with the manifest's shapes
+    # (``checkpoint.iter_quantized``, the same parts ``decode`` takes).
     def reader(self, quantization_config: dict) -> None:
         return None  # no target library reads it: qkit verify has nothing to compare it with
 

@@ -21,7 +21,7 @@ from qkit.bounds import MAX_COUNT, real, whole
 from qkit.errors import InputError
 from qkit.inspect.outliers import check_context, encode, model_context
 from qkit.lists import split_list
-from qkit.models import load, parse_device
+from qkit.models import LoadedModel, load, parse_device
 
 TOP = 5
 TEMPERATURES = (1.0, 2.0)
@@ -76,7 +76,7 @@ def next_token(
     top: int = TOP,
     temperatures: Sequence[float] | str = TEMPERATURES,
     device: str | None = None,
-    loaded: Any = None,
+    loaded: LoadedModel | None = None,
 ) -> NextTokenReport:
     """Top-``top`` next-token probabilities after ``text`` at each temperature, and the first/third ratio."""
     temps = check_options(top=top, temperatures=temperatures, device=device if loaded is None else None)

@@ -28,7 +28,7 @@ from importlib import resources
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,10 +36,13 @@ from qkit.bounds import MAX_COUNT, real, whole
 from qkit.errors import InputError
 from qkit.granularity import PerTensor
 from qkit.inspect.linear_inputs import linear_inputs_report
-from qkit.models import check_device_map, load, parse_device, read_config, resolve
+from qkit.models import LoadedModel, ModelRef, check_device_map, load, parse_device, read_config, resolve
 from qkit.schemes.absmax import quantize_absmax
 from qkit.serving.kv import context_length
 from qkit.texts import load_corpus
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 PROMPT_NAME = "outliers_prompt.txt"  # in corpora/, installed as the package ``qkit.corpora``
 OUTLIER_THRESHOLD = 20.0
@@ -68,7 +71,7 @@ def corpus_text() -> str:
     return load_corpus().text
 
 
-def encode(tokenizer: Any, text: str, max_tokens: int | None = None, what: str = "--prompt") -> torch.Tensor:
+def encode(tokenizer: PreTrainedTokenizerBase | None, text: str, max_tokens: int | None = None, what: str = "--prompt") -> torch.Tensor:
     """``text`` -> token ids ``[1, T]`` (int64), cut to the first ``max_tokens``. ``what``: how the command
     takes the text (``--prompt``, ``--text``, the ``TEXT`` argument), for the messages."""
     if tokenizer is None:
@@ -81,7 +84,7 @@ def encode(tokenizer: Any, text: str, max_tokens: int | None = None, what: str =
     return ids
 
 
-def model_context(model: Any) -> int | None:
+def model_context(model: PreTrainedModel | dict[str, Any]) -> int | None:
     """The longest sequence a loaded transformers model (or a config dict) takes: ``max_position_embeddings``
     or its gpt-2 style equivalent (``qkit.serving.kv.context_length``); None when the config does not say."""
     return context_length(model if isinstance(model, dict) else model.config.to_dict())
@@ -97,7 +100,7 @@ def check_context(tokens: int, context: int | None, what: str, model: str) -> No
         )
 
 
-def resolve_with_context(model: Any) -> tuple[Any, int | None]:
+def resolve_with_context(model: str | Path | ModelRef | None) -> tuple[ModelRef, int | None]:
     """``(ModelRef, context)`` from the config alone: a command can bound its token counts before loading
     (``model`` may already be a ``ModelRef``, returned as it is)."""
     ref = resolve(model)
@@ -105,7 +108,7 @@ def resolve_with_context(model: Any) -> tuple[Any, int | None]:
 
 
 def prompt_ids(
-    tokenizer: Any, *, prompt: str | None = None, corpus_tokens: int | None = None
+    tokenizer: PreTrainedTokenizerBase | None, *, prompt: str | None = None, corpus_tokens: int | None = None
 ) -> tuple[torch.Tensor, str]:
     """``(ids [1, T], source)``: ``prompt``, else the first ``corpus_tokens`` of the pinned corpus, else the
     default paragraph."""
@@ -426,7 +429,7 @@ def residual_outliers(
     top: int = TOP_DIMS,
     device: str | None = None,
     device_map: str | None = None,
-    loaded: Any = None,
+    loaded: LoadedModel | None = None,
 ) -> OutliersReport:
     """Run a prompt through MODEL, capture the residual stream after every layer and analyse it.
 

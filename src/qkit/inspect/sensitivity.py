@@ -25,13 +25,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
-from qkit.evaluation.perplexity import MIN_SCORED
+from qkit.evaluation.token_scores import MIN_SCORED
 from qkit.inspect.matrix_stats import matrix_stats
 from qkit.inspect.outliers import (
     check_context,
@@ -47,10 +47,13 @@ from qkit.inspect.outliers import (
     encode,
     outlier_mask,
 )
-from qkit.models import load, parse_device
+from qkit.models import LoadedModel, load, parse_device
 from qkit.schemes import Scheme, get_scheme, quantize_tensor
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE
 from qkit.transform import _KEEP_ALIASES, is_block_projection
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedTokenizerBase
 
 BY = ("layer", "matrix")
 DEFAULT_TOKENS = 256
@@ -243,7 +246,7 @@ def check_tokens(tokens: int) -> None:
                          "values cannot vary at all, so a ranking on it says nothing")
 
 
-def sensitivity_ids(tokenizer: Any, *, tokens: int, text: str | None) -> tuple[torch.Tensor, str]:
+def sensitivity_ids(tokenizer: PreTrainedTokenizerBase | None, *, tokens: int, text: str | None) -> tuple[torch.Tensor, str]:
     """Token ids ``[1, <= tokens]``: ``text``, else the pinned corpus, else the default paragraph."""
     check_tokens(tokens)
     if text is not None:
@@ -299,7 +302,7 @@ def rank_sensitivity(
     threshold: float = OUTLIER_THRESHOLD,
     scale_dtype: str = DEFAULT_SCALE_DTYPE,
     device: str | None = None,
-    loaded: Any = None,
+    loaded: LoadedModel | None = None,
     on_start: Callable[[int], None] | None = None,
     on_unit: Callable[[str], None] | None = None,
 ) -> SensitivityReport:

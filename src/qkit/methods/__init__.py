@@ -38,6 +38,7 @@ from qkit.registry import Registry
 from qkit.schemes import QuantizedTensor, Scheme
 
 if TYPE_CHECKING:  # annotation only: qkit.models pulls in transformers, which ``import qkit.methods`` need not
+    from qkit.methods.calibration import ModelConfig
     from qkit.methods.memory import Model
     from qkit.models import ModelRef
 
@@ -81,7 +82,7 @@ class CalibratedOptions:
     dtype: str = "fp32"
     calibrate_all_experts: bool = False
 
-    def calibration_options(self, config: Any = None) -> CalibrationOptions:
+    def calibration_options(self, config: ModelConfig | None = None) -> CalibrationOptions:
         """The calibration tokens' options (every method's ``check`` calls this: ``dtype`` and
         ``calibrate_all_experts`` are checked here too), with the default window fitted to ``config``'s
         context when a config is given."""
@@ -92,7 +93,7 @@ class CalibratedOptions:
                                      self.calibration_seed)
         return options if config is None else options.fitted(config)
 
-    def fitted(self, config: Any) -> CalibratedOptions:
+    def fitted(self, config: ModelConfig | None) -> CalibratedOptions:
         """These options with the default window fitted to the model (``fit_seqlen``): what a method runs with."""
         return dataclasses.replace(self, calibration_seqlen=fit_seqlen(self.calibration_seqlen, config))
 

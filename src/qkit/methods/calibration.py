@@ -2,7 +2,7 @@
 
 Layer 5 (``methods``). The texts themselves, pinned and checked for overlap with the eval texts, are
 data below every layer that uses them: ``qkit.catalog`` (the default is ``DEFAULT_MIX``, ten registered
-corpora of seven domains; ``catalog.check_calibration`` refuses any part that shares a run of
+corpora of seven domains; ``catalog.checked_calibration`` refuses any part that shares a run of
 ``texts.SHINGLE_WORDS`` words with an eval text). This module chooses the tokens.
 
 Sampling. Each part of the calibration set is given to the model as it would be (``catalog.model_text``:
@@ -23,15 +23,21 @@ from __future__ import annotations
 import hashlib
 import os
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
-from qkit.catalog import CalibrationSet, calibration_set, check_calibration, disjoint_record, eval_texts, model_text
+from qkit.catalog import CalibrationSet, checked_calibration, disjoint_record, model_text
 from qkit.errors import InputError
 from qkit.texts import Corpus, joined_sources, split_sources
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where a model or its tokenizer is read
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    ModelConfig = PretrainedConfig | Mapping[str, object]  # a transformers config, or its dict
 
 # Defaults, defined once (the CLI reads them from here). 32 x 512 tokens is what llm-compressor's GPTQ
 # was measured with in issue 9; on the 2-core reference machine it keeps GPTQ on the default model near
@@ -46,7 +52,7 @@ class CalibrationOptions:
     """Which calibration tokens: ``source`` None (the default mix, ``catalog.DEFAULT_MIX``), a UTF-8 file, a
     directory or several files (comma-separated, or the values of a repeated ``--calibration``), ``kjv:``
     or ``hf:DATASET[:CONFIG[:SPLIT]]`` (``catalog.calibration_set``); ``samples`` windows of ``seqlen``
-    tokens chosen with ``seed``."""
+    tokens chosen with ``seed``. Checked when made (``check``): a value of this class is never malformed."""
 
     source: str | None = None
     samples: int = DEFAULT_SAMPLES
@@ -56,13 +62,14 @@ class CalibrationOptions:
     def __post_init__(self) -> None:
         # a repeated --calibration's list of values, as one hashable value (texts.joined_sources)
         object.__setattr__(self, "source", joined_sources(self.source))
+        self.check()
 
     @property
     def window(self) -> int:
         """Tokens per window: ``seqlen`` as given or fitted (``fitted``), else ``DEFAULT_SEQLEN``."""
         return DEFAULT_SEQLEN if self.seqlen is None else self.seqlen
 
-    def fitted(self, config: Any) -> CalibrationOptions:
+    def fitted(self, config: ModelConfig | None) -> CalibrationOptions:
         """These options with the default window fitted to the model (``fit_seqlen``); a given one is kept."""
         return dataclasses.replace(self, seqlen=fit_seqlen(self.seqlen, config))
 
@@ -78,7 +85,7 @@ class CalibrationOptions:
             split_sources(joined_sources(self.source))
 
 
-def fit_seqlen(seqlen: int | None, config: Any) -> int:
+def fit_seqlen(seqlen: int | None, config: ModelConfig | None) -> int:
     """The calibration window for a model: ``seqlen`` as given (``check_fits`` refuses one beyond the
     context), or for None the default, ``DEFAULT_SEQLEN``, shortened to the model's context where that is
     shorter: a default is never a window the model cannot take, and never skips the check."""
@@ -88,11 +95,11 @@ def fit_seqlen(seqlen: int | None, config: Any) -> int:
     return DEFAULT_SEQLEN if context is None else min(DEFAULT_SEQLEN, context)
 
 
-def _field(config: Any, key: str) -> Any:
+def _field(config: ModelConfig, key: str) -> Any:
     return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
 
-def model_context(config: Any) -> int | None:
+def model_context(config: ModelConfig) -> int | None:
     """The model's maximum context in tokens from its config (a dict or a transformers config), or None."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         v = _field(config, key)
@@ -109,7 +116,7 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def check_fits(options: CalibrationOptions, config: Any) -> None:
+def check_fits(options: CalibrationOptions, config: ModelConfig | None) -> None:
     """Refuse (one line, before any work) calibration numbers the model or the machine cannot take: windows
     longer than the model's context (positions it was never trained on; rotary tables end there), and
     more calibration activations than this machine has memory for. A layer-by-layer method keeps every
@@ -200,7 +207,7 @@ _TOKENIZED: dict[tuple, torch.Tensor] = {}  # the last few parts tokenized: the 
 _TOKENIZED_KEPT = 32
 
 
-def part_ids(tokenizer: Any, calibration: CalibrationSet) -> list[torch.Tensor]:
+def part_ids(tokenizer: PreTrainedTokenizerBase, calibration: CalibrationSet) -> list[torch.Tensor]:
     """Each part as the model is given it (``catalog.model_text``), tokenized without special tokens: 1-D int64.
     Kept for the process by tokenizer (class, path, size, chat template) and text (sha256): the default mix
     takes seconds to tokenize, and a plan, an eval or a test suite asks for it more than once."""
@@ -222,15 +229,6 @@ def part_ids(tokenizer: Any, calibration: CalibrationSet) -> list[torch.Tensor]:
     return out
 
 
-def checked_set(source: str | None, evaluation: Corpus | list[Corpus] | None) -> tuple[CalibrationSet, list[Corpus]]:
-    """The calibration set ``source`` names, checked disjoint from ``evaluation`` (default: every text of
-    the default eval suite, ``catalog.eval_texts``): refused in one line where a part overlaps one."""
-    calibration = calibration_set(source)
-    texts = eval_texts(None) if evaluation is None else [evaluation] if isinstance(evaluation, Corpus) else list(evaluation)
-    check_calibration(calibration, texts)
-    return calibration, texts
-
-
 def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares: list[int], texts: list[Corpus]) -> dict:
     """The set's name, source, sha256 and tokens, each part's (name, domain, sha256, tokens, windows chosen)
     where there are several, and the eval texts it was checked against (``disjoint_from``)."""
@@ -242,7 +240,7 @@ def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares:
     return out
 
 
-def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOptions(),
+def calibration_ids(tokenizer: PreTrainedTokenizerBase | None, options: CalibrationOptions = CalibrationOptions(),
                     evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The calibration token ids ``LongTensor [samples, seqlen]`` and their provenance.
 
@@ -252,8 +250,7 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     mix's), ``samples``, ``seqlen``, ``seed``, ``ids_sha256`` (of the chosen ids as little-endian int64
     bytes), ``disjoint_from`` (the eval texts' names and sha256).
     """
-    options.check()
-    calibration, texts = checked_set(options.source, evaluation)
+    calibration, texts = checked_calibration(options.source, evaluation)  # read and checked in one place: the catalog
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; calibrated methods need one (tokenizer.json or similar)")
     ids = part_ids(tokenizer, calibration)
@@ -266,6 +263,21 @@ def calibration_ids(tokenizer: Any, options: CalibrationOptions = CalibrationOpt
     return chosen, provenance
 
 
+def check_calibrations(tokenizer: PreTrainedTokenizerBase, options: Sequence[CalibrationOptions],
+                       evaluation: list[Corpus], config: ModelConfig | None = None) -> list[dict[str, Any]]:
+    """Each calibration of ``options`` with its default window fitted to the model (``config``), refused where
+    its windows do not fit the model or the machine (``check_fits``), then read, checked disjoint from the
+    ``evaluation`` texts and sampled (``calibration_ids``), so an unreadable, overlapping or too short text is
+    refused in one line before any model is loaded. Returns each distinct one's provenance, in order (a row
+    reads and samples it again when it is built: milliseconds next to a row)."""
+    seen: dict[CalibrationOptions, dict[str, Any]] = {}
+    for fitted in (o.fitted(config) for o in options):
+        if fitted not in seen:
+            check_fits(fitted, config)
+            seen[fitted] = calibration_ids(tokenizer, fitted, evaluation=evaluation)[1]
+    return list(seen.values())
+
+
 __all__ = [
     "DEFAULT_SAMPLES",
     "DEFAULT_SEED",
@@ -273,7 +285,7 @@ __all__ = [
     "CalibrationOptions",
     "allocate",
     "calibration_ids",
-    "checked_set",
+    "check_calibrations",
     "check_fits",
     "fit_seqlen",
     "model_context",

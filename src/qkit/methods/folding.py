@@ -30,13 +30,16 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qkit.checkpoint import tensor_dtypes
 from qkit.dtypes import check_finite
 from qkit.errors import InputError
+
+if TYPE_CHECKING:  # annotations only
+    from qkit.methods.calibration import ModelConfig
 
 # Model families whose blocks have the llama layout (pre-norm RMSNorm, q/k/v/o, gate/up/down).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -87,11 +90,11 @@ class FoldGroup:
         return (v.amax(dim=1) if how == "max" else v.mean(dim=1)).reshape(-1)
 
 
-def _config_get(config: Any, key: str, default: Any = None) -> Any:
+def _config_get(config: ModelConfig, key: str, default: Any = None) -> Any:
     return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
 
 
-def fold_groups(config: Any, names: Iterable[str], *, linear_groups: bool = True) -> list[FoldGroup]:
+def fold_groups(config: ModelConfig, names: Iterable[str], *, linear_groups: bool = True) -> list[FoldGroup]:
     """The fold groups of a llama-layout model, block by block, in the order they are folded.
 
     ``config``: the model config (a ``PretrainedConfig`` or its dict); ``names``: the model's tensor names

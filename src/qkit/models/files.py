@@ -16,13 +16,16 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkit import pinned_models, reading
 from qkit.checkpoint import weight_files
 from qkit.errors import ModelLoadError
 from qkit.jsonfields import BOOL, INT, NULL, NUMBER, STRING, Kind, check, list_of, obj
 from qkit.jsontext import first_nonfinite
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where a model is loaded (``loading``)
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL_NAME = pinned_models.DEFAULT.title  # "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
 _PICKLED = ("*.bin", "*.pt", "*.pth")
@@ -58,8 +61,8 @@ class ModelRef:
 
 @dataclass
 class LoadedModel:
-    model: Any  # transformers PreTrainedModel
-    tokenizer: Any | None
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
     ref: ModelRef
     manifest: dict | None = None
 

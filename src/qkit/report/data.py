@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from qkit.evaluation.columns import page_cells, page_headers
+from qkit.evaluation.columns import frontier_panels, page_cells, page_headers
 from qkit.evaluation.measures import fixed
 
 # Block projections in the order a layer runs them (the heatmaps' columns); names not listed follow, sorted.
@@ -60,8 +60,11 @@ def row_kind(row: dict) -> str:
 def frontier_points(eval_doc: dict) -> list[dict]:
     """One point per measured row (the reference, rows[0], and refused rows excluded), in the JSON's order:
 
-    ``{"name", "kind", "runtime", "bits" (bits_per_weight), "kld", "kld_se", "dppl" (perplexity_change_pct,
-    %), "dppl_se" (its paired SE, %)}``; the figure's bars are ``± 2 * se``. Values are the JSON's own."""
+    ``{"name", "kind", "runtime", "bits" (bits_per_weight)}`` and, for each panel of the frontier
+    (``columns.frontier_panels``: ``kld`` and ``kld_se``, ``perplexity_change_pct`` and its paired SE
+    ``perplexity_change_se_pct``, %), the measure's value and SE under its JSON key (None where absent); the
+    figure's bars are ``± 2 * se``. Values are the JSON's own."""
+    keys = [k for key, se_key, _ in frontier_panels() for k in (key, se_key) if k is not None]
     out = []
     for row in (eval_doc.get("rows") or [])[1:]:
         if row.get("refused"):
@@ -70,8 +73,7 @@ def frontier_points(eval_doc: dict) -> list[dict]:
         if bits is None:
             continue
         out.append({"name": row.get("scheme"), "kind": row_kind(row), "runtime": row.get("runtime") or "torch",
-                    "bits": bits, "kld": _num(row.get("kld")), "kld_se": _num(row.get("kld_se")),
-                    "dppl": _num(row.get("perplexity_change_pct")), "dppl_se": _num(row.get("perplexity_change_se_pct"))})
+                    "bits": bits, **{k: _num(row.get(k)) for k in keys}})
     return out
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from qkit.errors import InputError
+from qkit.evaluation.measures import FrontierPanel
 from qkit.report.data import Grid
 
 INSTALL = 'pip install "qkit[report]"'
@@ -141,20 +142,21 @@ def _drawn(draw: Callable[..., Figure]) -> Callable[..., Figure]:
 
 
 @_drawn
-def frontier(points: list[dict]) -> Figure:
-    """Bits/w against KL (left) and against Δ perplexity (right), each point with ± 2 SE bars, one marker per
-    kind of row (``KIND_STYLE``). KL is on a log axis; Δ ppl on a symmetric log axis (linear within ±1%)."""
+def frontier(points: list[dict], panels: list[tuple[str, str | None, FrontierPanel]]) -> Figure:
+    """Bits/w against each panel's measure (``columns.frontier_panels``, left to right: KL, Δ perplexity), each
+    point with ± 2 SE bars, one marker per kind of row (``KIND_STYLE``). A ``log`` panel is on a log axis (where
+    every value is at least ``LOG_MIN``), a ``symlog`` one on a symmetric log axis (linear within ±1)."""
     plt = require_matplotlib()
-    f, (ax_kl, ax_pp) = _new(plt, "frontier", 10, 4.2, ncols=2)
-    for ax, key, label in ((ax_kl, "kld", "KL(reference ‖ row), nats/token"), (ax_pp, "dppl", "Δ perplexity, %")):
+    f, axes = _new(plt, "frontier", 5 * len(panels), 4.2, ncols=len(panels))
+    for ax, (key, se_key, panel) in zip(axes, panels):
         for kind, (colour, marker, legend) in KIND_STYLE.items():
             pts = [p for p in points if p["kind"] == kind and p[key] is not None]
             if not pts:
                 continue
             x = [p["bits"] for p in pts]
             y = [p[key] for p in pts]
-            se = [2 * (p[key + "_se"] or 0.0) for p in pts]
-            if key == "kld":  # a log axis: a lower bar below zero is drawn down to a tenth of the value
+            se = [2 * ((p[se_key] if se_key else None) or 0.0) for p in pts]
+            if panel.scale == "log":  # a log axis: a lower bar below zero is drawn down to a tenth of the value
                 lo = [min(s, 0.9 * v) if v > 0 else 0.0 for s, v in zip(se, y)]
                 yerr = [lo, se]
             else:
@@ -165,18 +167,17 @@ def frontier(points: list[dict]) -> Figure:
                 text = _with_runtime(p) if kind == "engine" else str(p["name"])
                 ax.annotate(text, (p["bits"], p[key]), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel("bits per weight (block projections, scales included)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(panel.label)
         ax.grid(True, alpha=0.3, which="both")
-    kl = [p["kld"] for p in points if p["kld"] is not None]
-    if kl and min(kl) >= LOG_MIN:
-        ax_kl.set_yscale("log")
-    if any(p["dppl"] is not None for p in points):
-        ax_pp.set_yscale("symlog", linthresh=1.0)
-    ax_kl.set_title("size against KL divergence (± 2 SE)")
-    ax_pp.set_title("size against perplexity change (± 2 paired SE)")
-    handles, labels = ax_kl.get_legend_handles_labels()
+        values = [p[key] for p in points if p[key] is not None]
+        if panel.scale == "log" and values and min(values) >= LOG_MIN:
+            ax.set_yscale("log")
+        elif panel.scale == "symlog" and values:
+            ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_title(panel.title)
+    handles, labels = axes[0].get_legend_handles_labels()
     if handles:
-        ax_kl.legend(handles, labels, fontsize=7, loc="best")
+        axes[0].legend(handles, labels, fontsize=7, loc="best")
     f.fig.tight_layout()
     return f
 

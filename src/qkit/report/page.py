@@ -11,6 +11,8 @@ import html
 from collections.abc import Callable
 
 from qkit.console import printable
+from qkit.evaluation.columns import frontier_panels
+from qkit.evaluation.measures import FrontierPanel
 from qkit.report import data, figures
 from qkit.report.inputs import COMMANDS, Inputs
 from qkit.version import __version__
@@ -117,12 +119,21 @@ class _Page:
         points = data.frontier_points(doc)
         if not points:
             return note("the eval JSON has no measured quantized row to place on the frontier")
-        rows = [[p["name"], p["kind"], p["runtime"], f"{p['bits']:.3f}",
-                 "-" if p["kld"] is None else f"{data.fixed(p['kld'], 4)} ± {data.fixed(2 * (p['kld_se'] or 0), 4)}",
-                 "-" if p["dppl"] is None else f"{data.fixed(p['dppl'], 2, sign=True)} ± {data.fixed(2 * (p['dppl_se'] or 0), 2)}"] for p in points]
-        t = table(["row", "kind", "runtime", "bits/w", "KL ± 2 SE", "Δ ppl % ± 2 SE"], rows,
-                  "the points drawn: each row's bits/w, KL and Δ perplexity from the eval JSON, bars ± 2 standard errors")
-        return pair(self.fig(figures.frontier(points)), t)
+        panels = frontier_panels()
+
+        def cell(p: dict, key: str, se_key: str | None, panel: FrontierPanel) -> str:
+            if p[key] is None:
+                return "-"
+            value = data.fixed(p[key], panel.digits, sign=panel.sign)
+            return value if se_key is None else f"{value} ± {data.fixed(2 * (p[se_key] or 0), panel.digits)}"
+
+        rows = [[p["name"], p["kind"], p["runtime"], f"{p['bits']:.3f}", *(cell(p, *panel) for panel in panels)]
+                for p in points]
+        names = [panel.name for _, _, panel in panels]
+        drawn = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        t = table(["row", "kind", "runtime", "bits/w", *(panel.column for _, _, panel in panels)], rows,
+                  f"the points drawn: each row's bits/w, {drawn} from the eval JSON, bars ± 2 standard errors")
+        return pair(self.fig(figures.frontier(points, panels)), t)
 
     def errors(self, doc: dict) -> str:
         schemes = data.error_schemes(doc)

@@ -20,11 +20,14 @@ them unconditionally.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
 from qkit.errors import SchemeError
+
+if TYPE_CHECKING:  # annotations only: the gguf package is imported by the GGML family (``schemes.ggml``)
+    import gguf
 
 # A ``qkit.schemes.quantized.QuantizedTensor`` (quantized.py imports this module, so it is named, not imported).
 QuantizedTensor = Any
@@ -114,7 +117,7 @@ class GGMLCodable(Protocol):
     row ``r``), and ``from_ggml_blocks(blocks, shape, dtype)`` rebuilds the ``QuantizedTensor`` from them,
     bit for bit. For llama.cpp's own types (``kind == "ggml"``) the blocks are the ``qweight`` itself."""
 
-    ggml_type: Any  # gguf.GGMLQuantizationType
+    ggml_type: gguf.GGMLQuantizationType
 
     def to_ggml_blocks(self, qt: QuantizedTensor) -> torch.Tensor: ...
 

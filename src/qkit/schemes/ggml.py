@@ -91,7 +91,7 @@ class GGMLScheme(SchemeDefaults):
     """
 
     name: str
-    ggml_type: Any  # gguf.GGMLQuantizationType
+    ggml_type: gguf.GGMLQuantizationType
     bits: int
     description: str = field(default="", compare=False)  # one line, for --help and the docs' table
     kind = "ggml"
@@ -417,7 +417,7 @@ def check_importance(qw: torch.Tensor, what: str) -> None:
         )
 
 
-def register_codec(ggml_type: Any, encode: Any, decode: Any, weighted: Any = None) -> None:
+def register_codec(ggml_type: gguf.GGMLQuantizationType, encode: Any, decode: Any, weighted: Any = None) -> None:
     """Add the encoder and decoder of another block type (``qkit.schemes.kquants`` adds Q4_K and Q6_K),
     and its importance-weighted row encoder ``weighted(x [rows, cols], qw [cols]) -> uint8 [rows, bytes]``."""
     _ENCODERS[ggml_type] = encode
@@ -426,12 +426,12 @@ def register_codec(ggml_type: Any, encode: Any, decode: Any, weighted: Any = Non
         _WEIGHTED[ggml_type] = weighted
 
 
-def register_weighted(ggml_type: Any, weighted: Any) -> None:
+def register_weighted(ggml_type: gguf.GGMLQuantizationType, weighted: Any) -> None:
     """Add the importance-weighted row encoder of a block type whose plain codec is already registered."""
     _WEIGHTED[ggml_type] = weighted
 
 
-def uses_importance(ggml_type: Any) -> bool:
+def uses_importance(ggml_type: gguf.GGMLQuantizationType) -> bool:
     """Whether llama.cpp's quantizer for ``ggml_type`` reads an importance matrix (q8_0's does not)."""
     return ggml_type in _WEIGHTED
 

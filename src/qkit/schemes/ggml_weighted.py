@@ -22,7 +22,7 @@ NaN / inf weights are refused (``NonFiniteWeightError``), a ``d`` or ``m`` beyon
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from qkit.schemes import kernels
 from qkit.schemes.ggml import QK, T, register_weighted
 from qkit.schemes.ggml_blocks import check_finite, fp16_bytes, fp16_scale, high_bits, pack_low_high, pack_nibbles_or
 from qkit.schemes.kquant_search import make_qkx3_quants, make_qx_quants, seq_sum, sqrtf
+
+if TYPE_CHECKING:  # annotations only: the gguf package is imported by qkit.schemes.ggml
+    import gguf
 
 
 def row_weights(x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
@@ -47,7 +50,7 @@ _W_SIZE = {T.Q4_0: 18, T.Q5_0: 22, T.Q4_1: 20, T.Q5_1: 24}
 _W_ROWS = 2**15  # sub-blocks per pass of the torch code (its [32, S] intermediates stay a few MB)
 
 
-def encode_weighted_torch(ggml_type: Any, x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+def encode_weighted_torch(ggml_type: gguf.GGMLQuantizationType, x: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     """``quantize_row_<type>_impl`` with ``quant_weights`` for every row of ``x`` fp32 ``[rows, cols]``
     (``qw`` fp32 ``[cols]``) -> uint8 ``[rows, cols/32 * type_size]``: the torch oracle. q4_0 / q5_0:
     ``d, L = make_qx_quants(32, nmax, x, L, 1, weight)`` (``nmax`` 8 / 16); q4_1 / q5_1:
@@ -73,7 +76,7 @@ def encode_weighted_torch(ggml_type: Any, x: torch.Tensor, qw: torch.Tensor) -> 
     return out
 
 
-def _write_weighted(ggml_type: Any, blocks: torch.Tensor, d: torch.Tensor, the_min: torch.Tensor | None, q: torch.Tensor, peak: torch.Tensor) -> None:
+def _write_weighted(ggml_type: gguf.GGMLQuantizationType, blocks: torch.Tensor, d: torch.Tensor, the_min: torch.Tensor | None, q: torch.Tensor, peak: torch.Tensor) -> None:
     """Fill ``blocks`` uint8 ``[nb, size]``: ``fp16(d)``, ``fp16(-the_min)`` (q4_1 / q5_1), and the codes
     ``q`` uint8 ``[nb, 32]`` packed (``peak``: the weights, for the refusal message of an fp16 overflow)."""
     head = 2
@@ -88,7 +91,7 @@ def _write_weighted(ggml_type: Any, blocks: torch.Tensor, d: torch.Tensor, the_m
         pack_low_high(q, blocks[:, head + 4 :])
 
 
-def weighted_encoder(ggml_type: Any) -> Any:
+def weighted_encoder(ggml_type: gguf.GGMLQuantizationType) -> Any:
     """The importance-weighted encoder of a 32-block type: compiled kernels where
     :func:`qkit.schemes.kernels.available` (the weights row by row, then the search across blocks, 64 at
     a time, the work split over the threads), else :func:`encode_weighted_torch`. The kernels return

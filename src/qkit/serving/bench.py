@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from qkit.serving.kv import (
 )
 from qkit.threads import available_memory, check_threads
 from qkit.transform import is_block_projection
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedModel
 
 BENCH_SEED = 0
 MAX_REPEATS = 100_000  # timed runs per figure: a median of more says nothing new
@@ -114,7 +117,7 @@ class MacCounts:
         return sum(self.forward(0, prompt + t) for t in range(tokens))
 
 
-def mac_counts(model: Any) -> MacCounts:
+def mac_counts(model: PreTrainedModel) -> MacCounts:
     """The MAC model of a loaded transformers causal LM (block projections counted from its parameters)."""
     cfg = model.config.get_text_config()
     block = sum(p.numel() for n, p in model.named_parameters() if is_block_projection(n, tuple(p.shape)))
@@ -128,7 +131,7 @@ def mac_counts(model: Any) -> MacCounts:
 class _Runner:
     """Forward passes of one model with the cache keyword of this transformers version."""
 
-    def __init__(self, model: Any, device: torch.device):
+    def __init__(self, model: PreTrainedModel, device: torch.device):
         self.model = model
         self.device = device
         self.cache_kw = cache_kwarg(model)

@@ -375,7 +375,7 @@ def allocated_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: torch.nn.Module) -> str:
     """The name a model's ``forward`` takes its cache under (``cache`` in transformers 5, else ``past_key_values``)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"

@@ -14,6 +14,7 @@ quantized on the fly by hooks. (A *runtime* is where a row runs: torch, vLLM, ll
     act_bits: int | None            # bits of the activations it simulates (None: unchanged)
     kv_bits: int | None             # bits of the KV cache it simulates (None: unchanged)
     install(model, context) -> Handle      # context: SimulationContext (calibration ids for static scales)
+    calibration_options() -> CalibrationOptions | None   # what it calibrates on (None: nothing)
     Handle.remove() -> None; Handle.stats() -> dict  (e.g. the share of LLM.int8's 16-bit columns)
 """
 
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from qkit.errors import InputError  # the error SIMULATIONS raises for an unknown name
+from qkit.methods.calibration import CalibrationOptions
 from qkit.registry import Registry
 
 
@@ -52,6 +54,11 @@ class Simulation(Protocol):
     kv_bits: int | None
 
     def install(self, model: torch.nn.Module, context: SimulationContext) -> Handle: ...
+
+    def calibration_options(self) -> CalibrationOptions | None:
+        """The calibration tokens it calibrates on (static activation scales), or None: ``qkit eval`` reads and
+        checks them against its corpus before the model loads."""
+        ...
 
 
 SimulationFactory = Callable[[Mapping[str, Any]], Simulation]

@@ -363,6 +363,9 @@ class KVCacheSimulation:
     def kv_bits(self) -> int:
         return self.bits
 
+    def calibration_options(self) -> None:
+        return None  # nothing calibrated
+
     def install(self, model: torch.nn.Module, context: SimulationContext) -> _Handle:
         configs = {id(model.config): model.config}
         for m in model.modules():

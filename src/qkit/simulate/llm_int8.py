@@ -231,6 +231,9 @@ class LLMInt8Simulation:
     act_bits: int = 8
     kv_bits: None = None
 
+    def calibration_options(self) -> None:
+        return None  # nothing calibrated
+
     def install(self, model: torch.nn.Module, context: SimulationContext) -> _Handle:
         linears = target_linears(model)
         handle = _Handle([], {}, float(self.options.threshold))

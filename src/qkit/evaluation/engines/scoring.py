@@ -30,7 +30,8 @@ from qkit.evaluation.engines.base import (
     EngineScores,
 )
 from qkit.evaluation.measuring import Measured, Reference, RowFile
-from qkit.evaluation.perplexity import CorpusReference, TokenScores, kl_per_position
+from qkit.evaluation.perplexity import CorpusReference, kl_per_position
+from qkit.evaluation.token_scores import TokenScores
 from qkit.export import Format, get_format
 
 NO_KL = "returns only the top-k log-probabilities per position: KL needs the full distribution"

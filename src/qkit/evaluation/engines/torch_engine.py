@@ -45,11 +45,8 @@ from qkit.evaluation.measuring import (
     RowFile,
     assemble_row,
 )
-from qkit.evaluation.perplexity import (
-    CorpusReference,
-    check_corpus_tokens,
-    choose_window,
-)
+from qkit.evaluation.perplexity import CorpusReference
+from qkit.evaluation.windows import check_corpus_tokens, choose_window
 from qkit.evaluation.swap import Swapper
 from qkit.export import QKIT, Format
 from qkit.models import ModelRef

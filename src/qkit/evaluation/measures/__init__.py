@@ -8,6 +8,7 @@ imported below it (docs/architecture.md, "How to add a metric").
 from qkit.evaluation.measures.base import (
     MEASURES,
     Evidence,
+    FrontierPanel,
     Measure,
     TokenMeasure,
     blank_values,
@@ -20,11 +21,12 @@ from qkit.evaluation.measures.base import (
     measure_values,
     measures,
     num,
+    placed,
 )
 
 # isort: off
 from qkit.evaluation.measures import builtin  # noqa: F401 (registers the built-in measures)
 # isort: on
 
-__all__ = ["MEASURES", "Evidence", "Measure", "TokenMeasure", "blank_values", "estimate", "fixed", "fmt_change",
-           "fmt_estimate", "fmt_number", "json_fields", "measure_values", "measures", "num"]
+__all__ = ["MEASURES", "Evidence", "FrontierPanel", "Measure", "TokenMeasure", "blank_values", "estimate", "fixed",
+           "fmt_change", "fmt_estimate", "fmt_number", "json_fields", "measure_values", "measures", "num", "placed"]

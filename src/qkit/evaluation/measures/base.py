@@ -16,9 +16,15 @@ What each surface does with a measure, in registration order:
   text, and over an eval suite ``suite_header`` with the worst domain's ``cell`` (``worst``), named;
 - ``qkit report``'s quality table (``columns.page_headers``/``page_cells``) shows ``page_header`` with
   ``page_cell``, from the row's JSON (``null`` where the number could not be computed); ``fields`` are the
-  JSON types ``qkit report`` checks before it draws anything (``report.inputs``).
+  JSON types ``qkit report`` checks before it draws anything (``report.inputs``);
+- over an eval suite, ``qkit eval``'s per-domain table (``columns.domain_title``/``domain_cell``) joins, in
+  each domain's cell, every per-domain measure's ``domain_cell`` (its ``domain_header`` in the title, its
+  ``domain_caption`` under the table);
+- ``qkit report``'s frontier (``columns.frontier_panels``) draws bits/w against each measure with a
+  ``frontier`` panel (``FrontierPanel``: its ``keys[0]``, with ± 2 ``keys[1]`` bars).
 
-An empty header leaves the measure out of that table; its numbers are in the JSON either way.
+The per-domain table and the frontier put their measures in ``place`` order (then registration order). An
+empty header, or no panel, leaves the measure out of that surface; its numbers are in the JSON either way.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.evaluation.battery import Question
-from qkit.evaluation.perplexity import TokenScores
+from qkit.evaluation.token_scores import TokenScores
 from qkit.jsonfields import Kind
 from qkit.registry import Registry
 
@@ -59,6 +65,22 @@ class Evidence:
     agree: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class FrontierPanel:
+    """A measure's panel of ``qkit report``'s frontier: bits/w against its value, ± 2 SE bars. ``name``: what the
+    page calls it; ``label``: the y axis; ``title``; ``scale``: ``"log"`` (where every value is at least
+    ``figures.LOG_MIN``) or ``"symlog"`` (linear within ±1); ``column``, ``digits`` and ``sign``: its column of
+    the points' table (``sign``: a ``+`` before a positive value)."""
+
+    name: str
+    label: str
+    title: str
+    scale: str
+    column: str
+    digits: int
+    sign: bool = False
+
+
 class Measure(Protocol):
     """One metric of ``qkit eval`` (see the module docstring)."""
 
@@ -70,6 +92,10 @@ class Measure(Protocol):
     worst: Callable[..., Any] | None  # per_domain: ``max`` or ``min``, the suite column's domain (by worst_key)
     worst_key: str
     page_header: str  # qkit report's quality-table column ("": not on the page)
+    domain_header: str  # its part of the per-domain table's title ("": none)
+    domain_caption: str  # what the per-domain table's caption says of it ("": nothing)
+    frontier: FrontierPanel | None  # its panel of qkit report's frontier (None: not drawn)
+    place: int  # the per-domain table's and the frontier's order (smallest first)
 
     def compute(self, evidence: Evidence) -> dict[str, Any]:
         """``{key: value}`` for every key of ``keys``; NaN for a number that cannot be computed."""
@@ -88,10 +114,15 @@ class Measure(Protocol):
         """qkit report's text for a row's JSON ``values`` (a number that could not be computed is ``null``)."""
         ...
 
+    def domain_cell(self, values: Mapping[str, Any], scored: int, reference: bool) -> str:
+        """Its text in the per-domain table for one domain's ``values`` of a row ("": none in that row)."""
+        ...
+
 
 class TokenMeasure:
     """Defaults for a measure: computed per domain too, shown on every row, a refused row's keys NaN, the
-    page's text the table's. A subclass sets ``keys``, the headers it wants and ``compute`` / ``cell``."""
+    page's text and the per-domain table's the table's. A subclass sets ``keys``, the headers it wants (a
+    ``frontier`` panel) and ``compute`` / ``cell``."""
 
     keys: tuple[str, ...] = ()
     fields: Mapping[str, Kind] = {}
@@ -101,6 +132,10 @@ class TokenMeasure:
     worst: Callable[..., Any] | None = max
     worst_key = ""
     page_header = ""
+    domain_header = ""
+    domain_caption = ""
+    frontier: FrontierPanel | None = None
+    place = 10
 
     def compute(self, evidence: Evidence) -> dict[str, Any]:
         raise NotImplementedError
@@ -114,6 +149,9 @@ class TokenMeasure:
     def page_cell(self, values: Mapping[str, Any], reference: bool) -> str:
         return self.cell(values, 0, reference)
 
+    def domain_cell(self, values: Mapping[str, Any], scored: int, reference: bool) -> str:
+        return self.cell(values, scored, reference) if self.domain_header else ""
+
 
 MEASURES: Registry[Measure] = Registry("measure", error=InputError)
 
@@ -121,6 +159,11 @@ MEASURES: Registry[Measure] = Registry("measure", error=InputError)
 def measures(per_domain: bool = False) -> list[Measure]:
     """The registered measures in order (``per_domain``: only those computed on each domain too)."""
     return [m for _, m in MEASURES.items() if m.per_domain or not per_domain]
+
+
+def placed(chosen: list[Measure]) -> list[Measure]:
+    """``chosen`` in ``place`` order (the per-domain table's and the frontier's), ties in registration order."""
+    return sorted(chosen, key=lambda m: m.place)
 
 
 def measure_values(evidence: Evidence, per_domain: bool = False) -> dict[str, Any]:
@@ -198,5 +241,5 @@ def estimate(value: Any, se: Any, digits: int, unit: str = "") -> str:
     return f"{fixed(v, digits)}{unit} ± {text}"
 
 
-__all__ = ["MEASURES", "Evidence", "Measure", "TokenMeasure", "blank_values", "estimate", "fixed", "fmt_change",
-           "fmt_estimate", "fmt_number", "json_fields", "measure_values", "measures", "num"]
+__all__ = ["MEASURES", "Evidence", "FrontierPanel", "Measure", "TokenMeasure", "blank_values", "estimate", "fixed", "fmt_change",
+           "fmt_estimate", "fmt_number", "json_fields", "measure_values", "measures", "num", "placed"]

@@ -1,6 +1,6 @@
 """qkit eval's metrics, each one class and one ``MEASURES.register`` line, in the order the tables show them.
 
-Layer 6 (``evaluation.measures``). The formulas (``perplexity.TokenScores``, ``klstats``, ``stats``):
+Layer 6 (``evaluation.measures``). The formulas (``token_scores.TokenScores``, ``klstats``, ``stats``):
 
 - ``perplexity``: ``exp(mean nll)`` ± ``ppl * SE(nll)`` (delta method);
 - ``perplexity-change``: ``100 (exp(mean d) - 1)`` with ``d = nll - nll_ref`` per position, paired SE
@@ -30,6 +30,7 @@ from qkit.evaluation.klstats import llama_percentile
 from qkit.evaluation.measures.base import (
     MEASURES,
     Evidence,
+    FrontierPanel,
     TokenMeasure,
     estimate,
     fixed,
@@ -48,6 +49,7 @@ class Perplexity(TokenMeasure):
     keys = ("perplexity", "perplexity_se")
     fields = {"perplexity": PERPLEXITY, "perplexity_se": MEASURE}
     header = page_header = "perplexity"  # over an eval suite the pooled perplexity is not a column: the domains' are
+    domain_caption = "the reference's row: its perplexity ± SE"  # the rows' own cells are their changes
 
     def compute(self, e: Evidence) -> dict[str, Any]:
         return {"perplexity": e.scores.perplexity, "perplexity_se": e.scores.perplexity_se}
@@ -58,12 +60,18 @@ class Perplexity(TokenMeasure):
     def page_cell(self, v: Mapping[str, Any], reference: bool) -> str:
         return estimate(v.get("perplexity"), v.get("perplexity_se"), 3)
 
+    def domain_cell(self, v: Mapping[str, Any], scored: int, reference: bool) -> str:
+        return f"ppl {self.cell(v, scored, reference)}" if reference else ""
+
 
 class PerplexityChange(TokenMeasure):
     keys = ("perplexity_change_pct", "perplexity_change_se_pct")
     fields = {"perplexity_change_pct": CHANGE_PCT, "perplexity_change_se_pct": MEASURE}
-    header, suite_header, page_header = "Δ ppl", "worst Δ ppl", "Δ ppl (%)"
+    header, suite_header, page_header, domain_header = "Δ ppl", "worst Δ ppl", "Δ ppl (%)", "Δ ppl ± paired SE"
     worst, worst_key = max, "perplexity_change_pct"
+    frontier = FrontierPanel("Δ perplexity", "Δ perplexity, %", "size against perplexity change (± 2 paired SE)",
+                             "symlog", "Δ ppl % ± 2 SE", 2, sign=True)
+    place = 1  # after KL, the headline, in the per-domain table and on the frontier
 
     def compute(self, e: Evidence) -> dict[str, Any]:
         change, se = (0.0, 0.0) if e.reference is None else e.scores.change_against(e.reference)
@@ -79,8 +87,14 @@ class PerplexityChange(TokenMeasure):
 class KL(TokenMeasure):
     keys = ("kld", "kld_se")
     fields = {"kld": MEASURE, "kld_se": MEASURE}
-    header, suite_header, page_header = "KL (nats)", "worst KL", "KL (nats)"
+    header, suite_header, page_header, domain_header = "KL (nats)", "worst KL", "KL (nats)", "KL (nats)"
     worst, worst_key = max, "kld"
+    frontier = FrontierPanel("KL", "KL(reference ‖ row), nats/token", "size against KL divergence (± 2 SE)", "log",
+                             "KL ± 2 SE", 4)
+    place = 0
+
+    def domain_cell(self, v: Mapping[str, Any], scored: int, reference: bool) -> str:
+        return "" if reference else self.cell(v, scored, reference)
 
     def compute(self, e: Evidence) -> dict[str, Any]:
         return {"kld": e.scores.kld, "kld_se": e.scores.kld_se}

@@ -167,7 +167,8 @@ class GGUFFormat:
         """``{"qweight": llama.cpp's block bytes, uint8 [rows, bytes_per_row]}`` (before any row permutation)."""
         return {"qweight": ggml_blocks(qt)}
 
-    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype) -> QuantizedTensor:
+    def decode(self, tensors: dict[str, torch.Tensor], scheme: Scheme, dtype: torch.dtype, *,
+               shape: tuple[int, ...] | None = None) -> QuantizedTensor:
         """``tensors``: ``{"qweight": uint8 [rows, bytes_per_row]}`` (llama.cpp's blocks) with the q/k permutation
         already undone; a scheme with ``from_ggml_blocks`` turns them into its own parts."""
         return decode_blocks(tensors["qweight"], scheme, dtype)

@@ -27,12 +27,13 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
+from qkit.catalog import checked_calibration
 from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.dtypes import load_dtype, non_finite_activations
 from qkit.errors import InputError
@@ -40,7 +41,6 @@ from qkit.methods.calibration import (
     DEFAULT_SAMPLES,
     DEFAULT_SEED,
     DEFAULT_SEQLEN,
-    checked_set,
     part_ids,
     sample_parts,
     set_provenance,
@@ -52,6 +52,9 @@ from qkit.methods.memory import BASELINE, RETENTION, Model, Need, check_need
 from qkit.methods.experts import linear_names, routers, unfused_experts
 from qkit.methods.sequential import find_blocks
 from qkit.schemes.recipes import expert_count
+
+if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
+    from transformers import PreTrainedTokenizerBase
 from qkit.texts import Corpus, split_sources
 
 MIN_BATCH_TOKENS = 16  # imatrix.cpp: "why are small batches ignored (<16 tokens)?"
@@ -88,12 +91,12 @@ class ImatrixOptions:
             split_sources(self.source)
 
 
-def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
+def imatrix_ids(tokenizer: PreTrainedTokenizerBase | None, options: ImatrixOptions,
                 evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict]:
     """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate (one text), or the mix's
     sampled windows (several: see the module docstring), and their provenance."""
     options.check()
-    calibration, texts = checked_set(options.source, evaluation)  # a calibration text never contains an eval text
+    calibration, texts = checked_calibration(options.source, evaluation)  # a calibration text never contains an eval text
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; qkit imatrix needs one (tokenizer.json or similar)")
     bos = _bos(tokenizer)
@@ -124,7 +127,7 @@ def imatrix_ids(tokenizer: Any, options: ImatrixOptions,
     return chunks, provenance
 
 
-def _bos(tokenizer: Any) -> int | None:
+def _bos(tokenizer: PreTrainedTokenizerBase) -> int | None:
     """The BOS id when the tokenizer adds one (llama.cpp's ``add_bos``), else None."""
     with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
