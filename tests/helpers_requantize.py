@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from qkit.assets import cache_dir, cache_lock
+from qkit.assets import cache_dir, cache_lock, sha256_file
 from qkit.export.gguf import converter
 from qkit.export.gguf.reader import read_header
 from qkit.export.gguf.requantize import tensor_bytes
@@ -28,14 +28,6 @@ def convert_f32(model: Path, out: Path) -> Path:
     """The converter's F32 GGUF of ``model`` at ``out``: qkit's bridge to llama.cpp's pinned converter
     (``qkit.export.gguf.converter.convert_f32``, the bytes of ``convert_hf_to_gguf.py --outtype f32``)."""
     return converter.convert_f32(model, out)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def f32_model(arch: str, tokenizer_dir: Path, work: Path) -> Path:

@@ -22,7 +22,6 @@ Recorded with llama.cpp's tools built (``python benchmarks/build_llama_ref.py --
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 from conftest import benchmark_module
 from helpers_archs import ARCHS
+from qkit.assets import sha256_file
 from helpers_requantize import f32_model, file_digest, seeded_imatrix
 
 from qkit.export.gguf.reader import read_header
@@ -127,19 +127,11 @@ def _record_arch(arch: str, source: Path, work: Path) -> dict:
         types = llama_quantize_types(p.stdout + p.stderr)
         assert set(types) == set(names), (arch, ftype)
         dry[_dry_key(ftype, weighted)] = [types[n].name for n in _order(header)]
-    return {"f32_sha256": _sha(source), "files": files, "order": _order(header), "dry_run": dry}
+    return {"f32_sha256": sha256_file(source), "files": files, "order": _order(header), "dry_run": dry}
 
 
 def _order(header) -> list[str]:
     return llama_order(t.name for t in header.tensors)
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def test_record(f32, tmp_path_factory):
@@ -189,7 +181,7 @@ def test_rules_give_llama_quantizes_types_for_every_ftype(golden, f32, arch):
         pytest.skip("recording")
     want = golden["archs"][arch]
     source = f32(arch)
-    assert _sha(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
+    assert sha256_file(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
     header = read_header(source)
     facts = ModelFacts.from_metadata(header.fields)
     infos = [(t.name, t.ne, t.ggml_type) for t in header.tensors]
@@ -206,7 +198,7 @@ def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
         pytest.skip("recording")
     want = golden["archs"][arch]
     source = f32(arch)
-    assert _sha(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
+    assert sha256_file(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
     work = _work(source, tmp_path)
     for key in FILES:
         r = _quantize(source, key, work)

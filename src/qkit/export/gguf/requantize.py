@@ -34,7 +34,6 @@ token is weighted by 1s, as llama-quantize does, and the report names it.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ import torch
 
 from qkit import jsontext
 from qkit.errors import InputError, SchemeError
+from qkit.assets import sha256_file
 from qkit.checkpoint import write_json
 from qkit.export.common import EXPORT_MANIFEST, EXPORT_VERSION
 from qkit.export.gguf.metadata import FILE, KV_DTYPES, RECORD_KEY, Field, copy_fields
@@ -361,14 +361,6 @@ def encode(x: np.ndarray, p: Planned) -> np.ndarray:
                            for e in range(p.weights.shape[0])])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 # --------------------------------------------------------------------------- the file
 
 
@@ -397,7 +389,7 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
     fields = output_fields(header, ftype, imatrix, tokenizer)
     if record:
         doc = {"format": "gguf", "format_version": EXPORT_VERSION, "qkit_version": __version__,
-               "llama_cpp_commit": LLAMA_CPP_COMMIT, "source": {"file": source.name, "sha256": _sha256(source)},
+               "llama_cpp_commit": LLAMA_CPP_COMMIT, "source": {"file": source.name, "sha256": sha256_file(source)},
                "llama_quantize": {"ftype": ftype_name(ftype), "pure": pure,
                                   "token_embedding_type": token_embedding_type, "output_tensor_type": output_tensor_type,
                                   "imatrix": None if imatrix is None else str(imatrix.source)},
