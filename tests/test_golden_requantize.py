@@ -192,6 +192,23 @@ def test_rules_give_llama_quantizes_types_for_every_ftype(golden, f32, arch):
         assert not bad, f"{arch} {_dry_key(ftype, weighted)}: qkit/llama-quantize types differ: {bad}"
 
 
+def files_of(arch: str) -> list[str]:
+    """The files checked for ``arch``: every one with ``QKIT_REQUANTIZE_ALL_FILES=1``; else, to keep CI's time,
+    alternate architectures take alternate halves of ``FILES`` (q8_0, q4_k_m, iq4_xs+imatrix / q4_k,
+    q4_k_m+imatrix, q2_k+imatrix), so each file is checked on four or five architectures, and every MoE model
+    with its per-expert matrix (qwen3_moe: q4_k_m and q2_k; mixtral and gpt_oss: iq4_xs)."""
+    keys = list(FILES)
+    if os.environ.get("QKIT_REQUANTIZE_ALL_FILES") == "1":
+        return keys
+    return keys[CONVERTED.index(arch) % 2::2]
+
+
+def test_the_halves_cover_every_file_and_every_moe_imatrix():
+    assert {k for a in CONVERTED for k in files_of(a)} == set(FILES) or os.environ.get("QKIT_REQUANTIZE_ALL_FILES") == "1"
+    for arch in ("qwen3_moe", "mixtral", "gpt_oss"):
+        assert any(FILES[k][3] for k in files_of(arch)), arch
+
+
 @pytest.mark.parametrize("arch", CONVERTED)
 def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
     if RECORD:
@@ -200,7 +217,7 @@ def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
     source = f32(arch)
     assert sha256_file(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
     work = _work(source, tmp_path)
-    for key in FILES:
+    for key in files_of(arch):
         r = _quantize(source, key, work)
         got = file_digest(r.path, (r.data_offset, r.tensors))
         exp = want["files"][key]
