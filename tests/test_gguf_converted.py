@@ -108,3 +108,26 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
     assert checked == 14  # 2 layers x q, k, v, o, gate, up, down
     q = rows.gguf["blk.0.attn_q.weight"]
     assert not np.array_equal(q.flat, np.arange(len(q.flat)))  # the permutation was exercised
+
+
+def test_codes_that_decode_to_zeros_are_refused_before_the_file_is_in_place(models, tmp_path):
+    """Every quantized tensor of a converted file is checked against its source (``fidelity.check_written``),
+    a method's codes included: block bytes of zeros for one tensor are refused, naming it, and no file is left."""
+    from qkit.errors import QkitError
+    from qkit.export.gguf.converter import convert_f32
+    from qkit.export.gguf.requantize import quantize_gguf
+
+    out = tmp_path / "zeros.gguf"
+
+    def zeros(name, t):
+        if name != "blk.0.ffn_up.weight":
+            return None
+        info = next(i for i in read_header(f32).tensors if i.name == name)
+        from qkit.export.gguf.requantize import tensor_bytes
+        return np.zeros(tensor_bytes(t, info.ne), dtype=np.uint8)
+
+    f32 = convert_f32(models["qwen3"])
+    with pytest.raises(QkitError) as exc:
+        quantize_gguf(f32, out, "Q4_K_M", blocks=zeros)
+    assert "blk.0.ffn_up.weight" in str(exc.value) and "\n" not in str(exc.value)
+    assert not out.exists()

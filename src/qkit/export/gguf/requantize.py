@@ -51,12 +51,13 @@ from qkit.checkpoint import write_json
 from qkit.export.common import EXPORT_MANIFEST, EXPORT_VERSION
 from qkit.export.gguf.metadata import FILE, KV_DTYPES, RECORD_KEY, Field, copy_fields
 from qkit.export.gguf.reader import DEFAULT_ALIGNMENT, Header, TensorInfo, read_header
-from qkit.export.gguf.types import file_type
+from qkit.export.gguf.types import decode_blocks, file_type
 from qkit.export.gguf.writer import atomic_output
 from qkit.schemes import Recipe, Scheme
 from qkit.schemes.ggml import GGMLScheme, importance_problem, is_llama_type, uses_importance
 from qkit.schemes.kquants import LLAMA_CPP_COMMIT
-from qkit.schemes.llama_rules import ModelFacts, Params, category, n_dims, tensor_types
+from qkit.schemes.fidelity import check_written
+from qkit.schemes.llama_rules import ModelFacts, Params, category, is_quantized, n_dims, tensor_types
 from qkit.schemes.recipes import scheme_for_type
 from qkit.version import __version__
 
@@ -416,13 +417,16 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
         with open(source, "rb") as src:
             for p in planned:
                 given = blocks(p.info.name, p.ggml_type) if blocks is not None and p.converted else None
-                if given is not None:  # a method's codes (qkit.converted), placed by the converter's row map
-                    if given.nbytes != p.nbytes:
-                        raise SchemeError(f"{p.info.name}: {given.nbytes} bytes given for {p.ggml_type.name}, "
-                                          f"which stores {p.nbytes}")
-                    fout.write(memoryview(np.ascontiguousarray(given)).cast("B"))
-                elif p.converted:
-                    data = encode(_floats(source, header, p.info), p)
+                if given is not None and given.nbytes != p.nbytes:
+                    raise SchemeError(f"{p.info.name}: {given.nbytes} bytes given for {p.ggml_type.name}, "
+                                      f"which stores {p.nbytes}")
+                if p.converted:  # a method's codes (qkit.converted, placed by the row map), else qkit's encoder
+                    x = _floats(source, header, p.info)
+                    data = given if given is not None else encode(x, p)
+                    if is_quantized(p.ggml_type):  # checked against its source before the file is in place
+                        rows = torch.from_numpy(np.ascontiguousarray(data)).view(torch.uint8).reshape(x.shape[0], -1)
+                        check_written(p.info.name, torch.from_numpy(x),
+                                      decode_blocks(rows, _encoder(p.ggml_type, p.info.name), torch.float32))
                     fout.write(memoryview(np.ascontiguousarray(data)).cast("B"))
                 else:
                     src.seek(header.data_offset + p.info.offset)
