@@ -182,9 +182,11 @@ def read_layout(directory: Path, targets: dict[str, Scheme], shapes: dict[str, t
                       tuple(linear_modules(directory, trust_remote_code=trust_remote_code)), model_dtype)
 
 
-def check_linear_targets(layout: ModelLayout, fmt: str) -> None:
-    """Every quantized tensor must be the ``.weight`` of an ``nn.Linear``: target libraries quantize only those."""
-    linears = set(layout.linears)
+def check_linear_targets(layout: ModelLayout, fmt: str, also: Iterable[str] = ()) -> None:
+    """Every quantized tensor must be the ``.weight`` of an ``nn.Linear``: target libraries quantize only those.
+    ``also``: modules the format stores as linears though transformers builds none for them (a mixture-of-experts
+    checkpoint's per-expert matrices, ``compressed_tensors_moe``)."""
+    linears = {*layout.linears, *also}
     bad = sorted(n for n in layout.targets if not n.endswith(".weight") or n.removesuffix(".weight") not in linears)
     if bad:
         raise ExportError(

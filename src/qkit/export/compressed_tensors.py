@@ -18,6 +18,8 @@ qkit's ``dequantize(dtype=weight dtype)`` (tested).
 
 Config: one ``config_groups`` entry per scheme (``targets: ["Linear"]`` when one scheme covers every
 quantized linear, else the exact module names), ``ignore`` = the linear modules left unquantized.
+A mixture-of-experts model's experts are written as these linears, one per expert matrix, its routers
+ignored (``qkit.export.compressed_tensors_moe``).
 Refused: nf4 (use ``--format bitsandbytes``), per-tensor scales (vLLM's weight-only kernels take channel
 or group scales), and a group size that does not divide every quantized matrix's input width.
 
@@ -36,12 +38,12 @@ import torch
 
 from qkit.errors import ExportError, InputError
 from qkit.export import compressed_tensors_fp4 as fp4
+from qkit.export import compressed_tensors_moe as moe
 from qkit.export import compressed_tensors_w8a8 as w8a8
 from qkit.export.common import (
     EXACT_IN,
     ModelLayout,
     SafetensorsFormat,
-    check_linear_targets,
     check_scale_in_weight_dtype,
     dense_nbytes,
     dtype_name,
@@ -182,7 +184,7 @@ class CompressedTensorsFormat(SafetensorsFormat):
         return out
 
     def check(self, layout: ModelLayout) -> None:
-        check_linear_targets(layout, NAME)
+        moe.check(layout, NAME)  # the linears, and a mixture-of-experts model's experts and routers
         by_scheme: dict[str, list[str]] = {}
         for tensor, s in layout.targets.items():
             by_scheme.setdefault(s.name, []).append(tensor)
@@ -315,7 +317,7 @@ class CompressedTensorsFormat(SafetensorsFormat):
             "format": fp4.top_level_format(formats),
             "quantization_status": "compressed",
             "config_groups": groups,
-            "ignore": layout.kept_linears,
+            "ignore": moe.ignore(layout),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }

@@ -13,7 +13,8 @@ Per quantized linear ``M`` with weight ``[out, in]``, for qkit's ``int8-row`` co
 Config: one group, ``targets: ["Linear"]``, ``weights = {num_bits: 8, type: int, symmetric: true,
 strategy: channel, dynamic: false}``, ``input_activations = {num_bits: 8, type: int, symmetric: true,
 strategy: token, dynamic: true}``, ``format: int-quantized``; ``ignore`` = the linears left unquantized
-(the LM head). Only ``int8-row`` targets can be written (``quantize_model(..., scheme="int8-row",
+(the LM head) and a mixture-of-experts model's routers (``compressed_tensors_moe``: each expert is stored as
+a linear). Only ``int8-row`` targets can be written (``quantize_model(..., scheme="int8-row",
 format="compressed-tensors", activations="int8-token")``), typically after ``--method smoothquant``.
 
 What runs where. vLLM computes ``s_x = max|x_token| / 127`` per token on the GPU and runs an int8 GEMM
@@ -36,7 +37,8 @@ from collections.abc import Iterator
 import torch
 
 from qkit.errors import ExportError, InputError
-from qkit.export.common import ModelLayout, SafetensorsFormat, check_linear_targets, check_scale_in_weight_dtype
+from qkit.export import compressed_tensors_moe as moe
+from qkit.export.common import ModelLayout, SafetensorsFormat, check_scale_in_weight_dtype
 from qkit.granularity import PerRow
 from qkit.schemes import AbsmaxScheme, QuantizedTensor, Scheme, get_scheme
 
@@ -87,7 +89,7 @@ class W8A8Format(SafetensorsFormat):
         self.activations = check_activations(activations)
 
     def check(self, layout: ModelLayout) -> None:
-        check_linear_targets(layout, NAME)
+        moe.check(layout, NAME)  # the linears, and a mixture-of-experts model's experts and routers
         for tensor, s in sorted(layout.targets.items()):
             if not (isinstance(s, AbsmaxScheme) and s.bits == 8 and isinstance(s.granularity, PerRow)):
                 raise ExportError(
@@ -131,7 +133,7 @@ class W8A8Format(SafetensorsFormat):
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": dict(_WEIGHTS),
                                           "input_activations": dict(_INPUT[self.activations]),
                                           "output_activations": None, "format": FORMAT_NAME}},
-            "ignore": layout.kept_linears,
+            "ignore": moe.ignore(layout),
             "kv_cache_scheme": None,
             "global_compression_ratio": None,
         }
