@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers_archs import make_arch_model
-from helpers_requantize import file_digest
+from helpers_requantize import file_digest, seeded_imatrix
 from typer.testing import CliRunner
 
 from qkit.cli import app
@@ -74,17 +74,23 @@ def test_the_tokenizer_fields_of_a_source_gguf_replace_the_converters(models):
     assert any(k.startswith("tokenizer.") for k, *_ in read_kv_fields(convert_f32(models["qwen3"])))
 
 
-def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path):
-    """mistral: llama.cpp permutes its q/k rows. ``--method gptq --format gguf`` writes, in each GGUF tensor,
-    exactly the block rows GPTQ chose for the Hugging Face matrix (the same run written as qkit's own
-    checkpoint), each at the row the converter's map says; a tensor the rules give another type (none here:
-    q4_k is --pure) would be RTN's."""
+@pytest.mark.parametrize("arch", ["mistral", "qwen3_moe"])
+def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path, arch):
+    """mistral: llama.cpp permutes its q/k rows; qwen3_moe: it stacks each layer's experts into one tensor,
+    and each expert's importance is its own row of the stacked entry. ``--method gptq --format gguf`` writes,
+    in each GGUF tensor, exactly the block rows GPTQ chose for the Hugging Face matrix (the same run written
+    as qkit's own checkpoint, whose experts read their rows by llama-quantize's slicing), each at the row the
+    converter's map says; a tensor the rules give another type (none here: q4_k is --pure) would be RTN's."""
     from qkit.checkpoint import iter_quantized
-    from qkit.export.gguf.converter import row_map
+    from qkit.export.gguf.converter import convert_f32, row_map
     from qkit.export.gguf.types import ggml_blocks
+    from qkit.methods.imatrix.file import write_gguf
 
-    model = make_arch_model(tmp_path / "mistral", "mistral", default_model_dir)
+    model = make_arch_model(tmp_path / arch, arch, default_model_dir)
     small = ["--calibration-samples", "4", "--calibration-seqlen", "128"]
+    if arch == "qwen3_moe":  # an importance matrix whose expert rows all differ, one expert reached by no token
+        write_gguf(seeded_imatrix(convert_f32(model), 3), tmp_path / "m.imatrix.gguf")
+        small += ["--imatrix", str(tmp_path / "m.imatrix.gguf")]
     gguf_out, qkit_out = tmp_path / "g.gguf", tmp_path / "q"
     for out, fmt in ((gguf_out, "gguf"), (qkit_out, "qkit")):
         r = CliRunner().invoke(app, ["quantize", str(model), "-s", "q4_k", "--method", "gptq", "--format", fmt,
@@ -105,9 +111,12 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
         start = header.data_offset + info.offset
         assert data[start:start + expect.nbytes] == expect.tobytes(), info.name
         checked += 1
-    assert checked == 14  # 2 layers x q, k, v, o, gate, up, down
-    q = rows.gguf["blk.0.attn_q.weight"]
-    assert not np.array_equal(q.flat, np.arange(len(q.flat)))  # the permutation was exercised
+    assert checked == 14  # 2 layers x q, k, v, o, gate, up, down (stacked experts: one tensor each)
+    if arch == "mistral":
+        q = rows.gguf["blk.0.attn_q.weight"]
+        assert not np.array_equal(q.flat, np.arange(len(q.flat)))  # the permutation was exercised
+    else:
+        assert len(np.unique(rows.gguf["blk.1.ffn_down_exps.weight"].src)) == 4  # four experts' matrices stacked
 
 
 def test_codes_that_decode_to_zeros_are_refused_before_the_file_is_in_place(models, tmp_path):

@@ -16,10 +16,11 @@ the Hugging Face tensors and takes every method and option. Any other architectu
 
 What this route takes: a llama.cpp recipe (``q4_k_m``, ...) or block type (``q4_k``: ``--pure``),
 ``--imatrix`` (llama-imatrix's names, or ``qkit imatrix``'s), ``--token-embedding-type``,
-``--output-tensor-type``, and ``--method gptq`` for a dense model: GPTQ runs on the Hugging Face model,
-each block projection at the type its GGUF tensor gets, and its block rows are placed where the
-converter's row map (``converter.row_map``) puts them. The rest (awq and smoothquant, which change
-full-precision tensors too; a calibrated method on a mixture-of-experts model; ``--keep``, ``--include``,
+``--output-tensor-type``, and ``--method gptq``: GPTQ runs on the Hugging Face model, each block
+projection at the type its GGUF tensor gets (an expert matrix calibrated on the tokens routed to it, with
+its own row of the stacked importance entry), and its block rows are placed where the converter's row map
+(``converter.row_map``) puts them. The rest (awq and smoothquant, which change full-precision tensors too;
+gptq on a mixture-of-experts layout it cannot route, such as gpt-oss's; ``--keep``, ``--include``,
 ``--exclude``, ``--tensor-type``, a plan) is refused in one line before any work.
 """
 
@@ -46,8 +47,11 @@ from qkit.export.gguf.requantize import head_type, llama_quantize_args, plan, qu
 from qkit.export.gguf.rowmap import RowMap
 from qkit.export.gguf.types import ggml_blocks
 from qkit.methods.gptq import GPTQMethod
+from qkit.llama_names import expert_index
+from qkit.methods.experts import check_method
 from qkit.methods.imatrix import Imatrix
-from qkit.schemes.recipes import expert_count, scheme_for_type
+from qkit.schemes.ggml import uses_importance
+from qkit.schemes.recipes import scheme_for_type
 from qkit.transform import is_block_projection
 from qkit.methods import RTN
 from qkit.methods.imatrix import read as read_imatrix
@@ -77,9 +81,8 @@ def check(req: Request, opts: QuantizeOptions, ref: ModelRef, config: dict) -> N
     if req.method is not None and not isinstance(req.method, GPTQMethod):
         raise InputError(f"--method {req.method.name} with --format gguf writes llama and qwen2 models (it changes "
                          f"full-precision tensors too); a {arch} model's GGUF takes --method rtn or gptq")
-    if req.method is not None and expert_count(config) > 1:
-        raise InputError(f"--method {req.method.name} with --format gguf writes dense models of architecture {arch}; "
-                         "a mixture-of-experts model's GGUF takes --method rtn (with --imatrix)")
+    if req.method is not None:  # a mixture-of-experts model gptq cannot route (gpt_oss, --holdout): refused now
+        check_method(config, req.method.name, req.method_options)
     for field_name, option in _REFUSED:
         if getattr(opts, field_name):
             raise InputError(f"{option} with --format gguf is for llama and qwen2 models; a {arch} model's GGUF takes "
@@ -110,6 +113,8 @@ def _method_blocks(req: Request, ref: ModelRef, rows: RowMap, planned: list, mat
         for p in placed:
             sources.setdefault(p.gguf_name, []).append(hf)
             qw = matrix.quant_weights(p.gguf_name) if matrix is not None else None
+            if qw is not None and (expert := expert_index(hf)) is not None:  # its row of the stacked entry
+                qw = np.asarray(qw).reshape(-1, shape[-1])[expert]
             if qw is not None:
                 weights[hf] = torch.as_tensor(np.asarray(qw, dtype=np.float32))
     done = req.method.run(ref, targets, req.method_options, device=device,
@@ -160,7 +165,8 @@ def quantize(req: Request, opts: QuantizeOptions, ref: ModelRef, out: Path, t0: 
                             types={n: t.lower() for n, t in quantized.items()},
                             kept={n: b for n, (t, _, b) in done.tensors.items() if t in _FLOAT_TYPES})
     if matrix is not None:
-        result.imatrix = {"file": str(opts.imatrix), "entries": len(matrix.entries), "unit_weighted": list(done.unit_weighted)}
+        weighted = sum(1 for n, t in quantized.items() if n in matrix.entries and uses_importance(T[t]))
+        result.imatrix = {**matrix.to_record(weighted), "unit_weighted": list(done.unit_weighted)}
     arch = read_header(f32).fields.get("general.architecture")
     arch = arch.decode("utf-8", "replace") if isinstance(arch, bytes) else arch
     result.notes.append(f"{arch} model: written from llama.cpp's converter's F32 GGUF as llama-quantize writes it"
