@@ -21,7 +21,9 @@ from qkit.evaluation.engines import Engine, EngineOptions, check_engine_lengths
 from qkit.evaluation.file_rows import check_file_matches
 from qkit.evaluation.windows import choose_window, scored_ids
 from qkit.evaluation.specs import RowSpec
+from qkit.methods import get_method, make_options
 from qkit.methods.calibration import CalibrationOptions, check_calibrations
+from qkit.methods.experts import check_method
 from qkit.models import ModelRef, check_complete, load_tokenizer
 from qkit.plan import check_plan_matches, read_plan
 from qkit.catalog import eval_texts, suite_corpus
@@ -108,6 +110,8 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
         if spec.plan is not None and spec.plan.endswith(".json"):
             check_plan_matches(read_plan(spec.plan), dict(tensor_shapes(ref.directory)), ref.spec)
     check_file_matches(specs, ref)  # a GGUF file of another model: refused from its header
+    if config is not None:
+        check_methods(specs, config.to_dict())
     # The tokenizer first (milliseconds; load() reads it again): the corpus and calibration checks need no model.
     tok = load_tokenizer(ref.directory)
     if tok is None:
@@ -124,4 +128,14 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     return Inputs(corpus, config, window, tok, ids, calibrations, questions, prompts, settings, texts, segments)
 
 
-__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "pair_models"]
+def check_methods(specs: list[RowSpec], config: dict) -> None:
+    """Each row's method against the model, as ``qkit quantize`` checks it (``methods.experts.check_method``),
+    before the reference loads: on a mixture-of-experts model only the methods that route calibration to the
+    experts (gptq, imatrix) run; another would be refused only once its row's file is written."""
+    for spec in specs:
+        method = get_method(spec.method)
+        if method is not None:
+            check_method(config, spec.method, make_options(method, dict(spec.method_options)))
+
+
+__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "check_methods", "pair_models"]

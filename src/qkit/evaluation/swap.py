@@ -10,6 +10,12 @@ the model's dtype, which is exactly what loading the model did (``copy_`` rounds
 ``Tensor.to`` does). Only a tensor the source files do not hold (a tied head the file does not store, a
 buffer, a model loaded without ``source``) is kept as a clone when it is first replaced. Extra memory:
 the largest replaced tensor, in the file's dtype, while it is read back.
+
+Mixture-of-experts: transformers holds a layer's experts fused in two 3-D parameters, and the checkpoint
+(and every row's file) stores one 2-D matrix per expert. Each expert matrix is a target under its stored
+name, as a view of the fused parameter (``qkit.methods.experts.expert_matrices``), so a row's expert
+matrices are copied into the model and read back like any other weight. A quantized tensor the model holds
+under no name is refused in one line rather than skipped: a row never scores weights it left out.
 """
 
 from __future__ import annotations
@@ -21,7 +27,16 @@ import torch
 
 from qkit.checkpoint import iter_tensors, tensor_shapes
 from qkit.errors import InputError
+from qkit.methods.experts import expert_matrices
 from qkit.schemes import QuantizedTensor
+
+
+def model_tensors(model) -> dict[str, torch.Tensor]:
+    """A loaded transformers ``model``'s parameters and buffers by every name they answer to (tied weights
+    under both names), and each expert matrix by the name the checkpoint stores it under (a view of its fused
+    parameter: ``expert_matrices``): every tensor a row's file can name."""
+    return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False)),
+            **expert_matrices(model, model.config.to_dict())}
 
 
 class Swapper:
@@ -31,9 +46,7 @@ class Swapper:
     def __init__(self, model, source: str | Path | None = None):
         self.model = model
         self.source = Path(source) if source is not None else None
-        # Parameters and buffers by every name they answer to (tied weights under both names).
-        self.targets: dict[str, torch.Tensor] = {**dict(model.named_buffers(remove_duplicate=False)),
-                                                 **dict(model.named_parameters(remove_duplicate=False))}
+        self.targets: dict[str, torch.Tensor] = model_tensors(model)
         # The tensor names the source files store (headers only): those are re-read, never cloned.
         self.stored: frozenset[str] = frozenset(n for n, _ in tensor_shapes(self.source)) if self.source else frozenset()
         self.originals: dict[str, torch.Tensor] = {}  # clones of replaced tensors the source does not hold
@@ -43,9 +56,10 @@ class Swapper:
     def apply(self, tensors: Iterable[tuple[str, QuantizedTensor | torch.Tensor]]) -> None:
         """Copy each dequantized ``QuantizedTensor`` (or full-precision replacement, e.g. a norm that a
         method folded scales into) into the model's tensor of that name, dequantized straight to the
-        model's dtype (``value.dequantize(p.dtype)``). A stored tensor the model does not hold
+        model's dtype (``value.dequantize(p.dtype)``). A full-precision tensor the model does not hold
         (transformers ignored it when it loaded the reference, e.g. an old ``rotary_emb.inv_freq``) is
-        skipped, as it was then; a tensor equal to the model's is not copied (nor marked for restore).
+        skipped, as it was then; a quantized one is refused (``InputError``): the row would leave it out. A
+        tensor equal to the model's is not copied (nor marked for restore).
 
         ``changed`` counts the tensors whose new values differ from the reference's; called again before
         ``restore``, a tensor replaced both times counts as changed (its reference value is not held)."""
@@ -53,6 +67,9 @@ class Swapper:
         with torch.no_grad():
             for name, value in tensors:
                 p = self.targets.get(name)
+                if p is None and isinstance(value, QuantizedTensor):
+                    raise InputError(f"the row quantizes {name}, which the loaded {type(self.model).__name__} holds "
+                                     "under no name; it would be scored without it")
                 if p is None:
                     continue
                 shape = value.shape if isinstance(value, QuantizedTensor) else tuple(value.shape)

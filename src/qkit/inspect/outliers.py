@@ -36,6 +36,7 @@ from qkit.bounds import MAX_COUNT, real, whole
 from qkit.errors import InputError
 from qkit.granularity import PerTensor
 from qkit.inspect.linear_inputs import linear_inputs_report
+from qkit.methods.experts import FusedExperts, expert_views, fused_experts
 from qkit.models import LoadedModel, ModelRef, check_device_map, load, parse_device, read_config, resolve
 from qkit.schemes.absmax import quantize_absmax
 from qkit.serving.kv import context_length
@@ -145,7 +146,11 @@ def capture(
 ) -> Iterator[dict[str, Any]]:
     """Record, during the forward passes inside the ``with``: ``"residual"``, a list of ``[T, H]`` fp32
     outputs of each decoder layer (batch 1), and ``"inputs"``, ``{linear name: per-input-channel
-    max |x| [in_features]}`` for the named ``nn.Linear`` modules (names without ``.weight``)."""
+    max |x| [in_features]}`` for the named ``nn.Linear`` modules (names without ``.weight``). An expert
+    matrix of a mixture-of-experts model is named as the checkpoint stores it (``mlp.experts.3.gate_proj``;
+    its weight is a slice of a fused parameter: ``methods.experts``), and its input is taken over the tokens
+    the router sent that expert: the fused module's input rows whose top-k holds it for gate and up,
+    ``act(x gate^T) * (x up^T)`` of them for down. An expert no token reached gets no entry."""
     out: dict[str, Any] = {"residual": [], "inputs": {}}
     handles = []
 
@@ -160,12 +165,39 @@ def capture(
 
         return hook
 
+    def on_experts(found: FusedExperts, wanted: dict[int, list[tuple[str, int]]]):
+        def hook(_mod, args):  # (hidden [T, H], top_k_index [T, k], top_k_weights [T, k])
+            hidden, top_k = args[0].detach(), args[1]
+            views = expert_views(found.module)
+            for e, names in wanted.items():
+                x = hidden[(top_k == e).any(dim=-1)]
+                if not len(x):
+                    continue
+                gate, up, _down = views[e]
+                inputs = [x, x, None]
+                if any(i == 2 for _, i in names):
+                    inputs[2] = found.module.act_fn(x @ gate.T) * (x @ up.T)
+                for name, i in names:
+                    out["inputs"][name] = inputs[i].abs().amax(dim=0).float()
+
+        return hook
+
     try:
         if residual:
             handles += [layer.register_forward_hook(on_layer) for layer in decoder_layers(model)]
         modules = dict(model.named_modules())
+        experts = {f"{f.stored}.{e}.{m}": (f, e, i) for f in fused_experts(model, model.config.to_dict())
+                   for e in range(len(expert_views(f.module))) for i, m in enumerate(f.layout.names)} if linears else {}
+        by_module: dict[str, dict[int, list[tuple[str, int]]]] = {}
         for name in linears:
-            handles.append(modules[name].register_forward_pre_hook(on_linear(name)))
+            if name in modules:
+                handles.append(modules[name].register_forward_pre_hook(on_linear(name)))
+            else:  # an expert matrix, or a KeyError naming what the model lacks
+                found, e, i = experts[name]
+                by_module.setdefault(found.path, {}).setdefault(e, []).append((name, i))
+        fused = {f.path: f for f, _, _ in experts.values()}
+        handles += [fused[path].module.register_forward_pre_hook(on_experts(fused[path], wanted))
+                    for path, wanted in by_module.items()]
         yield out
     finally:
         for h in handles:

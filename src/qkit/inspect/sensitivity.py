@@ -3,7 +3,9 @@
 One reference forward pass over ``T`` tokens gives ``log p_ref [T, V]`` (log-softmax, computed once). Then,
 for each unit (one decoder layer's projections, or one matrix), its weights are swapped in place for
 ``dequantize(quantize_tensor(W, scheme))`` (exactly what ``qkit quantize`` writes), the model runs again,
-and the weights are restored::
+and the weights are restored (a mixture-of-experts model's expert matrices too, each under the name the
+checkpoint stores it with, a slice of its fused parameter: ``evaluation.swap.model_tensors``; the router
+stays as it is, as ``qkit quantize`` keeps it)::
 
     KL(unit) = 1/T sum_t sum_v p_ref[t, v] (log p_ref[t, v] - log p_unit[t, v])      (nats, float64 sums)
 
@@ -31,6 +33,7 @@ import torch
 
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
+from qkit.evaluation.swap import model_tensors
 from qkit.evaluation.token_scores import MIN_SCORED
 from qkit.inspect.matrix_stats import matrix_stats
 from qkit.inspect.outliers import (
@@ -329,7 +332,7 @@ def rank_sensitivity(
     else:
         ids, source = sensitivity_ids(loaded.tokenizer, tokens=tokens, text=text)
     ids = ids.to(dev)
-    params = dict(lm.named_parameters())
+    params = model_tensors(lm)  # an expert matrix under its stored name: a view of its fused parameter
     names = [n for n, p in params.items() if is_block_projection(n, tuple(p.shape))]
     if not names:
         raise InputError(f"{loaded.ref.spec} has no block projection matrices (layers.N.*.weight)")

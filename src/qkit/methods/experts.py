@@ -17,7 +17,13 @@ cover them all, and the layer's output still combines only the router's top-k wi
 the fused modules are put back, holding whatever weights the linears hold then (a method's quantized
 ones), or nothing where a walk released them.
 
-Layer 5 (``methods``), below the methods that use it (``sequential``, ``gptq``, ``imatrix``).
+The measuring commands leave the fused modules in place: ``expert_matrices(model, config)`` gives each expert
+matrix by its stored name as a 2-D view of the fused parameter (``expert_views``), so ``qkit eval`` streams a
+row's expert matrices into the model (``evaluation.swap``) and ``qkit inspect sensitivity`` quantizes one in
+place under the name ``qkit quantize`` writes it with.
+
+Layer 5 (``methods``), below the methods that use it (``sequential``, ``gptq``, ``imatrix``) and the
+measuring commands (``evaluation``, ``inspect``).
 """
 
 from __future__ import annotations
@@ -109,6 +115,22 @@ def check_method(config: Mapping[str, Any], method: str, options: Any) -> None:
                          "tokens routed to it, not on windows: drop --holdout for a mixture-of-experts model")
 
 
+def expert_views(fused: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each expert's ``(gate [I, H], up [I, H], down [H, I])`` of a fused experts module: views of its two
+    parameters (``gate_up_proj[e, :I]``, ``gate_up_proj[e, I:]``, ``down_proj[e]``), nothing copied, so writing
+    into one writes the model's weight."""
+    gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
+    inter = down.shape[2]
+    return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(gate_up.shape[0])]
+
+
+def stored_path(path: str, layout: ExpertLayout) -> str:
+    """A fused experts module's path (``model.layers.0.mlp.experts``) as the checkpoint names it (mixtral:
+    ``model.layers.0.block_sparse_moe.experts``)."""
+    head = path[: len(path) - len(layout.moe + ".experts")]
+    return f"{head}{layout.stored}.experts"
+
+
 def _linear(weight: torch.Tensor) -> torch.nn.Linear:
     """An ``nn.Linear`` whose weight is ``weight`` itself (a view: nothing is copied)."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
@@ -137,10 +159,7 @@ class ExpertLinears(torch.nn.ModuleList):
     ``[E]``, the tokens the router has sent each expert since it was last zeroed."""
 
     def __init__(self, fused: torch.nn.Module, layout: ExpertLayout, every_token: bool, router: torch.nn.Module):
-        gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
-        inter = down.shape[2]
-        super().__init__(_Expert(layout, gate_up[e, :inter], gate_up[e, inter:], down[e], fused.act_fn)
-                         for e in range(gate_up.shape[0]))
+        super().__init__(_Expert(layout, *matrices, fused.act_fn) for matrices in expert_views(fused))
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "every_token", every_token)
         object.__setattr__(self, "router", router)  # the sparse block's: its input is the experts'
@@ -166,8 +185,7 @@ class ExpertLinears(torch.nn.ModuleList):
     def stored_path(self, path: str) -> str:
         """This module's path (``path``, e.g. ``mlp.experts`` or ``model.layers.0.mlp.experts``) as the checkpoint
         names it (mixtral: ``model.layers.0.block_sparse_moe.experts``)."""
-        head = path[: len(path) - len(self.layout.moe + ".experts")]
-        return f"{head}{self.layout.stored}.experts"
+        return stored_path(path, self.layout)
 
     def restore(self, fused: torch.nn.Module) -> None:
         """Put the experts' current weights back into ``fused``'s two parameters (empty where they were released)."""
@@ -185,16 +203,58 @@ def _fused(module: torch.nn.Module) -> bool:
     return isinstance(w, torch.Tensor) and w.ndim == 3 and not isinstance(module, ExpertLinears)
 
 
+def fused_paths(model: torch.nn.Module) -> list[str]:
+    """Where ``model`` holds experts fused in 3-D parameters (``gate_up_proj`` ``[E, ., .]``), whatever the
+    architecture (gpt_oss's too): modules whose experts no hook on ``nn.Linear`` reaches."""
+    return [name for name, module in model.named_modules() if _fused(module)]
+
+
 def _check_fused(name: str, module: torch.nn.Module, layout: ExpertLayout) -> None:
-    """The fused layout ``ExpertLinears`` reproduces: concatenated gate/up, [out, in] per expert, no biases, a
-    gate, no norm after each expert (transformers' ``use_experts_implementation`` flags)."""
+    """The fused layout ``ExpertLinears`` reproduces and ``expert_views`` reads: concatenated gate/up, [out, in] per
+    expert, no biases, a gate, no norm after each expert (transformers' ``use_experts_implementation`` flags)."""
     flags = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
              "has_post_expert_norm": False}
     odd = [k for k, v in flags.items() if getattr(module, k, v) != v]
     params = {n for n, _ in module.named_parameters(recurse=False)}
     if odd or params != {"gate_up_proj", "down_proj"} or not name.endswith(f"{layout.moe}.experts"):
-        raise InputError(f"{name} ({type(module).__name__}) is not the fused experts layout qkit routes calibration "
-                         f"through ({', '.join(odd) or ', '.join(sorted(params))}); quantize it with --method rtn")
+        raise InputError(f"{name} ({type(module).__name__}) is not the fused experts layout qkit reads one matrix per "
+                         f"expert from ({', '.join(odd) or ', '.join(sorted(params))}); quantize it with --method rtn")
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """One fused experts module of a loaded model: ``path`` where it sits (``model.layers.0.mlp.experts``),
+    ``stored`` the name the checkpoint gives its experts (mixtral: ``model.layers.0.block_sparse_moe.experts``)."""
+
+    path: str
+    stored: str
+    module: torch.nn.Module
+    layout: ExpertLayout
+
+    def matrices(self) -> dict[str, torch.Tensor]:
+        """Each expert matrix by the name the checkpoint stores it under (``{stored}.3.gate_proj.weight``):
+        ``expert_views``, so writing into one writes the model's fused weight."""
+        return {f"{self.stored}.{e}.{n}.weight": w for e, views in enumerate(expert_views(self.module))
+                for n, w in zip(self.layout.names, views)}
+
+
+def fused_experts(model: torch.nn.Module, config: Mapping[str, Any]) -> list[FusedExperts]:
+    """Every fused experts module of ``model`` (of ``config``), in module order: none for a dense model, nor for
+    a mixture-of-experts architecture without a layout (gpt_oss, whose 3-D experts qkit keeps in their source
+    dtype). A module not laid out as ``expert_views`` reads it is refused in one line."""
+    layout = LAYOUTS.get(str(config.get("model_type"))) if expert_count(dict(config)) > 1 else None
+    if layout is None:
+        return []
+    found = [(name, module) for name, module in model.named_modules() if _fused(module)]
+    for name, module in found:
+        _check_fused(name, module, layout)
+    return [FusedExperts(name, stored_path(name, layout), module, layout) for name, module in found]
+
+
+def expert_matrices(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Every expert matrix of ``model`` (``fused_experts``) by its stored name: a 2-D view ``[out, in]`` of the
+    fused parameter it lives in, the tensor ``qkit quantize`` reads and writes under that name."""
+    return {n: w for f in fused_experts(model, config) for n, w in f.matrices().items()}
 
 
 @contextmanager
@@ -205,11 +265,9 @@ def unfused_experts(model: torch.nn.Module, config: Mapping[str, Any], every_tok
     swapped: list[tuple[torch.nn.Module, torch.nn.Module, ExpertLinears]] = []
     try:
         if layout is not None:
-            for name, module in list(model.named_modules()):
-                if not _fused(module):
-                    continue
-                _check_fused(name, module, layout)
-                parent = model.get_submodule(name.rpartition(".")[0])
+            for found in fused_experts(model, config):
+                module = found.module
+                parent = model.get_submodule(found.path.rpartition(".")[0])
                 unfused = ExpertLinears(module, layout, every_token, getattr(parent, layout.router))
                 # the views own the weights now: a walk that releases a block's parameters frees them
                 module.gate_up_proj.data = torch.empty(0, dtype=module.gate_up_proj.dtype)
@@ -257,5 +315,6 @@ def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
     return out
 
 
-__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "LAYOUTS", "ROUTED_METHODS", "ExpertLayout", "ExpertLinears", "check_method",
-           "layout_for", "linear_names", "routed_tokens", "routers", "unfused_experts"]
+__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "LAYOUTS", "ROUTED_METHODS", "ExpertLayout", "ExpertLinears", "FusedExperts",
+           "check_method", "expert_matrices", "expert_views", "fused_experts", "fused_paths", "layout_for", "linear_names",
+           "routed_tokens", "routers", "stored_path", "unfused_experts"]

@@ -19,16 +19,21 @@ from qkit.evaluation.measures import fixed
 # Block projections in the order a layer runs them (the heatmaps' columns); names not listed follow, sorted.
 MATRIX_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>[0-9]+)\.(?P<rest>.+)$")
+_EXPERT = re.compile(r"(?:^|\.)(?P<column>experts\.(?P<expert>[0-9]+)\.[^.]+)$")  # one expert's matrix
 
 
 def split_name(name: str) -> tuple[int, str] | None:
-    """``model.layers.12.mlp.down_proj.weight`` -> ``(12, "down_proj")``; None for a tensor outside the layers."""
+    """``model.layers.12.mlp.down_proj.weight`` -> ``(12, "down_proj")``; a mixture-of-experts model's expert
+    matrix keeps its expert, ``model.layers.1.mlp.experts.3.gate_proj.weight`` -> ``(1, "experts.3.gate_proj")``
+    (mixtral's ``block_sparse_moe.experts.3.w1`` -> ``"experts.3.w1"``), so each expert has its own column;
+    None for a tensor outside the layers."""
     m = _LAYER.search(name)
     if m is None:
         return None
     rest = m.group("rest")
     rest = rest[: -len(".weight")] if rest.endswith(".weight") else rest
-    return int(m.group("layer")), rest.rsplit(".", 1)[-1]
+    expert = _EXPERT.search(rest)
+    return int(m.group("layer")), expert.group("column") if expert else rest.rsplit(".", 1)[-1]
 
 
 def _num(x: Any) -> float | None:
@@ -132,9 +137,20 @@ class Grid:
         return [v for row in self.cells for v in row if v is not None]
 
 
+def _column_key(name: str) -> tuple:
+    """The layer's own matrices in ``MATRIX_ORDER``, then each expert's (by expert number, then in
+    ``MATRIX_ORDER``), then the rest by name."""
+    if name in MATRIX_ORDER:
+        return 0, MATRIX_ORDER.index(name), 0, name
+    expert = _EXPERT.search(name)
+    if expert is None:
+        return 2, 0, 0, name
+    matrix = name.rsplit(".", 1)[-1]
+    return 1, int(expert.group("expert")), MATRIX_ORDER.index(matrix) if matrix in MATRIX_ORDER else len(MATRIX_ORDER), name
+
+
 def _columns(names: list[str]) -> list[str]:
-    known = [m for m in MATRIX_ORDER if m in names]
-    return known + sorted(set(names) - set(known))
+    return sorted(set(names), key=_column_key)
 
 
 def grid(values: dict[str, float | None], labels: dict[str, str] | None = None) -> Grid:

@@ -14,7 +14,10 @@ in place (``Swapper``: quantized tensors dequantized, the others, such as norms 
 into, copied where they differ), the row's simulations are installed, the corpus is scored against the
 stored reference (perplexity, KL, top-1), one prefill of the battery prompts serves agreement and the
 battery, then the hooks are removed and the reference's weights put back. Nothing else changes between
-rows, so a row and a saved checkpoint of the same scheme give the same numbers.
+rows, so a row and a saved checkpoint of the same scheme give the same numbers. On a mixture-of-experts
+model each expert matrix is streamed into its slice of the fused parameters (``swap``); a row that simulates
+quantized activations is refused there (``EngineRefused``, before its weights are swapped in), since the
+hooks quantize the inputs of ``nn.Linear`` modules and the experts are none.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from qkit.evaluation.battery import (
     generate_answers,
     model_repetition_penalty,
 )
-from qkit.evaluation.engines.base import ENGINES, TORCH, EngineOptions
+from qkit.evaluation.engines.base import ENGINES, TORCH, EngineOptions, EngineRefused
 from qkit.evaluation.measuring import (
     REFERENCE,
     Measured,
@@ -47,8 +50,9 @@ from qkit.evaluation.measuring import (
 )
 from qkit.evaluation.perplexity import CorpusReference
 from qkit.evaluation.windows import check_corpus_tokens, choose_window
-from qkit.evaluation.swap import Swapper
+from qkit.evaluation.swap import Swapper, model_tensors
 from qkit.export import QKIT, Format
+from qkit.methods.experts import fused_paths
 from qkit.models import ModelRef
 from qkit.simulate import SimulationContext, apply_simulation, simulation_bits
 from qkit.transform import is_block_projection
@@ -103,16 +107,21 @@ class TorchSession:
             raise RuntimeError("the reference model was released; the torch engine measures its rows before any other")
         self.reference, self.model, self.say = reference, reference.model, say
         self.swapper = Swapper(self.model, reference.ref.directory)
+        self.experts = len(fused_paths(self.model))  # modules holding experts in 3-D parameters, not linears
         self.context = SimulationContext(device=next(self.model.parameters()).device, extra={
             "tokenizer": reference.tokenizer, "model_ref": reference.ref, "corpus": reference.text})
 
     def measure(self, row: RowFile, label: str) -> Measured:
         ref, model = self.reference, self.model
+        act_bits, kv_bits = simulation_bits(row.simulations, row.simulation_options)
+        if act_bits is not None and self.experts:  # the hooks quantize nn.Linear inputs; the experts are not linears
+            raise EngineRefused(
+                f"{'+'.join(row.simulations)} quantizes the inputs of linear modules, and this model's experts are held "
+                f"fused in 3-D parameters ({self.experts} modules), not linears: their inputs would stay in full precision")
         loads = row.path != ref.ref.directory  # the reference's own files: its weights are in the model already
         if loads:  # the row's own file, one tensor in memory at a time (docs/eval-memory.md)
             self.swapper.apply(row.tensors())
         changed = self.swapper.changed if loads else None
-        act_bits, kv_bits = simulation_bits(row.simulations, row.simulation_options)
         try:
             with apply_simulation(model, row.simulations, self.context, row.simulation_options) as stats:
                 self.say(f"{label}: perplexity and KL divergence")
@@ -154,7 +163,7 @@ def measure_reference(model, ref: ModelRef, inputs, answering, say: Callable[[st
                           str(next(model.parameters()).device), t0)
     outputs, agree = answer(model, reference, cache, REFERENCE, say)
     targets = [n for n, s in tensor_shapes(ref.directory) if is_block_projection(n, s)]
-    bits = 8 * model.get_parameter(targets[0]).element_size() if targets else float("nan")
+    bits = 8 * model_tensors(model)[targets[0]].element_size() if targets else float("nan")
     reference.ref_row = assemble_row(REFERENCE, Measured(reference.ref_scores, outputs, agree), battery, None,
                                      time.perf_counter() - t0, bits_per_weight=bits,
                                      size_bytes=checkpoint_bytes(ref.directory), matrices=0, runtime=TORCH)
