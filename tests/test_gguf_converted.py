@@ -75,28 +75,44 @@ def test_the_tokenizer_fields_of_a_source_gguf_replace_the_converters(models):
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen3_moe"])
-def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path, arch):
+def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path, monkeypatch, arch):
     """mistral: llama.cpp permutes its q/k rows; qwen3_moe: it stacks each layer's experts into one tensor,
     and each expert's importance is its own row of the stacked entry. ``--method gptq --format gguf`` writes,
-    in each GGUF tensor, exactly the block rows GPTQ chose for the Hugging Face matrix (the same run written
-    as qkit's own checkpoint, whose experts read their rows by llama-quantize's slicing), each at the row the
-    converter's map says; a tensor the rules give another type (none here: q4_k is --pure) would be RTN's."""
-    from qkit.checkpoint import iter_quantized
+    in each GGUF tensor, exactly the block rows GPTQ chose for the Hugging Face matrix, each at the row the
+    converter's map says, and GPTQ was given, for each matrix, the importance row qkit's own route gives it
+    (``quant_weights_for``, llama-quantize's slicing); a tensor the rules give another type (none here: q4_k
+    is --pure) would be RTN's."""
+    from qkit.checkpoint import tensor_shapes
     from qkit.export.gguf.converter import convert_f32, row_map
     from qkit.export.gguf.types import ggml_blocks
+    from qkit.methods.gptq import GPTQMethod
+    from qkit.methods.imatrix import quant_weights_for, read
     from qkit.methods.imatrix.file import write_gguf
+    from qkit.models import read_config
 
     model = make_arch_model(tmp_path / arch, arch, default_model_dir)
     small = ["--calibration-samples", "4", "--calibration-seqlen", "128"]
     if arch == "qwen3_moe":  # an importance matrix whose expert rows all differ, one expert reached by no token
         write_gguf(seeded_imatrix(convert_f32(model), 3), tmp_path / "m.imatrix.gguf")
         small += ["--imatrix", str(tmp_path / "m.imatrix.gguf")]
-    gguf_out, qkit_out = tmp_path / "g.gguf", tmp_path / "q"
-    for out, fmt in ((gguf_out, "gguf"), (qkit_out, "qkit")):
-        r = CliRunner().invoke(app, ["quantize", str(model), "-s", "q4_k", "--method", "gptq", "--format", fmt,
-                                     "-o", str(out), *small])
-        assert r.exit_code == 0, r.output
-    codes = {n: ggml_blocks(qt).numpy() for n, qt in iter_quantized(qkit_out) if not isinstance(qt, torch.Tensor)}
+    seen = {}
+    run = GPTQMethod.run
+
+    def spy(self, ref, targets, options, **kw):  # the one GPTQ run the command makes, kept to compare with
+        seen.update(targets=targets, weights=kw.get("quant_weights"), done=run(self, ref, targets, options, **kw))
+        return seen["done"]
+
+    monkeypatch.setattr(GPTQMethod, "run", spy)
+    gguf_out = tmp_path / "g.gguf"
+    r = CliRunner().invoke(app, ["quantize", str(model), "-s", "q4_k", "--method", "gptq", "--format", "gguf",
+                                 "-o", str(gguf_out), *small])
+    assert r.exit_code == 0, r.output
+    codes = {n: ggml_blocks(qt).numpy() for n, qt in seen["done"].quantized.items()}
+    if arch == "qwen3_moe":
+        theirs = quant_weights_for(read(tmp_path / "m.imatrix.gguf"), read_config(model), dict(tensor_shapes(model)),
+                                   seen["targets"])
+        assert sorted(seen["weights"]) == sorted(theirs) and len(theirs) == 32  # 8 attention, 24 expert matrices
+        assert all(torch.equal(seen["weights"][n], theirs[n]) for n in theirs)
     rows = row_map(model)
     header = read_header(gguf_out)
     data = gguf_out.read_bytes()
