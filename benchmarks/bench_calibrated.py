@@ -3,7 +3,7 @@ and against llm-compressor when it is installed, on the same calibration tokens,
 domain of ``qkit eval``'s suite.
 
 Protocol: each text of the default eval suite (``qkit.catalog.eval_texts``: Ruth, the GPL-3 licence,
-Python's argparse.py, Much Ado About Nothing; what a model is given of it, ``catalog.model_text``), its
+Python's argparse.py, Much Ado About Nothing; what a model is given of it, ``methods.calibration.text_ids``), its
 first ``--tokens`` tokens scored in one window; per domain the mean KL to the unquantized model and the
 perplexity, and each row's change against qkit's RTN row of the same scheme with the *paired* SE (per-token
 differences on the same tokens). The headline of a row is its worst domain. Calibration:
@@ -42,10 +42,10 @@ from pathlib import Path
 import torch
 
 from qkit.api import QuantizeOptions, quantize_model
-from qkit.catalog import check_calibration, calibration_set, eval_texts, model_text
+from qkit.catalog import checked_calibration, eval_texts
 from qkit.evaluation.perplexity import CorpusReference
 from qkit.evaluation.token_scores import TokenScores
-from qkit.methods.calibration import CalibrationOptions, calibration_ids
+from qkit.methods.calibration import CalibrationOptions, calibration_ids, text_ids
 from qkit.models import load, resolve
 from qkit.schemes import QuantizedTensor
 
@@ -122,10 +122,10 @@ def main() -> None:
     loaded = load(ref=ref_model, device="cpu")
     lm, tok = loaded.model, loaded.tokenizer
     texts = eval_texts(None)
-    check_calibration(calibration_set(args.calibration), texts)
+    checked_calibration(args.calibration, texts)
     refs = {}
     for corpus in texts:
-        ids = torch.tensor(tok(model_text(corpus, tok), add_special_tokens=False)["input_ids"][: args.tokens])
+        ids = text_ids(tok, corpus)[: args.tokens]
         refs[corpus.name] = CorpusReference(lm, ids, window=min(2048, args.tokens))
     cal_opts = CalibrationOptions(samples=args.samples, seqlen=args.seqlen, source=args.calibration)
     cal_ids, provenance = calibration_ids(tok, cal_opts)

@@ -73,8 +73,8 @@ from qkit.export.gguf import read_kv_fields, source_gguf  # noqa: E402
 from qkit.export.gguf.converter import convert_f32  # noqa: E402
 from qkit.export.gguf.requantize import quantize_gguf  # noqa: E402
 from qkit.plan import PlanOptions  # noqa: E402
-from qkit.catalog import check_calibration, eval_texts, model_text  # noqa: E402
-from qkit.methods.calibration import CalibrationOptions, calibration_ids  # noqa: E402
+from qkit.catalog import checked_calibration, eval_texts  # noqa: E402
+from qkit.methods.calibration import CalibrationOptions, calibration_ids, model_text  # noqa: E402
 from qkit.models import load_tokenizer  # noqa: E402
 
 # qkit's scheme name -> llama-quantize's ftype
@@ -129,7 +129,7 @@ def calibration_text(model_dir: Path, source: str | None, out: Path) -> dict:
 
 
 def domain_texts(model_dir: Path, work: Path) -> dict[str, Path]:
-    """Each held-out domain of qkit eval's suite as the model is given it (``catalog.model_text``: dialogue
+    """Each held-out domain of qkit eval's suite as the model is given it (``methods.calibration.model_text``: dialogue
     in the chat template), one file each under ``work``."""
     tok = load_tokenizer(model_dir)
     out = {}
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     cal = work / "cal.txt"
     doc["calibration"] = calibration_text(ref.directory, args.calibration, cal)
     domains = domain_texts(ref.directory, work)
-    check_calibration(__import__("qkit.catalog").catalog.calibration_set(args.calibration), eval_texts(None))
+    checked_calibration(args.calibration, eval_texts(None))
     im = work / "imatrix.gguf"
     cmd = [blr.tool_path("llama-imatrix"), "-m", f32, "-f", cal, "-c", CTX, "-o", im, "-t", args.threads]
     sec = math.nan

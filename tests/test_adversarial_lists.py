@@ -136,7 +136,7 @@ def test_an_empty_value_of_a_repeatable_option_is_refused(tmp_path, key, value):
 
 def test_library_entry_points_refuse_empty_lists_where_the_string_is_parsed():
     from qkit.evaluation import EvalOptions
-    from qkit.evaluation.specs import comma_words, resolve_rows
+    from qkit.evaluation.specs import resolve_rows
     from qkit.inspect.nexttoken import parse_temperatures
     from qkit.lists import numbers, shown, split_list
     from qkit.serving.budget import parse_floats
@@ -144,9 +144,9 @@ def test_library_entry_points_refuse_empty_lists_where_the_string_is_parsed():
     assert resolve_rows([]) == []  # the library's empty tuple is the reference row alone (the CLI refuses '')
     EvalOptions(schemes=()).resolve()
     for call, needle in [
-        (lambda: resolve_rows(["nf4", " "]), "--schemes is empty"),
+        (lambda: EvalOptions(schemes=("nf4", " ")).resolve(), "--schemes is empty"),
         (lambda: resolve_rows(["nf4"], []), "--methods is empty"),
-        (lambda: comma_words(["q4_0,,q8_0"]), "empty entry"),
+        (lambda: EvalOptions(plan_candidates=("q4_0,,q8_0",)).resolve(), "empty entry"),
         (lambda: parse_temperatures("1,,2"), "empty entry"),
         (lambda: parse_floats(" , ", "--gpu"), "--gpu is empty"),
         (lambda: numbers("1,x", "--gamma", int), "comma-separated integers"),

@@ -19,12 +19,12 @@ import torch
 from adversarial import Unchanged, assert_refused, invoke, tripwire
 from conftest import TINY_TEXT
 from qkit import assets, catalog
-from qkit.catalog import CORPORA, DEFAULT_MIX, DEFAULT_SUITE, calibration_set, check_calibration, model_text
+from qkit.catalog import CORPORA, DEFAULT_MIX, DEFAULT_SUITE, checked_calibration
 from qkit.errors import AssetError, InputError
 from qkit.evaluation.domains import domain_rows, paired_domains, slices, worst
 from qkit.evaluation.perplexity import CorpusReference
 from qkit.evaluation.token_scores import TokenScores
-from qkit.methods.calibration import CalibrationOptions, allocate, calibration_ids, sample_parts
+from qkit.methods.calibration import CalibrationOptions, allocate, calibration_ids, model_text, sample_parts
 from qkit.texts import SHINGLE_WORDS, Corpus, check_disjoint, data_file, sha256_text, shingle_hashes
 
 DOMAINS = {"bible", "prose-early-modern", "prose-modern", "prose-technical", "code", "dialogue", "other-language"}
@@ -115,7 +115,7 @@ def _sha_runs(text: str, words: int = SHINGLE_WORDS) -> set[str]:
 
 
 def test_no_calibration_part_shares_a_12_word_run_with_any_eval_text(suite, mix):
-    check_calibration(calibration_set(None), suite)  # the check the commands run: raises on any shared run
+    checked_calibration(None, suite)  # the check the commands run: raises on any shared run
     oracle = set().union(*(_sha_runs(t.text) for t in suite))
     for part in mix:  # and by the sha256 oracle, run by run
         assert not _sha_runs(part.text) & oracle, part.name

@@ -146,6 +146,6 @@ def test_the_compressed_tensors_frontier_pairs_each_type_with_its_plan():
     assert names[0::2] == ["int4-row", "int4-g128", "mxfp4", "int4-g64", "nvfp4", "int4-g32", "int8-row"]
     assert set(names[0::2]) == set(CT_TYPES)  # every type the format offers, none missing
     assert names[1::2] == [f"plan:ct@{n}" for n in names[0::2]]
-    opts = EvalOptions(schemes=("frontier-ct",))
+    opts = EvalOptions(schemes=("frontier-ct",)).rows  # how a row is written: RowSettings
     assert [row_plan(r, opts).target_scheme for r in rows[1::2]] == names[0::2]
     assert {row_plan(r, opts).format for r in rows[1::2]} == {"compressed-tensors"}

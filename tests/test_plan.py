@@ -344,10 +344,10 @@ def test_eval_candidates_are_taken_per_format_and_checked():
     from qkit.evaluation.specs import resolve_rows
 
     opts = EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=("q4_k,q8_0", "int4-g64"))
-    opts.resolve()
+    rows = opts.resolve().rows  # --candidates parsed: each word may hold several
     gguf_row, ct_row = resolve_rows(opts.schemes)
-    assert row_plan(gguf_row, opts).candidates == ("q4_k", "q8_0") and row_plan(ct_row, opts).candidates == ("int4-g64",)
-    assert gguf_row.name == "plan:gguf@q4_k_m" and row_plan(gguf_row, opts).target_scheme == "q4_k_m"
+    assert row_plan(gguf_row, rows).candidates == ("q4_k", "q8_0") and row_plan(ct_row, rows).candidates == ("int4-g64",)
+    assert gguf_row.name == "plan:gguf@q4_k_m" and row_plan(gguf_row, rows).target_scheme == "q4_k_m"
     for words, message in ((("int4-g64",), "no type that plan:gguf@q4_k_m"), (("q4_k", "int4-g64", "nf4"), "nf4")):
         with pytest.raises(InputError, match=message):
             EvalOptions(schemes=("plan:gguf@q4_k_m", "plan:ct@4.5"), plan_candidates=words).resolve()

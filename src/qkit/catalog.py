@@ -23,7 +23,7 @@ Cuts (``cut.kind``), each from the members' UTF-8 text:
   packed into one of up to ``turns`` (16) turns.
 
 A corpus with conversations (``Corpus.conversations``) is given to a model in its chat template where its
-tokenizer has one (``model_text``), the turns alternating user and assistant; its plain text is what the
+tokenizer has one (``methods.calibration.model_text``), the turns alternating user and assistant; its plain text is what the
 overlap check reads.
 """
 
@@ -33,8 +33,8 @@ import json
 import re
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import yaml
 
@@ -53,10 +53,6 @@ from qkit.texts import (
     sha256_text,
     verified,
 )
-
-if TYPE_CHECKING:  # annotations only: a tokenizer is transformers', imported where a model's files are read
-    from transformers import PreTrainedTokenizerBase
-
 
 # --------------------------------------------------------------------------- entries
 
@@ -273,10 +269,13 @@ class Part:
 @dataclass(frozen=True)
 class CalibrationSet:
     """The calibration texts: one (a file, ``kjv:``, ``hf:``), several mixed (files, a directory), or a
-    registered mix. ``sha256`` is of the parts' names, sha256s and weights, one per line."""
+    registered mix. ``sha256`` is of the parts' names, sha256s and weights, one per line. ``disjoint_from``:
+    the eval texts every part was checked against (``checked_calibration``; their ``disjoint_record``), empty
+    for a set read unchecked (``calibration_set``)."""
 
     name: str
     parts: tuple[Part, ...]
+    disjoint_from: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def sha256(self) -> str:
@@ -345,22 +344,18 @@ def suite_corpus(texts: Sequence[Corpus]) -> Corpus:
     return Corpus(suite_name(texts), text, suite_sha256(texts), ", ".join(t.source for t in texts), "suite")
 
 
-def check_calibration(calibration: CalibrationSet, evaluation: Sequence[Corpus]) -> None:
-    """Refuse (one line, ``InputError``) a calibration part sharing a run of 12 words with an eval text."""
-    for part in calibration.parts:
-        for text in evaluation:
-            check_disjoint(part.corpus, text)
-
-
 def checked_calibration(source: str | Sequence[str] | None,
-                        evaluation: Corpus | Sequence[Corpus] | None) -> tuple[CalibrationSet, list[Corpus]]:
-    """The calibration set ``source`` names (``calibration_set``), checked disjoint from ``evaluation`` (default:
-    every text of the default eval suite, ``eval_texts``), and those texts: refused in one line where a part
-    overlaps one (``check_calibration``). Every calibration a command reads is resolved here, once."""
-    calibration = calibration_set(source)
+                        evaluation: Corpus | Sequence[Corpus] | None = None) -> CalibrationSet:
+    """The calibration set ``source`` names (``calibration_set``: the default mix, or the texts ``source``
+    lists, a directory's files each), every part checked disjoint from ``evaluation`` (default: every text of
+    the default eval suite, ``eval_texts``), with what it was checked against (``CalibrationSet.disjoint_from``):
+    a part sharing a run of ``texts.SHINGLE_WORDS`` words with one is refused in one line (``InputError``,
+    ``texts.check_disjoint``). Every calibration a command reads is resolved and checked here, once."""
     texts = eval_texts(None) if evaluation is None else [evaluation] if isinstance(evaluation, Corpus) else list(evaluation)
-    check_calibration(calibration, texts)
-    return calibration, texts
+    calibration = calibration_set(source)
+    for part in calibration.parts:
+        check_disjoint(part.corpus, texts)
+    return replace(calibration, disjoint_from=disjoint_record(texts))
 
 
 def disjoint_record(evaluation: Sequence[Corpus]) -> dict[str, Any]:
@@ -368,16 +363,6 @@ def disjoint_record(evaluation: Sequence[Corpus]) -> dict[str, Any]:
     its texts' sha256s (the text's own for one), and each text."""
     return {"name": suite_name(evaluation), "sha256": suite_sha256(evaluation),
             "texts": [{"name": t.name, "sha256": t.sha256} for t in evaluation]}
-
-
-def model_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> str:
-    """What a model is given of ``corpus``: its conversations in the tokenizer's chat template (turns
-    alternating user and assistant, no generation prompt), where it has both; else its plain text."""
-    if not corpus.conversations or not getattr(tokenizer, "chat_template", None):
-        return corpus.text
-    roles = ("user", "assistant")
-    return "".join(tokenizer.apply_chat_template([{"role": roles[i % 2], "content": t} for i, t in enumerate(conv)],
-                                                 tokenize=False) for conv in corpus.conversations)
 
 
 def _main(argv: Sequence[str]) -> int:
@@ -397,5 +382,5 @@ if __name__ == "__main__":
 
 
 __all__ = ["CORPORA", "CUTS", "DEFAULT_MIX", "DEFAULT_SUITE", "CalibrationSet", "Entry", "Mix", "Part", "Suite",
-           "calibration_set", "check_calibration", "checked_calibration", "disjoint_record", "eval_texts", "load_calibration_text",
-           "members_of", "mix_set", "model_text", "register", "suite_corpus", "suite_name", "suite_sha256"]
+           "calibration_set", "checked_calibration", "disjoint_record", "eval_texts", "load_calibration_text",
+           "members_of", "mix_set", "register", "suite_corpus", "suite_name", "suite_sha256"]

@@ -44,6 +44,14 @@ def split_list(text: str, option: str, *, what: str = "name", where: str = "", s
     return [w for p in pieces for w in p.split()] if spaces else pieces
 
 
+def split_values(values: Iterable[str], option: str, *, what: str = "name", where: str = "",
+                 spaces: bool = False) -> list[str]:
+    """The values of an option both repeatable and comma-separated (``-s nf4 -s int8-row,int4-g64``, or the
+    words a script passes as a sequence, each of which may hold several) -> every entry, each value split by
+    ``split_list`` (an empty value or entry refused, naming ``option``). No values at all: ``[]``."""
+    return [w for v in values for w in split_list(v, option, what=what, where=where, spaces=spaces)]
+
+
 def check_words(values: Iterable[str], option: str, *, what: str = "name", where: str = "") -> list[str]:
     """The values of a repeatable option (or the entries a script passes as a sequence), as given: each
     must hold more than whitespace (``--include ''`` is refused, naming ``option``). An empty sequence is
@@ -65,4 +73,4 @@ def numbers(text: str, option: str, kind: Callable[[str], float] = float, exampl
         raise InputError(f"{option} must be comma-separated {noun}, e.g. {example} (got {shown(text)})") from None
 
 
-__all__ = ["check_words", "empty", "numbers", "shown", "split_list"]
+__all__ = ["check_words", "empty", "numbers", "shown", "split_list", "split_values"]

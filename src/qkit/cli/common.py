@@ -19,7 +19,7 @@ import typer
 
 from qkit import claims, console, outputs
 from qkit.errors import QkitError
-from qkit.lists import check_words, numbers, split_list  # noqa: F401 (check_words, numbers: for the commands)
+from qkit.lists import check_words, numbers, split_list, split_values  # noqa: F401 (check_words, numbers: for the commands)
 from qkit.methods.calibration import DEFAULT_SAMPLES as _CAL_SAMPLES
 from qkit.methods.calibration import DEFAULT_SEQLEN as _CAL_SEQLEN
 from qkit.methods.smoothquant import DEFAULT_ALPHA as _SQ_ALPHA
@@ -240,8 +240,6 @@ def parse_list(text: str | None, option: str, *, what: str = "name", where: str 
 
 def repeated_list(values: Iterable[str] | None, option: str, *, what: str = "name", where: str = "") -> tuple[str, ...] | None:
     """An option that is both repeatable and comma-separated (``-s nf4 -s int8-row,int4-g64``): every value
-    through ``split_list``; not given -> ``None``."""
+    through ``split_list`` (``qkit.lists.split_values``); not given -> ``None``."""
     values = list(values or [])
-    if not values:
-        return None
-    return tuple(w for v in values for w in split_list(v, option, what=what, where=where))
+    return tuple(split_values(values, option, what=what, where=where)) if values else None

@@ -1,5 +1,5 @@
-"""What ``qkit eval`` reads before the reference model loads: the models, the corpus, the tokenizer, the
-battery prompts, each checked on the way.
+"""What ``qkit eval`` reads before the reference model loads: the models, the corpus, the calibration sets,
+the tokenizer, the battery prompts, each checked on the way.
 
 Layer 6 (``evaluation``), above ``checks`` (the refusals it calls) and ``windows`` (the window and
 token counts). Every refusal here costs milliseconds, not a model load; what it read (corpus, tokenizer,
@@ -26,7 +26,7 @@ from qkit.methods.calibration import CalibrationOptions, check_calibrations
 from qkit.methods.experts import check_method
 from qkit.models import ModelRef, check_complete, load_tokenizer
 from qkit.plan import check_plan_matches, read_plan
-from qkit.catalog import eval_texts, suite_corpus
+from qkit.catalog import CalibrationSet, checked_calibration, eval_texts, suite_corpus
 from qkit.texts import Corpus
 
 if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
@@ -93,14 +93,21 @@ class Inputs:
 
 
 def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], settings: InputSettings) -> Inputs:
-    """Read and check every input before anything heavy: the corpus, every tensor the reference's (and a
-    checkpoint's) config implies, a checkpoint's tensors against the reference's, shape for shape, a plan file
-    against the reference's shapes, a file row's GGUF against the reference's architecture, tensor names and
-    shapes, the tokenizer, the window against the model's context, enough corpus tokens, the calibration
-    texts, the engines' ``--max-model-len`` against the window and the battery prompts."""
+    """Read and check every input before anything heavy: the corpus and each calibration set the rows read
+    (``catalog.checked_calibration``: read once, checked disjoint from the corpus), every tensor the
+    reference's (and a checkpoint's) config implies, a checkpoint's tensors against the reference's, shape for
+    shape, a plan file against the reference's shapes, a file row's GGUF against the reference's architecture,
+    tensor names and shapes, the tokenizer, the window against the model's context, enough corpus tokens and calibration
+    tokens (``calibration.check_calibrations``), the engines' ``--max-model-len`` against the window and the
+    battery prompts."""
     ref, checkpoint = models.ref, models.checkpoint
     texts = eval_texts(settings.corpus)  # the default suite's domains, or the one --corpus
     corpus = suite_corpus(texts)
+    # each calibration set the rows read, once: read and checked disjoint from those texts by the catalog
+    sets: dict[str | None, CalibrationSet] = {}
+    for o in settings.calibrations:
+        if o.source not in sets:
+            sets[o.source] = checked_calibration(o.source, texts)
     config = read_config(ref)  # None: transformers cannot read it; ``load`` says why in one line
     check_complete(ref)  # the reference too, before the status line of the load (load() reuses the build)
     if checkpoint is not None:  # headers only (and a meta-device build of the config): before anything heavy
@@ -118,14 +125,14 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
         raise InputError(f"{ref.spec} has no tokenizer files; eval needs one (tokenizer.json or similar)")
     window = choose_window(settings.window, settings.tokens, config) if config is not None else None
     ids, segments = scored_ids(tok, texts, settings.tokens, window)
-    calibrations = check_calibrations(tok, settings.calibrations, texts, config)
+    provenances = check_calibrations(tok, settings.calibrations, sets, config)
     questions = load_battery()
     prompts = build_prompts(tok, [q.question for q in questions])  # agreement's prompts too
     if window is not None:  # the engines' context: the window, the longest prompt and its new tokens
         lengths = [len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         check_engine_lengths(engines, settings.engine, min(window, int(ids.numel())), lengths, settings.battery_tokens,
                              settings.agree_tokens)
-    return Inputs(corpus, config, window, tok, ids, calibrations, questions, prompts, settings, texts, segments)
+    return Inputs(corpus, config, window, tok, ids, provenances, questions, prompts, settings, texts, segments)
 
 
 def check_methods(specs: list[RowSpec], config: dict) -> None:

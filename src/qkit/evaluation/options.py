@@ -1,6 +1,7 @@
 """``qkit eval``'s options: every default once (``EvalOptions``), resolved into the small values each step reads.
 
-Layer 6 (``evaluation``), below the runner. ``EvalOptions.resolve`` is every check that needs no model, and
+Layer 6 (``evaluation``), below the runner. ``EvalOptions.resolve`` is every check that needs no model, the
+words of its list options parsed once (``qkit.lists``: ``--schemes``, ``--methods``, ``--candidates``), and
 returns an ``EvalRun``: the row specs, the engines, and each step's settings apart, so no step is handed the
 whole options value: ``inputs`` (``inputs.InputSettings``: corpus, tokens, window, the rows' calibrations,
 the engines' context), ``answering`` (battery and agreement), ``rows`` (``specs.RowSettings``: how a row's
@@ -17,6 +18,7 @@ from typing import Any
 from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
 from qkit.executors import SERIAL, ExecutorOptions
+from qkit.lists import check_words, split_values
 from qkit.evaluation.engines import Engine, EngineOptions, check_runtimes, engines_named
 from qkit.evaluation.file_rows import check_file_runtimes
 from qkit.evaluation.inputs import InputSettings
@@ -84,6 +86,9 @@ class EvalOptions:
         if self.executor.name != SERIAL and (self.device_map is not None or parse_device(self.device).type != "cpu"):
             raise InputError(f"--executor {self.executor.name} measures the torch rows in CPU worker processes; "
                              "pass --device cpu (and no --device-map), or drop --executor")
+        # every list option's words parsed once (qkit.lists: a blank word or an empty entry refused, naming it)
+        schemes = check_words(self.schemes, "--schemes", what="scheme", where="qkit eval --help lists them")
+        methods = check_words(self.methods, "--methods", what="method")
         rows = self.rows
         check_scored(self.tokens, self.window)  # a perplexity without a standard error is never reported
         for flag, value in (("--agree-tokens", self.agree_tokens), ("battery_tokens", self.battery_tokens)):
@@ -94,7 +99,7 @@ class EvalOptions:
         given = dict(self.method_options)
         if given.get("calibration") is not None:  # an empty value or entry named now, even with no calibrated row
             split_sources(joined_sources(given["calibration"]))
-        specs, calibrations = check_rows(self.schemes, self.methods, given, rows)  # names, plans, simulations, files
+        specs, calibrations = check_rows(schemes, methods, given, rows)  # names, plans, simulations, files
         engines = engines_named(self.runtimes)
         check_file_runtimes(specs, engines)  # a file row in a runtime that cannot load it
         check_keys(dict(self.simulation_options))  # a misspelt simulation option, even with no simulation row
@@ -112,8 +117,12 @@ class EvalOptions:
 
     @property
     def rows(self) -> RowSettings:
+        """How a row's file is written and its simulations built: ``--candidates`` parsed (each word may hold
+        several, at commas and spaces; lower-cased), the calibration options a static activation row reads."""
+        candidates = split_values(self.plan_candidates, "--candidates", what="type", where="e.g. q4_k,q6_k", spaces=True)
         calibration = tuple((k, v) for k, v in self.method_options if k in SIMULATION_CALIBRATION)
-        return RowSettings(self.scale_dtype, self.plan_candidates, SimulationSettings(self.simulation_options, calibration))
+        return RowSettings(self.scale_dtype, tuple(w.lower() for w in candidates),
+                           SimulationSettings(self.simulation_options, calibration))
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any
 from qkit import reading
 from qkit.errors import InputError
 from qkit.export.gguf.reader import read_header
-from qkit.lists import check_words, empty, split_list
+from qkit.lists import empty
 from qkit.methods import RTN, get_method, make_options
 from qkit.methods.calibration import CalibrationOptions
 from qkit.plan import PlanOptions, check_format, ladder, parse_allowed, read_plan
@@ -110,8 +110,8 @@ class SimulationSettings:
 @dataclass(frozen=True)
 class RowSettings:
     """What writing a row's weights and running its simulations read of eval's options: the scales' dtype,
-    the types plan rows may choose (``--candidates``; empty: the format's whole ladder), and what the
-    simulations are built with."""
+    the types plan rows may choose (``--candidates``, one lower-cased type a word as ``EvalOptions.rows``
+    parses them; empty: the format's whole ladder), and what the simulations are built with."""
 
     scale_dtype: str
     plan_candidates: tuple[str, ...] = ()
@@ -190,14 +190,15 @@ def resolve_rows(
     methods: Iterable[str] = (RTN,),
     method_options: Mapping[str, Any] | None = None,
 ) -> list[RowSpec]:
-    """Names from ``--schemes`` and ``--methods`` -> row specs, in order, duplicates dropped.
+    """Names from ``--schemes`` and ``--methods`` (their words, as ``EvalOptions.resolve`` parses them: none
+    blank) -> row specs, in order, duplicates dropped.
 
     A scheme name gives one row per method; a named row or a preset gives its own rows (their method is
     their own). Unknown names, unknown methods and a method that cannot serve a scheme are refused here,
     before any model is loaded.
     """
-    names = check_words(names, "--schemes", what="scheme", where="qkit eval --help lists them")
-    methods = [m.strip().lower() for m in check_words(methods, "--methods", what="method")]
+    names = list(names)
+    methods = [m.strip().lower() for m in methods]
     # No names is the reference row alone (``EvalOptions(schemes=())``); the command line refuses an empty
     # --schemes where it parses the string. Names with no method to run them by are a mistake.
     if names and not methods:
@@ -335,8 +336,7 @@ def name_files(specs: list[RowSpec]) -> list[RowSpec]:
 
 def row_plan(spec: RowSpec, options: RowSettings):
     """A plan row's plan: its file, or ``PlanOptions`` for ``FORMAT@TARGET`` with eval's ``--candidates``
-    (measured once for every row of the same format and method: ``qkit.plan.planner``). ``options``: a
-    ``RowSettings`` (or anything with its ``plan_candidates`` and ``scale_dtype``, as ``EvalOptions``)."""
+    (measured once for every row of the same format and method: ``qkit.plan.planner``)."""
     if spec.plan.endswith(".json"):
         return spec.plan
     fmt, bits, scheme = parse_plan_word(spec.plan)
@@ -385,24 +385,17 @@ def check_plan_rows(specs: list[RowSpec], writing: RowSettings) -> None:
     if not formats:
         raise InputError("--candidates chooses the types of plan rows (plan:FORMAT@TARGET); the table has none")
     offered = {w for f in formats for w in ladder(f)}
-    unknown = [w for w in comma_words(writing.plan_candidates) if w not in offered]
+    unknown = [w for w in writing.plan_candidates if w not in offered]
     if unknown:  # a typo, or a type no planned format offers
         parse_allowed(sorted(formats)[0], unknown)
         raise InputError(f"--candidates {unknown[0]}: not a type the plan rows' formats ({', '.join(sorted(formats))}) offer")
 
 
-def comma_words(words) -> list[str]:
-    """``--candidates`` words, each of which may hold several (split at commas and spaces), lower-cased; an
-    empty one or an empty entry is refused (``qkit.lists.split_list``)."""
-    return [w.lower() for item in words for w in split_list(item, "--candidates", what="type", where="e.g. q4_k,q6_k",
-                                                            spaces=True)]
-
-
 def for_format(fmt: str, words: tuple[str, ...]) -> tuple[str, ...]:
     """The ``--candidates`` words that format ``fmt`` offers (a table may plan for several formats); every
-    word must belong to some plan row's format (``EvalOptions.validate``)."""
+    word must belong to some plan row's format (``check_plan_rows``)."""
     offered = set(ladder(fmt))
-    return tuple(w for w in comma_words(words) if w in offered)
+    return tuple(w for w in words if w in offered)
 
 
-__all__ = ["FILE_PREFIX", "PLAN_PREFIX", "check_file", "file_labels", "file_path", "file_paths", "plan_paths", "name_files", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "comma_words", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]
+__all__ = ["FILE_PREFIX", "PLAN_PREFIX", "check_file", "file_labels", "file_path", "file_paths", "plan_paths", "name_files", "PRESETS", "ROWS", "RowSpec", "RowSettings", "SimulationSettings", "check_plan_rows", "check_rows", "for_format", "parse_plan_word", "row_plan", "describe", "preset_names", "register_preset", "register_row", "resolve_rows", "row_names"]

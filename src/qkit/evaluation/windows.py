@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
-from qkit.catalog import model_text, suite_name
+from qkit.catalog import suite_name
 from qkit.errors import InputError
 from qkit.evaluation.token_scores import MIN_SCORED
+from qkit.methods.calibration import text_ids
 from qkit.texts import Corpus
 
 if TYPE_CHECKING:  # annotations only: transformers is imported where the model is loaded
@@ -90,13 +91,12 @@ def split_windows(ids: torch.Tensor, window: int) -> list[torch.Tensor]:
 def scored_ids(tok: PreTrainedTokenizerBase, texts: list[Corpus], tokens: int,
                window: int | None) -> tuple[torch.Tensor, tuple[tuple[str, int], ...]]:
     """The scored token ids, int64 ``[n]``: one text's first ``tokens`` as the model is given it
-    (``catalog.model_text``, tokenized by ``tok`` without special tokens); a suite's first ``tokens // len(texts)``
+    (``methods.calibration.text_ids``: tokenized by ``tok`` without special tokens); a suite's first ``tokens // len(texts)``
     of each domain, one after another, with each domain's ``(name, tokens)`` (windows never cross a domain;
     ``()`` for one text). With the ``window`` known, a text too short to score a standard error in it is
     refused, naming it."""
     per = tokens // len(texts)
-    ids = [torch.tensor(tok(model_text(t, tok), add_special_tokens=False)["input_ids"][:per], dtype=torch.long)
-           for t in texts]
+    ids = [text_ids(tok, t)[:per] for t in texts]
     if window is not None:
         for t, i in zip(texts, ids):
             if len(texts) > 1 and int(i.numel()) < 3:

@@ -3,10 +3,12 @@
 Layer 5 (``methods``). The texts themselves, pinned and checked for overlap with the eval texts, are
 data below every layer that uses them: ``qkit.catalog`` (the default is ``DEFAULT_MIX``, ten registered
 corpora of seven domains; ``catalog.checked_calibration`` refuses any part that shares a run of
-``texts.SHINGLE_WORDS`` words with an eval text). This module chooses the tokens.
+``texts.SHINGLE_WORDS`` words with an eval text, and returns the set once checked). This module chooses the
+tokens: what a model is given of a text (``model_text``: dialogue in its chat template) and its token ids
+(``text_ids``, which the eval's scored windows read too), and the windows sampled from them.
 
-Sampling. Each part of the calibration set is given to the model as it would be (``catalog.model_text``:
-dialogue in the chat template), tokenized once (no special tokens) and cut into ``floor(tokens / seqlen)``
+Sampling. Each part of the calibration set is given to the model as it would be (``model_text``), tokenized
+once (no special tokens: ``text_ids``) and cut into ``floor(tokens / seqlen)``
 non-overlapping windows of ``seqlen`` tokens. The ``samples`` windows are shared out among the parts by
 their weights, largest remainder first (``allocate``; a part without a weight, such as one of several
 files, weighs the windows it holds), and each part's are chosen by a ``torch.randperm`` of its windows
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qkit.bounds import MAX_COUNT, whole
-from qkit.catalog import CalibrationSet, checked_calibration, disjoint_record, model_text
+from qkit.catalog import CalibrationSet, checked_calibration
 from qkit.errors import InputError
 from qkit.texts import Corpus, joined_sources, split_sources
 
@@ -203,37 +205,48 @@ def sample_parts(parts: list[torch.Tensor], weights: list[int | None], samples: 
     return torch.cat(chosen).clone(), shares
 
 
-_TOKENIZED: dict[tuple, torch.Tensor] = {}  # the last few parts tokenized: the default mix is ~1M tokens
+def model_text(corpus: Corpus, tokenizer: PreTrainedTokenizerBase) -> str:
+    """What a model is given of ``corpus``: its conversations in the tokenizer's chat template (turns
+    alternating user and assistant, no generation prompt), where it has both; else its plain text."""
+    if not corpus.conversations or not getattr(tokenizer, "chat_template", None):
+        return corpus.text
+    roles = ("user", "assistant")
+    return "".join(tokenizer.apply_chat_template([{"role": roles[i % 2], "content": t} for i, t in enumerate(conv)],
+                                                 tokenize=False) for conv in corpus.conversations)
+
+
+_TOKENIZED: dict[tuple, torch.Tensor] = {}  # the last few texts tokenized: the default mix is ~1M tokens
 _TOKENIZED_KEPT = 32
 
 
+def text_ids(tokenizer: PreTrainedTokenizerBase, corpus: Corpus) -> torch.Tensor:
+    """``corpus`` as the model is given it (``model_text``), tokenized without special tokens: 1-D int64 (a
+    calibration part, an eval text). Kept for the process by tokenizer (class, path, size, chat template) and
+    text (sha256): the default mix takes seconds to tokenize, and a plan, an eval or a test suite asks for it
+    more than once."""
+    path = getattr(tokenizer, "name_or_path", None)
+    key = (type(tokenizer).__name__, str(path), getattr(tokenizer, "vocab_size", None),
+           str(getattr(tokenizer, "chat_template", None)), corpus.sha256, bool(corpus.conversations))
+    if path and key in _TOKENIZED:
+        return _TOKENIZED[key]
+    ids = torch.tensor(tokenizer(model_text(corpus, tokenizer), add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if path:  # a tokenizer read from files (a stand-in is not kept)
+        while len(_TOKENIZED) >= _TOKENIZED_KEPT:
+            del _TOKENIZED[next(iter(_TOKENIZED))]
+        _TOKENIZED[key] = ids
+    return ids
+
+
 def part_ids(tokenizer: PreTrainedTokenizerBase, calibration: CalibrationSet) -> list[torch.Tensor]:
-    """Each part as the model is given it (``catalog.model_text``), tokenized without special tokens: 1-D int64.
-    Kept for the process by tokenizer (class, path, size, chat template) and text (sha256): the default mix
-    takes seconds to tokenize, and a plan, an eval or a test suite asks for it more than once."""
-    out = []
-    for p in calibration.parts:
-        path = getattr(tokenizer, "name_or_path", None)
-        key = (type(tokenizer).__name__, str(path), getattr(tokenizer, "vocab_size", None),
-               str(getattr(tokenizer, "chat_template", None)), p.corpus.sha256, bool(p.corpus.conversations))
-        if not path:  # not a tokenizer read from files (a stand-in): not kept
-            out.append(torch.tensor(tokenizer(model_text(p.corpus, tokenizer), add_special_tokens=False)["input_ids"],
-                                    dtype=torch.long))
-            continue
-        if key not in _TOKENIZED:
-            while len(_TOKENIZED) >= _TOKENIZED_KEPT:
-                del _TOKENIZED[next(iter(_TOKENIZED))]
-            ids = tokenizer(model_text(p.corpus, tokenizer), add_special_tokens=False)["input_ids"]
-            _TOKENIZED[key] = torch.tensor(ids, dtype=torch.long)
-        out.append(_TOKENIZED[key])
-    return out
+    """Each part's tokens as the model is given it (``text_ids``): 1-D int64."""
+    return [text_ids(tokenizer, p.corpus) for p in calibration.parts]
 
 
-def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares: list[int], texts: list[Corpus]) -> dict:
+def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares: list[int]) -> dict:
     """The set's name, source, sha256 and tokens, each part's (name, domain, sha256, tokens, windows chosen)
-    where there are several, and the eval texts it was checked against (``disjoint_from``)."""
+    where there are several, and the eval texts it was checked against (``CalibrationSet.disjoint_from``)."""
     out = {"name": calibration.name, "source": calibration.source, "sha256": calibration.sha256,
-           "tokens": int(sum(int(t.numel()) for t in ids)), "disjoint_from": disjoint_record(texts)}
+           "tokens": int(sum(int(t.numel()) for t in ids)), "disjoint_from": calibration.disjoint_from}
     if len(calibration.parts) > 1:
         out["parts"] = [{"name": p.corpus.name, "domain": p.corpus.domain, "sha256": p.corpus.sha256,
                          "tokens": int(t.numel()), "windows": k} for p, t, k in zip(calibration.parts, ids, shares)]
@@ -242,39 +255,45 @@ def set_provenance(calibration: CalibrationSet, ids: list[torch.Tensor], shares:
 
 def calibration_ids(tokenizer: PreTrainedTokenizerBase | None, options: CalibrationOptions = CalibrationOptions(),
                     evaluation: Corpus | list[Corpus] | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
-    """The calibration token ids ``LongTensor [samples, seqlen]`` and their provenance.
+    """The calibration token ids ``LongTensor [samples, seqlen]`` and their provenance: the set
+    ``options.source`` names, read and checked disjoint from ``evaluation`` (the text(s) the model will be
+    evaluated on; default: every domain of qkit eval's suite) in one place, the catalog
+    (``catalog.checked_calibration``), then sampled (``sample_calibration``)."""
+    return sample_calibration(tokenizer, checked_calibration(options.source, evaluation), options)
 
-    ``evaluation``: the text(s) the model will be evaluated on (default: every domain of qkit eval's suite);
-    a calibration part that overlaps one is refused. Provenance (for the manifest): ``name``, ``source``,
-    ``sha256`` (of the whole text; of the parts' for a mix), ``tokens`` (of the whole text), ``parts`` (a
-    mix's), ``samples``, ``seqlen``, ``seed``, ``ids_sha256`` (of the chosen ids as little-endian int64
-    bytes), ``disjoint_from`` (the eval texts' names and sha256).
-    """
-    calibration, texts = checked_calibration(options.source, evaluation)  # read and checked in one place: the catalog
+
+def sample_calibration(tokenizer: PreTrainedTokenizerBase | None, calibration: CalibrationSet,
+                       options: CalibrationOptions) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``options.samples`` windows of ``options.window`` tokens from a checked set (``catalog.checked_calibration``),
+    ``LongTensor [samples, seqlen]``, and their provenance (for the manifest): ``name``, ``source``, ``sha256``
+    (of the whole text; of the parts' for a mix), ``tokens`` (of the whole text), ``parts`` (a mix's),
+    ``samples``, ``seqlen``, ``seed``, ``ids_sha256`` (of the chosen ids as little-endian int64 bytes),
+    ``disjoint_from`` (the eval texts' names and sha256)."""
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; calibrated methods need one (tokenizer.json or similar)")
     ids = part_ids(tokenizer, calibration)
     names = [f"calibration text {p.corpus.name}" if len(ids) == 1 else p.corpus.name for p in calibration.parts]
     chosen, shares = sample_parts(ids, [p.weight for p in calibration.parts], options.samples, options.window,
                                   options.seed, names)
-    provenance = {**set_provenance(calibration, ids, shares, texts), "samples": options.samples,
+    provenance = {**set_provenance(calibration, ids, shares), "samples": options.samples,
                   "seqlen": options.window, "seed": options.seed,
                   "ids_sha256": hashlib.sha256(chosen.numpy().astype("<i8").tobytes()).hexdigest()}
     return chosen, provenance
 
 
 def check_calibrations(tokenizer: PreTrainedTokenizerBase, options: Sequence[CalibrationOptions],
-                       evaluation: list[Corpus], config: ModelConfig | None = None) -> list[dict[str, Any]]:
+                       sets: Mapping[str | None, CalibrationSet], config: ModelConfig | None = None) -> list[dict[str, Any]]:
     """Each calibration of ``options`` with its default window fitted to the model (``config``), refused where
-    its windows do not fit the model or the machine (``check_fits``), then read, checked disjoint from the
-    ``evaluation`` texts and sampled (``calibration_ids``), so an unreadable, overlapping or too short text is
-    refused in one line before any model is loaded. Returns each distinct one's provenance, in order (a row
-    reads and samples it again when it is built: milliseconds next to a row)."""
+    its windows do not fit the model or the machine (``check_fits``), then sampled (``sample_calibration``)
+    from its set (``sets[source]``, read and checked disjoint from the eval texts by
+    ``catalog.checked_calibration``), so a too short text is refused in one line before any model is loaded.
+    Returns each distinct one's provenance, in order (a row reads and samples it again when it is built:
+    milliseconds next to a row)."""
     seen: dict[CalibrationOptions, dict[str, Any]] = {}
     for fitted in (o.fitted(config) for o in options):
         if fitted not in seen:
             check_fits(fitted, config)
-            seen[fitted] = calibration_ids(tokenizer, fitted, evaluation=evaluation)[1]
+            seen[fitted] = sample_calibration(tokenizer, sets[fitted.source], fitted)[1]
     return list(seen.values())
 
 
@@ -289,8 +308,11 @@ __all__ = [
     "check_fits",
     "fit_seqlen",
     "model_context",
+    "model_text",
     "part_ids",
+    "sample_calibration",
     "sample_parts",
     "sample_windows",
     "set_provenance",
+    "text_ids",
 ]

@@ -96,7 +96,7 @@ def imatrix_ids(tokenizer: PreTrainedTokenizerBase | None, options: ImatrixOptio
     """The chunks ``LongTensor [chunks, chunk_size]`` llama-imatrix would evaluate (one text), or the mix's
     sampled windows (several: see the module docstring), and their provenance."""
     options.check()
-    calibration, texts = checked_calibration(options.source, evaluation)  # a calibration text never contains an eval text
+    calibration = checked_calibration(options.source, evaluation)  # a calibration text never contains an eval text
     if tokenizer is None:
         raise InputError("the model has no tokenizer files; qkit imatrix needs one (tokenizer.json or similar)")
     bos = _bos(tokenizer)
@@ -119,7 +119,7 @@ def imatrix_ids(tokenizer: PreTrainedTokenizerBase | None, options: ImatrixOptio
     if bos is not None:
         chunks[:, 0] = bos
     provenance = {
-        **set_provenance(calibration, parts, shares, texts), "chunks": options.chunks, "chunk_size": n, "bos": bos,
+        **set_provenance(calibration, parts, shares), "chunks": options.chunks, "chunk_size": n, "bos": bos,
         "ids_sha256": hashlib.sha256(chunks.numpy().astype("<i8").tobytes()).hexdigest(),
     }
     if len(parts) == 1:
