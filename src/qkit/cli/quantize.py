@@ -366,7 +366,13 @@ def render_verify(r) -> None:
              f"{v['max_abs_diff']:.3g}"] for scheme, v in r.by_scheme().items()]
     console.table(["scheme", "tensors", "decode = written", "bit-identical", "within rule", "max |diff|"], rows,
                   title=f"qkit verify: {r.checkpoint} ({r.format}, read by {r.library}, {r.dtype} on {r.device})")
+    if r.experts:
+        console.note(f"{r.experts} of the {len(r.tensors)} tensors are expert matrices, each compared with its rows of "
+                     "the library's fused experts (gate_up_proj, down_proj)")
     console.note(f"weights: {r.weight_rule} required: {'ok' if r.weights_ok else 'FAILED'}")
+    failed = r.failed()
+    if failed:
+        console.note(f"failed: {', '.join(failed[:3])}" + (f" and {len(failed) - 3} more" if len(failed) > 3 else ""))
     console.note(f"logits on a fixed {r.prompt_tokens}-token prompt: max |diff| {r.logits_max_abs_diff:.3g} "
                  f"(tolerance {r.logits_tolerance:.3g}, max |logit| {r.logits_scale:.3g}): {'ok' if r.logits_ok else 'FAILED'}")
     if r.activations is not None:

@@ -38,7 +38,14 @@ the ``gguf`` package (llama.cpp's reference, ``gguf.quants.dequantize``), and by
 model and of a transformers model holding qkit's weights (same config, read from the file) are compared on
 the fixed prompt with the fp32 rule above.
 
-The package: ``result`` (the report and the rules), ``safetensors`` (export directories), ``gguf_file``
+Mixture-of-experts exports (qwen3_moe, qwen2_moe, mixtral; ``experts``): the file stores one matrix per expert,
+transformers fuses a layer's experts into ``gate_up_proj`` / ``down_proj``. qkit's experts are stacked into those
+parameters for qkit's model, and each expert's rows of the library's are compared with qkit's matrix, as a dense
+linear's weight is. What the library cannot load (W8A8 experts in transformers 5.25) and the GGUF files of llama.cpp's
+converter (qwen3moe, mixtral as a llama with experts) are refused in one line, never passed.
+
+The package: ``result`` (the report and the rules), ``safetensors`` (export directories), ``experts`` (the per-expert
+names against transformers' fused parameters), ``gguf_file``
 (GGUF files), ``activations`` (W8A8: the library against qkit's run-time simulation), ``vllm`` (``qkit verify
 --runtime vllm``: vLLM serving the directory, compared on log-probabilities). ``verify_checkpoint`` asks the
 registered formats which one a path is (``Format.recognises``) and reads it with the reader of that format's

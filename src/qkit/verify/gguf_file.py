@@ -40,7 +40,14 @@ def verify_gguf(checkpoint: str | Path, *, device: str | None = None, fast_cpu_k
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else None
     if arch not in gg.ARCHITECTURES:
-        raise InputError(f"{path} is a GGUF of architecture {arch!r}; qkit verify reads the llama and qwen2 files qkit writes")
+        raise InputError(f"{path} is a GGUF of architecture {arch!r}; qkit verify reads the llama and qwen2 files qkit's "
+                         "own GGUF writer writes (a file written through llama.cpp's converter, such as a mixture-of-"
+                         "experts model's, is not verified)")
+    experts = reader.fields.get(f"{arch}.expert_count")
+    if experts is not None and int(experts.parts[-1][0]) > 1:  # mixtral: llama.cpp converts it as a llama model
+        raise InputError(f"{path} is a {arch} GGUF with {int(experts.parts[-1][0])} experts per layer (a mixture-of-"
+                         "experts model, written through llama.cpp's converter); transformers' GGUF loader builds a "
+                         "dense llama from it, so qkit verify cannot compare it")
     where = f"the qkit.export record of {path}"
     try:
         record = gg.read_record(path, reader)

@@ -51,6 +51,9 @@ class VerifyResult:
     tensors: list[TensorCheck] = field(default_factory=list)
     # W8A8 exports: the library's logits against qkit's run-time simulation (compressed_tensors_w8a8)
     activations: dict | None = None
+    # mixture-of-experts exports: how many of ``tensors`` are expert matrices, each compared with its rows of
+    # the library's fused experts (``qkit.verify.experts``)
+    experts: int = 0
 
     @property
     def weights_ok(self) -> bool:
@@ -78,6 +81,10 @@ class VerifyResult:
             row["max_abs_diff"] = max(row["max_abs_diff"], t.max_abs_diff)
         return dict(sorted(out.items()))
 
+    def failed(self) -> list[str]:
+        """The tensors outside the weight rule or whose decode is not what qkit wrote, in name order."""
+        return [t.name for t in self.tensors if t.mismatched or t.matches_export is False]
+
     def to_dict(self) -> dict:
         return {
             "checkpoint": self.checkpoint, "format": self.format, "library": self.library, "dtype": self.dtype,
@@ -86,6 +93,7 @@ class VerifyResult:
             "logits_tolerance": self.logits_tolerance, "weights_ok": self.weights_ok, "logits_ok": self.logits_ok,
             "passed": self.passed, "by_scheme": self.by_scheme(), "tensors": [t.to_dict() for t in self.tensors],
             **({"activations": self.activations} if self.activations is not None else {}),
+            **({"experts": self.experts} if self.experts else {}),
         }
 
 

@@ -20,8 +20,10 @@ from qkit.checkpoint import iter_tensors, tensor_shapes
 from qkit.errors import ExportError, InputError, ModelLoadError, QkitError
 from qkit.export import REGISTRY
 from qkit.export.common import EXPORT_MANIFEST, ExportEntry, SafetensorsFormat, fingerprint, read_export_manifest
+from qkit.methods.experts import ExpertLayout
 from qkit.models import check_remote_code, load_tokenizer, parse_device, read_config
 from qkit.schemes import QuantizedTensor
+from qkit.verify import experts
 from qkit.verify.activations import simulation_report
 from qkit.verify.result import LOGITS_RTOL, PROMPT, TensorCheck, VerifyResult
 from qkit.verify.result import load_weights, no_init, quiet, within  # the rules and loading helpers
@@ -146,15 +148,23 @@ def verify_safetensors(
                 state[name] = dense[name]
             else:
                 state[name] = value
+        # A mixture-of-experts export stores one matrix per expert; transformers holds them fused (verify.experts).
+        lay = experts.layout(config.to_dict(), list(state))
         with no_init():  # every weight is loaded next; random init would cost seconds for nothing
             ours = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-        load_weights(ours, state, dev,
+        load_weights(ours, state if lay is None else experts.fuse(state, config.to_dict(), lay), dev,
                      lambda missing: f"{directory} does not match its config (missing {missing[:3]}); re-export it")
         # The library's side: exactly how a user loads the directory.
         try:
             theirs = AutoModelForCausalLM.from_pretrained(str(directory), device_map={"": str(dev)}, dtype=dtype,
                                                           trust_remote_code=trust_remote_code)
         except Exception as exc:  # transformers and the quantization libraries raise many types
+            if lay is not None:  # W8A8 experts (transformers 5.25): its loader finds no expert weight to fuse
+                cause = str(exc).splitlines()[0].split(" For details")[0]  # its report went to the captured stderr
+                raise ModelLoadError(
+                    f"{library} could not load {directory}, a mixture-of-experts {fmt.name} checkpoint ({cause[:200]}); "
+                    "it fuses the per-expert matrices on load, and qkit verify checks a file against the library's "
+                    "own reading, so this one is not verified") from exc
             raise ModelLoadError(
                 f"transformers could not load {directory} with {fmt.name} ({str(exc).splitlines()[0][:200]}); "
                 "re-export it, or report the versions shown by `pip show transformers " + fmt.name + "`"
@@ -166,16 +176,17 @@ def verify_safetensors(
         checks = []
         with torch.no_grad():
             if fmt.compares_before_forward:  # before a forward can repack the weights (bitsandbytes on CPU)
-                checks = _compare_weights(fmt, theirs, dense, schemes, matches)
+                checks = _compare_weights(fmt, theirs, dense, schemes, matches, lay)
             # W8A8: qkit's side gets the library's own activation rule (exact comparison), then the library
             # is compared with qkit's run-time simulation as well (verify.activations.simulation_report).
             acts = fmt.activations_of(qc)
-            modules = sorted(n.removesuffix(".weight") for n in dense)
+            # (the linears only: transformers runs a layer's experts fused, not as modules the rule could hook)
+            modules = sorted(n.removesuffix(".weight") for n in dense if lay is None or experts.site(n, lay) is None)
             with fmt.library_rule(ours, modules) if acts else contextlib.nullcontext():
                 ref_logits = ours(ids).logits.float()
             lib_logits = theirs(ids).logits.float()  # compressed-tensors decompresses on this first forward
             if not fmt.compares_before_forward:
-                checks = _compare_weights(fmt, theirs, dense, schemes, matches)
+                checks = _compare_weights(fmt, theirs, dense, schemes, matches, lay)
             act_report = simulation_report(ours, ids, lib_logits, acts) if acts else None
     scale = float(ref_logits.abs().max())
     rtol = LOGITS_RTOL.get(rtol_dtype, 2e-2)
@@ -187,14 +198,20 @@ def verify_safetensors(
         weight_rule=("bit-identical" if dtype == torch.float32 else f"within one rounding of {dtype}")
         + (f" ({dtype_note})" if dtype_note else ""),
         tensors=checks, activations=act_report,
+        experts=0 if lay is None else sum(experts.site(n, lay) is not None for n in dense),
     )
 
 
 def _compare_weights(fmt: SafetensorsFormat, model: torch.nn.Module, dense: dict[str, torch.Tensor],
-                     schemes: dict[str, str], matches: dict[str, bool | None]) -> list[TensorCheck]:
+                     schemes: dict[str, str], matches: dict[str, bool | None],
+                     lay: ExpertLayout | None) -> list[TensorCheck]:
+    """Each quantized weight as the library computes it against qkit's; an expert's is read from the library's
+    fused parameters (``experts.library_expert``)."""
     checks = []
     for name in sorted(dense):
-        got = fmt.library_weight(model, name.removesuffix(".weight")).to(dense[name].device)
+        where = None if lay is None else experts.site(name, lay)
+        got = (fmt.library_weight(model, name.removesuffix(".weight")) if where is None
+               else experts.library_expert(model, where)).to(dense[name].device)
         diff, bad, same = within(got, dense[name])
         checks.append(TensorCheck(name, schemes[name], tuple(dense[name].shape), diff, bad, same, matches[name]))
     return checks
