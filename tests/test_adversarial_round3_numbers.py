@@ -219,11 +219,13 @@ def test_every_scheme_on_hostile_matrices_writes_relative_error_below_1_or_refus
 
 
 def test_rtn_of_the_default_model_stays_far_below_the_limit_for_every_scheme(default_model_dir):
-    """No real model's ordinary quantization is refused: on every 7th projection of the default model each
-    scheme's relative error stays below 1 (int4-tensor, the coarsest, at 0.93; docs/guarantees.md)."""
+    """No real model's ordinary quantization is refused: on every 21st projection of the default model (10,
+    layer 28's down_proj among them, the worst of every 7th for int4-tensor) each scheme's relative error
+    stays below 1 (int4-tensor, the coarsest, at 0.93)."""
     from qkit.checkpoint import iter_tensors
 
-    weights = [(n, t) for n, t in iter_tensors(default_model_dir) if n.endswith("proj.weight")][::7]
+    weights = [(n, t) for n, t in iter_tensors(default_model_dir) if n.endswith("proj.weight")][::21]
+    assert "model.layers.28.mlp.down_proj.weight" in dict(weights)
     worst = {s: max(check_written(n, t, quantize_tensor(t, get_scheme(s), name=n)) for n, t in weights) for s in PLAIN}
     assert max(worst.values()) < 0.95, worst
     assert worst["int4-tensor"] > 0.9 and worst["q4_k"] < 0.03  # the coarsest and a fine scheme, as documented
