@@ -129,6 +129,31 @@ def test_an_expert_matrix_fisher_is_its_slice_of_the_fused_parameters_diagonal(m
         torch.testing.assert_close(alone.diag[param], walked[name], rtol=0, atol=1e-5 * float(walked[name].max()))
 
 
+@pytest.mark.parametrize("arch, stored", [("mixtral", "block_sparse_moe.experts.{e}.{m}"),
+                                          ("qwen2_moe", "mlp.experts.{e}.{m}")])
+def test_each_expert_view_holds_its_file_tensor(arch, stored, tmp_path):
+    """mixtral (stored as ``block_sparse_moe.experts.E.w1/w3/w2``) and qwen2_moe (beside its shared expert, a
+    plain MLP): every expert matrix the file stores has a view, and the view holds it bit for bit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"mixtral": {"num_local_experts": 2},
+             "qwen2_moe": {"num_experts": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                           "decoder_sparse_step": 1, "mlp_only_layers": []}}[arch]
+    config = AutoConfig.for_model(arch, vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=1, **extra)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).float().save_pretrained(str(tmp_path))
+    model = load(ref=resolve(str(tmp_path))).model
+    views = expert_views(model, read_config(tmp_path))
+    matrices = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    assert sorted(views) == sorted(f"model.layers.0.{stored.format(e=e, m=m)}.weight" for e in range(2) for m in matrices)
+    params = dict(model.named_parameters())
+    for name, w in load_file(str(tmp_path / "model.safetensors")).items():
+        if name in views:
+            p, k = views[name]
+            assert torch.equal(params[p][k], w), name
+
+
 def test_the_plan_prices_every_expert_and_meets_its_budget_exactly(planned):
     """Every expert matrix is planned (the router is not), each at the bytes its format stores for it; the
     budget is floor(8.0859375 bits x every expert weight / 8), which 21 int8-row and 3 int8-g64 matrices fill
