@@ -62,10 +62,11 @@ CANDIDATE_COPIES = QUANTIZE_COPIES  # candidate_cost's peak over the target's fl
 # units per layer, against 31.75 here; the logits' chain 12-13 bytes per logit against a + 14.
 _PER_LAYER = (16, 2, 5)  # (h, kv, i)
 _LOGITS_FP32 = 14  # bytes per logit beyond the model's own logits: float32 copy, log-softmax, exp, two grads
-# An expert matrix's gradient over its fused parameter's size: transformers indexes the fused parameter per
-# expert (``gate_up_proj[e]``), whose backward makes a full-size gradient per expert that autograd adds into
-# the parameter's. Measured 2.45x on a 16-expert qwen3_moe (fused gate_up 134 MB fp32, 2-core Xeon, torch 2.13):
-# the walk's peak over the loaded model's resident memory, less one block's Fisher and the other terms.
+# An expert matrix's gradient over its fused parameter's size: the walk's backward pass through transformers'
+# experts (grouped_mm over the whole fused parameter, through its transpose) computes that parameter's whole
+# gradient, with full-size transients. Measured 2.45x on a 16-expert qwen3_moe (fused gate_up 134 MB fp32; 2-core
+# Intel Xeon, AVX-512, torch 2.13, transformers 5.25): the walk's peak over the loaded model's resident memory,
+# less one block's Fisher and the other terms; docs/moe.md.
 FUSED_GRADIENT = 3
 
 
