@@ -348,7 +348,8 @@ def test_refusals(moe2, cal, tiny_model_dir, tmp_path):
     refused(["quantize", tiny_model_dir, "-s", "int4-g32", "--method", "gptq", "--calibrate-all-experts", *base],
             "no experts")
     refused(["quantize", moe2, "-s", "int4-g32", "--calibrate-all-experts", "-o", tmp_path / "q"], "calibrated --method")
-    refused(["plan", moe2, "--target-bits", "5", "-o", tmp_path / "p.json"], "mixture-of-experts", "not priced")
+    refused(["plan", moe2, "--target-bits", "5", "--method", "gptq", "-o", tmp_path / "p.json"], "mixture-of-experts",
+            "--method rtn or imatrix")  # the plan prices experts (tests/test_plan_moe.py), not for GPTQ
     assert not (tmp_path / "q").exists() and not (tmp_path / "p.json").exists()
     with pytest.raises(InputError, match="3-D tensors"):
         layout_for({"model_type": "gpt_oss", "num_local_experts": 4})

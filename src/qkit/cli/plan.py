@@ -184,9 +184,25 @@ def render_plan(p: Plan) -> None:
                       [[u["tensor"], u["type"], f"{u['extra_bytes']:,}", f"{u['kl_at_base']:.2e}", f"{u['kl']:.2e}",
                         f"{u['kl_saved_per_mb']:.2e}"] for u in top],
                       title=f"{len(ups)} tensors got more bytes than {base} would take (the {len(top)} most sensitive at {base})")
-    note = lossless_note(p)
-    if note:
-        console.note(note)
+    for note in (lossless_note(p), experts_note(p)):
+        if note:
+            console.note(note)
+
+
+def experts_note(p: Plan) -> str | None:
+    """What a mixture-of-experts plan says of its experts (``sensitivity.experts``): how many matrices were
+    priced, and the experts no calibration token reached, with how they were priced. None for a dense plan."""
+    e = p.sensitivity.get("experts")
+    if not isinstance(e, dict):
+        return None
+    head = (f"{e.get('matrices')} expert matrices of {e.get('experts')} experts, each priced by its own slice of its "
+            "layer's fused parameter's Fisher")
+    unreached = [str(x) for x in e.get("unreached") or []]
+    if not unreached:
+        return f"{head}; calibration tokens reached every expert."
+    shown = ", ".join(unreached[:4]) + (f" and {len(unreached) - 4} more" if len(unreached) > 4 else "")
+    return (f"{head}. No calibration token reached {len(unreached)} expert{'s' * (len(unreached) != 1)} ({shown}): "
+            f"{e.get('unreached_priced')} (the plan lists them: sensitivity.experts.unreached).")
 
 
 def memory_line(m: dict) -> str:

@@ -28,6 +28,8 @@ measuring commands (``evaluation``, ``inspect``).
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,9 +81,10 @@ _WHY_NOT = {
 }
 
 
-def layout_for(config: Mapping[str, Any]) -> ExpertLayout | None:
+def layout_for(config: Mapping[str, Any], doing: str = "calibration is routed to") -> ExpertLayout | None:
     """The experts' layout of a mixture-of-experts ``config``; None for a dense model. A mixture-of-experts
-    architecture qkit does not route calibration through is refused in one line naming why."""
+    architecture qkit does not route calibration through is refused in one line naming why (``doing``: what
+    reaches the experts of the known architectures only, e.g. ``qkit plan prices``)."""
     n = expert_count(dict(config))
     if n <= 1:
         return None
@@ -89,7 +92,7 @@ def layout_for(config: Mapping[str, Any]) -> ExpertLayout | None:
     if arch in LAYOUTS:
         return LAYOUTS[arch]
     why = _WHY_NOT.get(arch, f"qkit does not know how {arch} holds its experts: quantize it with --method rtn")
-    raise InputError(f"a mixture-of-experts {arch} model ({n} experts per layer): calibration is routed to the experts of "
+    raise InputError(f"a mixture-of-experts {arch} model ({n} experts per layer): {doing} the experts of "
                      f"{', '.join(sorted(LAYOUTS))} models only; {why}")
 
 
@@ -122,6 +125,14 @@ def expert_views(fused: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
     inter = down.shape[2]
     return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(gate_up.shape[0])]
+
+
+def _matrices(layout: ExpertLayout, inter: int, e: int) -> tuple[tuple[str, str, tuple], ...]:
+    """Expert ``e``'s three matrices in a fused module whose experts are ``inter`` wide: ``(stored name, fused
+    parameter, index of its slice)``, gate, up, down: ``gate_up_proj[e, :inter]``, ``gate_up_proj[e, inter:]``,
+    ``down_proj[e]`` (transformers' conversion concatenates each expert's gate and up rows, then stacks)."""
+    return ((layout.gate, "gate_up_proj", (e, slice(0, inter))), (layout.up, "gate_up_proj", (e, slice(inter, 2 * inter))),
+            (layout.down, "down_proj", (e,)))
 
 
 def stored_path(path: str, layout: ExpertLayout) -> str:
@@ -284,6 +295,59 @@ def unfused_experts(model: torch.nn.Module, config: Mapping[str, Any], every_tok
             parent.experts = fused
 
 
+def expert_slices(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, tuple[str, tuple]]:
+    """Where each expert matrix the checkpoint stores sits in ``model``'s fused parameters: ``{stored name
+    (model.layers.0.mlp.experts.3.gate_proj.weight): (the fused parameter's name in the model, the index of
+    its slice)}``, e.g. ``("model.layers.0.mlp.experts.gate_up_proj", (3, slice(0, I)))``: the slices
+    ``ExpertLinears`` takes as its linears' weights. ``params[p][index]`` is a view (writing it writes the
+    fused parameter) holding exactly the stored tensor as loaded. {} for a dense model; a mixture-of-experts
+    model without a known layout or without a fused experts module is refused in one line."""
+    layout = layout_for(config)
+    if layout is None:
+        return {}
+    out: dict[str, tuple[str, tuple]] = {}
+    for name, module in model.named_modules():
+        if not _fused(module):
+            continue
+        _check_fused(name, module, layout)
+        stored, inter = stored_path(name, layout), module.down_proj.shape[2]
+        for e in range(module.gate_up_proj.shape[0]):
+            out.update({f"{stored}.{e}.{m}.weight": (f"{name}.{p}", i) for m, p, i in _matrices(layout, inter, e)})
+    if not out:
+        raise InputError(f"{type(model).__name__} holds no fused experts module although its config gives "
+                         f"{expert_count(dict(config))} experts; quantize it with --method rtn")
+    return out
+
+
+def fused_numel(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> dict[str, int]:
+    """From the checkpoint's headers: ``{stored expert matrix: the elements of the fused parameter it is loaded
+    into}`` (its layer's ``gate_up_proj`` for a gate or up matrix, ``down_proj`` for a down one: the sum over
+    that layer's experts), which is what a gradient of it takes in the model; {} for a dense model."""
+    layout = layout_for(config)
+    if layout is None:
+        return {}
+    kind = {layout.gate: "gate_up_proj", layout.up: "gate_up_proj", layout.down: "down_proj"}
+    pattern = re.compile(rf"^(.*\.{re.escape(layout.stored)}\.experts)\.\d+\.({'|'.join(map(re.escape, kind))})\.weight$")
+    fused: dict[str, str] = {}
+    for name in shapes:
+        if m := pattern.match(name):
+            fused[name] = f"{m.group(1)}.{kind[m.group(2)]}"
+    sizes: dict[str, int] = {}
+    for name, key in fused.items():
+        sizes[key] = sizes.get(key, 0) + math.prod(shapes[name])
+    return {name: sizes[key] for name, key in fused.items()}
+
+
+def routed_width(config: Mapping[str, Any]) -> int:
+    """The experts' intermediate width one token computes through: ``num_experts_per_tok`` experts of
+    ``moe_intermediate_size`` (mixtral: ``intermediate_size``), plus qwen2_moe's shared expert; 0 for a dense
+    model (what a block's saved activations scale with, ``qkit.plan.memory``)."""
+    if expert_count(dict(config)) <= 1:
+        return 0
+    width = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0)
+    return int(config.get("num_experts_per_tok") or 1) * width + int(config.get("shared_expert_intermediate_size") or 0)
+
+
 def linear_names(root: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     """Every ``nn.Linear`` under ``root`` by its name as the checkpoint names the weight, ``.weight`` left off
     (an expert's: ``block_sparse_moe.experts.3.w1`` for mixtral, though it sits at ``mlp.experts.3.w1``)."""
@@ -315,6 +379,7 @@ def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
     return out
 
 
-__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "LAYOUTS", "ROUTED_METHODS", "ExpertLayout", "ExpertLinears", "FusedExperts",
-           "check_method", "expert_matrices", "expert_views", "fused_experts", "fused_paths", "layout_for", "linear_names",
-           "routed_tokens", "routers", "stored_path", "unfused_experts"]
+__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "ExpertLayout", "ExpertLinears", "FusedExperts", "LAYOUTS", "ROUTED_METHODS",
+           "check_method", "expert_matrices", "expert_slices", "expert_views", "fused_experts", "fused_numel",
+           "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers", "stored_path",
+           "unfused_experts"]

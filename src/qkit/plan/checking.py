@@ -31,7 +31,7 @@ def check_mix(plan: Plan, table, ref: ModelRef, quant_weights: Mapping[str, torc
         plan.check = {"measured_kl": None, "windows": 0}
         return
     model = table.model
-    params = dict(model.named_parameters())
+    params = stored_parameters(model, table.views)
     weights = dict(quant_weights or {})
     t0 = time.perf_counter()
     device = str(next(model.parameters()).device)
@@ -72,6 +72,14 @@ def check_mix(plan: Plan, table, ref: ModelRef, quant_weights: Mapping[str, torc
                   **({"gptq_solved_on": solved_on} if solved_on is not None else {})}
 
 
+def stored_parameters(model: torch.nn.Module, views: Mapping[str, tuple[str, tuple]]) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by the names its files give them: each parameter, and each of ``views``' slices
+    (``{stored name: (parameter, index)}``, a mixture-of-experts layer's expert matrices,
+    ``methods.experts.expert_slices``) as a view of its fused parameter, which writing it writes."""
+    params = dict(model.named_parameters())
+    return {**params, **{t: params[p][k] for t, (p, k) in views.items()}}
+
+
 def _restore(params: Mapping[str, torch.Tensor], names: Sequence[str], copies: Mapping[str, torch.Tensor],
              ref: ModelRef, device: str, forget: Callable[[], None]) -> None:
     """Put back the weights ``check`` swapped: from ``copies``, else from the model's file. If that fails
@@ -93,4 +101,4 @@ def _restore(params: Mapping[str, torch.Tensor], names: Sequence[str], copies: M
             forget()
 
 
-__all__ = ["check_mix"]
+__all__ = ["check_mix", "stored_parameters"]

@@ -20,6 +20,11 @@ transformer blocks as checkpoints:
    handed to ``consume`` (the planner costs their candidates and frees them) before block ``i - 1`` runs.
    The walk stops at the lowest block with a target.
 
+A mixture-of-experts layer's experts are one fused parameter in transformers (``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]``) and one matrix each in the checkpoint: step 2 then takes the fused parameter's
+gradient and adds each planned expert matrix's slice of it, squared, into that matrix's own diagonal
+(``views``): exactly the fused parameter's diagonal, sliced (``tests/test_plan_moe.py``, bit for bit).
+
 Block ``i``'s weights change window ``w``'s loss only through block ``i``'s output on ``w``, so step 2 gives
 each target the whole gradient of each window's loss: the diagonal ``fisher_diagonal`` measures, from the
 same operations in the same order (``tests/test_fisher_walk.py`` checks it bit for bit: llama in fp32 and
@@ -36,7 +41,7 @@ block's diagonal (``qkit.plan.memory``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -67,6 +72,7 @@ def fisher_by_blocks(
     targets: Sequence[str],
     consume: Callable[[dict[str, torch.Tensor]], None],
     *,
+    views: Mapping[str, tuple[str, tuple]] | None = None,
     seed: int = 0,
     check_windows: int = 0,
     labels: torch.Tensor | None = None,
@@ -80,6 +86,12 @@ def fisher_by_blocks(
     reference log-probabilities, and the labels (sampled with a generator seeded by ``seed``, or
     ``labels``). ``on_step(done, total)`` counts the forward pass and the blocks walked back.
 
+    ``views``: the targets that are a slice of a parameter, ``{target: (parameter name, index)}`` (a
+    mixture-of-experts layer's experts, which transformers holds as one fused parameter:
+    ``methods.experts.expert_slices``); every other target is a parameter itself. Such a target's diagonal is
+    ``grad[index]`` squared, added from the fused parameter's gradient the moment autograd has it: the same
+    float32 numbers as that parameter's whole diagonal, sliced, and only the targets' elements held.
+
     Every parameter's ``requires_grad`` is restored afterwards, also on an error."""
     t0 = time.perf_counter()
     inside, outside = block_targets(model, targets)
@@ -89,6 +101,7 @@ def fisher_by_blocks(
         raise ValueError(f"labels of shape {tuple(labels.shape)} for windows of shape {tuple(ids.shape)}")
     _, blocks = find_blocks(model)
     params = dict(model.named_parameters())
+    seen = dict(views or {})
     device = next(model.parameters()).device
     n, n_blocks = int(ids.shape[0]), len(blocks)
     lowest = min(inside, default=n_blocks)  # the walk down stops at the lowest block with a target
@@ -109,10 +122,14 @@ def fisher_by_blocks(
         # 2. down the blocks
         for i in range(n_blocks - 1, lowest - 1, -1):
             names = inside.get(i, [])
-            diag = {t: torch.zeros(params[t].shape, dtype=torch.float32, device=device) for t in names}
-            for t in names:
-                params[t].requires_grad_(True)
-            hooks = [params[t].register_post_accumulate_grad_hook(_accumulate(params[t], diag[t])) for t in names]
+            owner = {t: seen.get(t, (t, ())) for t in names}  # index (): the whole parameter
+            diag = {t: torch.zeros(params[p][k].shape, dtype=torch.float32, device=device) for t, (p, k) in owner.items()}
+            parts: dict[str, list[tuple[torch.Tensor, tuple]]] = {}
+            for t, (p, k) in owner.items():
+                parts.setdefault(p, []).append((diag[t], k))
+            for p in parts:
+                params[p].requires_grad_(True)
+            hooks = [params[p].register_post_accumulate_grad_hook(_accumulate(params[p], held)) for p, held in parts.items()]
             try:
                 for w in range(n):
                     x = kept[i][w].detach().requires_grad_(i > lowest)  # type: ignore[union-attr]
@@ -126,9 +143,9 @@ def fisher_by_blocks(
             finally:
                 for h in hooks:
                     h.remove()
-                for t in names:
-                    params[t].requires_grad_(False)
-                    params[t].grad = None
+                for p in parts:
+                    params[p].requires_grad_(False)
+                    params[p].grad = None
             kept[i] = calls[i] = []
             for f in diag.values():
                 f.div_(int(ids.numel()))
@@ -143,10 +160,13 @@ def fisher_by_blocks(
     return Fisher({}, int(ids.numel()), reference, ids[:check_windows].clone(), time.perf_counter() - t0, sampled)
 
 
-def _accumulate(p: torch.Tensor, f: torch.Tensor) -> Callable[[torch.Tensor], None]:
+def _accumulate(p: torch.Tensor, held: Sequence[tuple[torch.Tensor, tuple]]) -> Callable[[torch.Tensor], None]:
+    """The hook adding ``p``'s squared gradient into each ``(diagonal, index)`` of ``held``: ``grad[index]``."""
     def hook(_: torch.Tensor) -> None:  # the moment autograd has this parameter's whole gradient of one window
         with torch.no_grad():
-            f.addcmul_(p.grad, p.grad)  # float32 for a bf16/fp16 gradient (type promotion), as fisher_diagonal
+            for f, k in held:
+                g = p.grad[k]  # a view: () the whole gradient, an expert's slice of a fused one
+                f.addcmul_(g, g)  # float32 for a bf16/fp16 gradient (type promotion), as fisher_diagonal
         p.grad = None
     return hook
 

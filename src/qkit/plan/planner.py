@@ -8,12 +8,17 @@ Steps (``qkit.api.plan_model`` runs them), each a function a script can call:
    whole file's tensors** (``qkit.plan.budget``): ``--target-size`` and ``--target-scheme`` name the file's
    bytes, and the tensors outside the plan (kept as they are: the embedding of a plan of the projections,
    the norms) count against it; ``--target-bits B`` is ``floor(B * weights / 8)`` bytes over the planned
-   tensors alone, as every table's bits per weight counts them.
+   tensors alone, as every table's bits per weight counts them. A mixture-of-experts model's targets are
+   its expert matrices as the checkpoint stores them, one tensor each (docs/moe.md); its router is never
+   one (``transform.is_router``).
 2. **Candidates** per tensor: the format's ladder that the tensor's shape takes natively
    (``candidates.candidates``), optionally restricted (``--candidates``).
 3. **Sensitivity**: the diagonal Fisher of the reference's output distribution on calibration windows
    (``sensitivity.fisher_diagonal``), and per tensor and candidate the predicted KL of storing that one
-   tensor so (``sensitivity.candidate_cost``), from exactly the codes the file would hold. For a plan
+   tensor so (``sensitivity.candidate_cost``), from exactly the codes the file would hold. An expert
+   matrix's diagonal is its slice of the fused parameter transformers holds a layer's experts in
+   (``methods.experts.expert_slices``, ``fisher_walk``'s ``views``); an expert no calibration token reached
+   has a zero Fisher, every candidate priced 0, and the plan lists it (``experts_record``). For a plan
    GPTQ will write (``--method gptq``), each cost is then scaled by GPTQ's held-out output error over
    RTN's for that tensor and type (``qkit.plan.feedback``).
 4. **Solve**: the multiple-choice knapsack, exact by DP over bytes (``solve.solve``): minimal summed
@@ -53,6 +58,7 @@ from qkit.executors import SERIAL_EXECUTOR, Executor
 from qkit.methods.calibration import calibration_ids, check_fits
 from qkit.dtypes import LOAD_DTYPES, non_finite_activations
 from qkit.models import ModelRef, load, load_tokenizer, read_config
+from qkit.methods.experts import expert_slices, layout_for
 from qkit.methods.gptq.method import GPTQOptions
 from qkit.plan import feedback
 from qkit.plan.candidates import (
@@ -71,6 +77,7 @@ from qkit.plan.memory import (
     MemoryPlan,
     estimate,
     groups,
+    layer_order,
     plan_memory,
 )
 from qkit.methods.memory import default_budget
@@ -107,6 +114,9 @@ class Table:
     ids: object = field(repr=False, default=None)  # the calibration windows (int64 [n, w])
     gptq: GPTQOptions | None = None  # costs for GPTQ's codes (feedback): the options they were measured with
     feedback: dict = field(default_factory=dict)  # feedback.output_error_ratios' record
+    # a mixture-of-experts model: each planned expert matrix's slice of a fused parameter (experts.expert_slices)
+    views: dict = field(default_factory=dict)
+    unreached: list = field(default_factory=list)  # the experts whose every planned matrix has a zero Fisher
 
     @property
     def weights(self) -> int:
@@ -244,12 +254,16 @@ def sensitivity_table(
     weights = dict(quant_weights or {})
     by_name: dict[str, tuple[list[float], list[bool]]] = {}
     t_costs = [0.0]
+    # a mixture-of-experts model's expert matrices: slices of the fused parameters transformers holds
+    views = {t: v for t, v in expert_slices(model, read_config(ref.directory)).items() if t in targets}
+    zero: list[str] = []  # the expert matrices whose Fisher diagonal is zero: no calibration token reached them
 
     def cost_group(diag: Mapping[str, torch.Tensor]) -> None:
         """The candidates of ``diag``'s targets, costed now (here or as executor tasks); the diagonals are
         freed with ``diag`` once the caller drops it."""
         t = time.perf_counter()
         names = [n for n in targets if n in diag]
+        zero.extend(n for n in names if n in views and not bool(diag[n].any()))
         if executor.parallel:  # each tensor's candidates a task of their own, reading the files (costs_elsewhere)
             costed_all = costs_elsewhere(executor, ref.directory, names, diag, opts, weights)
         else:
@@ -267,7 +281,7 @@ def sensitivity_table(
     outside_groups = [g for g in ([t for t in group if t in set(outside)] for group in mem.groups) if g]
     n = int(ids.shape[0])
     if walked:  # one walk down the blocks for every target inside them (qkit.plan.fisher_walk)
-        walk = fisher_by_blocks(model, ids, walked, cost_group, seed=options.seed,
+        walk = fisher_by_blocks(model, ids, walked, cost_group, views=views, seed=options.seed,
                                 check_windows=options.windows_checked if first is None else 0,
                                 labels=None if first is None else first.labels,
                                 on_step=lambda i, k: say("fisher", i, k + len(outside_groups) * n))
@@ -303,9 +317,21 @@ def sensitivity_table(
                   seconds={"fisher": round(t_fisher, 3), "candidates": round(time.perf_counter() - t0 - t_fisher - t_gptq, 3),
                            **({"gptq": round(t_gptq, 3)} if gptq is not None else {})},
                   memory={**mem.to_dict(), "dtype": options.dtype}, ids=ids, gptq=gptq,
-                  feedback=record)
+                  feedback=record, views=views, unreached=unreached_experts(views, zero))
     kept.tables[key] = table
     return table
+
+
+def _expert(matrix: str) -> str:
+    """The expert a stored expert matrix belongs to: ``...experts.3.gate_proj.weight`` -> ``...experts.3``."""
+    return matrix.rsplit(".", 2)[0]
+
+
+def unreached_experts(views: Mapping[str, tuple[str, tuple]], zero: Sequence[str]) -> list[str]:
+    """The experts (``model.layers.0.mlp.experts.3``) whose every planned matrix of ``views`` is in ``zero``
+    (a zero Fisher diagonal), in layer order."""
+    zeros = set(zero)
+    return sorted({_expert(t) for t in views} - {_expert(t) for t in views if t not in zeros}, key=layer_order)
 
 
 def candidate_sets(ref: ModelRef, options: PlanOptions) -> dict[str, list[Candidate]]:
@@ -321,19 +347,46 @@ def precheck(ref: ModelRef, options: PlanOptions, config: Mapping | None = None,
              device: torch.device | str | None = None, kept: KeptMeasurements | None = None) -> int:
     """Everything the headers decide, before any model work: the byte budget against the smallest and the
     unquantized mix, and the memory (``memory_plan`` on ``device``, None: the CPU; a ``--max-memory`` too
-    small for one tensor's group refused), and a mixture-of-experts model. Returns the byte budget."""
-    if config is not None and (experts := expert_count(dict(config))) > 1:
-        raise InputError(f"{ref.spec} is a mixture-of-experts model ({experts} experts per layer): qkit plan prices a tensor "
-                         "by the Fisher of its parameter, and transformers holds a layer's experts as one fused parameter, "
-                         "so experts are not priced yet; quantize it with --scheme (and --method gptq or imatrix)")
+    small for one tensor's group refused), and what a mixture-of-experts plan cannot be (``check_experts``,
+    ``check_writes_experts``).
+    Returns the byte budget."""
+    moe = config is not None and expert_count(dict(config)) > 1
+    if moe:
+        check_experts(options, config)
     check_fits(options.calibration_options(), config)  # windows beyond the context, a default's too: before the budget
     sets = candidate_sets(ref, options)
+    if moe:
+        check_writes_experts(ref, options, sets)
     shapes = planned_targets(ref, options)
     weights = sum(math.prod(s) for s in shapes.values())
     budget = file_budget(options, shapes, dict(tensor_shapes(ref.directory)), config, tensor_dtypes(ref.directory))
     check_budget(budget, tied_items(list(sets), list(sets.values()), options.format)[1], weights)
     memory_plan(ref, options, device, kept)
     return budget.planned
+
+
+def check_experts(options: PlanOptions, config: Mapping) -> None:
+    """A mixture-of-experts model's plan, refused in one line before any work where it cannot be made: an
+    architecture whose experts qkit does not slice (gpt_oss: 3-D expert tensors) and a GPTQ plan (its feedback
+    measures held-out windows, and an expert is calibrated on the tokens routed to it)."""
+    layout_for(config, doing="qkit plan prices")
+    if options.gptq is not None:
+        raise InputError("qkit plan --method gptq prices each candidate by GPTQ's output error on held-out calibration "
+                         "windows, and an expert is calibrated on the tokens routed to it, not on windows: plan a "
+                         "mixture-of-experts model with --method rtn or imatrix")
+
+
+def check_writes_experts(ref: ModelRef, options: PlanOptions, sets: Mapping[str, Sequence[Candidate]]) -> None:
+    """A mixture-of-experts plan for a format that cannot write each expert matrix as its own tensor, refused
+    in one line by the format's own check of a mix the plan may choose (``sets``: each target's candidates;
+    target ``i`` takes its ``i``-th candidate, round the list, so the mix holds every scheme offered), before
+    the model loads: compressed-tensors stores a MoE model in one scheme (vLLM finds a fused expert layer's
+    through the config's 'Linear' target), and qkit's GGUF writer names llama and qwen2 (another
+    architecture's GGUF goes through llama.cpp's converter, which stacks a layer's experts into one tensor
+    and takes no plan)."""
+    offered = {n: [c.scheme for c in row if c.scheme is not None] for n, row in sets.items()}
+    mix = {n: schemes[i % len(schemes)] for i, (n, schemes) in enumerate(x for x in offered.items() if x[1])}
+    plan_format(options.format).prepare(ref.directory, mix, dict(tensor_shapes(ref.directory)), {}, ref=ref)
 
 
 def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: Mapping[str, tuple[int, ...]],
@@ -365,10 +418,23 @@ def choose(table: Table, options: PlanOptions, *, model_spec: str, shapes_all: M
     sensitivity = {"estimator": ESTIMATOR if table.gptq is None else feedback.ESTIMATOR, "calibration": table.calibration,
                    "positions": table.positions, "seconds": table.seconds,
                    "dtype": table.memory.get("dtype", DEFAULT_DTYPE), "memory": table.memory,
-                   **({"feedback": table.feedback} if table.gptq is not None else {})}
+                   **({"feedback": table.feedback} if table.gptq is not None else {}),
+                   **({"experts": experts_record(table)} if table.views else {})}
     solver = {**sol.to_dict(), "items": len(groups), "tied": [[table.names[i] for i in g] for g in groups if len(g) > 1]}
     return Plan(model_spec, shapes_fingerprint(shapes_all.items()), check_format(options.format), method, target, tensors,
                 imatrix=imatrix, sensitivity=sensitivity, solver=solver, qkit_version=__version__)
+
+
+# How an expert no calibration token reached is priced (the plan's record and its summary say it)
+UNREACHED = ("an unreached expert's Fisher is zero, so every candidate of its matrices is priced 0 and the solver gives "
+             "each of them its smallest candidate: the calibration shows no token using it")
+
+
+def experts_record(table: Table) -> dict:
+    """What a mixture-of-experts plan says of its experts: the expert matrices priced (each its own slice of its
+    layer's fused parameter's Fisher), the experts no calibration token reached and how they were priced."""
+    return {"matrices": len(table.views), "experts": len({_expert(t) for t in table.views}), "unreached": list(table.unreached),
+            "unreached_priced": UNREACHED}
 
 
 def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, torch.Tensor] | None = None,
@@ -379,5 +445,5 @@ def check(plan: Plan, table: Table, ref: ModelRef, quant_weights: Mapping[str, t
     check_mix(plan, table, ref, quant_weights, forget=kept.forget if kept is not None else lambda: None)
 
 
-__all__ = ["ESTIMATOR", "KeptMeasurements", "Table", "check", "choose", "memory_plan", "planned_targets", "precheck",
-           "sensitivity_table"]
+__all__ = ["ESTIMATOR", "UNREACHED", "KeptMeasurements", "Table", "check", "check_experts", "check_writes_experts",
+           "choose", "experts_record", "memory_plan", "planned_targets", "precheck", "sensitivity_table", "unreached_experts"]
