@@ -55,12 +55,13 @@ FILES = {
     "iq4_xs+imatrix": ("IQ4_XS", "IQ4_XS", False, True),
     "q2_k+imatrix": ("Q2_K", "Q2_K", False, True),
     "tq1_0": ("TQ1_0", "TQ1_0", False, False),
+    "iq3_xs+imatrix": ("IQ3_XS", "IQ3_XS", False, True),  # IQ3_S, with IQ3_XXS for attn_q/k and middle ffn_gate/up
 }
 # the same, for the mixture-of-experts architectures only: MXFP4_MOE writes their expert tensors in MXFP4
 # (a dense model's file is Q8_0 throughout, which the q8_0 file already checks)
 MOE_FILES = {"mxfp4_moe": ("MXFP4_MOE", "MXFP4_MOE", False, False)}
 # files that CI checks on one architecture only (each file checked costs seconds): key -> that architecture
-ONCE = {"tq1_0": "qwen3_moe", "mxfp4_moe": "gpt_oss"}
+ONCE = {"tq1_0": "qwen3_moe", "mxfp4_moe": "gpt_oss", "iq3_xs+imatrix": "mixtral"}
 # the ftypes whose rules read whether a matrix is given (has_imatrix): their dry runs are recorded both ways
 READS_IMATRIX = ("IQ3_XXS", "IQ4_NL", "IQ4_XS", "Q4_0", "Q5_0")
 DRY_RUNS = [(f, False) for f in FTYPES if f not in ("Q3_K", "Q4_K", "Q5_K", "F32")] + [(f, True) for f in READS_IMATRIX]
@@ -210,7 +211,8 @@ def files_of(arch: str) -> list[str]:
     alternate architectures take alternate halves of ``FILES`` (q8_0, q4_k_m, iq4_xs+imatrix / q4_k,
     q4_k_m+imatrix, q2_k+imatrix), so each file is checked on four or five architectures, and every MoE model
     with its per-expert matrix (qwen3_moe: q4_k_m and q2_k; mixtral and gpt_oss: iq4_xs); the ``ONCE`` files
-    on their one architecture (tq1_0 on qwen3_moe, mxfp4_moe on gpt_oss, the model MXFP4_MOE was made for)."""
+    on their one architecture (tq1_0 on qwen3_moe, mxfp4_moe on gpt_oss, the model MXFP4_MOE was made for,
+    iq3_xs+imatrix on mixtral)."""
     keys = list(recorded(arch))
     if os.environ.get("QKIT_REQUANTIZE_ALL_FILES") == "1":
         return keys
