@@ -3,8 +3,8 @@ llama.cpp's converter writes the F32 GGUF, and qkit writes llama-quantize's file
 
 The file the command writes is checked tensor for tensor against ``tests/golden/requantize.json``, the
 bytes llama-quantize wrote from the same F32 file (``test_golden_requantize.py`` records them), so the
-command line, the conversion and the requantization are checked together, for a dense model (qwen3) and
-a mixture-of-experts one (qwen3_moe). The refusals come in one line, exit 2, before any work.
+command line, the conversion and the requantization are checked together, for a dense model (qwen3, q4_k_m)
+and a mixture-of-experts one (qwen3_moe, mxfp4_moe). The refusals come in one line, exit 2, before any work.
 """
 
 from __future__ import annotations
@@ -34,12 +34,13 @@ def models(default_model_dir, tmp_path_factory):
     return {arch: make_arch_model(work / arch, arch, default_model_dir) for arch in ("qwen3", "qwen3_moe")}
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_the_command_writes_llama_quantizes_file_for_another_architecture(models, tmp_path, arch):
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "q4_k_m"), ("qwen3_moe", "mxfp4_moe")])
+def test_the_command_writes_llama_quantizes_file_for_another_architecture(models, tmp_path, arch, scheme):
+    """A recipe on a dense model, and MXFP4_MOE (its experts in MXFP4, the rest Q8_0) on a mixture-of-experts one."""
     out = tmp_path / f"{arch}.gguf"
-    r = CliRunner().invoke(app, ["quantize", str(models[arch]), "-s", "q4_k_m", "--format", "gguf", "-o", str(out)])
+    r = CliRunner().invoke(app, ["quantize", str(models[arch]), "-s", scheme, "--format", "gguf", "-o", str(out)])
     assert r.exit_code == 0, r.output
-    golden = GOLDEN["archs"][arch]["files"]["q4_k_m"]["tensors"]
+    golden = GOLDEN["archs"][arch]["files"][scheme]["tensors"]
     assert file_digest(out)["tensors"] == golden
     assert "written from llama.cpp's converter's F32 GGUF" in r.output
     assert RECORD_KEY in read_header(out).fields  # qkit's record, the one difference from llama-quantize's file

@@ -1,6 +1,6 @@
 """The inputs the reference tests give llama.cpp's C quantizer, with its answers recorded as digests.
 
-``test_kquants_weighted``, ``test_kquants_low``, ``test_iquants``, ``test_schemes_kquants`` and
+``test_kquants_weighted``, ``test_kquants_low``, ``test_iquants``, ``test_iquants3``, ``test_schemes_kquants`` and
 ``test_ggml_weighted`` compare qkit with the built ``ggml_quantize_chunk`` (``benchmarks/build_llama_ref.py``)
 on seeded matrices and importance vectors, and skip where it is not built. ``tests/golden/ggml_reference.json``
 holds, for those same seeded inputs (drawn here by the same generators), the sha256 of llama.cpp's bytes,
@@ -37,7 +37,9 @@ T = gguf.GGMLQuantizationType
 GOLDEN_PATH = Path(__file__).parent / "golden" / "ggml_reference.json"
 RECORD_COMMAND = "QKIT_RECORD_GGML_REFERENCE=1 python -m pytest tests/test_golden_ggml_reference.py"
 SCHEME = {T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q2_K: "q2_k",
-          T.Q3_K: "q3_k", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ4_NL: "iq4_nl", T.IQ4_XS: "iq4_xs"}
+          T.Q3_K: "q3_k", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ4_NL: "iq4_nl", T.IQ4_XS: "iq4_xs",
+          T.IQ3_XXS: "iq3_xxs", T.IQ3_S: "iq3_s"}
+TORCHLESS = ("iquants3/",)  # encoded by a numba kernel only: no second path to run
 
 
 def _random_matrix(kind: int) -> np.ndarray:
@@ -78,6 +80,12 @@ def cases():
         for kind in iq.KINDS:
             for imat in iq.IMATRICES:
                 out.append((f"iquants/{name}/{kind}/{imat}", t,
+                            lambda kind=kind, imat=imat: (iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)),
+                                                          iq.imatrix(imat, 1024, seed=3))))
+    for name, t in (("iq3_xxs", T.IQ3_XXS), ("iq3_s", T.IQ3_S)):  # test_iquants3's inputs
+        for kind in iq.KINDS:
+            for imat in iq.IMATRICES:
+                out.append((f"iquants3/{name}/{kind}/{imat}", t,
                             lambda kind=kind, imat=imat: (iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)),
                                                           iq.imatrix(imat, 1024, seed=3))))
     return out
@@ -129,6 +137,8 @@ def test_golden_file_says_where_it_came_from_and_covers_the_cases():
 @pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("group", sorted({_group(c[0]) for c in CASES}))
 def test_bytes_equal_llama_cpps_recorded_digest(group, compiled):
+    if not compiled and group.startswith(TORCHLESS):
+        pytest.skip("iq3_xxs / iq3_s have the numba kernel only")
     moved, bad = [], []
     old = kernels.set_enabled(compiled)
     try:

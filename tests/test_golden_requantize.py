@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 from conftest import benchmark_module
-from helpers_archs import ARCHS
+from helpers_archs import ARCHS, MOE_ARCHS
 from qkit.assets import sha256_file
 from helpers_requantize import f32_model, file_digest, seeded_imatrix
 
@@ -54,7 +54,14 @@ FILES = {
     "q4_k_m+imatrix": ("Q4_K_M", "Q4_K_M", False, True),
     "iq4_xs+imatrix": ("IQ4_XS", "IQ4_XS", False, True),
     "q2_k+imatrix": ("Q2_K", "Q2_K", False, True),
+    "tq1_0": ("TQ1_0", "TQ1_0", False, False),
+    "iq3_xs+imatrix": ("IQ3_XS", "IQ3_XS", False, True),  # IQ3_S, with IQ3_XXS for attn_q/k and middle ffn_gate/up
 }
+# the same, for the mixture-of-experts architectures only: MXFP4_MOE writes their expert tensors in MXFP4
+# (a dense model's file is Q8_0 throughout, which the q8_0 file already checks)
+MOE_FILES = {"mxfp4_moe": ("MXFP4_MOE", "MXFP4_MOE", False, False)}
+# files that CI checks on one architecture only (each file checked costs seconds): key -> that architecture
+ONCE = {"tq1_0": "qwen3_moe", "mxfp4_moe": "gpt_oss", "iq3_xs+imatrix": "mixtral"}
 # the ftypes whose rules read whether a matrix is given (has_imatrix): their dry runs are recorded both ways
 READS_IMATRIX = ("IQ3_XXS", "IQ4_NL", "IQ4_XS", "Q4_0", "Q5_0")
 DRY_RUNS = [(f, False) for f in FTYPES if f not in ("Q3_K", "Q4_K", "Q5_K", "F32")] + [(f, True) for f in READS_IMATRIX]
@@ -84,8 +91,13 @@ def f32(default_model_dir, tmp_path_factory):
     return get
 
 
+def recorded(arch: str) -> dict[str, tuple[str, str, bool, bool]]:
+    """The files recorded for ``arch``: ``FILES``, and ``MOE_FILES`` for a mixture-of-experts model."""
+    return {**FILES, **(MOE_FILES if arch in MOE_ARCHS else {})}
+
+
 def _quantize(source: Path, key: str, work: Path, *, record: bool = False):
-    given, _, _, weighted = FILES[key]
+    given, _, _, weighted = {**FILES, **MOE_FILES}[key]
     ftype = get_scheme(given.removeprefix("scheme:")) if given.startswith("scheme:") else given
     cwd = Path.cwd()
     os.chdir(work)  # quantize.imatrix.file records the path as given: "imatrix.gguf", as in the recording
@@ -110,7 +122,7 @@ def _record_arch(arch: str, source: Path, work: Path) -> dict:
     if not tool.exists():
         pytest.fail("recording needs llama.cpp's tools: python benchmarks/build_llama_ref.py --tools")
     files = {}
-    for key, (_, ftype, pure, weighted) in FILES.items():
+    for key, (_, ftype, pure, weighted) in recorded(arch).items():
         out = work / f"llama-{key}.gguf"
         cmd = [str(tool), *(["--imatrix", "imatrix.gguf"] if weighted else []), *(["--pure"] if pure else []),
                str(source), str(out), ftype, "2"]
@@ -152,7 +164,9 @@ def test_record(f32, tmp_path_factory):
         "converter": "convert_hf_to_gguf.py MODEL --outtype f32 (the sdist's source, a stub sentencepiece)",
         "imatrix": f"tests/helpers_requantize.py seeded_imatrix(F32, {IMATRIX_SEED}), as imatrix.gguf in the working directory",
         "llama_quantize": {k: " ".join(["llama-quantize", *(["--imatrix imatrix.gguf"] if w else []), *(["--pure"] if p else []),
-                                        "F32.gguf", "OUT.gguf", f, "2"]) for k, (_, f, p, w) in FILES.items()},
+                                        "F32.gguf", "OUT.gguf", f, "2"])
+                           for k, (_, f, p, w) in {**FILES, **MOE_FILES}.items()},
+        "moe_only": sorted(MOE_FILES),
         "refused_by_the_converter": REFUSED,
         "archs": archs,
     }
@@ -168,8 +182,8 @@ def test_golden_file_says_where_it_came_from(golden):
     assert golden["command"] == RECORD_COMMAND
     assert golden["llama_cpp_commit"] == benchmark_module("build_llama_ref").LLAMA_CPP_COMMIT
     assert set(golden["archs"]) == set(CONVERTED) and set(golden["refused_by_the_converter"]) == set(REFUSED)
-    for arch in golden["archs"].values():
-        assert set(arch["files"]) == set(FILES)
+    for name, arch in golden["archs"].items():
+        assert set(arch["files"]) == set(recorded(name))
         assert set(arch["dry_run"]) == {_dry_key(f, w) for f, w in DRY_RUNS}
 
 
@@ -196,17 +210,21 @@ def files_of(arch: str) -> list[str]:
     """The files checked for ``arch``: every one with ``QKIT_REQUANTIZE_ALL_FILES=1``; else, to keep CI's time,
     alternate architectures take alternate halves of ``FILES`` (q8_0, q4_k_m, iq4_xs+imatrix / q4_k,
     q4_k_m+imatrix, q2_k+imatrix), so each file is checked on four or five architectures, and every MoE model
-    with its per-expert matrix (qwen3_moe: q4_k_m and q2_k; mixtral and gpt_oss: iq4_xs)."""
-    keys = list(FILES)
+    with its per-expert matrix (qwen3_moe: q4_k_m and q2_k; mixtral and gpt_oss: iq4_xs); the ``ONCE`` files
+    on their one architecture (tq1_0 on qwen3_moe, mxfp4_moe on gpt_oss, the model MXFP4_MOE was made for,
+    iq3_xs+imatrix on mixtral)."""
+    keys = list(recorded(arch))
     if os.environ.get("QKIT_REQUANTIZE_ALL_FILES") == "1":
         return keys
-    return keys[CONVERTED.index(arch) % 2::2]
+    halved = [k for k in keys if k not in ONCE]
+    return halved[CONVERTED.index(arch) % 2::2] + [k for k in keys if ONCE.get(k) == arch]
 
 
 def test_the_halves_cover_every_file_and_every_moe_imatrix():
-    assert {k for a in CONVERTED for k in files_of(a)} == set(FILES) or os.environ.get("QKIT_REQUANTIZE_ALL_FILES") == "1"
-    for arch in ("qwen3_moe", "mixtral", "gpt_oss"):
-        assert any(FILES[k][3] for k in files_of(arch)), arch
+    assert {k for a in CONVERTED for k in files_of(a)} == set(FILES) | set(MOE_FILES)
+    for arch in MOE_ARCHS:
+        assert any(FILES[k][3] for k in files_of(arch) if k in FILES), arch
+    assert all(k in recorded(a) for k, a in ONCE.items())
 
 
 @pytest.mark.parametrize("arch", CONVERTED)

@@ -281,14 +281,21 @@ def test_nf4_needs_whole_blocks_per_row():
 
 
 def test_method_serves_every_registered_scheme_and_refuses_an_unknown_kind():
-    """Every registered scheme has an observer (llama.cpp's types and recipes too: tests/test_gptq_ggml.py);
-    a scheme of a kind no observer serves is refused in one line naming what is served."""
+    """Every registered scheme has an observer (llama.cpp's types and recipes too: tests/test_gptq_ggml.py) but
+    the grid i-quants, which are refused; a scheme of a kind no observer serves is refused in one line naming
+    what is served."""
     import dataclasses
 
     from qkit.schemes import scheme_names
 
+    from qkit.schemes.iquants3 import GridScheme
+
     method = get_method("gptq")
     for name in scheme_names():
+        if isinstance(get_scheme(name), GridScheme):  # iq3_xxs, iq3_s: codes are grid points of 4 weights
+            with pytest.raises(SchemeError, match="GPTQ cannot choose the codes"):
+                method.check(get_scheme(name))
+            continue
         method.check(get_scheme(name))
 
     @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,7 @@ from qkit.methods.imatrix import gguf_names
 from qkit.models import read_config
 from qkit.schemes import QuantizedTensor, get_scheme, quantize_tensor
 
-TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"]
+TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "tq1_0", "tq2_0"]
 
 
 def stored(result, shape) -> QuantizedTensor:
@@ -258,7 +258,7 @@ def test_identity_or_diagonal_hessian_gives_rtn_bytes(name, importance, seed, ro
     """No error feedback (U diagonal): every llama.cpp type's GPTQ bytes are its RTN bytes, with and
     without an importance vector, in either column order; the solve's weights are what the bytes decode to."""
     scheme = get_scheme(name)
-    cols = blocks * (256 if name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs") else 64)
+    cols = blocks * (256 if name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs", "tq1_0", "tq2_0") else 64)
     W = matrix(seed, rows, cols, scale_exp, zero_block)
     g = torch.Generator().manual_seed(seed + 1)
     H = torch.eye(cols) if identity else torch.diag(torch.rand(cols, generator=g) + 0.1)

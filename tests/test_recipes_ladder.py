@@ -40,7 +40,7 @@ from qkit.schemes.recipes import (
     llama_types,
     type_counts,
 )
-from qkit.schemes.llama_rules import tensor_type_fallback, use_more_bits
+from qkit.schemes.llama_rules import ModelFacts, Params, tensor_type_fallback, tensor_types, use_more_bits
 from qkit.schemes.registry import REGISTRY, scheme_from_dict
 
 T = gguf.GGMLQuantizationType
@@ -48,7 +48,8 @@ PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o
         "mlp.down_proj")
 SHORT = {p: p.split(".")[1] for p in PROJ}  # q_proj, ..., down_proj
 FTYPE_OF = {"q2_k-llama": "Q2_K", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q3_k_l": "Q3_K_L", "iq4_nl-llama": "IQ4_NL",
-            "iq4_xs-llama": "IQ4_XS", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S", "q5_k_m": "Q5_K_M"}
+            "iq4_xs-llama": "IQ4_XS", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S", "q5_k_m": "Q5_K_M",
+            "tq1_0-llama": "TQ1_0", "tq2_0-llama": "TQ2_0", "mxfp4_moe": "MXFP4_MOE"}
 
 
 def model_shapes(n_layers, hidden, inter, heads, kv, head_dim, vocab, tied):
@@ -106,6 +107,9 @@ DEFAULT_TABLE = {
     "Q5_K_M": _uniform("Q5_1", (MORE30, "Q6_K", "Q5_K"), v=(MORE30, "Q8_0", "Q5_1")),
     "Q6_K": _uniform("Q8_0", "Q6_K"),
     "Q8_0": _uniform("Q8_0", "Q8_0"),
+    "TQ1_0": _uniform("Q4_0", "TQ1_0"),  # TQ1_0 -> Q4_0 below 256-blocks
+    "TQ2_0": _uniform("Q4_0", "TQ2_0"),
+    "MXFP4_MOE": _uniform("Q8_0", "Q8_0"),  # no expert tensor: Q8_0 throughout
 }
 # The same, counted by hand over the 210 projections.
 DEFAULT_COUNTS = {
@@ -121,6 +125,9 @@ DEFAULT_COUNTS = {
     "Q5_K_M": {"Q5_1": 166, "Q5_K": 16, "Q8_0": 14, "Q6_K": 14},
     "Q6_K": {"Q8_0": 180, "Q6_K": 30},
     "Q8_0": {"Q8_0": 210},
+    "TQ1_0": {"Q4_0": 180, "TQ1_0": 30},
+    "TQ2_0": {"Q4_0": 180, "TQ2_0": 30},
+    "MXFP4_MOE": {"Q8_0": 210},
 }
 
 
@@ -310,7 +317,27 @@ def test_llama_suffixed_ftypes_differ_from_the_uniform_type(name):
     r = get_scheme(name).bind(DEFAULT_CONFIG)
     uniform = {n: tensor_type_fallback(r.ggml_type, s[-1]) for n, s in DEFAULT_SHAPES}
     differ = [n for n, t in llama_types(r, DEFAULT_SHAPES).items() if t != uniform[n]]
-    assert "model.embed_tokens.weight" in differ and len(differ) > 1
+    if r.ftype.startswith("TQ"):  # only the (tied) embedding differs: Q6_K's fallback Q8_0, not TQ's Q4_0
+        assert differ == ["model.embed_tokens.weight"]
+    else:
+        assert "model.embed_tokens.weight" in differ and len(differ) > 1
+
+
+def test_mxfp4_moe_is_mxfp4_for_expert_tensors_and_q8_0_elsewhere():
+    """llama_tensor_get_type_impl's MXFP4_MOE branch: a 3-D tensor of more than one expert is MXFP4, every other
+    quantized tensor Q8_0 (output and token_embd too); a dense model's recipe is Q8_0 throughout."""
+    facts = ModelFacts("qwen3moe", 2, n_expert=4, n_head=4, n_head_kv=2)
+    tensors = [("token_embd.weight", (256, 1000), T.F32), ("output.weight", (256, 1000), T.F32),
+               ("blk.0.attn_v.weight", (256, 128), T.F32), ("blk.0.ffn_down_exps.weight", (512, 256, 4), T.F32),
+               ("blk.0.ffn_up_exps.weight", (256, 512, 4), T.F32), ("blk.0.ffn_down_shexp.weight", (512, 256), T.F32),
+               ("blk.0.ffn_gate_inp.weight", (256, 4), T.F32), ("blk.1.ffn_up_exps.weight", (256, 512, 1), T.F32)]
+    got = tensor_types(tensors, facts, Params(gguf.LlamaFileType.MOSTLY_MXFP4_MOE))
+    assert {n: t.name for n, t in got.items()} == {
+        "token_embd.weight": "Q8_0", "output.weight": "Q8_0", "blk.0.attn_v.weight": "Q8_0",
+        "blk.0.ffn_down_exps.weight": "MXFP4", "blk.0.ffn_up_exps.weight": "MXFP4", "blk.0.ffn_down_shexp.weight": "Q8_0",
+        "blk.0.ffn_gate_inp.weight": "F32", "blk.1.ffn_up_exps.weight": "Q8_0"}  # one expert: ne[2] == 1
+    dense = llama_types(get_scheme("mxfp4_moe").bind(DEFAULT_CONFIG), DEFAULT_SHAPES)
+    assert set(dense.values()) == {T.Q8_0}
 
 
 def written_by_enumeration(ftype: str) -> set[T]:
@@ -335,7 +362,9 @@ def written_by_enumeration(ftype: str) -> set[T]:
 @pytest.mark.parametrize("name", list(FTYPE_OF))
 def test_types_are_every_type_written(name):
     r = get_scheme(name)
-    assert set(r.ggml_types) == written_by_enumeration(r.ftype) and r.ggml_types[0] == r.ggml_type
+    # MXFP4_MOE's MXFP4 is for 3-D expert tensors only, which no dense model has (its rule: test_mxfp4_moe_*)
+    experts = {T.MXFP4} if r.ftype == "MXFP4_MOE" else set()
+    assert set(r.ggml_types) == written_by_enumeration(r.ftype) | experts and r.ggml_types[0] == r.ggml_type
     assert list(r.ggml_types[1:]) == sorted(r.ggml_types[1:], key=int)
     assert all(not isinstance(s, Recipe) and s.ggml_type in r.ggml_types for s in r.types)
     seen = set()

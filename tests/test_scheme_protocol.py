@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from qkit.errors import SchemeError
-from qkit.schemes import DEFAULT_SCHEMES, GGMLCodable, Recipe, Scheme, get_scheme, quantize_tensor, scheme_names
+from qkit.schemes import (DEFAULT_SCHEMES, GGMLCodable, GGMLScheme, Recipe, Scheme, get_scheme, is_fp4, quantize_tensor,
+                          scheme_names)
 from qkit.schemes import table
 from qkit.schemes.registry import FAMILIES
 
@@ -45,7 +46,7 @@ def test_nbytes_for_and_part_layout_are_what_encode_stores(name, shape):
     s = _bound(name)
     w = torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)))
     if shape[-1] % 32:  # a width no block format stores (fp4 and llama.cpp's blocks need whole blocks of 32 or 16)
-        if s.kind in ("ggml", "fp4", "recipe") or isinstance(s, Recipe):
+        if isinstance(s, (GGMLScheme, Recipe)) or is_fp4(s):
             with pytest.raises(SchemeError):
                 s.resolve(shape, NAME)
             with pytest.raises(SchemeError):
@@ -94,10 +95,10 @@ def test_ggml_codable_blocks_round_trip(name):
 def test_capabilities_are_the_expected_ones():
     codable = [n for n in scheme_names() if isinstance(get_scheme(n), GGMLCodable)]
     assert codable == ["mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k",
-                       "iq4_nl", "iq4_xs"]
+                       "iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0"]
     recipes = [n for n in scheme_names() if isinstance(get_scheme(n), Recipe)]
     assert recipes == ["q2_k-llama", "q3_k_s", "q3_k_m", "q3_k_l", "iq4_nl-llama", "iq4_xs-llama", "q4_k_s", "q4_k_m",
-                       "q5_k_s", "q5_k_m"]
+                       "q5_k_s", "q5_k_m", "tq1_0-llama", "tq2_0-llama", "mxfp4_moe"]
     assert all(isinstance(t, GGMLCodable) for r in recipes for t in get_scheme(r).types)
 
 

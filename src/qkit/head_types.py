@@ -35,7 +35,7 @@ from qkit.lists import shown
 from qkit.schemes import Recipe, Scheme
 from qkit.schemes.ggml import GGMLScheme, uses_importance
 from qkit.schemes.recipes import tensor_category
-from qkit.transform import ggml_scheme
+from qkit.transform import ggml_scheme, ggml_type_names
 
 # llama.cpp's ggml_type_name of the float types llama-quantize takes for these options
 FLOAT_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -53,8 +53,8 @@ def parse_type(word: str, option: str) -> Scheme | torch.dtype:
     try:
         return ggml_scheme(key, f"{option} {shown(word)}")
     except InputError:
-        raise InputError(f"{option} {shown(word)}: not a type qkit writes for it (f32, f16, bf16, or a ggml type: q8_0, "
-                         "q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs)") from None
+        raise InputError(f"{option} {shown(word)}: not a type qkit writes for it (f32, f16, bf16, or a ggml type: "
+                         f"{', '.join(ggml_type_names())})") from None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 
 from qkit.errors import CheckpointError, InputError, SchemeError
 from qkit.lists import check_words, empty, shown
-from qkit.schemes import GGMLScheme, QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor
+from qkit.schemes import GGMLScheme, QuantizedTensor, Recipe, Scheme, get_scheme, quantize_tensor, scheme_names
 from qkit.schemes.registry import scheme_from_dict
 from qkit.version import __version__
 
@@ -216,9 +216,13 @@ def ggml_scheme(type_name: str, what: str) -> Scheme:
     except SchemeError:
         scheme = None
     if not isinstance(scheme, GGMLScheme):  # None, another family, or a recipe (a mix, not one type)
-        raise InputError(f"{what}: {type_name!r} is not a ggml block type qkit writes (q8_0, q4_0, q4_1, q5_0, q5_1, "
-                         "q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs)")
+        raise InputError(f"{what}: {type_name!r} is not a ggml block type qkit writes ({', '.join(ggml_type_names())})")
     return scheme
+
+
+def ggml_type_names() -> list[str]:
+    """The llama.cpp block types qkit writes (``GGMLScheme``s), in registry order: what ``ggml_scheme`` takes."""
+    return [n for n in scheme_names() if isinstance(get_scheme(n), GGMLScheme)]
 
 
 def assign_schemes(

@@ -22,6 +22,8 @@ from qkit.export.common import Format, PreparedExport, SafetensorsFormat
 from qkit.models import ModelRef, read_config
 from qkit.schemes import QuantizedTensor, Scheme, get_scheme, scheme_names
 from qkit.schemes.base import Recipe
+from qkit.schemes.iquants3 import GridScheme
+from qkit.schemes.tquants import TernaryScheme
 from qkit.transform import MANIFEST_FORMAT
 from qkit.version import __version__
 
@@ -67,7 +69,10 @@ class QkitFormat(SafetensorsFormat):
     written_as = ""  # the default format, every torch row's: a status line names no format for it
 
     def plan_types(self) -> tuple[str, ...]:
-        return (*(n for n in scheme_names() if not isinstance(get_scheme(n), Recipe)), *PLAN_GROUPS)
+        """Every scheme but the recipes (mixes, not types), the ternary ones (``TernaryScheme``) and the grid
+        i-quants (``GridScheme``: no GPTQ observer to price them for), then groups."""
+        return (*(n for n in scheme_names() if not isinstance(get_scheme(n), (Recipe, TernaryScheme, GridScheme))),
+                *PLAN_GROUPS)
 
     def takes_plan(self, planned: Format) -> bool:
         return True  # it stores whatever types a plan for any format chose

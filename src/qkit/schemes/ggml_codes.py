@@ -1,7 +1,8 @@
 """Where each llama.cpp block type keeps its codes, and the grid its stored scales give.
 
 Layer 2 (``schemes/``): tensors in, tensors out. For every type of :mod:`qkit.schemes.ggml`,
-:mod:`qkit.schemes.kquants`, :mod:`qkit.schemes.kquants_low` and :mod:`qkit.schemes.iquants`, a
+:mod:`qkit.schemes.kquants`, :mod:`qkit.schemes.kquants_low`, :mod:`qkit.schemes.iquants` and
+:mod:`qkit.schemes.tquants`, a
 :class:`BlockCodes` says how to read the codes out of block bytes and write them back (with the packers
 those modules use, so only the code bits change), and the grid of each sub-block that the stored fp16
 scales and minimums give, exactly as the type's decoder computes it (fp32)::
@@ -20,6 +21,8 @@ q6_k        256    16   32     ``d * sc_j`` (``sc_j`` int8)      --
 q2_k        256    16   0      ``d * (scales_j & 15)``           ``-(dmin * (scales_j >> 4))``
 q3_k        256    16   4      ``d * sc_j`` (6-bit, ``-32``)     --
 iq4_xs      256    32   table  ``d * (ls_j - 32)``               --
+tq1_0,      256    256  1      ``d``                             --
+tq2_0
 ==========  =====  ===  =====  ================================  ===============================
 
 ``x + (-y)`` is ``x - y`` in IEEE arithmetic, so these equal the decoders bit for bit
@@ -46,6 +49,7 @@ from qkit.schemes.kquants_low import (
     q3_codes,
     unpack_2bit,
 )
+from qkit.schemes.tquants import TQ1_SIZE, TQ2_SIZE, pack_tq1, pack_tq2, tq1_trits, tq2_trits
 
 Grid = tuple[torch.Tensor, torch.Tensor | None]  # (scale [nb, nsub], offset [nb, nsub] or None), fp32
 
@@ -201,6 +205,10 @@ CODES: dict[Any, BlockCodes] = {
     T.Q2_K: BlockCodes(256, 84, 16, 0, False, lambda b: unpack_2bit(b[:, 16:80]).to(torch.int32), _q2_pack, _q2_grid),
     T.Q3_K: BlockCodes(256, 110, 16, 4, False, q3_codes, pack_q3_codes, _q3_grid),
     T.IQ4_XS: BlockCodes(256, 136, 32, 0, True, _xs_codes, _xs_pack, _xs_grid),
+    T.TQ1_0: BlockCodes(256, TQ1_SIZE, 256, 1, False, tq1_trits, lambda q, b: pack_tq1(q.to(torch.uint8), b),
+                        lambda b: (read_fp16(b, TQ1_SIZE - 2), None)),
+    T.TQ2_0: BlockCodes(256, TQ2_SIZE, 256, 1, False, tq2_trits, lambda q, b: pack_tq2(q.to(torch.uint8), b),
+                        lambda b: (read_fp16(b, TQ2_SIZE - 2), None)),
 }
 
 

@@ -3,7 +3,7 @@ rounded by llama.cpp's own final rounding, the codes written back into RTN's blo
 
 Layer 2 (``schemes/``): tensors in, tensors out. Registered in ``qkit.schemes.observers.OBSERVERS`` under
 the kind ``ggml``, so ``qkit.methods.gptq`` drives it like the absmax, NF4 and FP4 grids. A unit is one
-block of a row: 32 columns (q4_0 ... q8_0, iq4_nl) or a super-block of 256 (q2_k ... q6_k, iq4_xs).
+block of a row: 32 columns (q4_0 ... q8_0, iq4_nl) or a super-block of 256 (q2_k ... q6_k, iq4_xs, tq1_0, tq2_0).
 
 **Scales** (``set_unit``). The type's own encoder runs on the unit's columns (the current weights: the
 original ones with static scales, the error-updated ones otherwise), with the importance matrix's entry
@@ -19,6 +19,7 @@ block's weights do not depend on which columns GPTQ has already changed, and run
 encoder (``a``, ``b`` per row and sub-block), so that with no error feedback the codes are RTN's::
 
     q8_0                     roundf(w * a), a = 1/d, d = amax/127 (fp32)          clamp -128..127
+    tq1_0, tq2_0             roundf(w * a) + 1, a = 1/d, d = amax (fp32)          clamp 0..2
     q4_0, q5_0               (int)(w * a + 8.5 | 16.5), a = 1/d, d = max/-8 | -16   clamp 0..15 | 31
     q4_1, q5_1               (int)((w - min) * a + 0.5), a = 1/d                     clamp 0..15 | 31
       with an importance     nearest_int((w - b) * a): a the search's inverse scale, b its minimum
@@ -71,6 +72,8 @@ _RULES: dict[Any, tuple[tuple, tuple]] = {
     T.Q6_K: ((DIV, -32, 31, 32.0),) * 2,
     T.Q2_K: ((DIV, 0, 3, 0.0),) * 2,
     T.Q3_K: ((DIV, -4, 3, 4.0),) * 2,
+    T.TQ1_0: ((AWAY, -1, 1, 1.0),) * 2,  # quantize_tq*_0 ignore the importance matrix
+    T.TQ2_0: ((AWAY, -1, 1, 1.0),) * 2,
 }
 _SEARCHED = {T.Q4_0: 8, T.Q5_0: 16, T.Q4_1: 15, T.Q5_1: 31}  # nmax of the row-weighted 32-block searches
 
@@ -216,6 +219,8 @@ class GGMLObserver:
         blocks = parts["qweight"].reshape(nb, bc.size)
         if t == T.Q8_0:
             return blocks, inverse(xb.abs().amax(dim=1, keepdim=True) / 127), zero
+        if t in (T.TQ1_0, T.TQ2_0):
+            return blocks, inverse(xb.abs().amax(dim=1, keepdim=True)), zero
         if t in (T.Q4_0, T.Q5_0):
             _, mx = signed_extreme(xb)
             return blocks, inverse(mx / (-8 if t == T.Q4_0 else -16)).unsqueeze(1), zero

@@ -9,7 +9,11 @@ recipe's file holds what llama-quantize's does: the block projections and ``toke
 ``i`` of ``n``, ``n_gqa = n_head // n_head_kv`` and the file type's default type ``D``:
 
 * ``output`` (``lm_head``), and ``token_embd`` when tied to it: Q8_0 if the width is not a multiple of
-  ``D``'s block, else Q6_K (Q8_0 stays Q8_0). An untied ``token_embd``: ``D``.
+  ``D``'s block, else Q6_K (Q8_0 stays Q8_0); MXFP4_MOE: Q8_0. An untied ``token_embd``: ``D``; TQ1_0 /
+  TQ2_0: Q4_K.
+* MXFP4_MOE: MXFP4 for a 3-D tensor of more than one expert (a mixture-of-experts model's ``_exps``,
+  written through llama.cpp's converter: ``qkit.converted``), Q8_0 for every other tensor, so a dense
+  llama/qwen2 model is Q8_0 throughout; none of the rules below applies.
 * ``attn_v``: Q2_K: Q4_K if ``n_gqa >= 4`` else Q3_K; Q3_K_M: Q5_K for ``i < 2``, else Q4_K; Q3_K_L:
   Q5_K; IQ4_NL / IQ4_XS: Q5_K if ``n_gqa >= 4``; Q4_K_M / Q5_K_M: Q6_K where ``use_more_bits(i, n)``;
   Q4_K_S: Q5_K for ``i < 4``. Then llama.cpp's 70B type (llama with 80 layers and ``n_head !=
@@ -21,7 +25,7 @@ recipe's file holds what llama-quantize's does: the block projections and ``toke
 * everything else (attn_q, attn_k, ffn_gate, ffn_up): ``D``.
 
 Then the width fallback (``tensor_type_fallback``) for a width (ggml ``ne[0]``, the last dimension) that
-is not whole blocks: Q2_K, Q3_K -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0; IQ4_XS -> IQ4_NL;
+is not whole blocks: Q2_K, Q3_K, TQ1_0, TQ2_0 -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0; IQ4_XS -> IQ4_NL;
 F16 where even that does not fit (a width not a multiple of 32), which qkit refuses (``SchemeError``).
 ``resolve(shape, name)`` returns the scheme of the type actually written. Divisions are C's integer ones.
 
@@ -39,8 +43,8 @@ recipe was not given is refused when that tensor is resolved. Whether an importa
 (``qs.has_imatrix``, read by the IQ4 rule): :meth:`LlamaRecipe.with_imatrix`; without it, none.
 
 **Names.** The ftypes whose name is no block type's are registered as such (``q3_k_s`` ... ``q5_k_m``);
-the others as ``q2_k-llama``, ``iq4_nl-llama``, ``iq4_xs-llama`` (``q2_k``, ``iq4_nl``, ``iq4_xs`` are the
-uniform types). Q6_K and Q8_0 are not registered: for every tensor of a dense llama/qwen2 model they
+``mxfp4_moe`` for MXFP4_MOE; the others as ``q2_k-llama``, ``iq4_nl-llama``, ``iq4_xs-llama``,
+``tq1_0-llama``, ``tq2_0-llama`` (``q2_k``, ``iq4_nl``, ``iq4_xs``, ``tq1_0``, ``tq2_0`` are the uniform types). Q6_K and Q8_0 are not registered: for every tensor of a dense llama/qwen2 model they
 give what the uniform ``q6_k`` / ``q8_0`` give (the output rule yields the default type or its fallback,
 and no other rule names them).
 
@@ -102,7 +106,7 @@ def tensor_category(name: str) -> str:
 DEFAULT_TYPES: dict[str, T] = {
     "Q2_K": T.Q2_K, "Q3_K_S": T.Q3_K, "Q3_K_M": T.Q3_K, "Q3_K_L": T.Q3_K, "IQ4_NL": T.IQ4_NL,
     "IQ4_XS": T.IQ4_XS, "Q4_K_S": T.Q4_K, "Q4_K_M": T.Q4_K, "Q5_K_S": T.Q5_K, "Q5_K_M": T.Q5_K,
-    "Q6_K": T.Q6_K, "Q8_0": T.Q8_0,
+    "Q6_K": T.Q6_K, "Q8_0": T.Q8_0, "TQ1_0": T.TQ1_0, "TQ2_0": T.TQ2_0, "MXFP4_MOE": T.MXFP4,
 }
 # The types each ftype writes for some tensor (category, layer, n_gqa, 70B or not, imatrix or not, tied or
 # not, whole 256-blocks or only 32-blocks): the default first, then by ggml type number. The tests derive
@@ -120,8 +124,14 @@ WRITTEN = {
     "Q5_K_M": "Q5_K Q5_1 Q8_0 Q6_K",
     "Q6_K": "Q6_K Q8_0",
     "Q8_0": "Q8_0",
+    "TQ1_0": "TQ1_0 Q4_0 Q5_0 Q8_0 Q4_K Q6_K",  # Q4_K: an untied token_embd
+    "TQ2_0": "TQ2_0 Q4_0 Q5_0 Q8_0 Q4_K Q6_K",
+    # MXFP4 only for a 3-D expert tensor (a mixture-of-experts model's, through llama.cpp's converter): a
+    # dense llama/qwen2 model gets Q8_0 throughout
+    "MXFP4_MOE": "MXFP4 Q8_0",
 }
-_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8, T.IQ4_NL: 4, T.IQ4_XS: 4}
+_BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8, T.IQ4_NL: 4, T.IQ4_XS: 4, T.TQ1_0: 2,
+         T.TQ2_0: 2, T.MXFP4: 4}
 ARCHITECTURES = ("llama", "qwen2")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -425,6 +435,18 @@ _RECIPES = (
     ("q5_k_m", "Q5_K_M", (
         "llama.cpp's Q5_K_M recipe: Q6_K for attn_v and ffn_down in some layers, Q5_K elsewhere, "
         "with the width fallbacks"
+    )),
+    ("tq1_0-llama", "TQ1_0", (
+        "llama.cpp's TQ1_0 file type: TQ1_0, with Q4_K for an untied token_embd and Q6_K for the output; "
+        "with the width fallbacks"
+    )),
+    ("tq2_0-llama", "TQ2_0", (
+        "llama.cpp's TQ2_0 file type: TQ2_0, with Q4_K for an untied token_embd and Q6_K for the output; "
+        "with the width fallbacks"
+    )),
+    ("mxfp4_moe", "MXFP4_MOE", (
+        "llama.cpp's MXFP4_MOE file type (made for gpt-oss): MXFP4 for the mixture-of-experts tensors, "
+        "Q8_0 for every other one"
     )),
 )
 RECIPES: dict[str, LlamaRecipe] = {n: register(LlamaRecipe(n, f, d)) for n, f, d in _RECIPES}

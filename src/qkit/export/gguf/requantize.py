@@ -5,8 +5,11 @@ quantized into the file ``llama-quantize [--imatrix F] [--pure] [--token-embeddi
 
 * **Types**: ``qkit.schemes.llama_rules.tensor_types`` (every architecture's rules, the counters in the
   loader's order); a tensor llama.cpp may not quantize (norms, 1-D, the router, ...) is copied as it is.
-* **Bytes**: each tensor with qkit's block encoders (``recipes.scheme_for_type``), on the float32 values
-  llama.cpp quantizes (F16/BF16 widened exactly). A 3-D expert tensor ``[n_expert, rows, cols]`` is
+* **Bytes**: each tensor with qkit's block encoders (``recipes.scheme_for_type``: llama.cpp's block types,
+  and ``mxfp4`` for MXFP4, whose parts are converted to the blocks), on the float32 values llama.cpp
+  quantizes (F16/BF16 widened exactly). One divergence, by design: an MXFP4 block whose largest magnitude
+  is below 2**-125 gets exponent 0, where llama.cpp's ``(uint8_t)`` cast of a negative exponent wraps
+  (``qkit.schemes.fp4``). A 3-D expert tensor ``[n_expert, rows, cols]`` is
   quantized one expert at a time with that expert's row of the importance matrix: llama-imatrix stores
   an ``_exps`` entry as ``[n_expert, cols]`` (one ``counts`` per expert), llama-quantize hands
   ``ggml_quantize_chunk`` ``imatrix + expert * cols`` for each expert's rows. F16 and BF16 targets round
@@ -53,8 +56,8 @@ from qkit.export.gguf.metadata import FILE, KV_DTYPES, RECORD_KEY, Field, copy_f
 from qkit.export.gguf.reader import DEFAULT_ALIGNMENT, Header, TensorInfo, read_header
 from qkit.export.gguf.types import decode_blocks, file_type
 from qkit.export.gguf.writer import atomic_output
-from qkit.schemes import Recipe, Scheme
-from qkit.schemes.ggml import GGMLScheme, importance_problem, is_llama_type, uses_importance
+from qkit.schemes import GGMLCodable, Recipe, Scheme, quantize_tensor
+from qkit.schemes.ggml import importance_problem, is_llama_type, uses_importance
 from qkit.schemes.kquants import LLAMA_CPP_COMMIT
 from qkit.schemes.fidelity import check_written
 from qkit.schemes.llama_rules import ModelFacts, Params, category, is_quantized, n_dims, tensor_types
@@ -173,15 +176,17 @@ def _requires_imatrix(name: str, t: T, ftype: F) -> bool:
     return t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_M, T.IQ1_S) or (t == T.Q2_K and ftype == F.MOSTLY_Q2_K_S)
 
 
-def _encoder(t: T, name: str) -> GGMLScheme | None:
-    """The block encoder of ``t`` (None for a float target), or ``SchemeError`` in one line."""
+def _encoder(t: T, name: str) -> GGMLCodable | None:
+    """The scheme that writes ``t``'s blocks (None for a float target): llama.cpp's block types, and ``mxfp4``
+    for MXFP4 (``GGMLCodable``: its parts converted to the blocks); ``SchemeError`` in one line for a type
+    qkit has none for."""
     if t in FLOATS:
         return None
     try:
         s = scheme_for_type(t, name)
     except SchemeError:
         s = None
-    if not isinstance(s, GGMLScheme):
+    if not isinstance(s, GGMLCodable):
         raise SchemeError(f"tensor {name}: llama-quantize writes it as {t.name}, which qkit has no llama.cpp encoder for; "
                           "choose another file type")
     return s
@@ -354,12 +359,16 @@ def encode(x: np.ndarray, p: Planned) -> np.ndarray:
     if p.ggml_type == T.BF16:
         return to_bf16(x)
     scheme = _encoder(p.ggml_type, p.info.name)
-    if p.weights is None:
-        return scheme.encode(torch.from_numpy(x))["qweight"].numpy()
+
+    def blocks(rows: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
+        qt = quantize_tensor(torch.from_numpy(rows), scheme, name=p.info.name,
+                             quant_weights=None if qw is None else torch.from_numpy(qw.copy()))
+        return scheme.to_ggml_blocks(qt).numpy()
+
+    if p.weights is None or not uses_importance(p.ggml_type):  # q8_0, tq*_0, mxfp4: llama.cpp ignores the matrix
+        return blocks(x, None)
     per = x.shape[0] // p.weights.shape[0]
-    return np.concatenate([scheme.encode(torch.from_numpy(x[e * per:(e + 1) * per]),
-                                         quant_weights=torch.from_numpy(p.weights[e].copy()))["qweight"].numpy()
-                           for e in range(p.weights.shape[0])])
+    return np.concatenate([blocks(x[e * per:(e + 1) * per], p.weights[e]) for e in range(p.weights.shape[0])])
 
 
 # --------------------------------------------------------------------------- the file

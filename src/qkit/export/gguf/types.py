@@ -109,29 +109,30 @@ def check_block_width(name: str, shape: tuple[int, ...], scheme: Scheme) -> None
 def file_type(default: dict, resolved: list[Scheme]):
     """``general.file_type``: the llama.cpp ftype ``llama-quantize`` would record for this export.
 
-    ``default``: the default scheme's manifest entry. By its name for llama.cpp's mixtures (``q4_k_m`` ->
-    ``MOSTLY_Q4_K_M``, ``q2_k-llama`` -> ``MOSTLY_Q2_K``) and mxfp4, else by its ggml type (``q4_k`` -> ``MOSTLY_Q4_K_S``,
-    ``q3_k`` -> ``MOSTLY_Q3_K_M``: llama-quantize's ``Q3_K`` is an alias of it; llama.cpp's "mostly Q4_K",
-    even where the width fallback gave most tensors q5_0), else by the type most tensors got. Embeddings
+    ``default``: the default scheme's manifest entry. A recipe's by the ftype it records (``q4_k_m`` ->
+    ``MOSTLY_Q4_K_M``, ``q2_k-llama`` -> ``MOSTLY_Q2_K``, ``mxfp4_moe`` -> ``MOSTLY_MXFP4_MOE``), mxfp4 by its
+    name, else by its ggml type (``q4_k`` -> ``MOSTLY_Q4_K_S``, ``q3_k`` -> ``MOSTLY_Q3_K_M``: llama-quantize's
+    ``Q3_K`` is an alias of it; llama.cpp's "mostly Q4_K", even where the width fallback gave most tensors
+    q5_0), else by the type most tensors got. Embeddings
     kept in F32 do not change it.
     """
     default_name = default.get("name", "")
     F, T = gguf.LlamaFileType, gguf.GGMLQuantizationType
-    by_name = {"q4_k_m": F.MOSTLY_Q4_K_M, "q4_k_s": F.MOSTLY_Q4_K_S, "q5_k_m": F.MOSTLY_Q5_K_M,
-               "q5_k_s": F.MOSTLY_Q5_K_S, "q3_k_s": F.MOSTLY_Q3_K_S, "q3_k_m": F.MOSTLY_Q3_K_M,
-               "q3_k_l": F.MOSTLY_Q3_K_L, "q2_k-llama": F.MOSTLY_Q2_K, "iq4_nl-llama": F.MOSTLY_IQ4_NL,
-               "iq4_xs-llama": F.MOSTLY_IQ4_XS,
-               # llama.cpp has one ftype for MXFP4, MOSTLY_MXFP4_MOE (38: llama-quantize's "MXFP4_MOE", made for
-               # gpt-oss, where it quantizes the expert tensors); it is the only ftype that names MXFP4, and
-               # llama.cpp reads the ftype as a label only (every tensor carries its own type). mxfp4's manifest
-               # entry names no ggml_type, so it is found here by its name.
-               "mxfp4": F.MOSTLY_MXFP4_MOE}
+    recipe = str(default.get("recipe", "")).removeprefix("LLAMA_FTYPE_")  # a recipe's: LLAMA_FTYPE_MOSTLY_Q4_K_M
+    if recipe in F.__members__:
+        return F[recipe]
+    # llama.cpp has one ftype for MXFP4, MOSTLY_MXFP4_MOE (38: llama-quantize's "MXFP4_MOE", made for gpt-oss,
+    # where it quantizes the expert tensors); it is the only ftype that names MXFP4, and llama.cpp reads the
+    # ftype as a label only (every tensor carries its own type). mxfp4's manifest entry names no ggml_type, so
+    # it is found here by its name.
+    by_name = {"mxfp4": F.MOSTLY_MXFP4_MOE}
     if default_name in by_name:
         return by_name[default_name]
     by_type = {T.Q4_0: F.MOSTLY_Q4_0, T.Q4_1: F.MOSTLY_Q4_1, T.Q5_0: F.MOSTLY_Q5_0, T.Q5_1: F.MOSTLY_Q5_1,
                T.Q8_0: F.MOSTLY_Q8_0, T.Q4_K: F.MOSTLY_Q4_K_S, T.Q5_K: F.MOSTLY_Q5_K_S, T.Q6_K: F.MOSTLY_Q6_K,
                T.Q2_K: F.MOSTLY_Q2_K, T.Q3_K: F.MOSTLY_Q3_K_M, T.IQ4_NL: F.MOSTLY_IQ4_NL, T.IQ4_XS: F.MOSTLY_IQ4_XS,
-               T.F16: F.MOSTLY_F16, T.BF16: F.MOSTLY_BF16, T.MXFP4: F.MOSTLY_MXFP4_MOE}
+               T.F16: F.MOSTLY_F16, T.BF16: F.MOSTLY_BF16, T.MXFP4: F.MOSTLY_MXFP4_MOE,
+               T.TQ1_0: F.MOSTLY_TQ1_0, T.TQ2_0: F.MOSTLY_TQ2_0, T.IQ3_XXS: F.MOSTLY_IQ3_XXS, T.IQ3_S: F.MOSTLY_IQ3_S}
     if default.get("ggml_type") in T.__members__ and T[default["ggml_type"]] in by_type:
         return by_type[T[default["ggml_type"]]]
     counts = Counter(T(int(s.ggml_type)) for s in resolved)
