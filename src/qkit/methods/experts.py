@@ -37,6 +37,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.schemes.recipes import expert_count
+from qkit.transform import FUSED_MODULES
 
 DEFAULT_MIN_EXPERT_TOKENS = 128  # an expert matrix calibrated on fewer tokens is written by rtn (gptq)
 # The methods that calibrate experts through ``unfused_experts``; the others are refused for a
@@ -77,6 +78,16 @@ _WHY_NOT = {
                "gate and up interleaved by column, with biases), not one 2-D matrix per expert, which is what qkit "
                "quantizes (--method rtn quantizes its attention and keeps the experts in their source dtype)",
 }
+
+
+def fused_modules(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """vLLM's fused modules of a model of ``config`` (``transform.fused_key``): ``transform.FUSED_MODULES``, plus
+    each expert's gate and up where the architecture names them otherwise (mixtral's ``w1``/``w3``, which vLLM's
+    fused-MoE loader stacks into one ``w13`` per expert)."""
+    layout = LAYOUTS.get(str(config.get("model_type")))
+    if layout is None or layout.gate in FUSED_MODULES["gate_up_proj"]:
+        return dict(FUSED_MODULES)
+    return {**FUSED_MODULES, "w13": (layout.gate, layout.up)}
 
 
 def layout_for(config: Mapping[str, Any]) -> ExpertLayout | None:
@@ -315,6 +326,6 @@ def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
     return out
 
 
-__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "LAYOUTS", "ROUTED_METHODS", "ExpertLayout", "ExpertLinears", "FusedExperts",
+__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "LAYOUTS", "ROUTED_METHODS", "ExpertLayout", "ExpertLinears", "FusedExperts", "fused_modules",
            "check_method", "expert_matrices", "expert_views", "fused_experts", "fused_paths", "layout_for", "linear_names",
            "routed_tokens", "routers", "stored_path", "unfused_experts"]
