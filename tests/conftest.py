@@ -36,6 +36,15 @@ def make_tokenizer(directory: Path):
     return tok
 
 
+def fused_amax(weights: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The largest max |w| of ``key``'s fused vLLM layer (its layer's q/k/v, or gate/up; ``transform.fused_groups``),
+    whose nvfp4 global scale the group shares; None for a tensor no fused layer holds (o, down)."""
+    from qkit.transform import fused_groups
+
+    group = next((g for g in fused_groups(sorted(weights)).values() if key in g), None)
+    return None if group is None else torch.stack([weights[n].abs().amax() for n in group]).max()
+
+
 def make_tiny_llama(
     directory: Path,
     *,

@@ -219,8 +219,10 @@ def _run_method(req: Request, ref: ModelRef, choice: Choice, export: PreparedExp
     if req.method is None:
         return None
     on_block = None if progress is None else partial(report, progress, "calibrating")
-    done = req.method.run(ref, choice.targets, req.method_options, device=dev, on_block=on_block,
-                          **({"quant_weights": choice.weights} if req.matrix is not None else {}))
+    extras = {"quant_weights": choice.weights} if req.matrix is not None else {}
+    if choice.tensor_amax and req.method.name == "gptq":  # nvfp4's fused layers: one global scale (GroupScaled)
+        extras["tensor_amax"] = choice.tensor_amax
+    done = req.method.run(ref, choice.targets, req.method_options, device=dev, on_block=on_block, **extras)
     choice.manifest["method"] = {"name": req.method.name, **done.record}
     if "imatrix" in done.record:
         choice.manifest["imatrix"] = done.record["imatrix"]

@@ -12,7 +12,8 @@ typed options. Two steps compile all of it:
    plan file, the importance-matrix file, activations), and the combinations that cannot go together;
 2. ``compile_choice(request, ref, shapes, config, plan)``: with the model's headers and config, one
    ``Choice``: tensor -> scheme (in the order the mechanisms apply: rules, then a plan instead of them,
-   then ``--tensor-type``), the importance vectors, and the manifest's record of how the types were chosen.
+   then ``--tensor-type``), the importance vectors, nvfp4's fused groups' shared maxima (``shared_amax``), and
+   the manifest's record of how the types were chosen.
 
 ``api.quantize_model`` is then a pipeline: resolve the model clear of the output, plan first when the
 options ask it (``PlanOptions``: ``api._plan_first``), compile the ``Choice``, prepare the output, run the
@@ -26,13 +27,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import torch
 
-from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes
+from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes, tensor_reader
 from qkit.errors import ExportError, InputError, QkitError
 from qkit.export import QKIT, activation_format, formats_that, get_format
 from qkit.head_types import Heads, unweighted
 from qkit.methods import RTN, CalibratedOptions, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
-from qkit.methods.experts import check_method
+from qkit.methods.experts import check_method, fused_modules
 from qkit.methods.imatrix import Imatrix, gguf_names, imatrix_record, quant_weights_for, unreached_experts
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
@@ -42,8 +43,9 @@ from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
+from qkit.schemes.base import GroupScaled
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
-from qkit.transform import Rules, TensorTypes, assign_schemes, new_manifest, shapes_fingerprint
+from qkit.transform import Rules, TensorTypes, assign_schemes, fused_groups, new_manifest, shapes_fingerprint
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ class Choice:
     manifest: dict = field(default_factory=dict)  # the record the writers store (rules, plan, imatrix)
     notes: list[str] = field(default_factory=list)  # what the user should know of the inputs (shown by the CLI)
     kept_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # kept unquantized, stored in this dtype (f16)
+    # tensor -> its fused group's largest max |w| (nvfp4: ``shared_amax``), whose global scale the group shares
+    tensor_amax: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def likely_cause(self, name: str, scheme: str, method: str) -> str | None:
         """What most likely made ``name``'s codes (of type ``scheme``) degenerate, for ``check_written``'s
@@ -280,7 +284,29 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         if unreached := unreached_experts(req.matrix, config, list(targets)):  # weighted by 1s, as llama-quantize
             manifest["imatrix"]["unreached_experts"] = unreached
     notes = [*head_notes, *(imatrix_notes(req.matrix, ref.spec, shapes) if req.matrix is not None else [])]
-    return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept)
+    return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept,
+                  shared_amax(ref, config, targets))
+
+
+def shared_amax(ref: ModelRef, config: dict, targets: Mapping[str, Scheme]) -> dict[str, torch.Tensor]:
+    """Tensor -> the largest ``max |w|`` (fp32 scalar) of its fused group, for the targets whose scheme has a
+    per-tensor scale a fused layer shares (``GroupScaled``: nvfp4's global scale). vLLM serves q/k/v as one
+    ``qkv_proj`` and gate/up (each expert's too) as one ``gate_up_proj`` with ONE global scale (the linear
+    schemes take the shards' largest, the MoE methods the gate's), so each shard is quantized with the group's:
+    llm-compressor's ``update_fused_layer_weight_global_scales`` (the least of the shards' global scales,
+    ``2688 / max amax``). Reads the grouped tensors once; a group holding NaN or inf is left alone (its tensor
+    is refused when it is quantized)."""
+    scaled = [n for n, s in targets.items() if isinstance(s, GroupScaled)]
+    groups = fused_groups(scaled, fused_modules(config))
+    if not groups:
+        return {}
+    read = tensor_reader(ref.directory, [n for members in groups.values() for n in members])
+    out: dict[str, torch.Tensor] = {}
+    for members in groups.values():
+        amax = torch.stack([read(n).detach().abs().amax().float() for n in members]).max()
+        if bool(torch.isfinite(amax)):
+            out.update(dict.fromkeys(members, amax))
+    return out
 
 
 def imatrix_notes(matrix: Imatrix, spec: str, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
@@ -379,4 +405,4 @@ def llama_names_of(config: dict, shapes: Mapping[str, tuple[int, ...]]) -> dict[
 
 
 __all__ = ["Choice", "QuantizeOptions", "Request", "check_memory", "check_plan_method", "compile_choice", "llama_names_of",
-           "memory_need", "request"]
+           "memory_need", "request", "shared_amax"]

@@ -46,6 +46,34 @@ def is_block_projection(name: str, shape: tuple[int, ...]) -> bool:
             and not is_router(name))
 
 
+# vLLM's ``packed_modules_mapping`` for llama-style models (llama, mistral, qwen2/3, their MoE experts and
+# shared experts): the fused module it serves and the checkpoint shards it loads into it. phi3 stores
+# ``qkv_proj`` / ``gate_up_proj`` fused already: one tensor, no group.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def fused_key(name: str, modules: dict[str, tuple[str, ...]] = FUSED_MODULES) -> str | None:
+    """The fused module ``name`` (a ``....SHARD.weight``) is loaded into, ``PREFIX.FUSED`` (one per layer, per
+    expert), or None for a tensor no fused module holds. ``modules``: fused name -> shard names
+    (``FUSED_MODULES``, plus mixtral's ``w13: (w1, w3)`` per expert: ``methods.experts.fused_modules``)."""
+    if not name.endswith(".weight"):
+        return None
+    stem = name.removesuffix(".weight")
+    prefix, _, last = stem.rpartition(".")
+    fused = next((f for f, shards in modules.items() if last in shards), None)
+    return None if fused is None else f"{prefix}.{fused}" if prefix else fused
+
+
+def fused_groups(names: Iterable[str], modules: dict[str, tuple[str, ...]] = FUSED_MODULES) -> dict[str, list[str]]:
+    """``PREFIX.FUSED`` -> the names (in the order given) of its shards among ``names``, for every fused module
+    with at least two of them (``fused_key``)."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if (key := fused_key(n, modules)) is not None:
+            groups.setdefault(key, []).append(n)
+    return {k: v for k, v in groups.items() if len(v) > 1}
+
+
 KEEP_ORIGINAL = "none"  # the scheme word in ``--keep none:GLOB`` that leaves a tensor unquantized
 _KEEP_ALIASES = {"int8": "int8-row", "int4": "int4-g128"}
 

@@ -126,7 +126,8 @@ def write_checkpoint(tmp: Path, ref: ModelRef, choice: Choice, export: PreparedE
             qt = precomputed[name]
         else:
             tensor = tensor.to(dev) if tensor.device != dev else tensor
-            qt = quantize_tensor(tensor, s, name=name, quant_weights=choice.weights.get(name))
+            qt = quantize_tensor(tensor, s, name=name, quant_weights=choice.weights.get(name),
+                                 tensor_amax=choice.tensor_amax.get(name))
         if name not in checked:  # a tensor that decodes to garbage refuses the run before anything is in place
             check_written(name, tensor, qt, cause=choice.likely_cause(name, qt.scheme.name, result.method))
         writer.add(name, qt)

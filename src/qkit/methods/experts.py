@@ -39,6 +39,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.schemes.recipes import expert_count
+from qkit.transform import FUSED_MODULES
 
 DEFAULT_MIN_EXPERT_TOKENS = 128  # an expert matrix calibrated on fewer tokens is written by rtn (gptq)
 # The methods that calibrate experts through ``unfused_experts``; the others are refused for a
@@ -79,6 +80,16 @@ _WHY_NOT = {
                "gate and up interleaved by column, with biases), not one 2-D matrix per expert, which is what qkit "
                "quantizes (--method rtn quantizes its attention and keeps the experts in their source dtype)",
 }
+
+
+def fused_modules(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
+    """vLLM's fused modules of a model of ``config`` (``transform.fused_key``): ``transform.FUSED_MODULES``, plus
+    each expert's gate and up where the architecture names them otherwise (mixtral's ``w1``/``w3``, which vLLM's
+    fused-MoE loader stacks into one ``w13`` per expert)."""
+    layout = LAYOUTS.get(str(config.get("model_type")))
+    if layout is None or layout.gate in FUSED_MODULES["gate_up_proj"]:
+        return dict(FUSED_MODULES)
+    return {**FUSED_MODULES, "w13": (layout.gate, layout.up)}
 
 
 def layout_for(config: Mapping[str, Any], doing: str = "calibration is routed to") -> ExpertLayout | None:
@@ -380,6 +391,6 @@ def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
 
 
 __all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "ExpertLayout", "ExpertLinears", "FusedExperts", "LAYOUTS", "ROUTED_METHODS",
-           "check_method", "expert_matrices", "expert_slices", "expert_views", "fused_experts", "fused_numel",
-           "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers", "stored_path",
-           "unfused_experts"]
+           "check_method", "expert_matrices", "expert_slices", "expert_views", "fused_experts", "fused_modules",
+           "fused_numel", "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers",
+           "stored_path", "unfused_experts"]

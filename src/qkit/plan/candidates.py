@@ -71,7 +71,7 @@ from qkit.granularity import PerGroup
 from qkit.schemes import AbsmaxScheme, get_scheme, scheme_names
 from qkit.schemes.base import Recipe, Scheme
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, parse_scale_dtype
-from qkit.transform import KEEP_ORIGINAL
+from qkit.transform import FUSED_MODULES, KEEP_ORIGINAL, fused_key
 
 KEEP = KEEP_ORIGINAL  # "none": the candidate that keeps a tensor unquantized in the source dtype
 _SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -126,23 +126,16 @@ def stored_nbytes(fmt: str, scheme: Scheme | None, shape: tuple[int, int], dtype
     return plan_format(fmt).stored_nbytes(scheme, shape, dtype)
 
 
-# vLLM's ``packed_modules_mapping`` for llama-style models: the fused module and its shards.
-FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_SHARD = re.compile(r"(?:^|\.)(" + "|".join(s for shards in FUSED_MODULES.values() for s in shards) + r")\.weight$")
-_FUSED_OF = {shard: fused for fused, shards in FUSED_MODULES.items() for shard in shards}
-
-
 def fused_groups(format: str, names: Sequence[str]) -> list[list[int]]:
     """Indices into ``names`` that must share one type in ``format``, in order of first appearance: for
-    compressed-tensors, the shards of one fused vLLM layer (``...self_attn.{q,k,v}_proj.weight`` of one
-    layer; ``...mlp.{gate,up}_proj.weight``); every other tensor, and every tensor of other formats, alone."""
+    compressed-tensors, the shards of one fused vLLM layer (``transform.fused_key``: ``...self_attn.{q,k,v}_proj.weight``
+    of one layer; ``...mlp.{gate,up}_proj.weight``); every other tensor, and every tensor of other formats, alone."""
     if not plan_format(format).ties_fused:
         return [[i] for i in range(len(names))]
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
-        m = _SHARD.search(name)
-        key = name[: m.start(1)] + _FUSED_OF[m.group(1)] if m else f"\0{name}"  # \0: never a tensor's name
-        groups.setdefault(key, []).append(i)
+        key = fused_key(name)
+        groups.setdefault(f"\0{name}" if key is None else key, []).append(i)  # \0: never a tensor's name
     return list(groups.values())
 
 

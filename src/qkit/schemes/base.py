@@ -133,6 +133,16 @@ class ImportanceWeighted(Protocol):
     def encode(self, w: torch.Tensor, quant_weights: torch.Tensor | None = None) -> dict[str, torch.Tensor]: ...
 
 
+@runtime_checkable
+class GroupScaled(Protocol):
+    """A scheme with one scale per tensor that several tensors may share (nvfp4's global scale): vLLM serves
+    q/k/v and gate/up as one fused layer with one such scale, so they are quantized with the scale of the
+    group's ``tensor_amax`` (fp32 scalar, the largest ``max |w|`` of the group) instead of their own:
+    ``encode_grouped(w, tensor_amax)``; ``encode(w)`` is ``encode_grouped(w, None)``, the tensor's own."""
+
+    def encode_grouped(self, w: torch.Tensor, tensor_amax: torch.Tensor | None) -> dict[str, torch.Tensor]: ...
+
+
 class SchemeDefaults:
     """The members most schemes share: no per-tensor choice, nothing to bind, a free scale dtype, and
     ``nbytes_for`` from ``part_layout``. A scheme class lists this as its base and overrides what differs.
@@ -169,6 +179,7 @@ def stores_natively(scheme: Any, shape: tuple[int, int]) -> bool:
 __all__ = [
     "DTYPE_NAMES",
     "GGMLCodable",
+    "GroupScaled",
     "ImportanceWeighted",
     "Layout",
     "Recipe",

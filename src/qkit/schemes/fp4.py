@@ -345,8 +345,14 @@ class NVFP4Scheme(SchemeDefaults):
         return self
 
     def encode(self, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.encode_grouped(w, None)
+
+    def encode_grouped(self, w: torch.Tensor, tensor_amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """``tensor_amax``: the fused group's largest ``max |w|`` (``GroupScaled``), whose global scale
+        ``2688 / tensor_amax`` the tensor is quantized with, as llm-compressor's
+        ``update_fused_layer_weight_global_scales`` gives q/k/v and gate/up the least of their global scales."""
         _check_width(self.name, self.block_size, tuple(w.shape), "<tensor>")
-        out = quantize_nvfp4(w)
+        out = quantize_nvfp4(w, None if tensor_amax is None else nvfp4_global_scale(tensor_amax))
         if out is None:
             return _non_finite(w.device)
         return {"qweight": out[0], "scales": out[1], "global_scale": out[2]}

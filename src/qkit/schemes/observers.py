@@ -27,7 +27,8 @@ the kind. The grids, each bit for bit the scheme's RTN:
 * mxfp4: per block of 32, the E8M0 exponent ``e`` of the block's absmax (``mxfp4_exponents``), codes the
   E2M1 rounding of ``w * 2**(127 - e)`` with gguf's rule (ties to the smaller magnitude, +0 for a value
   that rounds to 0), ``Ŵ = E2M1 * 2**(e - 127)``;
-* nvfp4: the fp32 global scale ``gs`` once from the whole weight (``nvfp4_global_scale``), per block of
+* nvfp4: the fp32 global scale ``gs`` once from the whole weight, or from its fused group's ``tensor_amax``
+  (``GroupScaled``; ``nvfp4_global_scale``), per block of
   16 the E4M3 scale ``s`` of the block's absmax (``nvfp4_block_scales``), codes the ties-to-even rounding
   of ``w / (s / gs)`` (-0 for a small negative), ``Ŵ = E2M1 * (s / gs)``;
 * ggml (every llama.cpp block type, registered by ``qkit.schemes.ggml_observer``): each block's scales and
@@ -48,6 +49,7 @@ from qkit.errors import SchemeError
 from qkit.granularity import PerGroup, PerTensor
 from qkit.registry import Registry
 from qkit.schemes.absmax import absmax_scales
+from qkit.schemes.base import GroupScaled
 from qkit.schemes.e2m1 import e2m1_codes, e2m1_table, e8m0_reciprocals, e8m0_values, mxfp4_exponents, pack_fp4
 from qkit.schemes.fp4 import nvfp4_block_scales, nvfp4_global_scale
 from qkit.schemes.ggml import is_llama_type
@@ -289,11 +291,14 @@ class NVFP4Observer(MXFP4Observer):
     ties_to_even = True
 
     def __init__(self, scheme: NVFP4Scheme, rows: int, cols: int, device: torch.device, *,
-                 scale_rule: str = "absmax", weights: torch.Tensor | None = None):
-        if weights is None:
+                 scale_rule: str = "absmax", weights: torch.Tensor | None = None,
+                 tensor_amax: torch.Tensor | None = None):
+        if weights is None and tensor_amax is None:
             raise SchemeError("an nvfp4 observer needs the weights: its global scale is the whole tensor's")
         super().__init__(scheme, rows, cols, device)  # type: ignore[arg-type]
-        self.global_scale = nvfp4_global_scale(weights.to(device=device, dtype=torch.float32).abs().amax())
+        # ``tensor_amax``: a fused group's (``GroupScaled``), whose global scale every shard shares
+        amax = weights.to(device=device, dtype=torch.float32).abs().amax() if tensor_amax is None else tensor_amax
+        self.global_scale = nvfp4_global_scale(amax.to(device=device, dtype=torch.float32))
 
     def set_unit(self, u: int, w: torch.Tensor) -> None:
         s = nvfp4_block_scales(w.abs().amax(dim=1), self.global_scale)
@@ -319,15 +324,20 @@ def observer_type(scheme: Scheme) -> ObserverType | None:
 
 
 def observer_for(scheme: Scheme, rows: int, cols: int, device: torch.device, *, scale_rule: str = "absmax",
-                 weights: torch.Tensor | None = None, quant_weights: torch.Tensor | None = None) -> Observer:
+                 weights: torch.Tensor | None = None, quant_weights: torch.Tensor | None = None,
+                 tensor_amax: torch.Tensor | None = None) -> Observer:
     """A fresh observer for a ``[rows, cols]`` matrix of ``scheme`` (``weights``: that matrix, which nvfp4's
     global scale and the llama.cpp types' importance weighting need; ``quant_weights``: an importance
-    matrix's entry, fp32 ``[cols]``, which only the llama.cpp types take). A scheme with no observer
-    raises ``SchemeError``."""
+    matrix's entry, fp32 ``[cols]``, which only the llama.cpp types take; ``tensor_amax``: a fused group's
+    largest ``max |w|``, which only nvfp4 takes, ``quantize_tensor``'s). A scheme with no observer raises ``SchemeError``."""
     kind = observer_type(scheme)
     if kind is None:
         raise SchemeError(f"no observer chooses the codes of scheme {scheme.name!r} (kind {scheme.kind}); "
                           f"observers exist for: {', '.join(OBSERVERS.names())}")
+    if tensor_amax is not None:
+        if not isinstance(scheme, GroupScaled):
+            raise SchemeError(f"{scheme.name} has no per-tensor scale a fused layer shares (nvfp4 has)")
+        return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights, tensor_amax=tensor_amax)
     if quant_weights is None:
         return kind(scheme, rows, cols, device, scale_rule=scale_rule, weights=weights)
     if not is_llama_type(scheme):  # only llama.cpp's encoders take one

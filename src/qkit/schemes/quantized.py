@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from qkit.errors import NonFiniteWeightError, SchemeError
-from qkit.schemes.base import ImportanceWeighted, Scheme, as_2d
+from qkit.schemes.base import GroupScaled, ImportanceWeighted, Scheme, as_2d
 
 __all__ = ["QuantizedTensor", "as_2d", "check_parts", "dequantize", "quantize_tensor"]
 
@@ -99,12 +99,15 @@ def check_parts(scheme: Scheme, parts: dict[str, Any], shape: tuple[int, ...], n
 
 
 def quantize_tensor(
-    w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>", quant_weights: torch.Tensor | None = None
+    w: torch.Tensor, scheme: Scheme, *, name: str = "<tensor>", quant_weights: torch.Tensor | None = None,
+    tensor_amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize one floating-point tensor with ``scheme``; runs on ``w``'s device.
 
     ``quant_weights`` (fp32 ``[cols]``, an importance matrix's entry for this tensor) goes to a scheme that
     takes one (``ImportanceWeighted``: llama.cpp's block types); any other scheme refuses it.
+    ``tensor_amax`` (fp32 scalar, the largest ``max |w|`` of the fused group ``w`` belongs to) goes to a scheme
+    with a per-tensor scale a fused layer shares (``GroupScaled``: nvfp4); any other scheme refuses it.
 
     Raises ``NonFiniteWeightError`` (naming ``name``) for NaN/inf weights, and ``SchemeError`` when a
     scale overflows the scale dtype. ``scheme.resolve(shape, name)`` first picks the scheme actually used
@@ -118,8 +121,12 @@ def quantize_tensor(
         raise SchemeError(f"tensor {name} is empty (shape {list(shape)}); exclude it from quantization")
     w = w.detach()  # a parameter that requires grad (quantization is not differentiated through)
     scheme = scheme.resolve(shape, name)  # a recipe or a format with a fallback picks the scheme per tensor
+    if tensor_amax is not None and not isinstance(scheme, GroupScaled):
+        raise SchemeError(f"tensor {name}: {scheme.name} has no per-tensor scale a fused layer shares (nvfp4 has)")
     try:
-        if quant_weights is None:
+        if tensor_amax is not None:
+            parts = scheme.encode_grouped(w, tensor_amax)
+        elif quant_weights is None:
             parts = scheme.encode(w)
         elif isinstance(scheme, ImportanceWeighted):
             parts = scheme.encode(w, quant_weights=quant_weights)

@@ -31,20 +31,21 @@ def output_error(W: torch.Tensor, W_hat: torch.Tensor, XtX: torch.Tensor) -> flo
     return output_errors(W, [W_hat], XtX)[0]
 
 
-def rtn_dequantized(W: torch.Tensor, scheme: Scheme, quant_weights: torch.Tensor | None = None) -> torch.Tensor:
+def rtn_dequantized(W: torch.Tensor, scheme: Scheme, quant_weights: torch.Tensor | None = None,
+                    tensor_amax: torch.Tensor | None = None) -> torch.Tensor:
     """What ``--method rtn`` (with ``--imatrix``: ``quant_weights``, llama.cpp's types) would store for ``W``
     (fp32 ``[rows, cols]``), dequantized to fp32: absmax schemes through qkit's own quantizer without
-    packing the codes; others through ``quantize_tensor``."""
+    packing the codes; others through ``quantize_tensor`` (``tensor_amax``: nvfp4's fused group's, ``GroupScaled``)."""
     if isinstance(scheme, AbsmaxScheme):
         q, scales = quantize_absmax(W, scheme.bits, scheme.granularity, scheme.scale_dtype)
         return dequantize_absmax(q, scales, scheme.granularity, torch.float32)
-    return quantize_tensor(W, scheme, quant_weights=quant_weights).dequantize(torch.float32)
+    return quantize_tensor(W, scheme, quant_weights=quant_weights, tensor_amax=tensor_amax).dequantize(torch.float32)
 
 
 def rtn_parts(full: str, W: torch.Tensor, scheme: Scheme, qw: torch.Tensor | None, shape: tuple[int, ...],
-              dtype: torch.dtype) -> tuple[QuantizedTensor, torch.Tensor]:
-    """What ``--method rtn`` (with ``qw``) writes for ``W``, as stored at ``shape``/``dtype``, and its decoding."""
-    qt = quantize_tensor(W, scheme, name=full, quant_weights=qw)
+              dtype: torch.dtype, tensor_amax: torch.Tensor | None = None) -> tuple[QuantizedTensor, torch.Tensor]:
+    """What ``--method rtn`` (with ``qw``, ``tensor_amax``) writes for ``W``, as stored at ``shape``/``dtype``, and its decoding."""
+    qt = quantize_tensor(W, scheme, name=full, quant_weights=qw, tensor_amax=tensor_amax)
     return QuantizedTensor.from_parts(qt.scheme, qt.parts, shape, dtype), qt.dequantize(torch.float32)
 
 

@@ -201,6 +201,7 @@ class GPTQRun:
     dtypes: dict[str, torch.dtype | None]  # source dtypes (the stored tensors keep them)
     one_pass: bool  # all windows in one batch: quantize in the forward pre-hooks
     quant_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # importance matrix entries (llama.cpp types)
+    tensor_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # nvfp4: a fused group's largest max |w| (GroupScaled)
     # the source weights from the file (``--dtype bf16``/``fp16``: the model runs narrower than it is stored);
     # None: the model's own fp32 weights are the source
     read: Callable[[str], torch.Tensor] | None = None
@@ -232,7 +233,7 @@ def rtn_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Tens
     W = (linear.weight.detach() if run.read is None else run.read(full)).to(device=XtX.device, dtype=torch.float32)
     with one_torch_thread():
         qt, W_hat = rtn_parts(full, W, run.targets[full], run.quant_weights.get(full), tuple(linear.weight.shape),
-                              run.dtypes.get(full) or torch.float32)
+                              run.dtypes.get(full) or torch.float32, run.tensor_amax.get(full))
     run.checked[full] = check_written(full, W, qt, decoded=W_hat, cause="rtn (an expert with too few calibration tokens)")
     run.layers[full] = {"rtn_error": output_error(W, W_hat, XtX) if tokens else 0.0, "tokens": tokens,
                         "dampening_retries": 0, "fallback": FEW_TOKENS}
@@ -247,16 +248,16 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
     scheme = run.targets[full]
     ts = time.perf_counter()
     W = (linear.weight.detach() if run.read is None else run.read(full)).to(device=XtX.device, dtype=torch.float32)
-    qw = run.quant_weights.get(full)
+    qw, amax = run.quant_weights.get(full), run.tensor_amax.get(full)
     # Packing and RTN's reference are many small operations on uint8 tensors: on one thread too (with two
     # busy cores a pool made them 20-50x slower: q5_0's packing of a 1536x576 matrix 144 ms, 2 ms on one).
     with one_torch_thread():
         solved = gptq_solve(W, None, scheme, block_size=run.options.block_size, prepared=prepared,
                             scale_rule=run.options.scale_rule, quant_weights=qw,
-                            static_groups=run.options.static_groups)
+                            static_groups=run.options.static_groups, tensor_amax=amax)
         seconds = time.perf_counter() - ts
         parts = {k: v.cpu() for k, v in solved.grid.parts(solved.codes, slice(0, W.shape[0])).items()}
-        rtn = rtn_dequantized(W, scheme, qw)
+        rtn = rtn_dequantized(W, scheme, qw, amax)
     dtype = run.dtypes.get(full) or torch.float32
     qt = QuantizedTensor.from_parts(scheme, parts, tuple(linear.weight.shape), dtype)
     # The solve's dequantized weights are what the stored parts decode to (bit for bit: tested), so
@@ -267,7 +268,7 @@ def solve_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Te
         gptq_held, rtn_held = output_errors(W, [W_hat, rtn], held)
         chosen = {"gptq_error_held_out": gptq_held, "rtn_error_held_out": rtn_held}
         if rtn_held < gptq_held and not solved.fallback:
-            qt, _ = rtn_parts(full, W, scheme, qw, tuple(linear.weight.shape), dtype)
+            qt, _ = rtn_parts(full, W, scheme, qw, tuple(linear.weight.shape), dtype, amax)
             W_hat, chosen["fallback"] = rtn, "rtn (lower output error on the held-out windows)"
     run.checked[full] = check_written(full, W, qt, decoded=W_hat, cause=(
         f"GPTQ's solve on {tokens} calibration tokens (dampening {solved.dampening:g}); compare --method rtn"))
@@ -431,9 +432,11 @@ class GPTQMethod:
 
     def run(self, ref: Any, targets: dict[str, Scheme], options: GPTQOptions, *, device: torch.device,
             on_block: Callable[[int, int], None] | None = None,
-            quant_weights: Mapping[str, torch.Tensor] | None = None) -> MethodResult:
+            quant_weights: Mapping[str, torch.Tensor] | None = None,
+            tensor_amax: Mapping[str, torch.Tensor] | None = None) -> MethodResult:
         """``quant_weights``: an importance matrix's entries by tensor (``qkit quantize --imatrix``), which
-        weight the llama.cpp types' scale searches; the other schemes refuse one."""
+        weight the llama.cpp types' scale searches; the other schemes refuse one. ``tensor_amax``: nvfp4's
+        fused groups' largest ``max |w|`` by tensor (``Choice.tensor_amax``), whose global scale each shard shares."""
         options.check()
         for scheme in targets.values():
             self.check(scheme)
@@ -462,7 +465,7 @@ class GPTQMethod:
         batch = options.batch_size or ids.shape[0]
         read = None if options.load_dtype == torch.float32 else tensor_reader(ref.directory, targets)
         run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights,
-                      read=read)
+                      dict(tensor_amax or {}), read=read)
         # each block's weights are freed once solved: its quantized parts (kept in ``run``) take their place;
         # each expert is one linear per matrix meanwhile, calibrated on the tokens routed to it
         with unfused_experts(loaded.model, config, options.calibrate_all_experts):
@@ -473,7 +476,8 @@ class GPTQMethod:
         if rtn_fallback:  # targets outside the blocks, experts no token reached: round to nearest (+ imatrix), streamed
             for name, tensor in iter_tensors(ref.directory):
                 if name in rtn_fallback:
-                    run.quantized[name] = quantize_tensor(tensor, targets[name], name=name, quant_weights=weights.get(name))
+                    run.quantized[name] = quantize_tensor(tensor, targets[name], name=name, quant_weights=weights.get(name),
+                                                          tensor_amax=run.tensor_amax.get(name))
         unreached = [n for n in rtn_fallback if expert_index(n) is not None]
         run.layers.update({n: {"tokens": 0, "dampening_retries": 0, "fallback": NO_TOKENS} for n in unreached})
         record = gptq_record(run, provenance, sorted(set(rtn_fallback) - set(unreached)), time.perf_counter() - t_start)

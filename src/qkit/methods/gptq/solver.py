@@ -191,12 +191,15 @@ def gptq_solve(
     scale_rule: str = "absmax",
     quant_weights: torch.Tensor | None = None,
     static_groups: bool = False,
+    tensor_amax: torch.Tensor | None = None,
 ) -> SolveResult:
     """GPTQ of one weight ``W [rows, cols]`` against ``H [cols, cols]`` (``Xᵀ X`` of its inputs, any scale),
     or against ``prepared`` (``prepare_hessian(H, dampening, act_order)``, shared by layers with one input).
     ``quant_weights``: an importance matrix's entry for ``W`` (fp32 ``[cols]``; llama.cpp's types only),
     which weights their scale searches as ``--method rtn --imatrix`` does. ``static_groups``: every
     unit's scales from the original weights even without act order (with it they always are).
+    ``tensor_amax``: nvfp4's fused group's largest ``max |w|`` (``GroupScaled``), whose global scale the
+    solve uses instead of ``W``'s own, as ``--method rtn`` does.
 
     Runs on ``W``'s device, fp32. Returns codes in the original column order, the dequantized weights and
     the observer holding the scales (docs/gptq.md gives every choice). A scheme that picks a type per
@@ -213,7 +216,8 @@ def gptq_solve(
     W = W.to(torch.float32).clone()
     # nvfp4's global scale and the llama.cpp types' row statistics: from the whole W as given (as RTN
     # computes them), before dead columns are zeroed
-    grid = observer_for(scheme, rows, cols, W.device, scale_rule=scale_rule, weights=W, quant_weights=quant_weights)
+    grid = observer_for(scheme, rows, cols, W.device, scale_rule=scale_rule, weights=W, quant_weights=quant_weights,
+                        tensor_amax=tensor_amax)
     n_dead = int(prepared.dead.sum())
     if n_dead:
         W[:, prepared.dead] = 0.0
