@@ -117,8 +117,9 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
         if spec.plan is not None and spec.plan.endswith(".json"):
             check_plan_matches(read_plan(spec.plan), dict(tensor_shapes(ref.directory)), ref.spec)
     check_file_matches(specs, ref)  # a GGUF file of another model: refused from its header
-    if config is not None:
-        check_methods(specs, config.to_dict())
+    for spec in specs if config is not None else ():  # each row's method against the model, as quantize checks it:
+        if (method := get_method(spec.method)) is not None:  # on a MoE model, only gptq and imatrix route to experts
+            check_method(config.to_dict(), spec.method, make_options(method, dict(spec.method_options)))
     # The tokenizer first (milliseconds; load() reads it again): the corpus and calibration checks need no model.
     tok = load_tokenizer(ref.directory)
     if tok is None:
@@ -135,14 +136,4 @@ def check_inputs(models: Models, specs: list[RowSpec], engines: list[Engine], se
     return Inputs(corpus, config, window, tok, ids, provenances, questions, prompts, settings, texts, segments)
 
 
-def check_methods(specs: list[RowSpec], config: dict) -> None:
-    """Each row's method against the model, as ``qkit quantize`` checks it (``methods.experts.check_method``),
-    before the reference loads: on a mixture-of-experts model only the methods that route calibration to the
-    experts (gptq, imatrix) run; another would be refused only once its row's file is written."""
-    for spec in specs:
-        method = get_method(spec.method)
-        if method is not None:
-            check_method(config, spec.method, make_options(method, dict(spec.method_options)))
-
-
-__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "check_methods", "pair_models"]
+__all__ = ["InputSettings", "Inputs", "Models", "check_inputs", "pair_models"]
