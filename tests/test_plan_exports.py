@@ -22,6 +22,7 @@ from conftest import benchmark_module
 from typer.testing import CliRunner
 
 from qkit.cli import app
+from qkit.export.gguf.converter import convert_f32
 from qkit.llama_names import tensor_names
 
 runner = CliRunner()
@@ -109,8 +110,7 @@ def test_llama_quantize_writes_the_planned_gguf_from_the_emitted_tensor_types(de
     _assert_plan_is_the_gguf(default_model_dir, p, q)
 
     b = benchmark_module("bench_llama_cpp")
-    f32 = tmp_path / "f32.gguf"
-    b.convert_f32(default_model_dir, f32, tmp_path)
+    f32 = convert_f32(default_model_dir)  # llama.cpp's converter, pinned; cached by the model's files
     files = {}
     for base in ("Q8_0", "Q4_0"):  # every block tensor is named in the file: the base ftype must not matter
         lq = files[base] = tmp_path / f"lq-{base}.gguf"
