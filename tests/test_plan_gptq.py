@@ -13,7 +13,7 @@ from qkit.api import QuantizeOptions, plan_model, quantize_model
 from qkit.checkpoint import iter_tensors
 from qkit.errors import InputError
 from qkit.methods.gptq import GPTQOptions, gptq_solve, output_errors, rtn_dequantized
-from qkit.methods.gptq.solver import accumulate_gram, symmetrize
+from qkit.methods.gptq.solver import accumulate_gram, prepare_hessian, symmetrize
 from qkit.models import resolve
 from qkit.plan import PlanOptions, read_plan
 from qkit.plan import feedback
@@ -78,7 +78,8 @@ def test_the_ratio_is_gptqs_held_out_output_error_over_rtns(tables):
     assert record["solved_on_windows"] == 2 and record["measured_on_windows"] == 2 and record["solves"] == len(schemes)
     for c, got in zip(schemes, ratios[name]):
         with one_torch_thread():  # as the plan solves: a Cholesky on other threads flips some roundings (0.3% here)
-            g = gptq_solve(W, solve_on, c.scheme, act_order=True, dampening=0.01).dequantized
+            prepared = prepare_hessian(solve_on.clone(), 0.01, True, shrink=0.5)  # the default --hessian-shrink
+            g = gptq_solve(W, None, c.scheme, act_order=True, prepared=prepared).dequantized
         e_rtn, e_gptq = output_errors(W, [rtn_dequantized(W, c.scheme), g], measure_on)
         assert got == pytest.approx(e_gptq / e_rtn, rel=1e-9), c.name
         # why held out: on the 64 tokens it was solved on, GPTQ beats RTN on this 512-wide input; on the
@@ -108,7 +109,7 @@ def test_a_gptq_plan_records_how_it_was_priced_and_checks_gptqs_weights(wide_mod
     assert plan.method == "gptq" and read_plan(out).method == "gptq"
     fb = plan.sensitivity["feedback"]
     assert plan.sensitivity["estimator"] == feedback.ESTIMATOR
-    assert fb["gptq"] == {"dampening": 0.01, "hessian_shrink": 0.0, "act_order": True, "static_groups": False,
+    assert fb["gptq"] == {"dampening": 0.01, "hessian_shrink": 0.5, "act_order": True, "static_groups": False,
                           "scale_rule": "absmax", "block_size": 128}
     assert fb["solves"] == 14 * 12  # 14 tensors, 12 GPTQ types each (none is not solved)
     assert plan.nbytes <= plan.target["budget_bytes"]
@@ -149,11 +150,11 @@ def test_a_gptq_plan_quantizes_with_gptq_into_its_types(wide_model, gptq_plan, t
     (None, {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (re-plan with --method rtn)"),
     ("awq", {}, "the plan's costs were measured for gptq's codes; quantize it with --method gptq (awq is not planned)"),
     ("gptq", {"dampening": 0.05}, "the plan's costs were measured with GPTQ's act_order=True, block_size=128, dampening=0.01, "
-     "hessian_shrink=0.0, scale_rule='absmax', static_groups=False; this quantize gives dampening=0.05 (the plan: 0.01): "
+     "hessian_shrink=0.5, scale_rule='absmax', static_groups=False; this quantize gives dampening=0.05 (the plan: 0.01): "
      "use the plan's options or re-plan with them"),
-    ("gptq", {"hessian_shrink": 0.5}, "the plan's costs were measured with GPTQ's act_order=True, block_size=128, "
-     "dampening=0.01, hessian_shrink=0.0, scale_rule='absmax', static_groups=False; this quantize gives hessian_shrink=0.5 "
-     "(the plan: 0.0): use the plan's options or re-plan with them"),
+    ("gptq", {"hessian_shrink": 0.0}, "the plan's costs were measured with GPTQ's act_order=True, block_size=128, "
+     "dampening=0.01, hessian_shrink=0.5, scale_rule='absmax', static_groups=False; this quantize gives hessian_shrink=0.0 "
+     "(the plan: 0.5): use the plan's options or re-plan with them"),
 ])
 def test_a_gptq_plan_is_quantized_only_as_it_was_priced(wide_model, gptq_plan, tmp_path, method, extra, message):
     _, out = gptq_plan
