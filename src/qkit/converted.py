@@ -160,7 +160,8 @@ def _method_blocks(req: Request, ref: ModelRef, config: dict, rows: RowMap, plan
             out[where] = codes[names[int(k)]].reshape(-1, per_row)[g.flat[where]]
         return out
 
-    record = {"name": req.method.name, **done.record, "written_by_rtn": sorted(by_rtn)}
+    # "matrices": the Hugging Face matrices the method ran on (the file's tensors stack and split them)
+    record = {"name": req.method.name, **done.record, "written_by_rtn": sorted(by_rtn), "matrices": len(targets)}
     return blocks, record
 
 

@@ -99,13 +99,16 @@ _FLAGS = {False: {"is_transposed": False, "has_bias": False, "is_concatenated": 
                   "has_post_expert_norm": False},
           True: {"is_transposed": True, "has_bias": True, "is_concatenated": False, "has_gate": True,
                  "has_post_expert_norm": False}}
+# gpt_oss's gate_up_proj [E, H, 2I] holds expert e's gate in its even columns, its up in the odd ones
+_GATE_COLUMNS, _UP_COLUMNS = slice(0, None, 2), slice(1, None, 2)
 _PARAMS = {False: {"gate_up_proj", "down_proj"},
            True: {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}}
 # Why another mixture-of-experts architecture's experts are not calibrated, where that is known
 _WHY_NOT = {
     "gpt_oss": "gpt_oss stores each layer's experts as 3-D tensors [experts, in, out] (mlp.experts.gate_up_proj, "
                "gate and up interleaved by column, with biases), not one 2-D matrix per expert, which is what qkit "
-               "quantizes (--method rtn quantizes its attention and keeps the experts in their source dtype)",
+               "plans and writes in its own format (qkit quantize writes its attention, and with --format gguf its "
+               "experts too)",
 }
 
 
@@ -170,7 +173,7 @@ def expert_views(fused: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     layout: ``gate_up_proj[e][:, 0::2].T``, ``gate_up_proj[e][:, 1::2].T``, ``down_proj[e].T`` (strided)."""
     gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
     if _transposed(fused):
-        return [(gate_up[e][:, 0::2].T, gate_up[e][:, 1::2].T, down[e].T) for e in range(gate_up.shape[0])]
+        return [(gate_up[e][:, _GATE_COLUMNS].T, gate_up[e][:, _UP_COLUMNS].T, down[e].T) for e in range(gate_up.shape[0])]
     inter = down.shape[2]
     return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(gate_up.shape[0])]
 
@@ -181,7 +184,7 @@ def expert_biases(fused: torch.nn.Module) -> list[tuple[torch.Tensor | None, ...
     if not _transposed(fused):
         return [(None, None, None)] * fused.gate_up_proj.shape[0]
     gate_up, down = fused.gate_up_proj_bias.data, fused.down_proj_bias.data
-    return [(gate_up[e][0::2], gate_up[e][1::2], down[e]) for e in range(gate_up.shape[0])]
+    return [(gate_up[e][_GATE_COLUMNS], gate_up[e][_UP_COLUMNS], down[e]) for e in range(gate_up.shape[0])]
 
 
 def _gated(fused: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -454,12 +457,11 @@ def virtual_experts(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, 
         return {}
     out: dict[str, VirtualExpert] = {}
     for name, shape in shapes.items():
-        if len(shape) != 3 or not name.endswith(f".{layout.moe}.experts.gate_up_proj") and not name.endswith(
-                f".{layout.moe}.experts.down_proj"):
+        if len(shape) != 3 or not name.endswith((f".{layout.moe}.experts.gate_up_proj", f".{layout.moe}.experts.down_proj")):
             continue
         n, cols, width = shape
         head = name.rpartition(".")[0]
-        kinds = (((layout.gate, slice(0, None, 2)), (layout.up, slice(1, None, 2))) if name.endswith("gate_up_proj")
+        kinds = (((layout.gate, _GATE_COLUMNS), (layout.up, _UP_COLUMNS)) if name.endswith("gate_up_proj")
                  else ((layout.down, slice(None)),))
         for e in range(n):
             for m, columns in kinds:
