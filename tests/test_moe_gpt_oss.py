@@ -118,13 +118,15 @@ def test_each_virtual_expert_is_its_slice_of_the_fused_tensor(oss):
 def test_gptq_beats_rtn_on_every_gpt_oss_expert_with_enough_tokens_and_the_others_fall_back(oss, cal, tmp_path):
     """GPTQ on each expert matrix, named as llama.cpp splits it (``virtual_experts``): with at least
     ``--min-expert-tokens`` routed tokens its output error is below rtn's; with fewer it is written by rtn, with
-    exactly the bytes rtn gives its slice of the stored fused tensor."""
+    exactly the bytes rtn gives its slice of the stored fused tensor. The model runs in bf16, so each source
+    matrix is read from the file (``VirtualExpert.take`` of the fused fp32 tensor), not from the model."""
     from safetensors.torch import load_file
 
     oss[0].save_pretrained(str(tmp_path))
     make_tokenizer(tmp_path)
     method = get_method("gptq")
-    options = make_options(method, {"calibration": str(cal), "calibration_samples": SAMPLES, "calibration_seqlen": SEQLEN})
+    options = make_options(method, {"calibration": str(cal), "calibration_samples": SAMPLES, "calibration_seqlen": SEQLEN,
+                                    "dtype": "bf16"})  # the source weights read from the file: VirtualExpert.take
     virtual = virtual_experts(dict(tensor_shapes(tmp_path)), read_config(tmp_path))
     scheme = get_scheme("int4-g32")
     result = method.run(resolve(str(tmp_path)), dict.fromkeys(virtual, scheme), options, device=torch.device("cpu"))
