@@ -115,22 +115,49 @@ def test_each_virtual_expert_is_its_slice_of_the_fused_tensor(oss):
                            moe_model("qwen3_moe").config.to_dict()) == {}
 
 
-def test_gptq_beats_rtn_on_every_gpt_oss_expert_with_enough_tokens_and_the_others_fall_back(oss, cal, tmp_path):
+@pytest.fixture(scope="module")
+def saved(oss, tmp_path_factory):
+    """The tiny gpt_oss saved, with the tiny tokenizer."""
+    d = tmp_path_factory.mktemp("oss") / "m"
+    oss[0].save_pretrained(str(d))
+    make_tokenizer(d)
+    return d
+
+
+def test_qkit_format_keeps_the_fused_experts_and_says_so(saved, tmp_path):
+    """``--format qkit`` has no stored name per expert matrix: the fused experts are written as they were
+    stored, bit for bit, and the summary says so; the attention is quantized."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from qkit.checkpoint import read_manifest
+    from qkit.cli import app
+
+    r = CliRunner().invoke(app, ["quantize", str(saved), "-s", "int4-g32", "-o", str(tmp_path / "q")])
+    assert r.exit_code == 0, r.output
+    assert "gpt_oss stores its experts fused" in r.output and "--format gguf quantizes them" in r.output
+    source = load_file(str(saved / "model.safetensors"))
+    written = {k: v for f in sorted((tmp_path / "q").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    fused = [k for k in source if ".experts." in k]
+    assert len(fused) == 2 * 4 and all(torch.equal(written[k], source[k]) for k in fused)
+    assert sorted(read_manifest(tmp_path / "q")["tensors"]) == sorted(
+        k for k in source if k.endswith("_proj.weight") and "self_attn" in k)
+
+
+def test_gptq_beats_rtn_on_every_gpt_oss_expert_with_enough_tokens_and_the_others_fall_back(saved, cal):
     """GPTQ on each expert matrix, named as llama.cpp splits it (``virtual_experts``): with at least
     ``--min-expert-tokens`` routed tokens its output error is below rtn's; with fewer it is written by rtn, with
     exactly the bytes rtn gives its slice of the stored fused tensor. The model runs in bf16, so each source
     matrix is read from the file (``VirtualExpert.take`` of the fused fp32 tensor), not from the model."""
     from safetensors.torch import load_file
 
-    oss[0].save_pretrained(str(tmp_path))
-    make_tokenizer(tmp_path)
     method = get_method("gptq")
     options = make_options(method, {"calibration": str(cal), "calibration_samples": SAMPLES, "calibration_seqlen": SEQLEN,
                                     "dtype": "bf16"})  # the source weights read from the file: VirtualExpert.take
-    virtual = virtual_experts(dict(tensor_shapes(tmp_path)), read_config(tmp_path))
+    virtual = virtual_experts(dict(tensor_shapes(saved)), read_config(saved))
     scheme = get_scheme("int4-g32")
-    result = method.run(resolve(str(tmp_path)), dict.fromkeys(virtual, scheme), options, device=torch.device("cpu"))
-    source = load_file(str(tmp_path / "model.safetensors"))
+    result = method.run(resolve(str(saved)), dict.fromkeys(virtual, scheme), options, device=torch.device("cpu"))
+    source = load_file(str(saved / "model.safetensors"))
     layers, fell = result.record["layers"], []
     for name, v in virtual.items():
         r = layers[name]
