@@ -75,10 +75,12 @@ def test_the_tokenizer_fields_of_a_source_gguf_replace_the_converters(models):
     assert any(k.startswith("tokenizer.") for k, *_ in read_kv_fields(convert_f32(models["qwen3"])))
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["mistral", "qwen3_moe", "gpt_oss"])
 def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path, monkeypatch, arch):
     """mistral: llama.cpp permutes its q/k rows; qwen3_moe: it stacks each layer's experts into one tensor,
-    and each expert's importance is its own row of the stacked entry. ``--method gptq --format gguf`` writes,
+    and each expert's importance is its own row of the stacked entry; gpt_oss: it transposes each fused
+    ``[experts, in, out]`` tensor and splits gate_up_proj by alternate columns, so GGUF row ``(e, j)`` of
+    ``ffn_gate_exps`` holds row ``j`` of GPTQ's codes for expert ``e``'s gate matrix (the even columns). ``--method gptq --format gguf`` writes,
     in each GGUF tensor, exactly the block rows GPTQ chose for the Hugging Face matrix, each at the row the
     converter's map says, and GPTQ was given, for each matrix, the importance row qkit's own route gives it
     (``quant_weights_for``, llama-quantize's slicing); a tensor the rules give another type (none here: q4_k
@@ -93,7 +95,7 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
 
     model = make_arch_model(tmp_path / arch, arch, default_model_dir)
     small = ["--calibration-samples", "4", "--calibration-seqlen", "128"]
-    if arch == "qwen3_moe":  # an importance matrix whose expert rows all differ, one expert reached by no token
+    if arch != "mistral":  # an importance matrix whose expert rows all differ, one expert reached by no token
         write_gguf(seeded_imatrix(convert_f32(model), 3), tmp_path / "m.imatrix.gguf")
         small += ["--imatrix", str(tmp_path / "m.imatrix.gguf")]
     seen = {}
@@ -109,7 +111,7 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
                                  "-o", str(gguf_out), *small])
     assert r.exit_code == 0, r.output
     codes = {n: ggml_blocks(qt).numpy() for n, qt in seen["done"].quantized.items()}
-    if arch == "qwen3_moe":
+    if arch != "mistral":
         theirs = quant_weights_for(read(tmp_path / "m.imatrix.gguf"), read_config(model), dict(tensor_shapes(model)),
                                    seen["targets"])
         assert sorted(seen["weights"]) == sorted(theirs) and len(theirs) == 32  # 8 attention, 24 expert matrices
@@ -128,12 +130,26 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
         start = header.data_offset + info.offset
         assert data[start:start + expect.nbytes] == expect.tobytes(), info.name
         checked += 1
+    offsets = {info.name: header.data_offset + info.offset for info in header.tensors}
+    split = [(i, g, m) for i in range(2) for g, m in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))]
+    for i, g, m in split if arch == "gpt_oss" else []:  # by hand, not by the row map: expert e's rows, in order
+        name = f"blk.{i}.ffn_{g}_exps.weight"
+        assert rows.gguf[name].kind == "transposed"
+        expect = np.concatenate([codes[f"model.layers.{i}.mlp.experts.{e}.{m}.weight"] for e in range(4)])
+        assert data[offsets[name]:offsets[name] + expect.nbytes] == expect.tobytes(), name
+        checked += 1
     assert checked == 14  # 2 layers x q, k, v, o, gate, up, down (stacked experts: one tensor each)
     if arch == "mistral":
         q = rows.gguf["blk.0.attn_q.weight"]
         assert not np.array_equal(q.flat, np.arange(len(q.flat)))  # the permutation was exercised
-    else:
+    elif arch == "qwen3_moe":
         assert len(np.unique(rows.gguf["blk.1.ffn_down_exps.weight"].src)) == 4  # four experts' matrices stacked
+    else:  # gpt_oss: GPTQ solved the experts routers reach, rtn wrote the others (their codes checked alike)
+        fell = seen["done"].record["experts"]["rtn_fallback"]
+        solved = [n for n, r in seen["done"].record["layers"].items() if ".experts." in n and "gptq_error" in r]
+        assert len(fell) + len(solved) == 24 and solved
+        assert all(seen["done"].record["layers"][n]["gptq_error"] < seen["done"].record["layers"][n]["rtn_error"]
+                   for n in solved)
 
 
 def test_codes_that_decode_to_zeros_are_refused_before_the_file_is_in_place(models, tmp_path):

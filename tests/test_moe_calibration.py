@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from qkit.cli import app
 from qkit.errors import InputError
-from qkit.methods.experts import layout_for, linear_names, routed_tokens, unfused_experts
+from qkit.methods.experts import LAYOUTS, layout_for, linear_names, routed_tokens, unfused_experts
 from qkit.methods.gptq.method import FEW_TOKENS, HessianInputs
 from qkit.methods.imatrix import ImatrixOptions, collect, quant_weights_for, read, unreached_experts, write_gguf
 from qkit.methods.imatrix.file import ImatrixEntry
@@ -40,7 +40,8 @@ def moe_config(arch: str, experts: int = 2, top_k: int = 1):
                            "decoder_sparse_step": 1, "mlp_only_layers": []},
              "qwen2_moe": {"num_experts": experts, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
                            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
-             "mixtral": {"num_local_experts": experts}}[arch]
+             "mixtral": {"num_local_experts": experts},
+             "gpt_oss": {"num_local_experts": experts, "head_dim": 16}}[arch]
     return AutoConfig.for_model(arch, vocab_size=304, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                 num_experts_per_tok=top_k, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
@@ -48,15 +49,20 @@ def moe_config(arch: str, experts: int = 2, top_k: int = 1):
 
 
 def moe_model(arch: str, experts: int = 2, top_k: int = 1, seed: int = 0):
-    """The tiny model, its routers drawn wide (transformers starts them at zero: every token a tie)."""
+    """The tiny model, its routers drawn wide (transformers starts them at zero: every token a tie); gpt_oss's
+    router bias and expert biases drawn too, and its gate_up_proj x30, so that its SwiGLU's clamp at 7 is reached
+    (7% of the gate values, 15% of the up values: a plain SiLU-gate changes the logits by 0.5)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(moe_config(arch, experts, top_k)).float().eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if n.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            if n.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "mlp.router.weight", "mlp.router.bias",
+                           "experts.gate_up_proj_bias", "experts.down_proj_bias")):
                 p.normal_(0, 0.5)
+            if n.endswith("experts.gate_up_proj") and arch == "gpt_oss":
+                p.mul_(30)
     return model
 
 
@@ -91,7 +97,7 @@ def refused(args, *words) -> None:
 # --------------------------------------------------------------------------- the unfused module
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_the_unfused_experts_compute_what_the_fused_module_does(arch):
     """Logits with one linear per expert (routed, and every token through every expert) equal transformers'
     fused forward, and the fused weights come back unchanged."""
@@ -351,8 +357,8 @@ def test_refusals(moe2, cal, tiny_model_dir, tmp_path):
     refused(["plan", moe2, "--target-bits", "5", "--method", "gptq", "-o", tmp_path / "p.json"], "mixture-of-experts",
             "--method rtn or imatrix")  # the plan prices experts (tests/test_plan_moe.py), not for GPTQ
     assert not (tmp_path / "q").exists() and not (tmp_path / "p.json").exists()
-    with pytest.raises(InputError, match="3-D tensors"):
-        layout_for({"model_type": "gpt_oss", "num_local_experts": 4})
+    with pytest.raises(InputError, match="3-D tensors"):  # routed by the methods, but not stored one matrix per expert
+        layout_for({"model_type": "gpt_oss", "num_local_experts": 4}, layouts=LAYOUTS)
     with pytest.raises(InputError, match="does not know how deepseek_v3"):
         layout_for({"model_type": "deepseek_v3", "n_routed_experts": 8})
 

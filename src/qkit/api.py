@@ -157,7 +157,7 @@ def quantize_model(
         req = dataclasses.replace(req, method_options=req.method_options.fitted(config))
     if converted.takes(opts.format, config):  # GGUF of another architecture: llama.cpp's converter, then llama-quantize's file
         converted.check(req, opts, ref, config)
-        return converted.quantize(req, opts, ref, out, t0, dev)
+        return converted.quantize(req, opts, ref, config, out, t0, dev)
     if isinstance(req.plan, PlanOptions):  # the estimate (compile_choice checks it again) before the plan's work
         check_memory(req, ref, shapes, config)
     choice = compile_choice(req, ref, shapes, config, _plan_first(req, ref, opts, kept))

@@ -33,7 +33,7 @@ from qkit.export import QKIT, activation_format, formats_that, get_format
 from qkit.head_types import Heads, unweighted
 from qkit.methods import RTN, CalibratedOptions, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
-from qkit.methods.experts import check_method, fused_modules
+from qkit.methods.experts import check_method, fused_modules, virtual_experts
 from qkit.methods.imatrix import Imatrix, gguf_names, imatrix_record, quant_weights_for, unreached_experts
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod
@@ -284,6 +284,9 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         if unreached := unreached_experts(req.matrix, config, list(targets)):  # weighted by 1s, as llama-quantize
             manifest["imatrix"]["unreached_experts"] = unreached
     notes = [*head_notes, *(imatrix_notes(req.matrix, ref.spec, shapes) if req.matrix is not None else [])]
+    if virtual_experts(shapes, config):  # gpt_oss: no stored name per expert matrix for this format to write
+        notes.append(f"{config.get('model_type')} stores its experts fused ([experts, in, out] tensors): they stay in "
+                     "their source dtype in this format; --format gguf quantizes them")
     return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept,
                   shared_amax(ref, config, targets))
 

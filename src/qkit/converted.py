@@ -18,9 +18,10 @@ What this route takes: a llama.cpp recipe (``q4_k_m``, ...) or block type (``q4_
 ``--imatrix`` (llama-imatrix's names, or ``qkit imatrix``'s), ``--token-embedding-type``,
 ``--output-tensor-type``, and ``--method gptq``: GPTQ runs on the Hugging Face model, each block
 projection at the type its GGUF tensor gets (an expert matrix calibrated on the tokens routed to it, with
-its own row of the stacked importance entry), and its block rows are placed where the converter's row map
-(``converter.row_map``) puts them. The rest (awq and smoothquant, which change full-precision tensors too;
-gptq on a mixture-of-experts layout it cannot route, such as gpt-oss's; ``--keep``, ``--include``,
+its own row of the stacked importance entry; gpt-oss's fused ``[experts, in, out]`` tensors as one matrix per
+expert, whose rows are the columns the converter transposes and splits), and its block rows are placed where
+the converter's row map (``converter.row_map``) puts them. The rest (awq and smoothquant, which change
+full-precision tensors too; gptq with ``--holdout`` on a mixture-of-experts model; ``--keep``, ``--include``,
 ``--exclude``, ``--tensor-type``, a plan) is refused in one line before any work.
 """
 
@@ -48,8 +49,8 @@ from qkit.export.gguf.rowmap import RowMap
 from qkit.export.gguf.types import ggml_blocks
 from qkit.methods.gptq import GPTQMethod
 from qkit.llama_names import expert_index
-from qkit.methods.experts import check_method
-from qkit.methods.imatrix import Imatrix
+from qkit.methods.experts import check_method, virtual_experts
+from qkit.methods.imatrix import Imatrix, gguf_names
 from qkit.schemes.ggml import uses_importance
 from qkit.schemes.recipes import scheme_for_type
 from qkit.transform import is_block_projection
@@ -81,7 +82,7 @@ def check(req: Request, opts: QuantizeOptions, ref: ModelRef, config: dict) -> N
     if req.method is not None and not isinstance(req.method, GPTQMethod):
         raise InputError(f"--method {req.method.name} with --format gguf writes llama and qwen2 models (it changes "
                          f"full-precision tensors too); a {arch} model's GGUF takes --method rtn or gptq")
-    if req.method is not None:  # a mixture-of-experts model gptq cannot route (gpt_oss, --holdout): refused now
+    if req.method is not None:  # a mixture-of-experts model gptq cannot route (--holdout): refused now
         check_method(config, req.method.name, req.method_options)
     for field_name, option in _REFUSED:
         if getattr(opts, field_name):
@@ -92,34 +93,60 @@ def check(req: Request, opts: QuantizeOptions, ref: ModelRef, config: dict) -> N
 _HEADS = ("--token-embedding-type", "--output-tensor-type")
 
 
-def _method_blocks(req: Request, ref: ModelRef, rows: RowMap, planned: list, matrix: Imatrix | None,
+def _method_blocks(req: Request, ref: ModelRef, config: dict, rows: RowMap, planned: list, matrix: Imatrix | None,
                    device: torch.device) -> tuple[Callable[[str, T], np.ndarray | None], dict]:
     """Run the calibrated method on the Hugging Face model for every block projection whose rows the converter
     moves whole into quantized GGUF tensors of one type, each with that type (and its importance row); the
     ``blocks`` hook that places its codes' rows where the converter puts them, and the method's record.
-    A projection the converter changes otherwise is left to ``quantize_gguf``'s RTN, and counted."""
+    gpt_oss's fused experts ``[E, in, out]``, whose columns the converter transposes into GGUF rows and splits
+    (gate: even columns, up: odd), are run as one matrix per expert (``virtual_experts``), whose code rows are
+    those columns. A projection the converter changes otherwise is left to ``quantize_gguf``'s RTN, and counted."""
     types = {p.info.name: p.ggml_type for p in planned if p.converted}
     targets, sources, weights, by_rtn = {}, {}, {}, []
+    virtual = virtual_experts(rows.hf, config)  # gpt_oss: each expert matrix of a fused [E, in, out] tensor
+    in_fused: dict[str, list[str]] = {}
+    for name, v in virtual.items():
+        in_fused.setdefault(v.fused, []).append(name)
+    to_gguf = gguf_names(config, list(virtual)) if virtual else {}
+
+    def weigh(name: str, gguf_name: str, width: int) -> None:  # its importance entry; an expert's row of it
+        qw = matrix.quant_weights(gguf_name) if matrix is not None else None
+        if qw is not None and (expert := expert_index(name)) is not None:
+            qw = np.asarray(qw).reshape(-1, width)[expert]
+        if qw is not None:
+            weights[name] = torch.as_tensor(np.asarray(qw, dtype=np.float32))
+
     for hf, shape in rows.hf.items():
-        if not is_block_projection(hf, shape):
+        if not is_block_projection(hf, shape) and hf not in in_fused:
             continue
         placed = rows.placements(hf)
         kinds = {(p.kind, types.get(p.gguf_name)) for p in placed}
-        if not placed or len(kinds) != 1 or next(iter(kinds))[0] != "rows" or next(iter(kinds))[1] is None:
+        moved = "transposed" if hf in in_fused else "rows"  # a fused expert tensor's GGUF rows are its columns
+        if not placed or len(kinds) != 1 or next(iter(kinds))[0] != moved or next(iter(kinds))[1] is None:
             by_rtn.append(hf)
             continue
         t = next(iter(kinds))[1]
-        targets[hf] = scheme_for_type(t, hf)
         for p in placed:
             sources.setdefault(p.gguf_name, []).append(hf)
-            qw = matrix.quant_weights(p.gguf_name) if matrix is not None else None
-            if qw is not None and (expert := expert_index(hf)) is not None:  # its row of the stacked entry
-                qw = np.asarray(qw).reshape(-1, shape[-1])[expert]
-            if qw is not None:
-                weights[hf] = torch.as_tensor(np.asarray(qw, dtype=np.float32))
+        for name in in_fused.get(hf, [hf]):
+            targets[name] = scheme_for_type(t, name)
+            if name in virtual:
+                weigh(name, to_gguf[name], virtual[name].shape[1])
+            else:
+                for p in placed:
+                    weigh(name, p.gguf_name, shape[-1])
     done = req.method.run(ref, targets, req.method_options, device=device,
                           **({"quant_weights": weights} if matrix is not None else {}))
     codes = {hf: ggml_blocks(qt).numpy() for hf, qt in done.quantized.items()}
+    for hf, shape in rows.hf.items():  # a fused tensor's codes by its flat column, expert * columns + column
+        parts = [codes.get(n) for n in in_fused.get(hf, [])]
+        if parts and all(c is not None for c in parts):
+            per_row = parts[0].shape[-1]
+            whole = np.empty((shape[0] * shape[-1], per_row), dtype=np.uint8)
+            for name, c in zip(in_fused[hf], parts):
+                v = virtual[name]
+                whole[v.expert * shape[-1] + np.arange(shape[-1])[v.columns]] = c.reshape(-1, per_row)
+            codes[hf] = whole
     names = list(rows.hf)
 
     def blocks(name: str, t: T) -> np.ndarray | None:
@@ -133,13 +160,14 @@ def _method_blocks(req: Request, ref: ModelRef, rows: RowMap, planned: list, mat
             out[where] = codes[names[int(k)]].reshape(-1, per_row)[g.flat[where]]
         return out
 
-    record = {"name": req.method.name, **done.record, "written_by_rtn": sorted(by_rtn)}
+    # "matrices": the Hugging Face matrices the method ran on (the file's tensors stack and split them)
+    record = {"name": req.method.name, **done.record, "written_by_rtn": sorted(by_rtn), "matrices": len(targets)}
     return blocks, record
 
 
-def quantize(req: Request, opts: QuantizeOptions, ref: ModelRef, out: Path, t0: float,
+def quantize(req: Request, opts: QuantizeOptions, ref: ModelRef, config: dict, out: Path, t0: float,
              device: torch.device | None = None) -> QuantizeResult:
-    """Convert (cached), then quantize the F32 file into ``out`` (module docstring)."""
+    """Convert (cached), then quantize the F32 file into ``out`` (module docstring); ``config``: the model's."""
     device = device or torch.device("cpu")
     source = source_gguf(ref.directory, ref)
     matrix = read_imatrix(opts.imatrix) if opts.imatrix else None
@@ -150,7 +178,7 @@ def quantize(req: Request, opts: QuantizeOptions, ref: ModelRef, out: Path, t0: 
     if req.method is not None:
         ftype, pure = llama_quantize_args(req.default)
         planned, _ = plan(read_header(f32), ftype, pure, matrix, *(head_type(w, o) for w, o in zip(heads, _HEADS)), str(f32))
-        blocks, method = _method_blocks(req, ref, row_map(ref.directory), planned, matrix, device)
+        blocks, method = _method_blocks(req, ref, config, row_map(ref.directory), planned, matrix, device)
     done = quantize_gguf(f32, out, req.default, matrix, token_embedding_type=heads[0], output_tensor_type=heads[1],
                          force=opts.force, tokenizer=tokenizer, blocks=blocks)
     sizes = {t.name: math.prod(t.ne) for t in read_header(done.path).tensors}

@@ -21,8 +21,10 @@ from qkit.errors import ExportError
 # Hugging Face model_type -> llama.cpp architecture (gguf.MODEL_ARCH member name)
 ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2"}
 # Mixture-of-experts architectures whose tensors qkit names as llama.cpp does (importance matrices,
-# ``--tensor-type``) but whose GGUF it does not write here. llama.cpp converts mixtral as a llama model.
-NAMED_MOE = {"qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA"}
+# ``--tensor-type``) but whose GGUF it does not write here. llama.cpp converts mixtral as a llama model. gpt_oss's
+# checkpoint stores its experts fused; its expert matrices carry the per-expert names the converter splits
+# them into (``mlp.experts.3.gate_proj.weight``: ``blk.N.ffn_gate_exps`` row 3; ``methods.experts.GPT_OSS``).
+NAMED_MOE = {"qwen2_moe": "QWEN2MOE", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA", "gpt_oss": "GPT_OSS"}
 # A per-expert matrix as a checkpoint stores it (``mlp.experts.3.gate_proj.weight``, ``block_sparse_moe.
 # experts.3.w1.weight``): llama.cpp's converter stacks the experts into one tensor (``blk.N.ffn_gate_exps``),
 # the expert index becoming its outermost dimension.

@@ -292,7 +292,7 @@ def _method_rows(result) -> list[list[str]]:
     reasons = rec.get("rtn_fallback_reasons") or {}
     if reasons:  # a fallback is never silent: how many, and why
         why = Counter(reasons.values())
-        rows.append(["written by rtn instead", f"{len(reasons)} of {result.matrices} matrices ("
+        rows.append(["written by rtn instead", f"{len(reasons)} of {rec.get('matrices', result.matrices)} matrices ("
                      + ", ".join(f"{k}: {v}" for k, v in sorted(why.items())) + ")"])
     groups = [v for v in (rec.get("groups") or {}).values() if "loss_rtn" in v and "loss_final" in v]
     if groups:  # awq: each group's output error, its final (scaled, clipped) weights against plain RTN

@@ -17,6 +17,17 @@ cover them all, and the layer's output still combines only the router's top-k wi
 the fused modules are put back, holding whatever weights the linears hold then (a method's quantized
 ones), or nothing where a walk released them.
 
+gpt_oss (``GptOssExperts``) holds its experts otherwise: ``gate_up_proj`` ``[E, H, 2I]`` (``[in, out]`` per expert,
+gate and up interleaved by alternate columns: ``gate = gate_up_proj[e][:, ::2]``), ``down_proj`` ``[E, I, H]``,
+a bias per expert matrix, the router's softmax over its top-k logits, and a clamped SwiGLU with ``alpha``
+(``_apply_gate``). Its ``ExpertLayout`` is ``transposed``: each expert's gate, up and down are the transposed,
+column-strided views ``gate_up_proj[e][:, ::2].T`` ``[I, H]``, ``gate_up_proj[e][:, 1::2].T``, ``down_proj[e].T``
+``[H, I]`` (nothing copied), with their biases, and the expert computes gpt_oss's clamped SwiGLU. Its checkpoint
+stores the fused 3-D tensors (``mlp.experts.gate_up_proj``), not one matrix per expert, so its expert
+linears carry the names llama.cpp's converter splits them into (``mlp.experts.3.gate_proj``: ``ffn_gate_exps``
+row 3; ``virtual_experts``), which the GGUF route and the importance matrix use; ``qkit quantize --format qkit``
+keeps gpt_oss's experts in their source dtype.
+
 The measuring commands leave the fused modules in place: ``expert_matrices(model, config)`` gives each expert
 matrix by its stored name as a 2-D view of the fused parameter (``expert_views``), so ``qkit eval`` streams a
 row's expert matrices into the model (``evaluation.swap``) and ``qkit inspect sensitivity`` quantizes one in
@@ -30,7 +41,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +70,9 @@ class ExpertLayout:
     up: str
     down: str
     router: str = "gate"
+    # gpt_oss's GptOssExperts: [E, in, out] parameters, gate and up interleaved by column, a bias per expert
+    # matrix, the clamped SwiGLU; the checkpoint stores the fused 3-D tensors (see the module docstring)
+    transposed: bool = False
 
     @property
     def names(self) -> tuple[str, str, str]:
@@ -74,11 +88,27 @@ LAYOUTS: dict[str, ExpertLayout] = {
     "qwen3_moe": _QWEN,
     "mixtral": ExpertLayout("mlp", "block_sparse_moe", "w1", "w3", "w2"),
 }
+# The layouts the calibrated methods route through (``unfused_experts``): LAYOUTS, whose checkpoints store one
+# matrix per expert, and gpt_oss, whose experts are calibrated under llama.cpp's per-expert names but whose
+# checkpoint stores them fused (``virtual_experts``); ``qkit plan``, the evaluation's swap and ``qkit verify``
+# read LAYOUTS only.
+GPT_OSS = ExpertLayout("mlp", "mlp", "gate_proj", "up_proj", "down_proj", router="router", transposed=True)
+ROUTED_LAYOUTS: dict[str, ExpertLayout] = {**LAYOUTS, "gpt_oss": GPT_OSS}
+# transformers' ``use_experts_implementation`` flags of each fused layout, and the parameters it holds
+_FLAGS = {False: {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
+                  "has_post_expert_norm": False},
+          True: {"is_transposed": True, "has_bias": True, "is_concatenated": False, "has_gate": True,
+                 "has_post_expert_norm": False}}
+# gpt_oss's gate_up_proj [E, H, 2I] holds expert e's gate in its even columns, its up in the odd ones
+_GATE_COLUMNS, _UP_COLUMNS = slice(0, None, 2), slice(1, None, 2)
+_PARAMS = {False: {"gate_up_proj", "down_proj"},
+           True: {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}}
 # Why another mixture-of-experts architecture's experts are not calibrated, where that is known
 _WHY_NOT = {
     "gpt_oss": "gpt_oss stores each layer's experts as 3-D tensors [experts, in, out] (mlp.experts.gate_up_proj, "
                "gate and up interleaved by column, with biases), not one 2-D matrix per expert, which is what qkit "
-               "quantizes (--method rtn quantizes its attention and keeps the experts in their source dtype)",
+               "plans and writes in its own format (qkit quantize writes its attention, and with --format gguf its "
+               "experts too)",
 }
 
 
@@ -92,19 +122,21 @@ def fused_modules(config: Mapping[str, Any]) -> dict[str, tuple[str, ...]]:
     return {**FUSED_MODULES, "w13": (layout.gate, layout.up)}
 
 
-def layout_for(config: Mapping[str, Any], doing: str = "calibration is routed to") -> ExpertLayout | None:
-    """The experts' layout of a mixture-of-experts ``config``; None for a dense model. A mixture-of-experts
-    architecture qkit does not route calibration through is refused in one line naming why (``doing``: what
-    reaches the experts of the known architectures only, e.g. ``qkit plan prices``)."""
+def layout_for(config: Mapping[str, Any], doing: str = "calibration is routed to",
+               layouts: Mapping[str, ExpertLayout] = ROUTED_LAYOUTS) -> ExpertLayout | None:
+    """The experts' layout of a mixture-of-experts ``config`` among ``layouts`` (default: every one the methods
+    route calibration through; ``LAYOUTS``: those stored one matrix per expert); None for a dense model. Another
+    architecture is refused in one line naming why (``doing``: what reaches the experts of the known
+    architectures only, e.g. ``qkit plan prices``)."""
     n = expert_count(dict(config))
     if n <= 1:
         return None
     arch = str(config.get("model_type"))
-    if arch in LAYOUTS:
-        return LAYOUTS[arch]
+    if arch in layouts:
+        return layouts[arch]
     why = _WHY_NOT.get(arch, f"qkit does not know how {arch} holds its experts: quantize it with --method rtn")
     raise InputError(f"a mixture-of-experts {arch} model ({n} experts per layer): {doing} the experts of "
-                     f"{', '.join(sorted(LAYOUTS))} models only; {why}")
+                     f"{', '.join(sorted(layouts))} models only; {why}")
 
 
 def check_method(config: Mapping[str, Any], method: str, options: Any) -> None:
@@ -129,13 +161,45 @@ def check_method(config: Mapping[str, Any], method: str, options: Any) -> None:
                          "tokens routed to it, not on windows: drop --holdout for a mixture-of-experts model")
 
 
+def _transposed(fused: torch.nn.Module) -> bool:
+    """Whether ``fused`` holds gpt_oss's layout (``ExpertLayout.transposed``): transformers' own flag."""
+    return bool(getattr(fused, "is_transposed", False))
+
+
 def expert_views(fused: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Each expert's ``(gate [I, H], up [I, H], down [H, I])`` of a fused experts module: views of its two
-    parameters (``gate_up_proj[e, :I]``, ``gate_up_proj[e, I:]``, ``down_proj[e]``), nothing copied, so writing
-    into one writes the model's weight."""
+    """Each expert's ``(gate [I, H], up [I, H], down [H, I])`` (``[out, in]``, as ``nn.Linear``) of a fused experts
+    module: views of its two parameters, nothing copied, so writing into one writes the model's weight.
+    Concatenated: ``gate_up_proj[e, :I]``, ``gate_up_proj[e, I:]``, ``down_proj[e]``; gpt_oss's transposed
+    layout: ``gate_up_proj[e][:, 0::2].T``, ``gate_up_proj[e][:, 1::2].T``, ``down_proj[e].T`` (strided)."""
     gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
+    if _transposed(fused):
+        return [(gate_up[e][:, _GATE_COLUMNS].T, gate_up[e][:, _UP_COLUMNS].T, down[e].T) for e in range(gate_up.shape[0])]
     inter = down.shape[2]
     return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(gate_up.shape[0])]
+
+
+def expert_biases(fused: torch.nn.Module) -> list[tuple[torch.Tensor | None, ...]]:
+    """Each expert's ``(gate [I], up [I], down [H])`` biases (views of ``gate_up_proj_bias[e][0::2]``,
+    ``[1::2]``, ``down_proj_bias[e]``: gpt_oss's), or Nones for a layout without biases."""
+    if not _transposed(fused):
+        return [(None, None, None)] * fused.gate_up_proj.shape[0]
+    gate_up, down = fused.gate_up_proj_bias.data, fused.down_proj_bias.data
+    return [(gate_up[e][_GATE_COLUMNS], gate_up[e][_UP_COLUMNS], down[e]) for e in range(gate_up.shape[0])]
+
+
+def _gated(fused: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``(gate(x), up(x)) -> the down projection's input`` of one expert of ``fused``: ``act(g) * u``, or gpt_oss's
+    clamped SwiGLU (transformers' ``GptOssExperts._apply_gate``: gate clamped above at ``limit``, up to
+    ``[-limit, limit]``, ``(u + 1) * g * sigmoid(alpha * g)``)."""
+    if not _transposed(fused):
+        act = fused.act_fn
+        return lambda g, u: act(g) * u
+    alpha, limit = fused.alpha, fused.limit
+
+    def clamped_swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        g, u = g.clamp(min=None, max=limit), u.clamp(min=-limit, max=limit)
+        return (u + 1) * (g * torch.sigmoid(g * alpha))
+    return clamped_swiglu
 
 
 def _matrices(layout: ExpertLayout, inter: int, e: int) -> tuple[tuple[str, str, tuple], ...]:
@@ -153,27 +217,29 @@ def stored_path(path: str, layout: ExpertLayout) -> str:
     return f"{head}{layout.stored}.experts"
 
 
-def _linear(weight: torch.Tensor) -> torch.nn.Linear:
-    """An ``nn.Linear`` whose weight is ``weight`` itself (a view: nothing is copied)."""
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
+    """An ``nn.Linear`` whose weight (and bias) are ``weight`` and ``bias`` themselves (views: nothing is copied)."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = torch.nn.Parameter(bias, requires_grad=False)
     return linear
 
 
 class _Expert(torch.nn.Module):
-    """One expert: ``down(act(gate(x)) * up(x))``, its linears under the checkpoint's names."""
+    """One expert: ``down(gated(gate(x), up(x)))`` (``_gated``), its linears under the checkpoint's names."""
 
-    def __init__(self, layout: ExpertLayout, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                 act: torch.nn.Module) -> None:
+    def __init__(self, layout: ExpertLayout, weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor | None, ...],
+                 gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
-        for name, w in zip(layout.names, (gate, up, down)):
-            self.add_module(name, _linear(w))
-        object.__setattr__(self, "_act", act)  # the fused module's, shared: not a submodule of each expert
+        for name, w, b in zip(layout.names, weights, biases):
+            self.add_module(name, _linear(w, b))
+        object.__setattr__(self, "_gated", gated)  # the fused module's activation, shared by every expert
         object.__setattr__(self, "_names", layout.names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
-        return down(self._act(gate(x)) * up(x))
+        return down(self._gated(gate(x), up(x)))
 
 
 class ExpertLinears(torch.nn.ModuleList):
@@ -181,7 +247,8 @@ class ExpertLinears(torch.nn.ModuleList):
     ``[E]``, the tokens the router has sent each expert since it was last zeroed."""
 
     def __init__(self, fused: torch.nn.Module, layout: ExpertLayout, every_token: bool, router: torch.nn.Module):
-        super().__init__(_Expert(layout, *matrices, fused.act_fn) for matrices in expert_views(fused))
+        gated = _gated(fused)
+        super().__init__(_Expert(layout, w, b, gated) for w, b in zip(expert_views(fused), expert_biases(fused)))
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "every_token", every_token)
         object.__setattr__(self, "router", router)  # the sparse block's: its input is the experts'
@@ -210,14 +277,25 @@ class ExpertLinears(torch.nn.ModuleList):
         return stored_path(path, self.layout)
 
     def restore(self, fused: torch.nn.Module) -> None:
-        """Put the experts' current weights back into ``fused``'s two parameters (empty where they were released)."""
-        gate, up, down = ([getattr(e, n).weight.data for e in self] for n in self.layout.names)
+        """Put the experts' current weights (and biases) back into ``fused``'s parameters (empty where they were
+        released), in its layout: concatenated, or gpt_oss's transposed with gate and up interleaved by column."""
+        linears = [[getattr(e, n) for e in self] for n in self.layout.names]
+        gate, up, down = ([m.weight.data for m in ms] for ms in linears)
+        params = dict(fused.named_parameters(recurse=False))
         if any(w.numel() == 0 for w in (*gate, *up, *down)):
-            fused.gate_up_proj.data = torch.empty(0, dtype=fused.gate_up_proj.dtype)
-            fused.down_proj.data = torch.empty(0, dtype=fused.down_proj.dtype)
+            for p in params.values():
+                p.data = torch.empty(0, dtype=p.dtype)
             return
-        fused.gate_up_proj.data = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
-        fused.down_proj.data = torch.stack(down)
+        if not self.layout.transposed:
+            fused.gate_up_proj.data = torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)])
+            fused.down_proj.data = torch.stack(down)
+            return
+        # row 2j of [gate; up] interleaved is gate row j, row 2j+1 up row j: gate_up_proj[e] is its transpose
+        fused.gate_up_proj.data = torch.stack([torch.stack([g, u], 1).flatten(0, 1).T for g, u in zip(gate, up)])
+        fused.down_proj.data = torch.stack([d.T for d in down])
+        gb, ub, db = ([m.bias.data for m in ms] for ms in linears)
+        fused.gate_up_proj_bias.data = torch.stack([torch.stack([g, u], 1).flatten() for g, u in zip(gb, ub)])
+        fused.down_proj_bias.data = torch.stack(db)
 
 
 def _fused(module: torch.nn.Module) -> bool:
@@ -232,13 +310,13 @@ def fused_paths(model: torch.nn.Module) -> list[str]:
 
 
 def _check_fused(name: str, module: torch.nn.Module, layout: ExpertLayout) -> None:
-    """The fused layout ``ExpertLinears`` reproduces and ``expert_views`` reads: concatenated gate/up, [out, in] per
-    expert, no biases, a gate, no norm after each expert (transformers' ``use_experts_implementation`` flags)."""
-    flags = {"is_transposed": False, "has_bias": False, "is_concatenated": True, "has_gate": True,
-             "has_post_expert_norm": False}
+    """The fused layout ``ExpertLinears`` reproduces and ``expert_views`` reads (transformers'
+    ``use_experts_implementation`` flags): concatenated gate/up, [out, in] per expert, no biases, a gate, no
+    norm after each expert; or, for a ``transposed`` layout, gpt_oss's [in, out], interleaved, with biases."""
+    flags = _FLAGS[layout.transposed]
     odd = [k for k, v in flags.items() if getattr(module, k, v) != v]
     params = {n for n, _ in module.named_parameters(recurse=False)}
-    if odd or params != {"gate_up_proj", "down_proj"} or not name.endswith(f"{layout.moe}.experts"):
+    if odd or params != _PARAMS[layout.transposed] or not name.endswith(f"{layout.moe}.experts"):
         raise InputError(f"{name} ({type(module).__name__}) is not the fused experts layout qkit reads one matrix per "
                          f"expert from ({', '.join(odd) or ', '.join(sorted(params))}); quantize it with --method rtn")
 
@@ -265,8 +343,11 @@ def fused_experts(model: torch.nn.Module, config: Mapping[str, Any]) -> list[Fus
     a mixture-of-experts architecture without a layout (gpt_oss, whose 3-D experts qkit keeps in their source
     dtype). A module not laid out as ``expert_views`` reads it is refused in one line."""
     layout = LAYOUTS.get(str(config.get("model_type"))) if expert_count(dict(config)) > 1 else None
-    if layout is None:
-        return []
+    return [] if layout is None else _found(model, layout)
+
+
+def _found(model: torch.nn.Module, layout: ExpertLayout) -> list[FusedExperts]:
+    """Every fused experts module of ``model``, each checked to hold ``layout`` (refused in one line otherwise)."""
     found = [(name, module) for name, module in model.named_modules() if _fused(module)]
     for name, module in found:
         _check_fused(name, module, layout)
@@ -287,13 +368,13 @@ def unfused_experts(model: torch.nn.Module, config: Mapping[str, Any], every_tok
     swapped: list[tuple[torch.nn.Module, torch.nn.Module, ExpertLinears]] = []
     try:
         if layout is not None:
-            for found in fused_experts(model, config):
+            for found in _found(model, layout):
                 module = found.module
                 parent = model.get_submodule(found.path.rpartition(".")[0])
                 unfused = ExpertLinears(module, layout, every_token, getattr(parent, layout.router))
                 # the views own the weights now: a walk that releases a block's parameters frees them
-                module.gate_up_proj.data = torch.empty(0, dtype=module.gate_up_proj.dtype)
-                module.down_proj.data = torch.empty(0, dtype=module.down_proj.dtype)
+                for p in module.parameters(recurse=False):
+                    p.data = torch.empty(0, dtype=p.dtype)
                 parent.experts = unfused
                 swapped.append((parent, module, unfused))
             if not swapped:
@@ -313,7 +394,7 @@ def expert_slices(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str
     ``ExpertLinears`` takes as its linears' weights. ``params[p][index]`` is a view (writing it writes the
     fused parameter) holding exactly the stored tensor as loaded. {} for a dense model; a mixture-of-experts
     model without a known layout or without a fused experts module is refused in one line."""
-    layout = layout_for(config)
+    layout = layout_for(config, layouts=LAYOUTS)
     if layout is None:
         return {}
     out: dict[str, tuple[str, tuple]] = {}
@@ -334,7 +415,7 @@ def fused_numel(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]
     """From the checkpoint's headers: ``{stored expert matrix: the elements of the fused parameter it is loaded
     into}`` (its layer's ``gate_up_proj`` for a gate or up matrix, ``down_proj`` for a down one: the sum over
     that layer's experts), which is what a gradient of it takes in the model; {} for a dense model."""
-    layout = layout_for(config)
+    layout = layout_for(config, layouts=LAYOUTS)
     if layout is None:
         return {}
     kind = {layout.gate: "gate_up_proj", layout.up: "gate_up_proj", layout.down: "down_proj"}
@@ -347,6 +428,58 @@ def fused_numel(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]
     for name, key in fused.items():
         sizes[key] = sizes.get(key, 0) + math.prod(shapes[name])
     return {name: sizes[key] for name, key in fused.items()}
+
+
+@dataclass(frozen=True)
+class VirtualExpert:
+    """One expert matrix of a checkpoint that stores its experts fused (gpt_oss: ``ExpertLayout.transposed``):
+    ``fused`` the stored 3-D tensor's name (``model.layers.0.mlp.experts.gate_up_proj``, ``[E, in, out]``),
+    ``expert`` its index, ``columns`` the output columns it takes (gate: ``0::2``, up: ``1::2``, down: all),
+    ``shape`` the matrix ``[out, in]``: ``fused_tensor[expert][:, columns].T`` (``take``)."""
+
+    fused: str
+    expert: int
+    columns: slice
+    shape: tuple[int, int]
+
+    def take(self, fused: torch.Tensor) -> torch.Tensor:
+        """This matrix ``[out, in]`` out of its fused tensor ``[E, in, out]`` (a strided view)."""
+        return fused[self.expert][:, self.columns].T
+
+
+def virtual_experts(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> dict[str, VirtualExpert]:
+    """For a model whose checkpoint stores its experts fused (gpt_oss), every expert matrix under the name its
+    linear carries inside ``unfused_experts`` (``model.layers.0.mlp.experts.3.gate_proj.weight``, the name
+    llama.cpp's converter splits it to: ``blk.0.ffn_gate_exps`` row 3); ``shapes``: the stored tensors'. {} for
+    every other model (whose checkpoint names each expert matrix itself)."""
+    layout = ROUTED_LAYOUTS.get(str(config.get("model_type"))) if expert_count(dict(config)) > 1 else None
+    if layout is None or not layout.transposed:
+        return {}
+    out: dict[str, VirtualExpert] = {}
+    for name, shape in shapes.items():
+        if len(shape) != 3 or not name.endswith((f".{layout.moe}.experts.gate_up_proj", f".{layout.moe}.experts.down_proj")):
+            continue
+        n, cols, width = shape
+        head = name.rpartition(".")[0]
+        kinds = (((layout.gate, _GATE_COLUMNS), (layout.up, _UP_COLUMNS)) if name.endswith("gate_up_proj")
+                 else ((layout.down, slice(None)),))
+        for e in range(n):
+            for m, columns in kinds:
+                out[f"{head}.{e}.{m}.weight"] = VirtualExpert(name, e, columns, (len(range(width)[columns]), cols))
+    return out
+
+
+def split_experts(tensors: Iterable[tuple[str, torch.Tensor]], virtual: Mapping[str, VirtualExpert]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` (``(stored name, tensor)``), each followed by the expert matrices ``virtual`` takes out of it
+    (contiguous copies, ``VirtualExpert.take``): a fused checkpoint streamed as the per-expert matrices it holds."""
+    by_fused: dict[str, list[str]] = {}
+    for name, v in virtual.items():
+        by_fused.setdefault(v.fused, []).append(name)
+    for name, tensor in tensors:
+        yield name, tensor
+        for v in by_fused.get(name, ()):
+            yield v, virtual[v].take(tensor).contiguous()
 
 
 def routed_width(config: Mapping[str, Any]) -> int:
@@ -390,7 +523,8 @@ def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
     return out
 
 
-__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "ExpertLayout", "ExpertLinears", "FusedExperts", "LAYOUTS", "ROUTED_METHODS",
+__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "GPT_OSS", "ROUTED_LAYOUTS", "ExpertLayout", "ExpertLinears", "FusedExperts", "LAYOUTS",
+           "ROUTED_METHODS", "VirtualExpert", "expert_biases", "split_experts", "virtual_experts",
            "check_method", "expert_matrices", "expert_slices", "expert_views", "fused_experts", "fused_modules",
            "fused_numel", "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers",
            "stored_path", "unfused_experts"]

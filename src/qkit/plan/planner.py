@@ -58,7 +58,7 @@ from qkit.executors import SERIAL_EXECUTOR, Executor
 from qkit.methods.calibration import calibration_ids, check_fits
 from qkit.dtypes import LOAD_DTYPES, non_finite_activations
 from qkit.models import ModelRef, load, load_tokenizer, read_config
-from qkit.methods.experts import expert_slices, layout_for
+from qkit.methods.experts import LAYOUTS, expert_slices, layout_for
 from qkit.methods.gptq.method import GPTQOptions
 from qkit.plan import feedback
 from qkit.plan.candidates import (
@@ -369,7 +369,7 @@ def check_experts(options: PlanOptions, config: Mapping) -> None:
     """A mixture-of-experts model's plan, refused in one line before any work where it cannot be made: an
     architecture whose experts qkit does not slice (gpt_oss: 3-D expert tensors) and a GPTQ plan (its feedback
     measures held-out windows, and an expert is calibrated on the tokens routed to it)."""
-    layout_for(config, doing="qkit plan prices")
+    layout_for(config, doing="qkit plan prices", layouts=LAYOUTS)
     if options.gptq is not None:
         raise InputError("qkit plan --method gptq prices each candidate by GPTQ's output error on held-out calibration "
                          "windows, and an expert is calibrated on the tokens routed to it, not on windows: plan a "

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ from qkit.errors import InputError
 from qkit.llama_names import expert_index
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
-from qkit.methods.experts import DEFAULT_MIN_EXPERT_TOKENS, check_method, routed_tokens, unfused_experts
+from qkit.methods.experts import (DEFAULT_MIN_EXPERT_TOKENS, VirtualExpert, check_method, routed_tokens, split_experts,
+                                  unfused_experts, virtual_experts)
 from qkit.methods.gptq.errors import output_error, output_errors, rtn_dequantized, rtn_parts
 from qkit.methods.gptq.solver import (
     DEFAULT_BLOCK_SIZE,
@@ -442,6 +444,10 @@ class GPTQMethod:
         for scheme in targets.values():
             self.check(scheme)
         shapes = dict(tensor_shapes(ref.directory))
+        config = read_config(ref.directory)
+        # gpt_oss's expert matrices, which its checkpoint stores fused: targets under their per-expert names
+        virtual = {n: v for n, v in virtual_experts(shapes, config).items() if n in targets}
+        shapes.update({n: v.shape for n, v in virtual.items()})
         for name, scheme in targets.items():  # a matrix a block scheme cannot serve row-wise: refused before any work
             if name in shapes:
                 whole_blocks(scheme, as_2d(shapes[name])[1], name)
@@ -457,16 +463,16 @@ class GPTQMethod:
             if not is_llama_type(targets.get(name)):
                 raise InputError(f"an importance matrix weights llama.cpp's block types; {name} is not one")
         t_start = time.perf_counter()
-        config = read_config(ref.directory)
         check_method(config, self.name, options)  # a mixture-of-experts model gptq cannot route: refused now
         # The calibration text (unreadable, too short, overlapping the eval text) is refused before the model loads.
         ids, provenance = calibration_ids(load_tokenizer(ref.directory, ref.trust_remote_code),
                                           options.calibration_options(config))
         loaded = load(ref=ref, device="cpu", dtype=options.load_dtype)
         batch = options.batch_size or ids.shape[0]
-        read = None if options.load_dtype == torch.float32 else tensor_reader(ref.directory, targets)
-        run = GPTQRun(targets, options, tensor_dtypes(ref.directory, floating_only=True), batch >= ids.shape[0], weights,
-                      dict(tensor_amax or {}), read=read)
+        read = None if options.load_dtype == torch.float32 else _reader(ref.directory, targets, virtual)
+        dtypes = tensor_dtypes(ref.directory, floating_only=True)
+        dtypes.update({n: dtypes.get(v.fused) for n, v in virtual.items()})
+        run = GPTQRun(targets, options, dtypes, batch >= ids.shape[0], weights, dict(tensor_amax or {}), read=read)
         # each block's weights are freed once solved: its quantized parts (kept in ``run``) take their place;
         # each expert is one linear per matrix meanwhile, calibrated on the tokens routed to it
         with unfused_experts(loaded.model, config, options.calibrate_all_experts):
@@ -475,7 +481,7 @@ class GPTQMethod:
         del loaded
         rtn_fallback = sorted(set(targets) - set(run.quantized))
         if rtn_fallback:  # targets outside the blocks, experts no token reached: round to nearest (+ imatrix), streamed
-            for name, tensor in iter_tensors(ref.directory):
+            for name, tensor in split_experts(iter_tensors(ref.directory), virtual):
                 if name in rtn_fallback:
                     run.quantized[name] = quantize_tensor(tensor, targets[name], name=name, quant_weights=weights.get(name),
                                                           tensor_amax=run.tensor_amax.get(name))
@@ -485,6 +491,13 @@ class GPTQMethod:
         if weights:
             record["imatrix_tensors"] = len(weights)
         return MethodResult(quantized=run.quantized, replaced={}, record=record, checked=run.checked)
+
+
+def _reader(directory: Path, targets: Mapping[str, Scheme], virtual: Mapping[str, VirtualExpert]) -> Callable[[str], torch.Tensor]:
+    """``read(name)``: a target's source weights in their stored dtype; an expert matrix its checkpoint stores
+    fused (``virtual``) taken out of the fused tensor it lives in."""
+    read = tensor_reader(directory, {v.fused for v in virtual.values()} | {n for n in targets if n not in virtual})
+    return lambda name: virtual[name].take(read(virtual[name].fused)) if name in virtual else read(name)
 
 
 METHOD = GPTQMethod()

@@ -37,7 +37,7 @@ import torch
 
 from qkit.errors import InputError
 from qkit.llama_names import ARCHITECTURES, NAMED_MOE, expert_index, tensor_names
-from qkit.methods.experts import layout_for
+from qkit.methods.experts import layout_for, virtual_experts
 from qkit.methods.imatrix.file import Imatrix
 from qkit.schemes.ggml import GGMLScheme, importance_problem, uses_importance
 from qkit.schemes.recipes import expert_count, tensor_category
@@ -68,6 +68,8 @@ def quant_weights_for(imatrix: Imatrix, config: Mapping, shapes: Mapping[str, tu
     the module docstring. ``shapes``: every tensor of the model; ``targets``: ``{name: scheme}``."""
     src = imatrix.source or "the importance matrix"
     experts = expert_count(dict(config))
+    # gpt_oss's expert matrices, stored fused: the entries of its _exps tensors name them (virtual_experts)
+    shapes = {**shapes, **{n: v.shape for n, v in virtual_experts(shapes, config).items()}}
     to_gguf = gguf_names(config, [n for n in shapes if n.endswith(".weight")])
     by_gguf = {g: n for n, g in to_gguf.items()}
     unknown = sorted(e for e in imatrix.entries if e not in by_gguf)
