@@ -244,7 +244,9 @@ class ExpertLinears(torch.nn.ModuleList):
                 y = expert(hidden_states[token])
             else:
                 continue
-            out.index_add_(0, token, (y * top_k_weights[token, pos, None]).to(out.dtype))
+            # index_put_ (a token picks an expert once: no index repeats) rather than index_add_, whose CPU
+            # kernel waits on the thread pool: 20 ms against 0.01 ms for [128, 64] rows on a busy 2-core machine
+            out.index_put_((token,), (y * top_k_weights[token, pos, None]).to(out.dtype), accumulate=True)
         return out
 
     def stored_path(self, path: str) -> str:
