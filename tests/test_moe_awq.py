@@ -134,6 +134,14 @@ def test_quantize_awq_on_a_moe_model_records_each_experts_tokens_and_refuses_gpt
     fell = sorted(f"{e}.{m}.weight" for e, v in tokens.items() if v["routed"] < 200 for m in ("down_proj", "gate_proj", "up_proj"))
     assert fell and record["experts"]["rtn_fallback"] == fell and record["options"]["min_expert_tokens"] == 200
     assert f"{len(fell)} of 20 matrices" in text and "awq / rtn" in text
+    from safetensors.torch import load_file
+
+    source, written = load_file(str(moe2 / "model.safetensors")), load_file(str(tmp_path / "q" / "model.safetensors"))
+    for i in range(2):  # each router absorbed its norm's scale on disk
+        norm, router = f"model.layers.{i}.post_attention_layernorm.weight", f"model.layers.{i}.mlp.gate.weight"
+        s = source[norm] / written[norm]
+        assert not torch.allclose(s, torch.ones_like(s))
+        torch.testing.assert_close(written[router], source[router] * s)
     with pytest.raises(InputError, match="3-D tensors"):
         layout_for({"model_type": "gpt_oss", "num_local_experts": 4}, "awq folds scales into")
     from helpers_archs import make_arch_model, spm_tokenizer
