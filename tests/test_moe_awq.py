@@ -177,3 +177,20 @@ def test_the_linear_input_table_takes_each_experts_rows_from_its_routed_tokens(a
         assert d["linears"] == [f"{moe}.experts.{e}.{down}"] and d["input"] == f"{moe}.experts.{e}.{down} input"
         assert d["max"] == pytest.approx(float(h.abs().max()), rel=1e-5) and d["tokens"] == len(xe)
     assert sum(r["tokens"] for r in experts.values()) == 2 * ids.numel()  # top-2
+
+
+def test_a_row_that_rewrites_mixtrals_router_reaches_it_in_the_measured_model(tmp_path):
+    """``qkit eval`` streams a row's tensors into the loaded model by their stored names: AWQ's folded mixtral
+    router (``block_sparse_moe.gate.weight``) lands in ``mlp.gate.weight``, and ``restore`` puts the source back."""
+    from qkit.evaluation.swap import Swapper
+    from qkit.models import load
+
+    moe_model("mixtral").save_pretrained(str(tmp_path))
+    model = load(tmp_path).model
+    router = model.model.layers[0].mlp.gate.weight
+    before = router.detach().clone()
+    swapper = Swapper(model, tmp_path)
+    swapper.apply([("model.layers.0.block_sparse_moe.gate.weight", before * 2)])
+    assert swapper.changed == 1 and torch.equal(router, before * 2)
+    swapper.restore()
+    assert torch.equal(router, before)

@@ -318,6 +318,16 @@ def fused_experts(model: torch.nn.Module, config: Mapping[str, Any]) -> list[Fus
     return [FusedExperts(name, stored_path(name, layout), module, layout) for name, module in found]
 
 
+def stored_aliases(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Each parameter of ``model`` that the checkpoint stores under another name, by that name (mixtral's router
+    ``model.layers.0.mlp.gate.weight`` as ``model.layers.0.block_sparse_moe.gate.weight``); {} where the names
+    agree (a dense model, qwen3_moe, qwen2_moe, or an architecture without a layout)."""
+    layout = LAYOUTS.get(str(config.get("model_type"))) if expert_count(dict(config)) > 1 else None
+    if layout is None or layout.moe == layout.stored:
+        return {}
+    return {layout.stored_name(n): p for n, p in model.named_parameters() if f".{layout.moe}." in n}
+
+
 def expert_matrices(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Every expert matrix of ``model`` (``fused_experts``) by its stored name: a 2-D view ``[out, in]`` of the
     fused parameter it lives in, the tensor ``qkit quantize`` reads and writes under that name."""
@@ -439,4 +449,4 @@ __all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "ExpertLayout", "ExpertLinears", "Expert
            "ROUTED_METHODS", "check_method", "expert_matrices", "expert_of", "expert_slices", "expert_views", "experts_record",
            "few_tokens", "fused_experts", "fused_modules",
            "fused_numel", "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers",
-           "stored_path", "unfused_experts"]
+           "stored_aliases", "stored_path", "unfused_experts"]
