@@ -318,9 +318,10 @@ def moe_model(tmp_path_factory) -> Path:
 
 def test_a_mixture_of_experts_model_is_refused_by_the_methods_that_do_not_route(moe_model, tmp_path, cal):
     """gptq exited 0 with the experts written by RTN under its name, and nothing said so. It now calibrates each
-    expert on the tokens routed to it (tests/test_moe_calibration.py); awq, which does not, is refused."""
+    expert on the tokens routed to it (tests/test_moe_calibration.py), as awq does (tests/test_moe_awq.py);
+    smoothquant, which does not, is refused."""
     with Unchanged(inputs=[moe_model], dirs=[tmp_path]):
-        assert_refused(invoke("quantize", moe_model, "-s", "int4-g16", "--method", "awq", "--calibration", cal,
+        assert_refused(invoke("quantize", moe_model, "-s", "int8-row", "--method", "smoothquant", "--calibration", cal,
                               "-o", tmp_path / "q"), "mixture-of-experts", "4 experts", "--method gptq")
 
 

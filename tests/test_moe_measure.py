@@ -116,8 +116,8 @@ def test_a_method_that_cannot_reach_the_experts_is_refused_before_the_model_load
     import qkit.evaluation.runner as runner
 
     monkeypatch.setattr(runner, "load", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
-    with pytest.raises(InputError, match="--method awq is not run on mixture-of-experts models"):
-        evaluate(moe, options=EvalOptions(schemes=("int4-g128",), methods=("awq",), corpus=corpus, **FAST))
+    with pytest.raises(InputError, match="--method smoothquant is not run on mixture-of-experts models"):
+        evaluate(moe, options=EvalOptions(schemes=("int8-row",), methods=("smoothquant",), corpus=corpus, **FAST))
 
 
 @pytest.fixture(scope="module")

@@ -133,12 +133,23 @@ def outliers(r) -> None:
         linear_inputs(r)
 
 
+def _linears_cell(x: dict) -> str:
+    """``gate/up (post_attention_layernorm)``; an expert's ``mlp.experts.3.gate/up (post_attention_layernorm, 57
+    routed tokens)``: the linears' common prefix once, ``_proj`` dropped."""
+    head, _, _ = x["linears"][0].rpartition(".")
+    same = bool(head) and all(n.rpartition(".")[0] == head for n in x["linears"])
+    names = "/".join((n.rpartition(".")[2] if same else n).removesuffix("_proj") for n in x["linears"])
+    source = x["input"].removesuffix(" input").rpartition(".")[2] if same else x["input"].removesuffix(" input")
+    routed = f", {x['tokens']} routed tokens" if "expert" in x else ""
+    return f"{head + '.' if same else ''}{names} ({source}{routed})"
+
+
 def linear_inputs(r) -> None:
     """The linears' inputs (the norms' outputs) under the activation quantizations of qkit eval's rows."""
     def lv(v):
         return "-" if v is None else f"{v:.0f}"
 
-    rows = [[f"{x['layer']}", f"{'/'.join(n.removesuffix('_proj') for n in x['linears'])} ({x['input'].removesuffix(' input')})",
+    rows = [[f"{x['layer']}", _linears_cell(x),
              _g(x["max"]), _g(x["median_dim_max"]), f"{x['max_over_median']:.0f}", lv(x["levels"]["per_tensor"]),
              lv(x["levels"]["per_token"]),
              f"{lv(x['levels']['smoothquant'])} ({x['max_over_median_smoothed']:.0f})" if x["smoothed"] else "= per token",
@@ -156,6 +167,10 @@ def linear_inputs(r) -> None:
                 "16-bit, the rest per token).",
         right=[0, 2, 3, 4, 5, 6, 7, 8],
     )
+    experts = [x for x in r.linear_inputs if "expert" in x]
+    if experts:
+        console.note(f"- {len(experts)} rows are an expert's own: its gate/up on the tokens the router sent it, its down on "
+                     "act(gate) * up of those (an expert no token reached has no row).")
     med = {k: sorted(x["levels"][k] for x in r.linear_inputs if x["levels"][k] is not None) for k in r.linear_inputs[0]["levels"]}
     say = ", ".join(f"{name} {v[len(v) // 2]:.0f}" for name, v in (("per tensor", med["per_tensor"]), ("per token", med["per_token"]),
                     ("SmoothQuant", med["smoothquant"]), ("LLM.int8", med["llm_int8"])) if v)

@@ -51,6 +51,7 @@ from qkit.export.gguf.tensor_types import (
 from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
+from qkit.methods.experts import ExpertOptions
 from qkit.outputs import check_output_path
 from qkit.plan import PlanOptions
 from qkit.plan.options import DEFAULT_CHECK_WINDOWS
@@ -74,7 +75,7 @@ ScaleRuleOpt = Annotated[Optional[str], typer.Option("--scale-rule", help=f"gptq
 DampeningOpt = Annotated[Optional[float], typer.Option("--dampening", help=f"gptq: fraction of the mean Hessian diagonal added to it (default {DEFAULT_DAMPENING}).", show_default=False)]
 HessianShrinkOpt = Annotated[Optional[float], typer.Option("--hessian-shrink", help=f"gptq: add this fraction of the Hessian's own diagonal to it, pulling it toward its diagonal (default {GPTQOptions.hessian_shrink:g}, which generalised best to held-out text on the default model, docs/gptq.md; 0: the reference's Hessian).", show_default=False)]
 HoldoutOpt = Annotated[Optional[int], typer.Option("--holdout", help=f"gptq: calibration windows kept out of the Hessian, spread over the text; on them each tensor's GPTQ codes and RTN's are compared by output error and the better is written (default {GPTQOptions.holdout}: GPTQ's always).", metavar="N", show_default=False)]
-MinExpertTokensOpt = Annotated[Optional[int], typer.Option("--min-expert-tokens", help=f"gptq on a mixture-of-experts model: an expert matrix whose Hessian got fewer calibration tokens is written by rtn (with --imatrix's entry when given), and the record names it (default {GPTQOptions.min_expert_tokens}).", metavar="N", show_default=False)]
+MinExpertTokensOpt = Annotated[Optional[int], typer.Option("--min-expert-tokens", help=f"gptq or awq on a mixture-of-experts model: an expert matrix calibrated on fewer routed tokens is written by rtn (gptq: with --imatrix's entry when given; awq: at scale 1, unclipped), and the record names it (default {ExpertOptions.min_expert_tokens}).", metavar="N", show_default=False)]
 ImatrixOpt = Annotated[Optional[str], typer.Option("--imatrix", help="An importance matrix (qkit imatrix, or llama-imatrix's .gguf / legacy .dat): llama.cpp's block types quantize through their weighted searches, as llama-quantize --imatrix does.", metavar="FILE")]
 TensorTypeOpt = Annotated[list[str], typer.Option("--tensor-type", help="PATTERN=TYPE as llama-quantize --tensor-type: a regex searched in llama.cpp's tensor names (blk.3.attn_v.weight), a ggml type (repeatable; the first match wins).", metavar="PATTERN=TYPE")]
 TensorTypeFileOpt = Annotated[Optional[str], typer.Option("--tensor-type-file", help="A file of PATTERN=TYPE words separated by spaces or newlines (llama-quantize's --tensor-type-file).", metavar="FILE")]

@@ -27,16 +27,18 @@ import torch
 
 from qkit.checkpoint import iter_tensors, tensor_shapes
 from qkit.errors import InputError
-from qkit.methods.experts import expert_matrices
+from qkit.methods.experts import expert_matrices, stored_aliases
 from qkit.schemes import QuantizedTensor
 
 
 def model_tensors(model) -> dict[str, torch.Tensor]:
     """A loaded transformers ``model``'s parameters and buffers by every name they answer to (tied weights
     under both names), and each expert matrix by the name the checkpoint stores it under (a view of its fused
-    parameter: ``expert_matrices``): every tensor a row's file can name."""
+    parameter: ``expert_matrices``), and a parameter the checkpoint names otherwise under its stored name too
+    (mixtral's router, which AWQ rewrites: ``stored_aliases``): every tensor a row's file can name."""
+    config = model.config.to_dict()
     return {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False)),
-            **expert_matrices(model, model.config.to_dict())}
+            **stored_aliases(model, config), **expert_matrices(model, config)}
 
 
 class Swapper:

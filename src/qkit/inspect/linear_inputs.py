@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from qkit.errors import InputError
-from qkit.methods.folding import model_fold_groups, outlier_ratio, smoothing_factors, weight_absmax
+from qkit.methods.experts import layout_for, unfused_experts
+from qkit.methods.folding import FoldGroup, model_fold_groups, outlier_ratio, smoothing_factors, weight_absmax
 from qkit.methods.smoothquant import DEFAULT_ALPHA
 from qkit.simulate.llm_int8 import DEFAULT_THRESHOLD
 
@@ -85,44 +86,87 @@ def linear_inputs_report(model: torch.nn.Module, input_ids: torch.Tensor, *, alp
     q/k/v read ``input_layernorm``'s output, gate/up ``post_attention_layernorm``'s, o_proj the attention
     output, down_proj ``act(gate) * up``); ``[]`` for a model without that layout. SmoothQuant smooths only
     the norm groups by default (as its reference does), so for o_proj and down_proj its column repeats
-    per token (``smoothed`` False)."""
+    per token (``smoothed`` False).
+
+    A mixture-of-experts model (``qkit.methods.experts``' layouts) runs with one linear per expert matrix
+    (``unfused_experts``), so an expert's rows are its own: its gate/up read ``post_attention_layernorm``'s
+    output on the tokens the router sent it, its down ``act(gate) * up`` of those; the router (and qwen2_moe's
+    shared expert) read every token, one row. Expert rows name the linears as the checkpoint does, from the
+    layer down (``mlp.experts.3.gate_proj``, mixtral's ``block_sparse_moe.experts.3.w1``), and give
+    ``expert`` and ``tokens``; an expert no token reached has no row."""
+    config = model.config.to_dict()
     try:
-        groups = model_fold_groups(model, linear_groups=True)
-    except InputError:
+        layout = layout_for(config, "qkit inspect outliers measures the linear inputs of")
+    except InputError:  # experts qkit does not lay out (gpt_oss's 3-D ones): no table
         return []
-    modules = dict(model.named_modules())
+    stored = (lambda n: n) if layout is None else layout.stored_name
     seen: dict[str, torch.Tensor] = {}
 
     def after(name):
         def record(_mod, _args, output):
-            seen[name] = output.detach()[0].float().cpu()
+            seen[name] = output.detach().reshape(-1, output.shape[-1]).float().cpu()
 
         return record
 
     def before(name):
         def record(_mod, args):
-            seen[name] = args[0].detach()[0].float().cpu()
+            seen[name] = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
 
         return record
 
-    handles = [modules[g.linears[0]].register_forward_pre_hook(before(g.name)) if g.prev_is_linear
-               else modules[g.prev].register_forward_hook(after(g.name)) for g in groups]
-    try:
-        model(input_ids.to(next(model.parameters()).device))
-    finally:
-        for h in handles:
-            h.remove()
-    out = []
-    for g in groups:
-        w = weight_absmax(modules[n].weight.detach().float().cpu() for n in g.linears)
-        levels = linear_input_levels(seen[g.name], w, alpha=alpha, threshold=threshold)
-        if g.prev_is_linear:  # not smoothed by default: SmoothQuant's activations are these, per token
-            levels["levels"]["smoothquant"] = levels["levels"]["per_token"]
-            levels["max_over_median_smoothed"] = levels["max_over_median"]
-        layer = int(g.prev.split(".layers.")[1].split(".")[0]) if ".layers." in g.prev else -1
-        source = f"{g.prev.rsplit('.', 1)[-1]}" if not g.prev_is_linear else f"{g.linears[0].rsplit('.', 1)[-1]} input"
-        out.append({"layer": layer, "input": source, "linears": [n.rsplit(".", 1)[-1] for n in g.linears],
-                    "smoothed": not g.prev_is_linear, **levels})
+    with unfused_experts(model, config):
+        try:
+            groups = model_fold_groups(model, linear_groups=True)
+        except InputError:  # not the llama layout: no table
+            return []
+        modules = dict(model.named_modules())
+        inputs = [spec for g in groups for spec in _inputs(g)]
+        handles = [modules[hooked].register_forward_pre_hook(before(key)) if pre
+                   else modules[hooked].register_forward_hook(after(key)) for key, hooked, pre, *_ in inputs]
+        try:
+            model(input_ids.to(next(model.parameters()).device))
+        finally:
+            for h in handles:
+                h.remove()
+        out = []
+        for key, _hooked, _pre, g, linears, source, expert in inputs:
+            if key not in seen:  # an expert no token reached
+                continue
+            w = weight_absmax(modules[n].weight.detach().float().cpu() for n in linears)
+            levels = linear_input_levels(seen[key], w, alpha=alpha, threshold=threshold)
+            if g.prev_is_linear:  # not smoothed by default: SmoothQuant's activations are these, per token
+                levels["levels"]["smoothquant"] = levels["levels"]["per_token"]
+                levels["max_over_median_smoothed"] = levels["max_over_median"]
+            layer = int(g.prev.split(".layers.")[1].split(".")[0]) if ".layers." in g.prev else -1
+            # a sparse MLP's linears from the layer down, as the checkpoint names them; a dense one's by their own name
+            name = ((lambda n: stored(n).split(f".layers.{layer}.", 1)[1]) if layout is not None and g.kind in MLP_KINDS
+                    else (lambda n: n.rsplit(".", 1)[-1]))
+            row = {"layer": layer, "input": source if not g.prev_is_linear else f"{name(linears[0])} input",
+                   "linears": [name(n) for n in linears], "smoothed": not g.prev_is_linear, **levels}
+            if expert:
+                row.update(expert=stored(expert), tokens=int(seen[key].shape[0]))
+            out.append(row)
+    return out
+
+
+MLP_KINDS = ("gate_up", "down", "experts_gate_up")  # a mixture-of-experts model's MLP rows name linears from the layer
+
+
+def _inputs(g: FoldGroup) -> list[tuple[str, str, bool, FoldGroup, tuple[str, ...], str, str | None]]:
+    """What ``linear_inputs_report`` hooks for group ``g``: ``(key, hooked module, pre-hook?, g, linears, input
+    name, expert)``. A norm's output by a forward hook on the norm; a linear's input by a pre-hook on its first
+    reader. A sparse MLP's norm group splits: its non-expert readers on the norm's output (every token), each
+    expert's gate/up on its gate's input (the tokens routed to it)."""
+    source = g.prev.rsplit(".", 1)[-1]
+    if g.kind != "experts_gate_up":
+        expert = g.output.rpartition(".")[0] if ".experts." in g.output else None  # an expert's down
+        return [(g.name, g.linears[0] if g.prev_is_linear else g.prev, g.prev_is_linear, g, g.linears, source, expert)]
+    readers = tuple(n for n in g.linears if ".experts." not in n)
+    out = [(g.name, g.prev, False, g, readers, source, None)]
+    pairs = [n for n in g.linears if ".experts." in n]
+    for gate, up in zip(pairs[::2], pairs[1::2]):  # each expert's gate then up (``moe_groups``)
+        expert = gate.rpartition(".")[0]
+        out.append((expert, gate, True, g, (gate, up), source, expert))
     return out
 
 

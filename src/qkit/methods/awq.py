@@ -55,11 +55,23 @@ from qkit.errors import InputError
 from qkit.granularity import PerGroup, PerRow
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
+from qkit.methods.experts import (
+    LAYOUTS,
+    ExpertOptions,
+    check_method,
+    expert_of,
+    experts_record,
+    few_tokens,
+    layout_for,
+    routed_tokens,
+    unfused_experts,
+)
 from qkit.methods.folding import (
     FoldGroup,
     ChannelStats,
     fold,
     fold_groups,
+    model_fold_groups,
     options_record,
     in_source_dtypes,
 )
@@ -84,15 +96,19 @@ SCALE_FLOOR = 1e-4
 NO_CLIP = ("q_proj", "k_proj")
 NEXT_INPUTS = ("fp", "quantized")
 DEFAULT_SEARCH_SAMPLES = 4  # windows of the grid-search loss (timing: docs/calibrated-methods.md); statistics use all
+# why an expert matrix is written by rtn instead (``min_expert_tokens``; the record's ``rtn_fallback_reasons``)
+FEW_TOKENS = "rtn, unclipped (an expert routed fewer than --min-expert-tokens calibration tokens)"
+NO_TOKENS = "rtn, unclipped (an expert no calibration token reached)"
 
 
 @dataclass(frozen=True)
-class AWQOptions(CalibratedOptions):
+class AWQOptions(CalibratedOptions, ExpertOptions):
     """``calibration*``: which calibration tokens (as GPTQ's: source, samples, seqlen, seed); ``n_grid``: ratios searched;
     ``clip``: run the clipping search (``clip_grid``, ``max_shrink``, ``clip_tokens`` as in AutoAWQ);
     ``search_samples``: calibration windows the scale search's loss is computed on (None: all);
     ``next_inputs``: ``fp`` or ``quantized`` (what the next block is fed); ``linear_groups``: also scale
-    o (after v) and down (after up); ``batch_size``: windows per forward call."""
+    o (after v) and down (after up); ``batch_size``: windows per forward call; ``min_expert_tokens``
+    (``ExpertOptions``): an expert that read fewer calibration tokens is written by rtn at scale 1."""
 
     n_grid: int = N_GRID
     clip: bool = True
@@ -116,6 +132,7 @@ class AWQOptions(CalibratedOptions):
         if self.next_inputs not in NEXT_INPUTS:
             raise InputError(f"AWQ option next_inputs must be one of {', '.join(NEXT_INPUTS)}, got {self.next_inputs!r}")
         self.calibration_options().check()
+        self.check_experts()
         self.fp32_only("awq")
 
     def check(self) -> None:
@@ -234,36 +251,56 @@ def _local(group: FoldGroup, prefix: str) -> FoldGroup:
 
 
 class _Recorder:
-    """One fp pass over a block: each group's module inputs (with their keyword arguments), outputs, and the
-    per-channel statistics of the group's input."""
+    """One fp pass over a block: each group's module inputs (with their keyword arguments) and outputs, tagged
+    with the batch they came from; the per-channel statistics of the group's input (its first linear's: a
+    sparse MLP's router, which reads every token); the rows each linear read (an expert's: the tokens routed
+    to it) and the inputs of the linears to clip (``clipped``)."""
 
-    def __init__(self, inputs: BlockInputs, groups: list[FoldGroup]) -> None:
-        self.calls: dict[str, list[tuple[torch.Tensor, dict[str, Any]]]] = {g.name: [] for g in groups}
-        self.targets: dict[str, list[torch.Tensor]] = {g.name: [] for g in groups}
-        self.lin_in: dict[str, list[torch.Tensor]] = {g.name: [] for g in groups}
+    def __init__(self, inputs: BlockInputs, groups: list[FoldGroup], clipped: list[str]) -> None:
+        self.calls: dict[str, list[tuple[int, torch.Tensor, dict[str, Any]]]] = {g.name: [] for g in groups}
+        self.targets: dict[str, list[tuple[int, torch.Tensor]]] = {g.name: [] for g in groups}
+        self.lin_in: dict[str, list[torch.Tensor]] = {n: [] for n in clipped}
+        self.rows: dict[str, int] = {n: 0 for g in groups for n in g.linears}
         self.stats = {g.name: ChannelStats() for g in groups}
-        block, handles = inputs.block, []
-        for g in groups:
-            mod = block.get_submodule(g.output)
+        self.batch = -1
+        block = inputs.block
 
+        def count(_m, _args):
+            self.batch += 1
+
+        handles = [block.register_forward_pre_hook(count)]
+        for g in groups:
             def pre(_m, args, kwargs, name=g.name):
                 x = args[0] if args else kwargs["hidden_states"]
-                self.calls[name].append((x, {k: v for k, v in kwargs.items() if k != "hidden_states"}))
+                self.calls[name].append((self.batch, x, {k: v for k, v in kwargs.items() if k != "hidden_states"}))
 
             def post(_m, _args, out, name=g.name):
-                self.targets[name].append((out[0] if isinstance(out, (tuple, list)) else out).detach())
+                self.targets[name].append((self.batch, (out[0] if isinstance(out, (tuple, list)) else out).detach()))
 
-            def lin(_m, args, name=g.name):
-                self.lin_in[name].append(args[0].detach())
+            def stat(_m, args, name=g.name):
                 self.stats[name].update(args[0])
 
+            mod = block.get_submodule(g.output)
             handles += [mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post),
-                        block.get_submodule(g.linears[0]).register_forward_pre_hook(lin)]
+                        block.get_submodule(g.linears[0]).register_forward_pre_hook(stat)]
+        for n in self.rows:
+            def lin(_m, args, name=n):
+                self.rows[name] += args[0].numel() // args[0].shape[-1]
+                if name in self.lin_in:
+                    self.lin_in[name].append(args[0].detach())
+
+            handles.append(block.get_submodule(n).register_forward_pre_hook(lin))
         try:
             self.outputs = inputs.forward()  # the block's fp outputs: the next block's inputs with next_inputs="fp"
         finally:
             for h in handles:
                 h.remove()
+
+    def searched(self, name: str, batches: int) -> tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[torch.Tensor]]:
+        """Group ``name``'s recorded module calls and fp outputs from the first ``batches`` batches (an expert's
+        module runs only in the batches that routed it a token)."""
+        return ([(x, kw) for b, x, kw in self.calls[name] if b < batches],
+                [y for b, y in self.targets[name] if b < batches])
 
 
 def _run(module: torch.nn.Module, calls: list[tuple[torch.Tensor, dict[str, Any]]], scale: torch.Tensor | None = None):
@@ -281,16 +318,17 @@ def _loss(module, calls, targets, scale=None) -> float:
     return total / max(n, 1)
 
 
-def _take(items: list[torch.Tensor], samples: int | None) -> int:
-    """How many recorded batches hold the first ``samples`` windows (all when None)."""
+def _take(hidden: list[torch.Tensor], samples: int | None) -> int:
+    """How many batches of a block's inputs (``[windows, L, H]`` each) hold the first ``samples`` windows (all
+    when None)."""
     if samples is None:
-        return len(items)
+        return len(hidden)
     got = 0
-    for k, t in enumerate(items):
+    for k, t in enumerate(hidden):
         got += t.shape[0]
         if got >= samples:
             return k + 1
-    return len(items)
+    return len(hidden)
 
 
 @torch.no_grad()
@@ -369,7 +407,9 @@ class AWQMethod:
         on_block: Callable[[int, int], None] | None = None,
     ) -> MethodResult:
         t0 = time.perf_counter()
-        fold_groups(read_config(ref.directory), (n for n, _ in tensor_shapes(ref.directory)))  # refuse before loading
+        config = read_config(ref.directory)
+        check_method(config, self.name, options)  # a mixture-of-experts model awq cannot route: refused now
+        fold_groups(config, (n for n, _ in tensor_shapes(ref.directory)))  # refuse before loading
         # Loaded in the files' own dtype (memory-mapped), each block upcast to fp32 as it is processed and freed
         # after: the same fp32 computation as loading the model whole in fp32, one block in memory at a time.
         loaded = load(ref=ref, device="cpu", dtype=walk_dtype(tensor_dtypes(ref.directory)))
@@ -392,80 +432,115 @@ def awq_model(
     on_block: Callable[[int, int], None] | None = None,
     release: bool = False,
 ) -> MethodResult:
-    """Run AWQ over ``model`` (a transformers llama-layout causal LM on the CPU, computed in fp32: a model in
-    another dtype is upcast block by block; changed in place: its scales folded, weights left full precision
-    or quantized per ``next_inputs``) with calibration ids ``[samples, seqlen]``. Returns every target's
-    ``QuantizedTensor``, the changed non-target tensors (norms, biases, a kept preceding linear) and the
-    record (without calibration provenance). ``release``: free each block once processed (the model is
-    left unusable; ``sequential.walk_blocks``)."""
-    all_groups = fold_groups(model.config, (n for n, _ in model.named_parameters()), linear_groups=options.linear_groups)
+    """Run AWQ over ``model`` (a transformers llama-layout causal LM, or a mixture-of-experts one that
+    ``qkit.methods.experts`` lays out, on the CPU, computed in fp32: a model in another dtype is upcast block by
+    block; changed in place: its scales folded, weights left full precision or quantized per ``next_inputs``)
+    with calibration ids ``[samples, seqlen]``. ``targets`` are keyed by the checkpoint's names (an expert
+    matrix's: ``model.layers.0.mlp.experts.3.up_proj.weight``). Returns every target's ``QuantizedTensor``,
+    the changed non-target tensors (norms, biases, a kept preceding linear, a router) and the record (without
+    calibration provenance). ``release``: free each block once processed (the model is left unusable;
+    ``sequential.walk_blocks``).
+
+    A mixture-of-experts model runs with one linear per expert matrix (``unfused_experts``), so each expert's
+    statistics and clipping inputs are the tokens routed to it (``calibrate_all_experts``: every token). An
+    expert that read fewer than ``min_expert_tokens`` tokens keeps scale 1 after its ``up`` and is written by
+    rtn without clipping; its gate and up take the scale of the norm every reader of it shares (the fold is
+    what keeps the function exact) and are written by rtn of those folded weights."""
+    config = model.config.to_dict()
+    layout = layout_for(config, "awq folds scales into", LAYOUTS)
+    stored = (lambda n: n) if layout is None else layout.stored_name  # the loaded model's names -> the checkpoint's
     quantized: dict[str, QuantizedTensor] = {}
     checked: dict[str, float] = {}  # folded targets: their relative error against the folded weight
     changed: dict[str, torch.Tensor] = {}
     per_group: dict[str, dict[str, Any]] = {}
     per_block: dict[str, float] = {}
+    routed: dict[str, int] = {}  # expert (``...mlp.experts.3``) -> tokens the router sent it
+    calibrated: dict[str, int] = {}  # expert -> tokens its linears read
+    fallback: dict[str, str] = {}  # expert matrix -> why rtn
 
     def process(i: int, block: torch.nn.Module, inputs: BlockInputs) -> list[torch.Tensor] | None:
         t = time.perf_counter()
         prefix = inputs.prefix
+        full = lambda n: f"{stored(prefix + n)}.weight"  # noqa: E731 (a block's module -> its stored tensor)
         groups = [_local(g, prefix) for g in all_groups if g.prev.startswith(prefix)]
-        groups = [g for g in groups if any(prefix + w in targets for w in g.weight_names)]
-        schemes = {n: targets.get(f"{prefix}{n}.weight") for g in groups for n in g.linears}
-        rec = _Recorder(inputs, groups)
+        groups = [g for g in groups if any(full(n) in targets for n in g.linears)]
+        schemes = {n: targets.get(full(n)) for g in groups for n in g.linears}
+        clipped = [n for n, sc in schemes.items() if sc is not None and options.clip and not n.endswith(NO_CLIP)]
+        routed_tokens(block, reset=True)  # counted from here: the pass the statistics are taken on
+        rec = _Recorder(inputs, groups, clipped)
+        routed.update({prefix + k: v for k, v in routed_tokens(block).items()})
+        few = {n for n in rec.rows if few_tokens(full(n), rec.rows[n], options)}
+        calibrated.update({expert_of(full(n)): rows for n, rows in rec.rows.items() if expert_of(full(n))})
+        batches = _take(inputs.hidden, options.search_samples)
         found: dict[str, torch.Tensor] = {}
         for g in groups:
-            k = _take(rec.targets[g.name], options.search_samples)
-            x_mean = g.reduce(rec.stats[g.name].absmean.to(rec.targets[g.name][0].device), "mean")
-            s, ratio, loss_rtn, loss_best = search_group(block, g, x_mean, rec.calls[g.name][:k],
-                                                         rec.targets[g.name][:k], schemes, options.n_grid)
+            if g.kind == "down" and g.linears[0] in few:  # an expert with too few tokens: scale 1, nothing folded
+                continue
+            calls, outs = rec.searched(g.name, batches)
+            if not outs:  # an expert routed no token in the search's windows: searched on all of them
+                calls, outs = rec.searched(g.name, len(inputs.hidden))
+            x_mean = g.reduce(rec.stats[g.name].absmean.to(outs[0].device), "mean")
+            s, ratio, loss_rtn, loss_best = search_group(block, g, x_mean, calls, outs, schemes, options.n_grid)
             found[g.name] = s
-            per_group[g.name] = {"ratio": ratio, "loss_rtn": loss_rtn, "loss_search": loss_best}
+            per_group[stored(g.name)] = {"ratio": ratio, "loss_rtn": loss_rtn, "loss_search": loss_best}
         for g in groups:  # fold every group (AutoAWQ: scales are searched on the unscaled block, then applied)
-            for n, v in fold(block, g, found[g.name]).items():
-                if prefix + n not in targets:  # a target's folded weight is quantized below: no copy of it kept
-                    changed[prefix + n] = v.detach().clone()
+            if g.name in found:
+                for n, v in fold(block, g, found[g.name]).items():
+                    if stored(prefix + n) not in targets:  # a target's folded weight is quantized below: no copy kept
+                        changed[stored(prefix + n)] = v.detach().clone()
         # Clip and quantize each target linear of the block, from its folded weight and scaled inputs.
         final: dict[str, torch.Tensor] = {}
         for g in groups:
-            cols = g.expand(found[g.name]).to(rec.lin_in[g.name][0].device)
+            cols = g.expand(found[g.name]) if g.name in found else None
             for n in g.linears:
                 scheme = schemes[n]
                 if scheme is None:
                     continue
                 w = folded = block.get_submodule(n).weight.data
                 clip_note = None
-                if options.clip and not n.endswith(NO_CLIP):
+                if n in few:
+                    fallback[full(n)] = FEW_TOKENS if rec.rows[n] else NO_TOKENS
+                elif n in clipped:
                     width = clip_width(scheme, w.shape[1])
                     if width is None:
                         clip_note = f"skipped: {scheme.name} has no per-row scale groups to clip"
                     else:
-                        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in rec.lin_in[g.name]])
-                        x = x[:: max(1, x.shape[0] // options.clip_tokens)][: options.clip_tokens] / cols
+                        x = torch.cat([t.reshape(-1, t.shape[-1]) for t in rec.lin_in[n]])
+                        x = x[:: max(1, x.shape[0] // options.clip_tokens)][: options.clip_tokens]
+                        x = x / cols.to(x.device) if cols is not None else x
                         th = clip_thresholds(w, x, scheme, width, n_grid=options.clip_grid, max_shrink=options.max_shrink)
                         org = _units(w.float(), width).abs().amax(dim=-1)
                         clip_note = round(float((th < org).float().mean()), 4)  # share of groups clipped
                         w = apply_clip(w, th, width)
-                name = f"{prefix}{n}.weight"
+                name = full(n)
                 qt = quantize_tensor(w, scheme, name=name)
                 quantized[name] = qt
                 final[n] = qt.dequantize(w.dtype)
                 # against the folded weight before clipping: what the stored tensor must still be
                 checked[name] = check_written(name, folded, qt, decoded=final[n], cause=(
                     "AWQ's scales and clipping for it; compare --method rtn or pass --no-clip"))
-                if clip_note is not None:
-                    per_group[g.name].setdefault("clipped", {})[n.rpartition(".")[2]] = clip_note
+                if clip_note is not None and g.name in found:
+                    key = n.removeprefix(g.output + ".") if n != g.output else n.rpartition(".")[2]
+                    per_group[stored(g.name)].setdefault("clipped", {})[key] = clip_note
+        for n, linear in inputs.linears().items():  # a target in no group (down without linear_groups): rtn
+            name = f"{prefix}{n}.weight"
+            if name in targets and name not in quantized:
+                quantized[name] = quantize_tensor(linear.weight.data, targets[name], name=name)
         # The loss with the final weights (folded, clipped, quantized) of each group, the rest of the block at
         # full precision as in the search, on the search windows.
         for g in groups:
-            k = _take(rec.targets[g.name], options.search_samples)
+            if g.name not in found:
+                continue
+            calls, outs = rec.searched(g.name, batches)
+            if not outs:
+                calls, outs = rec.searched(g.name, len(inputs.hidden))
             mine = {n: block.get_submodule(n) for n in g.linears if n in final}
             keep = {n: m.weight.data for n, m in mine.items()}
             try:
                 for n, m in mine.items():
                     m.weight.data = final[n]
-                scale = g.expand(found[g.name]).to(rec.targets[g.name][0].device)
-                per_group[g.name]["loss_final"] = _loss(block.get_submodule(g.output), rec.calls[g.name][:k],
-                                                                 rec.targets[g.name][:k], scale)
+                scale = g.expand(found[g.name]).to(outs[0].device)
+                per_group[stored(g.name)]["loss_final"] = _loss(block.get_submodule(g.output), calls, outs, scale)
             finally:
                 for n, m in mine.items():
                     m.weight.data = keep[n]
@@ -477,11 +552,14 @@ def awq_model(
         # AutoAWQ; quantized: None, so the block is run again with the quantized weights left in it.
         return rec.outputs if options.next_inputs == "fp" else None
 
-    # ``process`` returns the block's fp outputs (AWQ records them in its pass anyway), sparing the walker a pass.
-    walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block, release=release,
-                compute_dtype=torch.float32)
+    # Each expert one linear per matrix while the walk runs (none for a dense model); ``process`` returns the
+    # block's fp outputs (AWQ records them in its pass anyway), sparing the walker a pass.
+    with unfused_experts(model, config, options.calibrate_all_experts):
+        all_groups = model_fold_groups(model, linear_groups=options.linear_groups)
+        walk_blocks(model, ids, process, device=device, batch_size=options.batch_size, on_block=on_block,
+                    release=release, compute_dtype=torch.float32)
     state = model.state_dict()
-    for name, scheme in targets.items():  # targets outside the fold groups (e.g. --include lm_head): RTN
+    for name, scheme in targets.items():  # targets outside the blocks (e.g. --include lm_head): RTN
         if name not in quantized:
             quantized[name] = quantize_tensor(state[name].detach().float(), scheme, name=name)
     replaced = {n: v for n, v in changed.items() if n not in targets}
@@ -489,8 +567,12 @@ def awq_model(
         for key in ("loss_rtn", "loss_search", "loss_final"):
             if key in g:
                 g[key] = float(f"{g[key]:.6g}")
-    return MethodResult(quantized, replaced, {"groups": per_group, "block_seconds": per_block,
-                                              "next_inputs": options.next_inputs}, checked)
+    record: dict[str, Any] = {"groups": per_group, "block_seconds": per_block, "next_inputs": options.next_inputs}
+    if fallback:
+        record["rtn_fallback_reasons"] = dict(sorted(fallback.items()))
+    if routed:
+        record["experts"] = experts_record(options, routed, calibrated, fallback)
+    return MethodResult(quantized, replaced, record, checked)
 
 
 METHOD = AWQMethod()

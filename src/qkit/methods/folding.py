@@ -37,12 +37,15 @@ import torch
 from qkit.checkpoint import tensor_dtypes
 from qkit.dtypes import check_finite
 from qkit.errors import InputError
+from qkit.methods.experts import LAYOUTS, ExpertLayout
+from qkit.schemes.recipes import expert_count
 
 if TYPE_CHECKING:  # annotations only
     from qkit.methods.calibration import ModelConfig
 
-# Model families whose blocks have the llama layout (pre-norm RMSNorm, q/k/v/o, gate/up/down).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Model families whose blocks have the llama layout (pre-norm RMSNorm, q/k/v/o, gate/up/down), and the
+# mixture-of-experts ones whose sparse MLP ``qkit.methods.experts`` lays out (``moe_groups``).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *sorted(LAYOUTS))
 # SmoothQuant's reference clamps both absmax statistics and the scales at 1e-5 (smoothquant/smooth.py).
 SMOOTH_EPS = 1e-5
 
@@ -62,7 +65,7 @@ class FoldGroup:
     """
 
     name: str
-    kind: str  # "qkv" | "o" | "gate_up" | "down"
+    kind: str  # "qkv" | "o" | "gate_up" | "down" | "experts_gate_up" (every reader of a sparse MLP's norm)
     prev: str
     prev_is_linear: bool
     linears: tuple[str, ...]
@@ -94,12 +97,17 @@ def _config_get(config: ModelConfig, key: str, default: Any = None) -> Any:
     return config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
 
 
+def _config_dict(config: ModelConfig) -> dict[str, Any]:
+    return dict(config) if isinstance(config, Mapping) else config.to_dict()
+
+
 def fold_groups(config: ModelConfig, names: Iterable[str], *, linear_groups: bool = True) -> list[FoldGroup]:
     """The fold groups of a llama-layout model, block by block, in the order they are folded.
 
     ``config``: the model config (a ``PretrainedConfig`` or its dict); ``names``: the model's tensor names
     (to find the block prefix, e.g. ``model.layers``). Per block: q/k/v after ``input_layernorm``; o after
-    v (``linear_groups``); gate/up after ``post_attention_layernorm``; down after up (``linear_groups``).
+    v (``linear_groups``); gate/up after ``post_attention_layernorm``; down after up (``linear_groups``); a
+    mixture-of-experts block's MLP as ``moe_groups`` gives it (its experts named one linear per matrix).
     Raises ``InputError`` for a model type whose blocks are not laid out this way.
     """
     model_type = _config_get(config, "model_type")
@@ -110,6 +118,7 @@ def fold_groups(config: ModelConfig, names: Iterable[str], *, linear_groups: boo
     heads = int(_config_get(config, "num_attention_heads"))
     kv_heads = int(_config_get(config, "num_key_value_heads") or heads)
     head_dim = int(_config_get(config, "head_dim") or _config_get(config, "hidden_size") // heads)
+    names = list(names)
     layers: dict[int, str] = {}
     for n in names:
         m = _LAYER.match(n)
@@ -126,10 +135,48 @@ def fold_groups(config: ModelConfig, names: Iterable[str], *, linear_groups: boo
         if linear_groups:
             groups.append(FoldGroup(f"{attn}.o", "o", f"{attn}.v_proj", True, (f"{attn}.o_proj",), f"{attn}.o_proj",
                                     repeat=heads // kv_heads, head_dim=head_dim))
+        layout = LAYOUTS.get(model_type) if expert_count(_config_dict(config)) > 1 else None
+        if layout is not None and any(n.startswith((f"{b}.{layout.moe}.experts.", f"{b}.{layout.stored}.experts."))
+                                      for n in names):
+            groups += moe_groups(config, layout, b, names, linear_groups=linear_groups)
+            continue
         groups.append(FoldGroup(f"{mlp}.gate_up", "gate_up", f"{b}.post_attention_layernorm", False,
                                 (f"{mlp}.gate_proj", f"{mlp}.up_proj"), mlp))
         if linear_groups:
             groups.append(FoldGroup(f"{mlp}.down", "down", f"{mlp}.up_proj", True, (f"{mlp}.down_proj",), f"{mlp}.down_proj"))
+    return groups
+
+
+def moe_groups(config: ModelConfig, layout: ExpertLayout, block: str, names: Iterable[str], *,
+               linear_groups: bool = True) -> list[FoldGroup]:
+    """The MLP groups of a sparse block ``block`` (``model.layers.3``), named as the loaded model names its
+    modules while ``qkit.methods.experts.unfused_experts`` holds one linear per expert matrix (llm-compressor's
+    mixture-of-experts AWQ mappings, with the router folded too):
+
+    * ``experts_gate_up``: every reader of ``post_attention_layernorm``'s output: the router first (its input is
+      every token), qwen2_moe's ``shared_expert_gate`` and shared expert's gate/up, then each expert's gate and
+      up. The norm holds one scale per channel, so all of them take the same ``s``: the router's and the shared
+      expert gate's weights absorb it (their columns times ``s``, unquantized: the routing and the function
+      stay exact), and the group's output is the whole sparse MLP;
+    * per expert, ``down`` after its own ``up`` (its statistics are the tokens routed to it), and the shared
+      expert's ``down`` after its ``up``.
+    """
+    mlp, moe = f"{block}.mlp", f"{block}.{layout.moe}"
+    names = set(names)
+    shared = f"{mlp}.shared_expert.gate_proj.weight" in names or f"{mlp}.shared_expert.gate_proj" in names
+    experts = expert_count(_config_dict(config))
+    each = [f"{moe}.experts.{e}" for e in range(experts)]
+    readers = (f"{moe}.{layout.router}",
+               *((f"{mlp}.shared_expert_gate", f"{mlp}.shared_expert.gate_proj", f"{mlp}.shared_expert.up_proj")
+                 if shared else ()),
+               *(f"{x}.{m}" for x in each for m in (layout.gate, layout.up)))
+    groups = [FoldGroup(f"{moe}.experts.gate_up", "experts_gate_up", f"{block}.post_attention_layernorm", False,
+                        readers, moe)]
+    if linear_groups:
+        downs = [(f"{mlp}.shared_expert", "up_proj", "down_proj")] if shared else []
+        downs += [(x, layout.up, layout.down) for x in each]
+        groups += [FoldGroup(f"{x}.down", "down", f"{x}.{up}", True, (f"{x}.{down}",), f"{x}.{down}")
+                   for x, up, down in downs]
     return groups
 
 
@@ -347,6 +394,7 @@ __all__ = [
     "fold",
     "fold_groups",
     "folded_tensors",
+    "moe_groups",
     "group_tensors",
     "model_fold_groups",
     "outlier_ratio",

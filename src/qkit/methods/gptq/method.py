@@ -28,15 +28,25 @@ from typing import Any
 
 import torch
 
-from qkit.bounds import MAX_COUNT, show_number, whole
+from qkit.bounds import show_number
 from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_reader, tensor_shapes
 from qkit.dtypes import check_finite
 from qkit.errors import InputError
 from qkit.llama_names import expert_index
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
-from qkit.methods.experts import (DEFAULT_MIN_EXPERT_TOKENS, VirtualExpert, check_method, routed_tokens, split_experts,
-                                  unfused_experts, virtual_experts)
+from qkit.methods.experts import (
+    ExpertOptions,
+    VirtualExpert,
+    check_method,
+    expert_of,
+    experts_record as _experts_record,
+    few_tokens as _few_tokens,
+    routed_tokens,
+    split_experts,
+    unfused_experts,
+    virtual_experts,
+)
 from qkit.methods.gptq.errors import output_error, output_errors, rtn_dequantized, rtn_parts
 from qkit.methods.gptq.solver import (
     DEFAULT_BLOCK_SIZE,
@@ -65,7 +75,7 @@ _SHARES_INPUT = re.compile(r"\.(?:k_proj|v_proj|up_proj)\.weight$")
 
 
 @dataclass(frozen=True)
-class GPTQOptions(CalibratedOptions):
+class GPTQOptions(CalibratedOptions, ExpertOptions):
     """Options of ``--method gptq``; every default defined here once."""
 
     dampening: float = DEFAULT_DAMPENING
@@ -86,9 +96,9 @@ class GPTQOptions(CalibratedOptions):
     # calibration windows kept out of the Hessian, spread evenly over the windows; on them each tensor's GPTQ
     # codes and RTN's are compared by output error and the better is written (0: GPTQ's always)
     holdout: int = 0
-    # an expert matrix (mixture-of-experts) whose Hessian got fewer tokens is written by rtn (with the
-    # importance matrix when given): a Hessian of a few tokens fits the solve to those tokens alone
-    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
+    # ``min_expert_tokens`` (``ExpertOptions``): an expert matrix (mixture-of-experts) whose Hessian got fewer
+    # tokens is written by rtn (with the importance matrix when given): a Hessian of a few tokens fits the
+    # solve to those tokens alone
 
     def __post_init__(self) -> None:
         self.check()  # malformed options are refused when the options are made, before any model is read
@@ -114,7 +124,7 @@ class GPTQOptions(CalibratedOptions):
                 and 0 <= self.holdout < self.calibration_samples):
             raise InputError(f"--holdout must be a whole number of windows from 0 to --calibration-samples - 1 "
                              f"({show_number(self.calibration_samples - 1)}), got {show_number(self.holdout)}")
-        whole(self.min_expert_tokens, "--min-expert-tokens", 0, MAX_COUNT)
+        self.check_experts()
 
     def held_out(self) -> torch.Tensor:
         """bool ``[calibration_samples]``: the windows kept out of the Hessian, ``holdout`` of them spread evenly
@@ -227,7 +237,7 @@ NO_TOKENS = "rtn (an expert no calibration token reached)"
 
 def few_tokens(run: GPTQRun, full: str, tokens: int) -> bool:
     """Whether ``full`` is an expert matrix whose Hessian got fewer than ``--min-expert-tokens`` tokens (rtn)."""
-    return expert_index(full) is not None and tokens < run.options.min_expert_tokens
+    return _few_tokens(full, tokens, run.options)
 
 
 def rtn_linear(run: GPTQRun, full: str, linear: torch.nn.Linear, XtX: torch.Tensor, tokens: int) -> None:
@@ -385,20 +395,14 @@ def gptq_record(run: GPTQRun, provenance: dict[str, Any], rtn_fallback: list[str
 
 
 def experts_record(run: GPTQRun) -> dict[str, Any]:
-    """A mixture-of-experts model's part of the record: per expert the tokens the router sent it and those its
-    Hessians were accumulated on (all of them with ``calibrate_all_experts``), and the expert matrices written
-    by rtn for too few tokens (``min_expert_tokens``)."""
+    """A mixture-of-experts model's part of the record (``methods.experts.experts_record``): an expert's
+    tokens calibrated on are those its Hessians were accumulated on."""
     seen: dict[str, int] = {}
     for name, layer in run.layers.items():
-        if expert_index(name) is not None:
-            expert = name.rsplit(".", 2)[0]  # model.layers.0.mlp.experts.3.up_proj.weight -> ...experts.3
+        if (expert := expert_of(name)) is not None:
             seen[expert] = min(seen.get(expert, layer["tokens"]), layer["tokens"])
-    return {
-        "calibrate_all_experts": run.options.calibrate_all_experts,
-        "min_expert_tokens": run.options.min_expert_tokens,
-        "tokens": {e: {"routed": n, "calibrated_on": seen.get(e, 0)} for e, n in sorted(run.routed.items())},
-        "rtn_fallback": sorted(n for n, r in run.layers.items() if r.get("fallback") in (FEW_TOKENS, NO_TOKENS)),
-    }
+    return _experts_record(run.options, run.routed, seen,
+                           (n for n, r in run.layers.items() if r.get("fallback") in (FEW_TOKENS, NO_TOKENS)))
 
 
 @dataclass
