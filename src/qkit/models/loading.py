@@ -130,7 +130,8 @@ def _from_state_dict(config, state: dict[str, torch.Tensor], dtype: torch.dtype,
 
     with torch.device("meta"):  # from_config only to learn the class it builds (remote code included): no memory
         cls = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
-    lm, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, output_loading_info=True)
+    lm, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, output_loading_info=True,
+                                   trust_remote_code=trust_remote_code)
     tied = set(getattr(lm, "_tied_weights_keys", None) or [])
     missing = [k for k in info["missing_keys"] if k not in tied and not k.endswith("lm_head.weight")]
     unexpected = sorted(info["unexpected_keys"]) + [k for k, *_ in info["mismatched_keys"]]
