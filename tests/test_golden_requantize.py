@@ -167,7 +167,7 @@ def test_record(f32, tmp_path_factory):
         "command": RECORD_COMMAND,
         "llama_cpp_commit": blr.commit(),
         "llama_cpp_python_sdist": blr.LLAMA_CPP_PYTHON,
-        "converter": "convert_hf_to_gguf.py MODEL --outtype f32 (the sdist's source, a stub sentencepiece)",
+        "converter": "convert_hf_to_gguf.py MODEL --outtype f32 (the sdist's source; the sentencepiece package reads the SentencePiece tokenizer)",
         "imatrix": f"tests/helpers_requantize.py seeded_imatrix(F32, {IMATRIX_SEED}), as imatrix.gguf in the working directory",
         "llama_quantize": {k: " ".join(["llama-quantize", *(["--imatrix imatrix.gguf"] if w else []), *(["--pure"] if p else []),
                                         "F32.gguf", "OUT.gguf", f, "2"])
