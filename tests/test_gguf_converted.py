@@ -87,10 +87,11 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
     """mistral: llama.cpp permutes its q/k rows; qwen3_moe: it stacks each layer's experts into one tensor,
     and each expert's importance is its own row of the stacked entry; phi3: it keeps the fused ``qkv_proj``
     and ``gate_up_proj`` fused (``attn_qkv``, ``ffn_up``: the rows in order), and Q4_K_M's rules give its
-    matrices Q4_K or Q6_K (llama-quantize's --dry-run types, recorded in requantize.json). ``--method gptq --format gguf`` writes, in each GGUF
-    tensor, exactly the block rows GPTQ chose for the Hugging Face matrix, each at the row the converter's
-    map says, GPTQ ran each matrix at its GGUF tensor's type, and it was given, for each matrix, the
-    importance row qkit's own route gives it (``quant_weights_for``, llama-quantize's slicing)."""
+    matrices Q4_K or Q6_K (llama-quantize's --dry-run types, recorded in requantize.json). ``--method gptq
+    --format gguf`` writes, in each GGUF tensor, exactly the block rows GPTQ chose for the Hugging Face
+    matrix, each at the row the converter's map says, GPTQ ran each matrix at its GGUF tensor's type, and it
+    was given, for each matrix, the importance row qkit's own route gives it (``quant_weights_for``,
+    llama-quantize's slicing)."""
     from qkit.checkpoint import tensor_shapes
     from qkit.export.gguf.converter import convert_f32, row_map
     from qkit.export.gguf.types import ggml_blocks
