@@ -24,6 +24,11 @@ from qkit.export.gguf.requantize import tensor_bytes
 from qkit.methods.imatrix import Imatrix, ImatrixEntry
 from qkit.schemes.llama_rules import allows_quantization, category, llama_order
 
+# the architectures whose models get ``helpers_archs.spm_tokenizer``'s tokenizer.model (the rest: the default
+# model's BPE tokenizer): the pinned converter refuses them with the default model's (see helpers_archs)
+SPM_ARCHS = ("qwen2", "gemma2", "phi3")
+
+
 def convert_f32(model: Path, out: Path) -> Path:
     """The converter's F32 GGUF of ``model`` at ``out``: qkit's bridge to llama.cpp's pinned converter
     (``qkit.export.gguf.converter.convert_f32``, the bytes of ``convert_hf_to_gguf.py --outtype f32``)."""
@@ -91,4 +96,4 @@ def file_digest(path: Path, layout: tuple[int, dict[str, tuple[str, int, int]]] 
             "tensors": {n: [t, sha(data[start + o:start + o + size])] for n, (t, o, size) in tensors.items()}}
 
 
-__all__ = ["convert_f32", "f32_model", "file_digest", "seeded_imatrix"]
+__all__ = ["SPM_ARCHS", "convert_f32", "f32_model", "file_digest", "seeded_imatrix"]

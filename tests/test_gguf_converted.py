@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
-from helpers_archs import make_arch_model
-from helpers_requantize import file_digest, seeded_imatrix
+from helpers_archs import make_arch_model, spm_tokenizer
+from helpers_requantize import SPM_ARCHS, file_digest, seeded_imatrix
 from typer.testing import CliRunner
 
 from qkit.cli import app
@@ -30,13 +31,19 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "requantize.json").read_
 
 @pytest.fixture(scope="module")
 def models(default_model_dir, tmp_path_factory):
+    """The golden test's models: qwen3 and qwen3_moe with the default model's tokenizer, gemma2 and phi3 with
+    ``spm_tokenizer``'s (``helpers_requantize.SPM_ARCHS``)."""
     work = tmp_path_factory.mktemp("converted")
-    return {arch: make_arch_model(work / arch, arch, default_model_dir) for arch in ("qwen3", "qwen3_moe")}
+    spm = spm_tokenizer(work / "spm")
+    return {arch: make_arch_model(work / arch, arch, spm if arch in SPM_ARCHS else default_model_dir)
+            for arch in ("qwen3", "qwen3_moe", "gemma2", "phi3")}
 
 
-@pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "q4_k_m"), ("qwen3_moe", "mxfp4_moe")])
+@pytest.mark.parametrize(("arch", "scheme"), [("qwen3", "q4_k_m"), ("qwen3_moe", "mxfp4_moe"), ("gemma2", "q4_k_m"),
+                                              ("phi3", "q4_k_m")])
 def test_the_command_writes_llama_quantizes_file_for_another_architecture(models, tmp_path, arch, scheme):
-    """A recipe on a dense model, and MXFP4_MOE (its experts in MXFP4, the rest Q8_0) on a mixture-of-experts one."""
+    """A recipe on dense models (gemma2 and phi3 with a SentencePiece tokenizer), and MXFP4_MOE (its experts
+    in MXFP4, the rest Q8_0) on a mixture-of-experts one."""
     out = tmp_path / f"{arch}.gguf"
     r = CliRunner().invoke(app, ["quantize", str(models[arch]), "-s", scheme, "--format", "gguf", "-o", str(out)])
     assert r.exit_code == 0, r.output
@@ -75,16 +82,19 @@ def test_the_tokenizer_fields_of_a_source_gguf_replace_the_converters(models):
     assert any(k.startswith("tokenizer.") for k, *_ in read_kv_fields(convert_f32(models["qwen3"])))
 
 
-@pytest.mark.parametrize("arch", ["mistral", "qwen3_moe", "gpt_oss"])
-def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path, monkeypatch, arch):
+@pytest.mark.parametrize(("arch", "scheme"), [("mistral", "q4_k"), ("qwen3_moe", "q4_k"), ("gpt_oss", "q4_k"),
+                                            ("phi3", "q4_k_m")])
+def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, tmp_path, monkeypatch, arch, scheme):
     """mistral: llama.cpp permutes its q/k rows; qwen3_moe: it stacks each layer's experts into one tensor,
     and each expert's importance is its own row of the stacked entry; gpt_oss: it transposes each fused
     ``[experts, in, out]`` tensor and splits gate_up_proj by alternate columns, so GGUF row ``(e, j)`` of
-    ``ffn_gate_exps`` holds row ``j`` of GPTQ's codes for expert ``e``'s gate matrix (the even columns). ``--method gptq --format gguf`` writes,
-    in each GGUF tensor, exactly the block rows GPTQ chose for the Hugging Face matrix, each at the row the
-    converter's map says, and GPTQ was given, for each matrix, the importance row qkit's own route gives it
-    (``quant_weights_for``, llama-quantize's slicing); a tensor the rules give another type (none here: q4_k
-    is --pure) would be RTN's."""
+    ``ffn_gate_exps`` holds row ``j`` of GPTQ's codes for expert ``e``'s gate matrix (the even columns); phi3:
+    it keeps the fused ``qkv_proj`` and ``gate_up_proj`` fused (``attn_qkv``, ``ffn_up``: the rows in order),
+    and Q4_K_M's rules give its matrices Q4_K or Q6_K (llama-quantize's --dry-run types, recorded in
+    requantize.json). ``--method gptq --format gguf`` writes, in each GGUF tensor, exactly the block rows GPTQ
+    chose for the Hugging Face matrix, each at the row the converter's map says, GPTQ ran each matrix at its
+    GGUF tensor's type, and it was given, for each matrix, the importance row qkit's own route gives it
+    (``quant_weights_for``, llama-quantize's slicing)."""
     from qkit.checkpoint import tensor_shapes
     from qkit.export.gguf.converter import convert_f32, row_map
     from qkit.export.gguf.types import ggml_blocks
@@ -93,9 +103,10 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
     from qkit.methods.imatrix.file import write_gguf
     from qkit.models import read_config
 
-    model = make_arch_model(tmp_path / arch, arch, default_model_dir)
+    # phi3: its BPE tokenizer named as Phi-4's, the embedding tied (half the bytes of this 49,152-token vocabulary)
+    model = make_arch_model(tmp_path / arch, arch, default_model_dir, tie=arch == "phi3")
     small = ["--calibration-samples", "4", "--calibration-seqlen", "128"]
-    if arch != "mistral":  # an importance matrix whose expert rows all differ, one expert reached by no token
+    if arch in ("qwen3_moe", "gpt_oss"):  # an importance matrix whose expert rows all differ, one expert reached by no token
         write_gguf(seeded_imatrix(convert_f32(model), 3), tmp_path / "m.imatrix.gguf")
         small += ["--imatrix", str(tmp_path / "m.imatrix.gguf")]
     seen = {}
@@ -107,11 +118,11 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
 
     monkeypatch.setattr(GPTQMethod, "run", spy)
     gguf_out = tmp_path / "g.gguf"
-    r = CliRunner().invoke(app, ["quantize", str(model), "-s", "q4_k", "--method", "gptq", "--format", "gguf",
+    r = CliRunner().invoke(app, ["quantize", str(model), "-s", scheme, "--method", "gptq", "--format", "gguf",
                                  "-o", str(gguf_out), *small])
     assert r.exit_code == 0, r.output
     codes = {n: ggml_blocks(qt).numpy() for n, qt in seen["done"].quantized.items()}
-    if arch != "mistral":
+    if arch in ("qwen3_moe", "gpt_oss"):
         theirs = quant_weights_for(read(tmp_path / "m.imatrix.gguf"), read_config(model), dict(tensor_shapes(model)),
                                    seen["targets"])
         assert sorted(seen["weights"]) == sorted(theirs) and len(theirs) == 32  # 8 attention, 24 expert matrices
@@ -120,7 +131,7 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
     header = read_header(gguf_out)
     data = gguf_out.read_bytes()
     names = list(rows.hf)
-    checked = 0
+    checked, types = 0, {}
     for info in header.tensors:
         g = rows.gguf.get(info.name)
         if g is None or g.kind != "rows" or not all(names[int(k)] in codes for k in np.unique(g.src)):
@@ -129,6 +140,8 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
         expect = np.stack([codes[names[int(k)]].reshape(-1, per_row)[int(f)] for k, f in zip(g.src, g.flat)])
         start = header.data_offset + info.offset
         assert data[start:start + expect.nbytes] == expect.tobytes(), info.name
+        assert {seen["targets"][names[int(k)]].ggml_type for k in np.unique(g.src)} == {info.ggml_type}, info.name
+        types[info.name] = gguf.GGMLQuantizationType(info.ggml_type).name
         checked += 1
     offsets = {info.name: header.data_offset + info.offset for info in header.tensors}
     split = [(i, g, m) for i in range(2) for g, m in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))]
@@ -138,6 +151,14 @@ def test_gptq_codes_land_where_the_converter_puts_their_rows(default_model_dir, 
         expect = np.concatenate([codes[f"model.layers.{i}.mlp.experts.{e}.{m}.weight"] for e in range(4)])
         assert data[offsets[name]:offsets[name] + expect.nbytes] == expect.tobytes(), name
         checked += 1
+    if arch == "phi3":  # 2 layers x qkv, o, gate_up, down: each fused matrix one tensor, at llama-quantize's type
+        dry = GOLDEN["archs"]["phi3"]
+        want = dict(zip(dry["order"], dry["dry_run"]["Q4_K_M"]))
+        assert checked == 8 and types == {n: want[n] for n in types}
+        assert set(types.values()) == {"Q4_K", "Q6_K"}  # each matrix calibrated at its own tensor's type
+        qkv = rows.gguf["blk.0.attn_qkv.weight"]
+        assert np.array_equal(qkv.flat, np.arange(len(qkv.flat)))  # q, k, v rows kept in order, in one tensor
+        return
     assert checked == 14  # 2 layers x q, k, v, o, gate, up, down (stacked experts: one tensor each)
     if arch == "mistral":
         q = rows.gguf["blk.0.attn_q.weight"]

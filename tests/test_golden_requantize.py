@@ -12,8 +12,12 @@ that) and per file the sha256 of the whole file, of its header and of each tenso
 llama-quantize wrote them; and per ftype llama-quantize's ``--dry-run`` types of every tensor, which the
 rules (``qkit.schemes.llama_rules``) must give for every ftype, those qkit has no encoder for included.
 
-qwen2, gemma2 and phi3 are left out: the pinned converter refuses them with the default model's tokenizer
-(qwen2: "BPE pre-tokenizer was not recognized"; gemma2 and phi3 need a tokenizer.model).
+qwen2, gemma2 and phi3 get ``helpers_archs.spm_tokenizer``'s SentencePiece tokenizer instead (``SPM_ARCHS``):
+the pinned converter refuses them with the default model's (qwen2: "BPE pre-tokenizer was not recognized",
+transformers 5 loading it as ``Qwen2Tokenizer``; gemma2's class reads only a tokenizer.model; phi3's asks for
+one unless the config names a BPE class), and their classes read a ``tokenizer.model`` first. (qwen2's
+``qkit quantize --format gguf`` is qkit's own writer, not this route; the file checked here is
+``quantize_gguf`` of the converter's F32, as for the others.)
 
 Recorded with llama.cpp's tools built (``python benchmarks/build_llama_ref.py --tools``):
 
@@ -29,9 +33,9 @@ from pathlib import Path
 
 import pytest
 from conftest import benchmark_module
-from helpers_archs import ARCHS, MOE_ARCHS
+from helpers_archs import ARCHS, MOE_ARCHS, spm_tokenizer
 from qkit.assets import sha256_file
-from helpers_requantize import f32_model, file_digest, seeded_imatrix
+from helpers_requantize import SPM_ARCHS, f32_model, file_digest, seeded_imatrix
 
 from qkit.export.gguf.reader import read_header
 from qkit.export.gguf.requantize import FTYPES, quantize_gguf
@@ -43,9 +47,8 @@ from qkit.schemes.recipes import llama_quantize_types
 GOLDEN_PATH = Path(__file__).parent / "golden" / "requantize.json"
 RECORD = os.environ.get("QKIT_RECORD_REQUANTIZE") == "1"
 RECORD_COMMAND = "QKIT_RECORD_REQUANTIZE=1 python -m pytest tests/test_golden_requantize.py"
-REFUSED = {"qwen2": "BPE pre-tokenizer was not recognized", "gemma2": "needs tokenizer.model",
-           "phi3": "needs tokenizer.model"}
-CONVERTED = tuple(a for a in ARCHS if a not in REFUSED)
+# the BPE ones first, in the order files_of alternates its halves along (as before the SentencePiece ones came)
+CONVERTED = tuple(a for a in ARCHS if a not in SPM_ARCHS) + SPM_ARCHS
 # key -> (what quantize_gguf is given, llama-quantize's ftype, --pure, --imatrix)
 FILES = {
     "q8_0": ("Q8_0", "Q8_0", False, False),
@@ -85,7 +88,10 @@ def f32(default_model_dir, tmp_path_factory):
 
     def get(arch: str) -> Path:
         if arch not in made:
-            made[arch] = f32_model(arch, default_model_dir, work)
+            if arch in SPM_ARCHS:
+                pytest.importorskip("sentencepiece", reason="the SentencePiece tokenizer needs the test extra's sentencepiece")
+            tokenizer = spm_tokenizer(work / "spm") if arch in SPM_ARCHS else default_model_dir
+            made[arch] = f32_model(arch, tokenizer, work)
         return made[arch]
 
     return get
@@ -161,13 +167,13 @@ def test_record(f32, tmp_path_factory):
         "command": RECORD_COMMAND,
         "llama_cpp_commit": blr.commit(),
         "llama_cpp_python_sdist": blr.LLAMA_CPP_PYTHON,
-        "converter": "convert_hf_to_gguf.py MODEL --outtype f32 (the sdist's source, a stub sentencepiece)",
+        "converter": "convert_hf_to_gguf.py MODEL --outtype f32 (the sdist's source; the sentencepiece package reads the SentencePiece tokenizer)",
         "imatrix": f"tests/helpers_requantize.py seeded_imatrix(F32, {IMATRIX_SEED}), as imatrix.gguf in the working directory",
         "llama_quantize": {k: " ".join(["llama-quantize", *(["--imatrix imatrix.gguf"] if w else []), *(["--pure"] if p else []),
                                         "F32.gguf", "OUT.gguf", f, "2"])
                            for k, (_, f, p, w) in {**FILES, **MOE_FILES}.items()},
         "moe_only": sorted(MOE_FILES),
-        "refused_by_the_converter": REFUSED,
+        "sentencepiece_tokenizer": list(SPM_ARCHS),
         "archs": archs,
     }
     GOLDEN_PATH.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
@@ -181,7 +187,7 @@ def test_golden_file_says_where_it_came_from(golden):
         pytest.skip("recording")
     assert golden["command"] == RECORD_COMMAND
     assert golden["llama_cpp_commit"] == benchmark_module("build_llama_ref").LLAMA_CPP_COMMIT
-    assert set(golden["archs"]) == set(CONVERTED) and set(golden["refused_by_the_converter"]) == set(REFUSED)
+    assert set(golden["archs"]) == set(CONVERTED) and golden["sentencepiece_tokenizer"] == list(SPM_ARCHS)
     for name, arch in golden["archs"].items():
         assert set(arch["files"]) == set(recorded(name))
         assert set(arch["dry_run"]) == {_dry_key(f, w) for f, w in DRY_RUNS}
@@ -209,7 +215,7 @@ def test_rules_give_llama_quantizes_types_for_every_ftype(golden, f32, arch):
 def files_of(arch: str) -> list[str]:
     """The files checked for ``arch``: every one with ``QKIT_REQUANTIZE_ALL_FILES=1``; else, to keep CI's time,
     alternate architectures take alternate halves of ``FILES`` (q8_0, q4_k_m, iq4_xs+imatrix / q4_k,
-    q4_k_m+imatrix, q2_k+imatrix), so each file is checked on four or five architectures, and every MoE model
+    q4_k_m+imatrix, q2_k+imatrix), so each file is checked on six architectures, and every MoE model
     with its per-expert matrix (qwen3_moe: q4_k_m and q2_k; mixtral and gpt_oss: iq4_xs); the ``ONCE`` files
     on their one architecture (tq1_0 on qwen3_moe, mxfp4_moe on gpt_oss, the model MXFP4_MOE was made for,
     iq3_xs+imatrix on mixtral)."""

@@ -96,17 +96,8 @@ def load(
             config = AutoConfig.from_pretrained(str(ref.directory), trust_remote_code=trust_remote_code)
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
-            lm = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-            state = dequantized_state_dict(ref.directory, dtype)
-            result = lm.load_state_dict(state, strict=False)
-            tied = set(getattr(lm, "_tied_weights_keys", None) or [])
-            missing = [k for k in result.missing_keys if k not in tied and not k.endswith("lm_head.weight")]
-            if missing or result.unexpected_keys:
-                raise ModelLoadError(
-                    f"checkpoint {ref.directory} does not match its config (missing {missing[:3]}, "
-                    f"unexpected {result.unexpected_keys[:3]}); re-create it"
-                )
-            lm.tie_weights()
+            lm = _from_state_dict(config, dequantized_state_dict(ref.directory, dtype), dtype, trust_remote_code,
+                                  ref.directory)
         else:
             lm = AutoModelForCausalLM.from_pretrained(
                 str(ref.directory), dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=not allow_pickle or None,
@@ -126,6 +117,28 @@ def load(
     if device_map is None:
         lm.to(dev)
     return LoadedModel(lm, load_tokenizer(ref.directory, trust_remote_code), ref, manifest)
+
+def _from_state_dict(config, state: dict[str, torch.Tensor], dtype: torch.dtype, trust_remote_code: bool,
+                     directory: Path):
+    """The causal LM of ``config`` holding ``state`` (the checkpoint's names and tensors), loaded the way
+    ``from_pretrained`` loads the source's files: through transformers' own conversion of stored names to the
+    model's (transformers 5 stacks a mixture-of-experts layer's per-expert matrices into its fused 3-D
+    parameters, ``mlp.experts.gate_up_proj``, and renames mixtral's ``block_sparse_moe``), so every tensor
+    lands bit for bit where loading the unquantized model puts it. A name it does not place, or a weight the
+    checkpoint lacks (a tied or absent ``lm_head`` aside), is a ``ModelLoadError``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # from_config only to learn the class it builds (remote code included): no memory
+        cls = type(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
+    lm, info = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, output_loading_info=True,
+                                   trust_remote_code=trust_remote_code)
+    tied = set(getattr(lm, "_tied_weights_keys", None) or [])
+    missing = [k for k in info["missing_keys"] if k not in tied and not k.endswith("lm_head.weight")]
+    unexpected = sorted(info["unexpected_keys"]) + [k for k, *_ in info["mismatched_keys"]]
+    if missing or unexpected:
+        raise ModelLoadError(f"checkpoint {directory} does not match its config (missing {sorted(missing)[:3]}, "
+                             f"unexpected {unexpected[:3]}); re-create it")
+    return lm
 
 def checked(model: str | Path | ModelRef | None = None, *, allow_pickle: bool = False,
             trust_remote_code: bool = False) -> ModelRef:
