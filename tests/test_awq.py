@@ -11,16 +11,8 @@ from hypothesis import strategies as st
 from qkit.api import quantize_model
 from qkit.errors import InputError
 from qkit.methods import get_method, make_options
-from qkit.methods.awq import (
-    AWQOptions,
-    apply_clip,
-    awq_model,
-    awq_scales,
-    clip_thresholds,
-    clip_width,
-    fake_quant,
-    search_group,
-)
+from qkit.methods.awq import AWQOptions, awq_model, search_group
+from qkit.methods.awq_search import apply_clip, awq_scales, clip_thresholds, clip_width, fake_quant
 from qkit.methods.folding import FoldGroup
 from qkit.models import load
 from qkit.schemes import get_scheme, quantize_tensor

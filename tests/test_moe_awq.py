@@ -12,12 +12,12 @@ import json
 
 import pytest
 import torch
-from test_moe_calibration import SAMPLES, SEQLEN, cal, cli, moe2, moe_model, refused  # noqa: F401 (fixtures)
+from helpers_moe import SAMPLES, SEQLEN, cal, cli, moe2, moe_model, refused  # noqa: F401 (fixtures)
 
 from qkit.errors import InputError
 from qkit.inspect.linear_inputs import linear_inputs_report
 from qkit.methods.awq import FEW_TOKENS, AWQOptions, awq_model
-from qkit.methods.experts import layout_for, unfused_experts
+from qkit.methods.experts import check_method, layout_for, unfused_experts
 from qkit.methods.folding import fold, model_fold_groups
 from qkit.schemes import get_scheme, quantize_tensor
 
@@ -142,8 +142,8 @@ def test_quantize_awq_on_a_moe_model_records_each_experts_tokens_and_refuses_gpt
         s = source[norm] / written[norm]
         assert not torch.allclose(s, torch.ones_like(s))
         torch.testing.assert_close(written[router], source[router] * s)
-    with pytest.raises(InputError, match="3-D tensors"):
-        layout_for({"model_type": "gpt_oss", "num_local_experts": 4}, "awq folds scales into")
+    with pytest.raises(InputError, match="awq folds scales into .* 3-D tensors"):  # before the model loads
+        check_method({"model_type": "gpt_oss", "num_local_experts": 4}, "awq", None)
     from helpers_archs import make_arch_model, spm_tokenizer
 
     oss = make_arch_model(tmp_path / "oss", "gpt_oss", spm_tokenizer(tmp_path / "spm"))

@@ -14,10 +14,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tokenizer
-from test_moe_calibration import cal, moe_model  # noqa: F401 (cal: a fixture)
+from helpers_moe import cal, moe_model  # noqa: F401 (cal: a fixture)
 
 from qkit.errors import InputError
-from qkit.methods.experts import check_method, expert_slices, layout_for, unfused_experts, virtual_experts
+from qkit.methods.expert_storage import virtual_experts
+from qkit.methods.experts import check_method, expert_slices, layout_for, unfused_experts
 from qkit.checkpoint import tensor_shapes
 from qkit.methods import get_method, make_options
 from qkit.methods.gptq.method import FEW_TOKENS, GPTQOptions, HessianInputs
@@ -178,7 +179,8 @@ def test_what_gpt_oss_still_refuses(oss):
     config = oss[0].config.to_dict()
     check_method(config, "gptq", GPTQOptions())
     assert layout_for(config).transposed
-    with pytest.raises(InputError, match="--method awq is not run on mixture-of-experts models"):
+    with pytest.raises(InputError, match="awq folds scales into the experts of mixtral, qwen2_moe, qwen3_moe models only; "
+                                         "gpt_oss stores each layer's experts as 3-D tensors"):
         check_method(config, "awq", None)
     with pytest.raises(InputError, match="gpt_oss stores each layer's experts as 3-D tensors"):
         expert_slices(oss[0], config)

@@ -33,7 +33,8 @@ from qkit.export import QKIT, activation_format, formats_that, get_format
 from qkit.head_types import Heads, unweighted
 from qkit.methods import RTN, CalibratedOptions, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
-from qkit.methods.experts import check_method, fused_modules, virtual_experts
+from qkit.methods.expert_storage import virtual_experts
+from qkit.methods.experts import check_method, fused_modules
 from qkit.methods.imatrix import Imatrix, gguf_names, imatrix_record, quant_weights_for, unreached_experts
 from qkit.methods.imatrix import read as read_imatrix
 from qkit.methods.imatrix.method import ImatrixMethod

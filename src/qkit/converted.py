@@ -49,7 +49,8 @@ from qkit.export.gguf.rowmap import RowMap
 from qkit.export.gguf.types import ggml_blocks
 from qkit.methods.gptq import GPTQMethod
 from qkit.llama_names import expert_index
-from qkit.methods.experts import check_method, virtual_experts
+from qkit.methods.expert_storage import virtual_experts
+from qkit.methods.experts import check_method
 from qkit.methods.imatrix import Imatrix, gguf_names
 from qkit.schemes.ggml import uses_importance
 from qkit.schemes.recipes import scheme_for_type

@@ -51,7 +51,7 @@ from qkit.export.gguf.tensor_types import (
 from qkit.memory import parse_size
 from qkit.methods import RTN, method_names
 from qkit.methods.gptq import DEFAULT_DAMPENING, SCALE_RULES, GPTQOptions
-from qkit.methods.experts import ExpertOptions
+from qkit.methods.expert_options import ExpertOptions
 from qkit.outputs import check_output_path
 from qkit.plan import PlanOptions
 from qkit.plan.options import DEFAULT_CHECK_WINDOWS

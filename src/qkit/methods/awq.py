@@ -52,19 +52,21 @@ import torch
 
 from qkit.checkpoint import tensor_dtypes, tensor_shapes
 from qkit.errors import InputError
-from qkit.granularity import PerGroup, PerRow
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
-from qkit.methods.experts import (
-    LAYOUTS,
-    ExpertOptions,
-    check_method,
-    expert_of,
-    experts_record,
-    few_tokens,
-    layout_for,
-    routed_tokens,
-    unfused_experts,
+from qkit.methods.expert_options import ExpertOptions, expert_of, experts_record, few_tokens
+from qkit.methods.experts import LAYOUTS, check_method, layout_for, routed_tokens, unfused_experts
+from qkit.methods.awq_search import (
+    CLIP_GRID,
+    MAX_SHRINK,
+    N_GRID,
+    apply_clip,
+    awq_scales,
+    clip_thresholds,
+    clip_width,
+    fake_quant,
+    group_units,
+    scaled_fake_quant,
 )
 from qkit.methods.folding import (
     FoldGroup,
@@ -78,20 +80,14 @@ from qkit.methods.folding import (
 from qkit.methods.memory import RETENTION, Model, largest, walk_dtype, walked_weights
 from qkit.methods.sequential import DEFAULT_BATCH_SIZE, BlockInputs, walk_blocks
 from qkit.models import ModelRef, load, read_config
-from qkit.schemes import AbsmaxScheme, NF4Scheme, QuantizedTensor, Scheme, quantize_tensor
-from qkit.schemes.absmax import absmax_scales
+from qkit.schemes import QuantizedTensor, Scheme, quantize_tensor
 from qkit.schemes.fidelity import check_written
 
-# Defaults of the reference implementations (AutoAWQ ``_compute_best_scale`` / ``_compute_best_clip``).
-N_GRID = 20
-CLIP_GRID = 20
-MAX_SHRINK = 0.5
 CLIP_TOKENS = 512
 # the clipping search's float32 copies of one linear (w, its bound, the clamp, the fake-quant and its error,
 # their group views), with a margin: 2048x5632 measured 1.81 GiB peak against a 1.91 GiB estimate; a 4 x 1024
 # x 2816 fp32 file walked mapped peaked at 1.17-1.33 GiB over four runs of one command (8 copies: 1.30 estimated)
 AWQ_COPIES = 12
-SCALE_FLOOR = 1e-4
 # No clipping for q/k: "due to qk bmm, it is hard to clip precisely" (AutoAWQ ``_search_best_clip``).
 NO_CLIP = ("q_proj", "k_proj")
 NEXT_INPUTS = ("fp", "quantized")
@@ -141,103 +137,6 @@ class AWQOptions(CalibratedOptions, ExpertOptions):
 
 
 # --------------------------------------------------------------------------- maths core
-
-
-def fake_quant(w: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """``deq(Q(w))`` in fp32 with qkit's own writer path, so a search optimises exactly what gets written.
-
-    Absmax schemes skip only the (lossless) nibble packing: ``quantize_absmax`` then ``dequantize_absmax``
-    is what ``quantize_tensor`` + ``dequantize`` compute (tested bit for bit); every other scheme goes
-    through ``quantize_tensor`` itself."""
-    if type(scheme) is AbsmaxScheme and w.dim() == 2:
-        # quantize_absmax + dequantize_absmax without the int8 round trip (exact: the codes are integers
-        # in [-128, 127]) and with the ops in place: a search calls this n_grid times per linear.
-        g, qmax = scheme.granularity, 2 ** (scheme.bits - 1) - 1
-        units = g.to_units(w.float())
-        scales = absmax_scales(units, scheme.bits, scheme.scale_dtype).float()
-        divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.div(units, divisor).round_().clamp_(-qmax - 1, qmax).mul_(scales)
-        return g.from_units(q, tuple(w.shape))
-    return quantize_tensor(w, scheme).dequantize(torch.float32)
-
-
-def awq_scales(x_mean: torch.Tensor, ratio: float) -> torch.Tensor:
-    """``s = clamp(x̄^ratio, 1e-4)``, normalised by ``sqrt(max(s)·min(s))`` (llm-awq ``auto_scale``); fp32 ``[c]``.
-    ``ratio = 0`` gives exactly ones."""
-    s = x_mean.float().pow(ratio).clamp(min=SCALE_FLOOR)
-    s = s / (s.max() * s.min()).sqrt()
-    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
-
-
-def scaled_fake_quant(w: torch.Tensor, cols: torch.Tensor, scheme: Scheme) -> torch.Tensor:
-    """``deq(Q(W · s)) / s`` for a weight ``[out, in]`` and column scales ``[in]``: the folded quantized
-    weight seen from the original (unscaled) input."""
-    return fake_quant(w.float() * cols, scheme) / cols
-
-
-def clip_width(scheme: Scheme, cols: int) -> int | None:
-    """Columns per clipping group: the scheme's scale unit when it is a group of one row (None: no clipping)."""
-    g = scheme.granularity if isinstance(scheme, AbsmaxScheme) else None  # block formats have none
-    if isinstance(g, PerGroup):
-        return g.size
-    if isinstance(g, PerRow):
-        return cols
-    if isinstance(scheme, NF4Scheme) and cols % scheme.block_size == 0:
-        return scheme.block_size
-    return None
-
-
-def _units(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``[..., cols]`` -> ``[..., ceil(cols/width), width]`` (zero padding: changes no absmax, no product)."""
-    pad = (-t.shape[-1]) % width
-    if pad:
-        t = torch.nn.functional.pad(t, (0, pad))
-    return t.reshape(*t.shape[:-1], -1, width)
-
-
-@torch.no_grad()
-def clip_thresholds(
-    w: torch.Tensor, x: torch.Tensor, scheme: Scheme, width: int, *, n_grid: int = CLIP_GRID, max_shrink: float = MAX_SHRINK
-) -> torch.Tensor:
-    """AutoAWQ's clipping search: per output row and group of ``width`` columns, the clamp threshold
-    ``max|W_g| · (1 - i/n_grid)``, ``0 <= i < max_shrink · n_grid``, minimising the mean over tokens of
-    ``(X_g · (deq(Q(clamp(W))) - W)_g)²`` (every group quantized with ``scheme`` at once per level).
-
-    ``w``: ``[out, in]``; ``x``: ``[tokens, in]``. Returns fp32 ``[out, ceil(in/width)]``; ``i = 0`` (no
-    clipping) is always a candidate.
-    """
-    w = w.float()
-    rows, cols = w.shape
-    xu = _units(x.float(), width)  # [T, ng, G]
-    org = _units(w, width).abs().amax(dim=-1)  # [out, ng]
-    best = org.clone()
-    best_err = torch.full_like(org, float("inf"))
-    for i in range(max(1, int(max_shrink * n_grid))):
-        t = org * (1 - i / n_grid)
-        bound = t.repeat_interleave(width, dim=1)[:, :cols]
-        dw = fake_quant(torch.maximum(torch.minimum(w, bound), -bound), scheme) - w
-        err = _group_output_error(xu, _units(dw, width))
-        better = err < best_err
-        best_err = torch.where(better, err, best_err)
-        best = torch.where(better, t, best)
-    return best
-
-
-def _group_output_error(xu: torch.Tensor, du: torch.Tensor, max_elems: int = 1 << 24) -> torch.Tensor:
-    """``mean_t (sum_k xu[t,g,k] · du[r,g,k])²`` -> ``[out, ng]``, in row chunks to bound memory."""
-    rows = du.shape[0]
-    chunk = max(1, max_elems // max(1, xu.shape[0] * xu.shape[1]))
-    out = []
-    for r in range(0, rows, chunk):
-        y = torch.einsum("tgk,rgk->rgt", xu, du[r : r + chunk])
-        out.append(y.pow(2).mean(dim=-1))
-    return torch.cat(out)
-
-
-def apply_clip(w: torch.Tensor, thresholds: torch.Tensor, width: int) -> torch.Tensor:
-    """Clamp ``w`` ``[out, in]`` to ``±thresholds`` ``[out, ng]`` per group of ``width`` columns."""
-    bound = thresholds.repeat_interleave(width, dim=1)[:, : w.shape[1]].to(w.dtype)
-    return torch.maximum(torch.minimum(w, bound), -bound)
 
 
 # --------------------------------------------------------------------------- one block
@@ -509,7 +408,7 @@ def awq_model(
                         x = x[:: max(1, x.shape[0] // options.clip_tokens)][: options.clip_tokens]
                         x = x / cols.to(x.device) if cols is not None else x
                         th = clip_thresholds(w, x, scheme, width, n_grid=options.clip_grid, max_shrink=options.max_shrink)
-                        org = _units(w.float(), width).abs().amax(dim=-1)
+                        org = group_units(w.float(), width).abs().amax(dim=-1)
                         clip_note = round(float((th < org).float().mean()), 4)  # share of groups clipped
                         w = apply_clip(w, th, width)
                 name = full(n)

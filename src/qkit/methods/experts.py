@@ -39,61 +39,20 @@ measuring commands (``evaluation``, ``inspect``).
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from qkit.bounds import MAX_COUNT, whole
 from qkit.errors import InputError
-from qkit.llama_names import expert_index
 from qkit.schemes.recipes import expert_count
 from qkit.transform import FUSED_MODULES
 
-DEFAULT_MIN_EXPERT_TOKENS = 128  # an expert matrix calibrated on fewer tokens is written by rtn (gptq, awq)
 # The methods that calibrate experts through ``unfused_experts``; the others are refused for a
 # mixture-of-experts model (``check_method``).
 ROUTED_METHODS = ("gptq", "imatrix", "awq")
-
-
-@dataclass(frozen=True)
-class ExpertOptions:
-    """The option of the methods that fit each expert to the tokens routed to it (gptq, awq):
-    ``min_expert_tokens``, below which an expert matrix is written by rtn instead (``few_tokens``)."""
-
-    min_expert_tokens: int = DEFAULT_MIN_EXPERT_TOKENS
-
-    def check_experts(self) -> None:
-        whole(self.min_expert_tokens, "--min-expert-tokens", 0, MAX_COUNT)
-
-
-def few_tokens(name: str, tokens: int, options: ExpertOptions) -> bool:
-    """Whether ``name`` (a stored tensor name) is an expert matrix calibrated on too few tokens to be fitted to
-    them: none at all, or fewer than ``options.min_expert_tokens``; such a matrix is written by rtn."""
-    return expert_index(name) is not None and (tokens == 0 or tokens < options.min_expert_tokens)
-
-
-def expert_of(name: str) -> str | None:
-    """The expert a stored expert matrix belongs to (``model.layers.0.mlp.experts.3.up_proj.weight`` ->
-    ``model.layers.0.mlp.experts.3``: ``routed_tokens``' keys); None for another tensor."""
-    return name.rsplit(".", 2)[0] if expert_index(name) is not None else None
-
-
-def experts_record(options: Any, routed: Mapping[str, int], calibrated_on: Mapping[str, int],
-                   fallback: Iterable[str]) -> dict[str, Any]:
-    """A mixture-of-experts model's part of a routed method's record: per expert the tokens the router sent it
-    (``routed``, by ``expert_of``'s name) and those its statistics were taken on (``calibrated_on``: all of them
-    with ``calibrate_all_experts``), and the expert matrices written by rtn instead (``fallback``)."""
-    return {
-        "calibrate_all_experts": options.calibrate_all_experts,
-        "min_expert_tokens": options.min_expert_tokens,
-        "tokens": {e: {"routed": n, "calibrated_on": calibrated_on.get(e, 0)} for e, n in sorted(routed.items())},
-        "rtn_fallback": sorted(fallback),
-    }
 
 
 @dataclass(frozen=True)
@@ -143,7 +102,7 @@ _FLAGS = {False: {"is_transposed": False, "has_bias": False, "is_concatenated": 
           True: {"is_transposed": True, "has_bias": True, "is_concatenated": False, "has_gate": True,
                  "has_post_expert_norm": False}}
 # gpt_oss's gate_up_proj [E, H, 2I] holds expert e's gate in its even columns, its up in the odd ones
-_GATE_COLUMNS, _UP_COLUMNS = slice(0, None, 2), slice(1, None, 2)
+GATE_COLUMNS, UP_COLUMNS = slice(0, None, 2), slice(1, None, 2)
 _PARAMS = {False: {"gate_up_proj", "down_proj"},
            True: {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}}
 # Why another mixture-of-experts architecture's experts are not calibrated, where that is known
@@ -217,7 +176,7 @@ def expert_views(fused: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tenso
     layout: ``gate_up_proj[e][:, 0::2].T``, ``gate_up_proj[e][:, 1::2].T``, ``down_proj[e].T`` (strided)."""
     gate_up, down = fused.gate_up_proj.data, fused.down_proj.data
     if _transposed(fused):
-        return [(gate_up[e][:, _GATE_COLUMNS].T, gate_up[e][:, _UP_COLUMNS].T, down[e].T) for e in range(gate_up.shape[0])]
+        return [(gate_up[e][:, GATE_COLUMNS].T, gate_up[e][:, UP_COLUMNS].T, down[e].T) for e in range(gate_up.shape[0])]
     inter = down.shape[2]
     return [(gate_up[e, :inter], gate_up[e, inter:], down[e]) for e in range(gate_up.shape[0])]
 
@@ -228,7 +187,7 @@ def expert_biases(fused: torch.nn.Module) -> list[tuple[torch.Tensor | None, ...
     if not _transposed(fused):
         return [(None, None, None)] * fused.gate_up_proj.shape[0]
     gate_up, down = fused.gate_up_proj_bias.data, fused.down_proj_bias.data
-    return [(gate_up[e][_GATE_COLUMNS], gate_up[e][_UP_COLUMNS], down[e]) for e in range(gate_up.shape[0])]
+    return [(gate_up[e][GATE_COLUMNS], gate_up[e][UP_COLUMNS], down[e]) for e in range(gate_up.shape[0])]
 
 
 def _gated(fused: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -467,77 +426,6 @@ def expert_slices(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str
     return out
 
 
-def fused_numel(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> dict[str, int]:
-    """From the checkpoint's headers: ``{stored expert matrix: the elements of the fused parameter it is loaded
-    into}`` (its layer's ``gate_up_proj`` for a gate or up matrix, ``down_proj`` for a down one: the sum over
-    that layer's experts), which is what a gradient of it takes in the model; {} for a dense model."""
-    layout = layout_for(config, layouts=LAYOUTS)
-    if layout is None:
-        return {}
-    kind = {layout.gate: "gate_up_proj", layout.up: "gate_up_proj", layout.down: "down_proj"}
-    pattern = re.compile(rf"^(.*\.{re.escape(layout.stored)}\.experts)\.\d+\.({'|'.join(map(re.escape, kind))})\.weight$")
-    fused: dict[str, str] = {}
-    for name in shapes:
-        if m := pattern.match(name):
-            fused[name] = f"{m.group(1)}.{kind[m.group(2)]}"
-    sizes: dict[str, int] = {}
-    for name, key in fused.items():
-        sizes[key] = sizes.get(key, 0) + math.prod(shapes[name])
-    return {name: sizes[key] for name, key in fused.items()}
-
-
-@dataclass(frozen=True)
-class VirtualExpert:
-    """One expert matrix of a checkpoint that stores its experts fused (gpt_oss: ``ExpertLayout.transposed``):
-    ``fused`` the stored 3-D tensor's name (``model.layers.0.mlp.experts.gate_up_proj``, ``[E, in, out]``),
-    ``expert`` its index, ``columns`` the output columns it takes (gate: ``0::2``, up: ``1::2``, down: all),
-    ``shape`` the matrix ``[out, in]``: ``fused_tensor[expert][:, columns].T`` (``take``)."""
-
-    fused: str
-    expert: int
-    columns: slice
-    shape: tuple[int, int]
-
-    def take(self, fused: torch.Tensor) -> torch.Tensor:
-        """This matrix ``[out, in]`` out of its fused tensor ``[E, in, out]`` (a strided view)."""
-        return fused[self.expert][:, self.columns].T
-
-
-def virtual_experts(shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any]) -> dict[str, VirtualExpert]:
-    """For a model whose checkpoint stores its experts fused (gpt_oss), every expert matrix under the name its
-    linear carries inside ``unfused_experts`` (``model.layers.0.mlp.experts.3.gate_proj.weight``, the name
-    llama.cpp's converter splits it to: ``blk.0.ffn_gate_exps`` row 3); ``shapes``: the stored tensors'. {} for
-    every other model (whose checkpoint names each expert matrix itself)."""
-    layout = ROUTED_LAYOUTS.get(str(config.get("model_type"))) if expert_count(dict(config)) > 1 else None
-    if layout is None or not layout.transposed:
-        return {}
-    out: dict[str, VirtualExpert] = {}
-    for name, shape in shapes.items():
-        if len(shape) != 3 or not name.endswith((f".{layout.moe}.experts.gate_up_proj", f".{layout.moe}.experts.down_proj")):
-            continue
-        n, cols, width = shape
-        head = name.rpartition(".")[0]
-        kinds = (((layout.gate, _GATE_COLUMNS), (layout.up, _UP_COLUMNS)) if name.endswith("gate_up_proj")
-                 else ((layout.down, slice(None)),))
-        for e in range(n):
-            for m, columns in kinds:
-                out[f"{head}.{e}.{m}.weight"] = VirtualExpert(name, e, columns, (len(range(width)[columns]), cols))
-    return out
-
-
-def split_experts(tensors: Iterable[tuple[str, torch.Tensor]], virtual: Mapping[str, VirtualExpert]
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``tensors`` (``(stored name, tensor)``), each followed by the expert matrices ``virtual`` takes out of it
-    (contiguous copies, ``VirtualExpert.take``): a fused checkpoint streamed as the per-expert matrices it holds."""
-    by_fused: dict[str, list[str]] = {}
-    for name, v in virtual.items():
-        by_fused.setdefault(v.fused, []).append(name)
-    for name, tensor in tensors:
-        yield name, tensor
-        for v in by_fused.get(name, ()):
-            yield v, virtual[v].take(tensor).contiguous()
-
-
 def routed_width(config: Mapping[str, Any]) -> int:
     """The experts' intermediate width one token computes through: ``num_experts_per_tok`` experts of
     ``moe_intermediate_size`` (mixtral: ``intermediate_size``), plus qwen2_moe's shared expert; 0 for a dense
@@ -579,9 +467,7 @@ def routed_tokens(root: torch.nn.Module, reset: bool = False) -> dict[str, int]:
     return out
 
 
-__all__ = ["DEFAULT_MIN_EXPERT_TOKENS", "GPT_OSS", "ROUTED_LAYOUTS", "ExpertLayout", "ExpertLinears", "ExpertOptions", "FusedExperts",
-           "LAYOUTS", "ROUTED_METHODS", "VirtualExpert", "check_method", "expert_biases", "expert_matrices", "expert_of",
-           "expert_slices", "expert_views", "experts_record", "few_tokens", "fused_experts", "fused_modules",
-           "split_experts", "virtual_experts",
-           "fused_numel", "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers",
+__all__ = ["GATE_COLUMNS", "GPT_OSS", "UP_COLUMNS", "ROUTED_LAYOUTS", "ExpertLayout", "ExpertLinears", "FusedExperts",
+           "LAYOUTS", "ROUTED_METHODS", "check_method", "expert_biases", "expert_matrices", "expert_slices", "expert_views", "fused_experts", "fused_modules",
+           "fused_paths", "layout_for", "linear_names", "routed_tokens", "routed_width", "routers",
            "stored_aliases", "stored_path", "unfused_experts"]

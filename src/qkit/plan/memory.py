@@ -51,7 +51,8 @@ import torch
 
 from qkit.errors import InputError
 from qkit.memory import gib
-from qkit.methods.experts import fused_numel, routed_width
+from qkit.methods.expert_storage import fused_numel
+from qkit.methods.experts import routed_width
 from qkit.methods.memory import BASELINE, QUANTIZE_COPIES, RETENTION, Dims, block_of
 
 CANDIDATE_COPIES = QUANTIZE_COPIES  # candidate_cost's peak over the target's float32 size

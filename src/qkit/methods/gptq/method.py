@@ -23,30 +23,22 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from qkit.bounds import show_number
-from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_reader, tensor_shapes
+from qkit.checkpoint import iter_tensors, tensor_dtypes, tensor_shapes
 from qkit.dtypes import check_finite
 from qkit.errors import InputError
 from qkit.llama_names import expert_index
 from qkit.methods import CalibratedOptions, MethodResult
 from qkit.methods.calibration import calibration_ids
-from qkit.methods.experts import (
-    ExpertOptions,
-    VirtualExpert,
-    check_method,
-    expert_of,
-    experts_record as _experts_record,
-    few_tokens as _few_tokens,
-    routed_tokens,
-    split_experts,
-    unfused_experts,
-    virtual_experts,
-)
+from qkit.methods.expert_options import ExpertOptions, expert_of
+from qkit.methods.expert_options import experts_record as _experts_record
+from qkit.methods.expert_options import few_tokens as _few_tokens
+from qkit.methods.expert_storage import expert_reader, split_experts, virtual_experts
+from qkit.methods.experts import check_method, routed_tokens, unfused_experts
 from qkit.methods.gptq.errors import output_error, output_errors, rtn_dequantized, rtn_parts
 from qkit.methods.gptq.solver import (
     DEFAULT_BLOCK_SIZE,
@@ -473,7 +465,7 @@ class GPTQMethod:
                                           options.calibration_options(config))
         loaded = load(ref=ref, device="cpu", dtype=options.load_dtype)
         batch = options.batch_size or ids.shape[0]
-        read = None if options.load_dtype == torch.float32 else _reader(ref.directory, targets, virtual)
+        read = None if options.load_dtype == torch.float32 else expert_reader(ref.directory, targets, virtual)
         dtypes = tensor_dtypes(ref.directory, floating_only=True)
         dtypes.update({n: dtypes.get(v.fused) for n, v in virtual.items()})
         run = GPTQRun(targets, options, dtypes, batch >= ids.shape[0], weights, dict(tensor_amax or {}), read=read)
@@ -495,13 +487,6 @@ class GPTQMethod:
         if weights:
             record["imatrix_tensors"] = len(weights)
         return MethodResult(quantized=run.quantized, replaced={}, record=record, checked=run.checked)
-
-
-def _reader(directory: Path, targets: Mapping[str, Scheme], virtual: Mapping[str, VirtualExpert]) -> Callable[[str], torch.Tensor]:
-    """``read(name)``: a target's source weights in their stored dtype; an expert matrix its checkpoint stores
-    fused (``virtual``) taken out of the fused tensor it lives in."""
-    read = tensor_reader(directory, {v.fused for v in virtual.values()} | {n for n in targets if n not in virtual})
-    return lambda name: virtual[name].take(read(virtual[name].fused)) if name in virtual else read(name)
 
 
 METHOD = GPTQMethod()

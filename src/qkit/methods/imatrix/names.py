@@ -37,7 +37,8 @@ import torch
 
 from qkit.errors import InputError
 from qkit.llama_names import ARCHITECTURES, NAMED_MOE, expert_index, tensor_names
-from qkit.methods.experts import layout_for, virtual_experts
+from qkit.methods.expert_storage import virtual_experts
+from qkit.methods.experts import layout_for
 from qkit.methods.imatrix.file import Imatrix
 from qkit.schemes.ggml import GGMLScheme, importance_problem, uses_importance
 from qkit.schemes.recipes import expert_count, tensor_category
