@@ -88,6 +88,7 @@ def test_quantize_dtype_reaches_the_method_and_the_manifest(tiny_model_dir, tmp_
     r = invoke("quantize", str(tiny_model_dir), "-s", "q8_0", "--format", "gguf", "--method", "imatrix", "--dtype", "BF16",
                "--calibration-samples", "2", "--calibration-seqlen", "32", "-o", str(out))
     assert r.code == 0, r.text
+    assert "(2 x 32 tokens, sha256" in r.text  # imatrix's chunks shown as gptq's windows are (was "None x None")
     import json
 
     import gguf

@@ -282,7 +282,9 @@ def _method_rows(result) -> list[list[str]]:
     cal = rec.get("calibration") or {}
     rows = [["method", result.method]]
     if cal:
-        rows.append(["calibration", f"{cal.get('name')} ({cal.get('samples')} x {cal.get('seqlen')} tokens, "
+        # gptq/awq sample windows (samples x seqlen); imatrix takes consecutive chunks, as llama-imatrix does
+        windows, width = cal.get("samples", cal.get("chunks")), cal.get("seqlen", cal.get("chunk_size"))
+        rows.append(["calibration", f"{cal.get('name')} ({windows} x {width} tokens, "
                                     f"sha256 {str(cal.get('sha256'))[:12]}...)"])
     layers = [v for v in (rec.get("layers") or {}).values() if "rtn_error" in v and f"{result.method}_error" in v]
     if layers:
