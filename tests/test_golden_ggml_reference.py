@@ -39,7 +39,8 @@ GOLDEN_PATH = Path(__file__).parent / "golden" / "ggml_reference.json"
 RECORD_COMMAND = "QKIT_RECORD_GGML_REFERENCE=1 python -m pytest tests/test_golden_ggml_reference.py"
 SCHEME = {T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q2_K: "q2_k",
           T.Q3_K: "q3_k", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ4_NL: "iq4_nl", T.IQ4_XS: "iq4_xs",
-          T.IQ3_XXS: "iq3_xxs", T.IQ3_S: "iq3_s", T.IQ2_XXS: "iq2_xxs", T.IQ2_XS: "iq2_xs", T.IQ2_S: "iq2_s"}
+          T.IQ3_XXS: "iq3_xxs", T.IQ3_S: "iq3_s", T.IQ2_XXS: "iq2_xxs", T.IQ2_XS: "iq2_xs", T.IQ2_S: "iq2_s",
+          T.IQ1_S: "iq1_s", T.IQ1_M: "iq1_m"}
 TORCHLESS = ("iquants3/", "iquants2/")  # encoded by a numba kernel only: no second path to run
 
 
@@ -89,9 +90,10 @@ def cases():
                 out.append((f"iquants3/{name}/{kind}/{imat}", t,
                             lambda kind=kind, imat=imat: (iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)),
                                                           iq.imatrix(imat, 1024, seed=3))))
-    for name, t in (("iq2_xxs", T.IQ2_XXS), ("iq2_xs", T.IQ2_XS), ("iq2_s", T.IQ2_S)):  # test_iquants2's inputs
+    for name, t in (("iq2_xxs", T.IQ2_XXS), ("iq2_xs", T.IQ2_XS), ("iq2_s", T.IQ2_S), ("iq1_s", T.IQ1_S),
+                    ("iq1_m", T.IQ1_M)):  # test_iquants2's inputs
         for kind in iq.KINDS:
-            for imat in iq.IMATRICES if t == T.IQ2_S else iq.IMATRICES[1:]:  # xxs, xs: llama.cpp asserts a matrix
+            for imat in iq.IMATRICES if t in (T.IQ2_S, T.IQ1_M) else iq.IMATRICES[1:]:  # the others assert a matrix
                 out.append((f"iquants2/{name}/{kind}/{imat}", t,
                             lambda kind=kind, imat=imat: (iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)),
                                                           iq.imatrix(imat, 1024, seed=3))))

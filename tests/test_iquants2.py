@@ -1,9 +1,9 @@
-"""llama.cpp's iq2_xxs, iq2_xs and iq2_s, with an importance matrix (and iq2_s without one).
+"""llama.cpp's iq2_xxs, iq2_xs, iq2_s, iq1_s and iq1_m, with an importance matrix (iq2_s and iq1_m without one too).
 
 Oracles: the built llama.cpp reference library (``ggml_quantize_chunk``; skipped where ``python
 benchmarks/build_llama_ref.py`` has not built it; ``tests/test_golden_ggml_reference.py`` holds its bytes'
 digests for the same seeded inputs, so CI checks them without it), ``gguf.quants.dequantize`` for the
-decoders, and llama.cpp's own ``kgrid_2bit_256`` / ``_512`` / ``_1024`` read out of the pinned source where
+decoders, and llama.cpp's own ``kgrid_2bit_256`` / ``_512`` / ``_1024`` / ``kgrid_1bit_2048`` read out of the pinned source where
 it is in the qkit cache (the grids qkit takes from the gguf package must be those).
 """
 
@@ -21,10 +21,20 @@ from conftest import benchmark_module
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.methods import get_method
 from qkit.schemes import get_scheme, quantize_tensor
-from qkit.schemes.iquants2 import grid_tables
+from qkit.schemes import iquants1, iquants2
 
 T = gguf.GGMLQuantizationType
-TYPES = {"iq2_xxs": T.IQ2_XXS, "iq2_xs": T.IQ2_XS, "iq2_s": T.IQ2_S}
+TYPES = {"iq2_xxs": T.IQ2_XXS, "iq2_xs": T.IQ2_XS, "iq2_s": T.IQ2_S, "iq1_s": T.IQ1_S, "iq1_m": T.IQ1_M}
+UNWEIGHTED = ("iq2_s", "iq1_m")  # the others' C asserts an importance matrix
+# per type: its grid's name in ggml-quants.c, nwant, bits per weight, the bound on the relative RMS error of
+# normal weights (a code, not noise)
+FACTS = {"iq2_xxs": ("kgrid_2bit_256", 2, 2.0625, 0.55), "iq2_xs": ("kgrid_2bit_512", 2, 2.3125, 0.45),
+         "iq2_s": ("kgrid_2bit_1024", 1, 2.5625, 0.4), "iq1_s": ("kgrid_1bit_2048", 3, 1.5625, 0.7),
+         "iq1_m": ("kgrid_1bit_2048", 3, 1.75, 0.7)}
+
+
+def grid_tables(name: str):
+    return iquants1.grid_tables() if name.startswith("iq1") else iquants2.grid_tables(TYPES[name])
 SOURCE = benchmark_module("build_llama_ref").ref_dir() / "src" / "ggml" / "src" / "ggml-quants.c"
 
 
@@ -39,7 +49,7 @@ def test_bytes_equal_the_built_llama_cpp(name):
     if ref is None:
         pytest.skip("llama.cpp reference not built: python benchmarks/build_llama_ref.py")
     for kind in iq.KINDS:
-        for imat in iq.IMATRICES if name == "iq2_s" else iq.IMATRICES[1:]:  # xxs, xs: the C asserts a matrix
+        for imat in iq.IMATRICES if name in UNWEIGHTED else iq.IMATRICES[1:]:
             x, qw = iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)), iq.imatrix(imat, 1024, seed=3)
             assert np.array_equal(encode(name, x, qw), ref.quantize(x, TYPES[name], qw)), (kind, imat)
 
@@ -53,19 +63,19 @@ def test_decoder_equals_gguf_dequantize(name):
                                       x.shape, torch.float32).numpy()
         assert np.array_equal(got, gguf.quants.dequantize(b, TYPES[name]))
     rel = np.sqrt(((got - x) ** 2).mean() / (x**2).mean())  # normal weights: a 2-bit code, not noise
-    assert rel < {"iq2_xxs": 0.55, "iq2_xs": 0.45, "iq2_s": 0.4}[name], rel
+    assert rel < FACTS[name][3], rel
 
 
 @pytest.mark.parametrize("name", TYPES)
 def test_grid_is_llama_cpps_kgrid(name):
-    """The grid read from the gguf package, as ``l`` codes, is ``kgrid_2bit_*`` of the pinned source, and
-    the neighbour lists are ``iq2xs_init_impl``'s: every reachable code off the grid lists the points at the
-    ``nwant`` (2, 2, 1) smallest distances, sorted by distance then index."""
+    """The grid read from the gguf package, as ``l`` codes, is ``kgrid_2bit_*`` / ``kgrid_1bit_2048`` of the
+    pinned source, and the neighbour lists are ``iq2xs_init_impl``'s: every reachable code off the grid lists
+    the points at the ``nwant`` (2, 2, 1, 3, 3) smallest distances, sorted by distance then index."""
     if not SOURCE.is_file():
         pytest.skip(f"llama.cpp's source is not in the qkit cache ({SOURCE})")
-    grid, kmap, neighbours, _ = grid_tables(TYPES[name])
-    size = len(grid)
-    body = re.search(rf"kgrid_2bit_{size}\[{size}\] = \{{(.*?)\}};", SOURCE.read_text(), re.S).group(1)
+    grid, kmap, neighbours, _ = grid_tables(name)
+    size, (table, nwant, _, _) = len(grid), FACTS[name]
+    body = re.search(rf"{table}\[\w+\] = \{{(.*?)\}};", SOURCE.read_text(), re.S).group(1)
     kgrid = np.array([int(v) for v in body.replace("\n", " ").split(",") if v.strip()])
     l = (grid.astype(np.int64) - 1) // 2  # noqa: E741
     assert np.array_equal((l << (2 * np.arange(8))).sum(axis=1), kgrid)
@@ -73,13 +83,12 @@ def test_grid_is_llama_cpps_kgrid(name):
     code = int(np.flatnonzero(kmap < -1)[7])  # one code off the grid, checked by brute force
     pos = 2 * ((code >> (2 * np.arange(8))) & 3) + 1
     d2 = ((grid.astype(np.int64) - pos) ** 2).sum(axis=1)
-    nwant = {"iq2_xxs": 2, "iq2_xs": 2, "iq2_s": 1}[name]
     want = [g for dist in np.unique(d2)[:nwant] for g in np.flatnonzero(d2 == dist)]
     at = -kmap[code] - 1
     assert list(neighbours[at + 1:at + 1 + neighbours[at]]) == want
 
 
-@pytest.mark.parametrize("name", ["iq2_xxs", "iq2_xs"])
+@pytest.mark.parametrize("name", [n for n in TYPES if n not in UNWEIGHTED])
 def test_refused_without_an_importance_matrix(name):
     with pytest.raises(SchemeError, match="needs an importance matrix") as exc:
         quantize_tensor(torch.from_numpy(iq.matrix("normal", 2, 256, seed=0)), get_scheme(name), name="w")
@@ -109,7 +118,7 @@ def test_registered_sizes_fallback_refusals_and_no_gptq(name):
     s = get_scheme(name)
     size = gguf.GGML_QUANT_SIZES[TYPES[name]][1]
     assert s.nbytes_for((3, 512)) == 3 * 2 * size
-    assert s.bits_per_weight == {"iq2_xxs": 2.0625, "iq2_xs": 2.3125, "iq2_s": 2.5625}[name]
+    assert s.bits_per_weight == FACTS[name][2]
     assert s.resolve((4, 96)).name == "iq4_nl"  # tensor_type_fallback
     bad = torch.from_numpy(iq.matrix("normal", 2, 256, seed=0))
     bad[1, 9] = float("inf")

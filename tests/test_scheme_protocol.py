@@ -98,9 +98,9 @@ def test_ggml_codable_blocks_round_trip(name):
 def test_capabilities_are_the_expected_ones():
     codable = [n for n in scheme_names() if isinstance(get_scheme(n), GGMLCodable)]
     assert codable == ["mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k",
-                       "iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "tq1_0", "tq2_0"]
+                       "iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"]
     recipes = [n for n in scheme_names() if isinstance(get_scheme(n), Recipe)]
-    assert recipes == ["iq2_xxs-llama", "iq2_xs-llama", "iq2_s-llama", "iq2_m", "q2_k-llama", "iq3_xxs-llama", "iq3_xs",
+    assert recipes == ["iq1_s-llama", "iq1_m-llama", "iq2_xxs-llama", "iq2_xs-llama", "iq2_s-llama", "iq2_m", "q2_k-llama", "iq3_xxs-llama", "iq3_xs",
                        "iq3_s-llama", "iq3_m", "q3_k_s", "q3_k_m", "q3_k_l", "iq4_nl-llama", "iq4_xs-llama", "q4_k_s",
                        "q4_k_m", "q5_k_s", "q5_k_m", "tq1_0-llama", "tq2_0-llama", "mxfp4_moe"]
     assert all(isinstance(t, GGMLCodable) for r in recipes for t in get_scheme(r).types)
