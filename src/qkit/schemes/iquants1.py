@@ -31,6 +31,10 @@ map and neighbour lists computed as ``iq2xs_init_impl`` does (:func:`qkit.scheme
 IQ1_M has a path without one (``w = x**2``), which qkit follows. llama-quantize requires a matrix for both.
 The search runs in a numba kernel, the C statement for statement; a width that is not whole super-blocks
 falls back to ``iq4_nl``. NaN / inf weights are refused (``NonFiniteWeightError``).
+
+Speed (one 1536 x 1536 random matrix with an importance vector, one thread, median of 3, ``python
+benchmarks/bench_grid.py``, a shared 2-core Intel Xeon with AVX-512): iq1_s 0.46 s, iq1_m 0.47 s;
+llama.cpp's ``ggml_quantize_chunk`` 0.34 s, 0.32 s (docs/gguf.md, "IQ2 and IQ1").
 """
 
 from __future__ import annotations
