@@ -62,6 +62,8 @@ FILES = {
     "iq2_xs+imatrix": ("IQ2_XS", "IQ2_XS", False, True),
     "iq2_s+imatrix": ("IQ2_S", "IQ2_S", False, True),  # IQ2_XS, IQ3_S for attn_v/attn_output/first ffn_down
     "iq2_m+imatrix": ("IQ2_M", "IQ2_M", False, True),  # IQ2_S, the same
+    "iq1_s+imatrix": ("IQ1_S", "IQ1_S", False, True),  # IQ1_S, IQ2_XXS for attn_output
+    "iq1_m+imatrix": ("IQ1_M", "IQ1_M", False, True),
 }
 # the same, for the mixture-of-experts architectures only: MXFP4_MOE writes their expert tensors in MXFP4
 # (a dense model's file is Q8_0 throughout, which the q8_0 file already checks)
@@ -72,8 +74,8 @@ ONCE = {"tq1_0": "qwen3_moe", "mxfp4_moe": "gpt_oss", "iq3_xs+imatrix": "mixtral
 # (Q5_K output, Q2_K / IQ3_S token_embd, 12.6M weights each) are 10-20 s a file, while their IQ2 / IQ3 tensors,
 # the bytes these files add, are a second; every whole file with QKIT_REQUANTIZE_ALL_FILES=1
 GRID_ONLY = {k: ("llama", "qwen3_moe") for k in ("iq3_xxs+imatrix", "iq2_xxs+imatrix", "iq2_xs+imatrix", "iq2_s+imatrix",
-                                                  "iq2_m+imatrix")}
-GRID_TYPES = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
+                                                  "iq2_m+imatrix", "iq1_s+imatrix", "iq1_m+imatrix")}
+GRID_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 # the ftypes whose rules read whether a matrix is given (has_imatrix): their dry runs are recorded both ways
 READS_IMATRIX = ("IQ3_XXS", "IQ4_NL", "IQ4_XS", "Q4_0", "Q5_0")
 DRY_RUNS = [(f, False) for f in FTYPES if f not in ("Q3_K", "Q4_K", "Q5_K", "F32")] + [(f, True) for f in READS_IMATRIX]
