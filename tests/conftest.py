@@ -275,3 +275,14 @@ def near_max_importance(seed: int = 21):
         top = x[:, b * 32 : b * 32 + 32].max(axis=1, keepdims=True)
         x[:, idx] = top - rng.random((rows, len(idx))) * 10.0 ** rng.integers(-8, 0, (rows, 1))
     return x, qw
+
+
+def importance_for(scheme, cols: int) -> dict:
+    """``quant_weights=`` ones for a scheme llama.cpp encodes only with an importance matrix (iq2_xxs, iq2_xs:
+    ``needs_importance``; a recipe with such a type, iq2_xxs-llama), else nothing: what the registry-wide tests
+    pass to ``encode`` / ``quantize_tensor``."""
+    from qkit.schemes import Recipe
+    from qkit.schemes.ggml import needs_importance
+
+    types = scheme.types if isinstance(scheme, Recipe) else (scheme,)
+    return {"quant_weights": torch.ones(cols)} if any(needs_importance(t) for t in types) else {}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import importance_for, make_tiny_llama
 
 GOLDEN = Path(__file__).parent / "golden" / "byte_identity.json"
 RECORD = os.environ.get("QKIT_RECORD_DIGESTS") == "1"
@@ -97,7 +97,7 @@ def test_scheme_bytes(name):
     # a recipe (q4_k_m) binds to a model's config and resolves the type by name: layer 0's down_proj of a
     # 30-layer model (Q6_K in the recipe); any other scheme is returned unchanged
     scheme = get_scheme(name).bind({"num_hidden_layers": 30, "tie_word_embeddings": True})
-    qt = quantize_tensor(_matrix(), scheme, name="model.layers.0.mlp.down_proj.weight")
+    qt = quantize_tensor(_matrix(), scheme, name="model.layers.0.mlp.down_proj.weight", **importance_for(scheme, 512))
     parts = qt.tensors("w")
     _check("schemes", name, _digest_parts(parts))
 

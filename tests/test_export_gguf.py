@@ -19,6 +19,8 @@ import pytest
 import torch
 
 import qkit.schemes
+from conftest import importance_for
+
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.errors import ExportError, OutputExistsError, QkitError
 from qkit.export import gguf as gg
@@ -139,8 +141,8 @@ def test_permuting_block_rows_equals_quantizing_the_permuted_matrix(scheme):
     for rows, cols, heads in ((64, 256, 4), (192, 512, 3)):
         w = torch.randn(rows, cols) * torch.rand(rows, 1)
         perm = gg.row_permutation(rows, heads)
-        a = quantize_tensor(w[perm], s).qweight
-        b = quantize_tensor(w, s).qweight[perm]
+        a = quantize_tensor(w[perm], s, **importance_for(s, cols)).qweight
+        b = quantize_tensor(w, s, **importance_for(s, cols)).qweight[perm]
         assert a.dtype == torch.uint8 and torch.equal(a, b), scheme
 
 

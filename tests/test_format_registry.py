@@ -24,6 +24,8 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
+from conftest import importance_for
+
 from qkit.api import QuantizeOptions, quantize_model
 from qkit.checkpoint import iter_quantized, read_manifest, tensor_shapes
 from qkit.cli import app
@@ -66,7 +68,7 @@ def test_qkit_decodes_what_it_encodes_given_the_shape(name):
     QuantizedTensor, part for part, bit for bit, given the weight's shape; without it, one line."""
     qkit = get_format("qkit")
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3))
-    qt = quantize_tensor(w, get_scheme(name))
+    qt = quantize_tensor(w, get_scheme(name), **importance_for(get_scheme(name), 512))
     module = "model.layers.0.mlp.down_proj"
     stored = {k.removeprefix(f"{module}."): v for k, v in qkit.encode(f"{module}.weight", qt).items()}
     assert set(stored) == {f"weight.{part}" for part in qt.parts}

@@ -1,6 +1,7 @@
 """The inputs the reference tests give llama.cpp's C quantizer, with its answers recorded as digests.
 
-``test_kquants_weighted``, ``test_kquants_low``, ``test_iquants``, ``test_iquants3``, ``test_schemes_kquants`` and
+``test_kquants_weighted``, ``test_kquants_low``, ``test_iquants``, ``test_iquants3``, ``test_iquants2``,
+``test_schemes_kquants`` and
 ``test_ggml_weighted`` compare qkit with the built ``ggml_quantize_chunk`` (``benchmarks/build_llama_ref.py``)
 on seeded matrices and importance vectors, and skip where it is not built. ``tests/golden/ggml_reference.json``
 holds, for those same seeded inputs (drawn here by the same generators), the sha256 of llama.cpp's bytes,
@@ -38,8 +39,9 @@ GOLDEN_PATH = Path(__file__).parent / "golden" / "ggml_reference.json"
 RECORD_COMMAND = "QKIT_RECORD_GGML_REFERENCE=1 python -m pytest tests/test_golden_ggml_reference.py"
 SCHEME = {T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.Q5_0: "q5_0", T.Q5_1: "q5_1", T.Q2_K: "q2_k",
           T.Q3_K: "q3_k", T.Q4_K: "q4_k", T.Q5_K: "q5_k", T.Q6_K: "q6_k", T.IQ4_NL: "iq4_nl", T.IQ4_XS: "iq4_xs",
-          T.IQ3_XXS: "iq3_xxs", T.IQ3_S: "iq3_s"}
-TORCHLESS = ("iquants3/",)  # encoded by a numba kernel only: no second path to run
+          T.IQ3_XXS: "iq3_xxs", T.IQ3_S: "iq3_s", T.IQ2_XXS: "iq2_xxs", T.IQ2_XS: "iq2_xs", T.IQ2_S: "iq2_s",
+          T.IQ1_S: "iq1_s", T.IQ1_M: "iq1_m"}
+TORCHLESS = ("iquants3/", "iquants2/")  # encoded by a numba kernel only: no second path to run
 
 
 def _random_matrix(kind: int) -> np.ndarray:
@@ -88,6 +90,13 @@ def cases():
                 out.append((f"iquants3/{name}/{kind}/{imat}", t,
                             lambda kind=kind, imat=imat: (iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)),
                                                           iq.imatrix(imat, 1024, seed=3))))
+    for name, t in (("iq2_xxs", T.IQ2_XXS), ("iq2_xs", T.IQ2_XS), ("iq2_s", T.IQ2_S), ("iq1_s", T.IQ1_S),
+                    ("iq1_m", T.IQ1_M)):  # test_iquants2's inputs
+        for kind in iq.KINDS:
+            for imat in iq.IMATRICES if t in (T.IQ2_S, T.IQ1_M) else iq.IMATRICES[1:]:  # the others assert a matrix
+                out.append((f"iquants2/{name}/{kind}/{imat}", t,
+                            lambda kind=kind, imat=imat: (iq.matrix(kind, 12, 1024, seed=iq.KINDS.index(kind)),
+                                                          iq.imatrix(imat, 1024, seed=3))))
     return out
 
 
@@ -118,7 +127,8 @@ def record() -> dict:
         entries.append({"name": case_id, "type": t.name, "shape": list(x.shape), "input_sha256": _sha(x, qw),
                         "expected_sha256": _sha(want), "bytes": int(want.size)})
     blr.write_golden(GOLDEN_PATH, entries, "sha256 of llama.cpp's ggml_quantize_chunk output for the seeded inputs of "
-                     "the reference tests (test_kquants_weighted, test_kquants_low, test_iquants, test_schemes_kquants, "
+                     "the reference tests (test_kquants_weighted, test_kquants_low, test_iquants, test_iquants3, test_iquants2, "
+                     "test_schemes_kquants, "
                      "test_ggml_weighted)", command=RECORD_COMMAND)
     return json.loads(GOLDEN_PATH.read_text())
 
@@ -134,7 +144,7 @@ def test_golden_file_says_where_it_came_from_and_covers_the_cases():
     assert {c["type"] for c in GOLDEN["cases"]} == {t.name for t in SCHEME}
 
 
-@pytest.mark.parametrize(("group", "compiled"), [  # iq3_xxs / iq3_s have the numba kernel only: no torch case
+@pytest.mark.parametrize(("group", "compiled"), [  # the iq3 / iq2 types have the numba kernel only: no torch case
     pytest.param(g, c, id=f"{g}-{'kernel' if c else 'torch'}") for g in sorted({_group(c[0]) for c in CASES})
     for c in (True, False) if c or not g.startswith(TORCHLESS)])
 def test_bytes_equal_llama_cpps_recorded_digest(group, compiled):

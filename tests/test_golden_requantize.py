@@ -26,6 +26,7 @@ Recorded with llama.cpp's tools built (``python benchmarks/build_llama_ref.py --
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -38,10 +39,10 @@ from qkit.assets import sha256_file
 from helpers_requantize import SPM_ARCHS, f32_model, file_digest, seeded_imatrix
 
 from qkit.export.gguf.reader import read_header
-from qkit.export.gguf.requantize import FTYPES, quantize_gguf
+from qkit.export.gguf.requantize import FTYPES, tensor_floats, encode, plan, quantize_gguf
 from qkit.methods.imatrix import read, write_gguf
 from qkit.schemes import get_scheme
-from qkit.schemes.llama_rules import ModelFacts, Params, llama_order, tensor_types
+from qkit.schemes.llama_rules import ModelFacts, Params, category, llama_order, tensor_types
 from qkit.schemes.recipes import llama_quantize_types
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "requantize.json"
@@ -59,12 +60,25 @@ FILES = {
     "q2_k+imatrix": ("Q2_K", "Q2_K", False, True),
     "tq1_0": ("TQ1_0", "TQ1_0", False, False),
     "iq3_xs+imatrix": ("IQ3_XS", "IQ3_XS", False, True),  # IQ3_S, with IQ3_XXS for attn_q/k and middle ffn_gate/up
+    "iq3_xxs+imatrix": ("IQ3_XXS", "IQ3_XXS", False, True),  # IQ3_XXS, IQ2_S for attn_q/k, IQ3_S attn_output
+    "iq2_xxs+imatrix": ("IQ2_XXS", "IQ2_XXS", False, True),
+    "iq2_xs+imatrix": ("IQ2_XS", "IQ2_XS", False, True),
+    "iq2_s+imatrix": ("IQ2_S", "IQ2_S", False, True),  # IQ2_XS, IQ3_S for attn_v/attn_output/first ffn_down
+    "iq2_m+imatrix": ("IQ2_M", "IQ2_M", False, True),  # IQ2_S, the same
+    "iq1_s+imatrix": ("IQ1_S", "IQ1_S", False, True),  # IQ1_S, IQ2_XXS for attn_output
+    "iq1_m+imatrix": ("IQ1_M", "IQ1_M", False, True),
 }
 # the same, for the mixture-of-experts architectures only: MXFP4_MOE writes their expert tensors in MXFP4
 # (a dense model's file is Q8_0 throughout, which the q8_0 file already checks)
 MOE_FILES = {"mxfp4_moe": ("MXFP4_MOE", "MXFP4_MOE", False, False)}
 # files that CI checks on one architecture only (each file checked costs seconds): key -> that architecture
 ONCE = {"tq1_0": "qwen3_moe", "mxfp4_moe": "gpt_oss", "iq3_xs+imatrix": "mixtral"}
+# files whose grid-type tensors CI checks on these architectures only, and not their whole file: their heads
+# (Q5_K output, Q2_K / IQ3_S token_embd, 12.6M weights each) are 10-20 s a file, while their IQ2 / IQ3 tensors,
+# the bytes these files add, are a second; every whole file with QKIT_REQUANTIZE_ALL_FILES=1
+GRID_ONLY = {k: ("llama", "qwen3_moe") for k in ("iq3_xxs+imatrix", "iq2_xxs+imatrix", "iq2_xs+imatrix", "iq2_s+imatrix",
+                                                  "iq2_m+imatrix", "iq1_s+imatrix", "iq1_m+imatrix")}
+GRID_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 # the ftypes whose rules read whether a matrix is given (has_imatrix): their dry runs are recorded both ways
 READS_IMATRIX = ("IQ3_XXS", "IQ4_NL", "IQ4_XS", "Q4_0", "Q5_0")
 DRY_RUNS = [(f, False) for f in FTYPES if f not in ("Q3_K", "Q4_K", "Q5_K", "F32")] + [(f, True) for f in READS_IMATRIX]
@@ -218,16 +232,17 @@ def files_of(arch: str) -> list[str]:
     q4_k_m+imatrix, q2_k+imatrix), so each file is checked on six architectures, and every MoE model
     with its per-expert matrix (qwen3_moe: q4_k_m and q2_k; mixtral and gpt_oss: iq4_xs); the ``ONCE`` files
     on their one architecture (tq1_0 on qwen3_moe, mxfp4_moe on gpt_oss, the model MXFP4_MOE was made for,
-    iq3_xs+imatrix on mixtral)."""
+    iq3_xs+imatrix on mixtral); the ``GRID_ONLY`` files' grid tensors in ``test_grid_tensors_equal_llama_quantize``."""
     keys = list(recorded(arch))
     if os.environ.get("QKIT_REQUANTIZE_ALL_FILES") == "1":
         return keys
-    halved = [k for k in keys if k not in ONCE]
+    halved = [k for k in keys if k not in ONCE and k not in GRID_ONLY]
     return halved[CONVERTED.index(arch) % 2::2] + [k for k in keys if ONCE.get(k) == arch]
 
 
 def test_the_halves_cover_every_file_and_every_moe_imatrix():
-    assert {k for a in CONVERTED for k in files_of(a)} == set(FILES) | set(MOE_FILES)
+    assert {k for a in CONVERTED for k in files_of(a)} | set(GRID_ONLY) == set(FILES) | set(MOE_FILES)
+    assert all(set(a) <= set(CONVERTED) and set(a) & set(MOE_ARCHS) for a in GRID_ONLY.values())
     for arch in MOE_ARCHS:
         assert any(FILES[k][3] for k in files_of(arch) if k in FILES), arch
     assert all(k in recorded(a) for k, a in ONCE.items())
@@ -253,6 +268,32 @@ def test_every_file_equals_llama_quantize(golden, f32, tmp_path, arch):
         assert got["header"] == exp["header"], f"{arch} {key}: the header (metadata, tensor infos) differs"
         assert got["file"] == exp["file"]
         r.path.unlink()
+
+
+@pytest.mark.parametrize("arch", sorted({a for archs in GRID_ONLY.values() for a in archs}))
+def test_grid_tensors_equal_llama_quantize(golden, f32, tmp_path, arch):
+    """The ``GRID_ONLY`` files on ``arch``: every tensor's type (``plan``, the rules) and the bytes of every block
+    tensor of a grid i-quant (``encode`` with the matrix's rows, as ``quantize_gguf`` writes them) equal
+    llama-quantize's (token_embd, IQ3_S in some of them, is 12.6M weights: left to the whole files)."""
+    if RECORD:
+        pytest.skip("recording")
+    want = golden["archs"][arch]
+    source = f32(arch)
+    assert sha256_file(source) == want["f32_sha256"], "the converter's F32 GGUF differs from the recorded one (not qkit's bytes)"
+    work = _work(source, tmp_path)
+    header = read_header(source)
+    checked = set()
+    for key in (k for k, archs in GRID_ONLY.items() if arch in archs):
+        exp = want["files"][key]["tensors"]
+        planned, _ = plan(header, FTYPES[FILES[key][1]], False, read(work / "imatrix.gguf"), None, None, str(source))
+        types = {p.info.name: (p.ggml_type.name, exp[p.info.name][0]) for p in planned if p.ggml_type.name != exp[p.info.name][0]}
+        assert not types, f"{arch} {key}: qkit/llama-quantize types differ: {types}"
+        grid = [p for p in planned if p.ggml_type.name in GRID_TYPES and category(p.info.name) not in ("token_embd", "output")]
+        differ = [p.info.name for p in grid
+                  if hashlib.sha256(encode(tensor_floats(source, header, p.info), p).tobytes()).hexdigest() != exp[p.info.name][1]]
+        assert grid and not differ, f"{arch} {key}: bytes differ from llama-quantize's in {differ}"
+        checked |= {p.ggml_type.name for p in grid}
+    assert checked == set(GRID_TYPES)
 
 
 @pytest.mark.slow

@@ -47,9 +47,11 @@ T = gguf.GGMLQuantizationType
 PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
         "mlp.down_proj")
 SHORT = {p: p.split(".")[1] for p in PROJ}  # q_proj, ..., down_proj
-FTYPE_OF = {"q2_k-llama": "Q2_K", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q3_k_l": "Q3_K_L", "iq4_nl-llama": "IQ4_NL",
-            "iq4_xs-llama": "IQ4_XS", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S", "q5_k_m": "Q5_K_M",
-            "tq1_0-llama": "TQ1_0", "tq2_0-llama": "TQ2_0", "mxfp4_moe": "MXFP4_MOE"}
+FTYPE_OF = {"iq1_s-llama": "IQ1_S", "iq1_m-llama": "IQ1_M", "iq2_xxs-llama": "IQ2_XXS", "iq2_xs-llama": "IQ2_XS",
+            "iq2_s-llama": "IQ2_S", "iq2_m": "IQ2_M", "q2_k-llama": "Q2_K", "iq3_xxs-llama": "IQ3_XXS", "iq3_xs": "IQ3_XS",
+            "iq3_s-llama": "IQ3_S", "iq3_m": "IQ3_M", "q3_k_s": "Q3_K_S", "q3_k_m": "Q3_K_M", "q3_k_l": "Q3_K_L",
+            "iq4_nl-llama": "IQ4_NL", "iq4_xs-llama": "IQ4_XS", "q4_k_s": "Q4_K_S", "q4_k_m": "Q4_K_M", "q5_k_s": "Q5_K_S",
+            "q5_k_m": "Q5_K_M", "tq1_0-llama": "TQ1_0", "tq2_0-llama": "TQ2_0", "mxfp4_moe": "MXFP4_MOE"}
 
 
 def model_shapes(n_layers, hidden, inter, heads, kv, head_dim, vocab, tied):
@@ -128,6 +130,17 @@ DEFAULT_COUNTS = {
     "TQ1_0": {"Q4_0": 180, "TQ1_0": 30},
     "TQ2_0": {"Q4_0": 180, "TQ2_0": 30},
     "MXFP4_MOE": {"Q8_0": 210},
+    # only down_proj (1536 wide) takes a 256-block type; attn_v Q2_K -> Q4_0, the first 3 down_proj Q2_K / IQ3_S
+    "IQ1_S": {"IQ4_NL": 150, "Q4_0": 30, "IQ1_S": 27, "Q2_K": 3},  # o_proj IQ2_XXS -> IQ4_NL
+    "IQ1_M": {"IQ4_NL": 150, "Q4_0": 30, "IQ1_M": 27, "Q2_K": 3},
+    "IQ2_XXS": {"IQ4_NL": 150, "Q4_0": 30, "IQ2_XXS": 27, "Q2_K": 3},
+    "IQ2_XS": {"IQ4_NL": 150, "Q4_0": 30, "IQ2_XS": 27, "Q2_K": 3},
+    "IQ2_S": {"IQ4_NL": 180, "IQ2_XS": 27, "IQ3_S": 3},
+    "IQ2_M": {"IQ4_NL": 180, "IQ2_S": 27, "IQ3_S": 3},
+    "IQ3_XXS": {"IQ4_NL": 180, "Q3_K": 27, "Q4_K": 3},  # without an imatrix: down_proj Q4_K for the first eighth, Q3_K
+    "IQ3_XS": {"IQ4_NL": 180, "IQ3_S": 30},
+    "IQ3_S": {"IQ4_NL": 180, "IQ3_S": 30},
+    "IQ3_M": {"IQ4_NL": 120, "Q5_0": 60, "IQ3_S": 27, "Q4_K": 3},  # attn_v and o_proj Q4_K -> Q5_0
 }
 
 
@@ -317,7 +330,9 @@ def test_llama_suffixed_ftypes_differ_from_the_uniform_type(name):
     r = get_scheme(name).bind(DEFAULT_CONFIG)
     uniform = {n: tensor_type_fallback(r.ggml_type, s[-1]) for n, s in DEFAULT_SHAPES}
     differ = [n for n, t in llama_types(r, DEFAULT_SHAPES).items() if t != uniform[n]]
-    if r.ftype.startswith("TQ"):  # only the (tied) embedding differs: Q6_K's fallback Q8_0, not TQ's Q4_0
+    # only the (tied) embedding differs: Q6_K's fallback Q8_0, not TQ's Q4_0 / IQ3_S's IQ4_NL (IQ3_S's attn_v rule
+    # needs 4+ query heads per KV head; the default model has 3)
+    if r.ftype.startswith("TQ") or r.ftype == "IQ3_S":
         assert differ == ["model.embed_tokens.weight"]
     else:
         assert "model.embed_tokens.weight" in differ and len(differ) > 1

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import importance_for
+
 from qkit.errors import SchemeError
 from qkit.schemes import (DEFAULT_SCHEMES, GGMLCodable, GGMLScheme, Recipe, Scheme, get_scheme, is_fp4, quantize_tensor,
                           scheme_names)
@@ -54,13 +56,13 @@ def test_nbytes_for_and_part_layout_are_what_encode_stores(name, shape):
             return
     used = s.resolve(shape, NAME)
     assert isinstance(used, Scheme) and not isinstance(used, Recipe)
-    parts = used.encode(w)
+    parts = used.encode(w, **importance_for(used, shape[-1]))
     layout = used.part_layout(shape)
     assert tuple(layout) == used.parts and set(parts) == set(layout)
     for part, (want_shape, want_dtype) in layout.items():
         assert (tuple(parts[part].shape), parts[part].dtype) == (tuple(want_shape), want_dtype), part
     assert used.nbytes_for(shape) == _nbytes(parts)
-    qt = quantize_tensor(w, s, name=NAME)
+    qt = quantize_tensor(w, s, name=NAME, **importance_for(used, shape[-1]))
     assert qt.scheme == used and qt.nbytes == _nbytes(parts)
     if isinstance(s, Recipe):
         assert s.nbytes_for(shape, NAME) == qt.nbytes  # type: ignore[call-arg]  # a recipe prices by name
@@ -84,7 +86,8 @@ def test_resolve_and_bind_default_to_the_scheme_itself(name):
 @pytest.mark.parametrize("name", [n for n in scheme_names() if isinstance(get_scheme(n), GGMLCodable)])
 def test_ggml_codable_blocks_round_trip(name):
     s = get_scheme(name)
-    qt = quantize_tensor(torch.randn(8, 256, generator=torch.Generator().manual_seed(3)), s, name=NAME)
+    qt = quantize_tensor(torch.randn(8, 256, generator=torch.Generator().manual_seed(3)), s, name=NAME,
+                         **importance_for(s, 256))
     blocks = s.to_ggml_blocks(qt)
     assert blocks.dtype == torch.uint8 and blocks.shape[0] == 8
     back = s.from_ggml_blocks(blocks, qt.shape, qt.dtype)
@@ -95,10 +98,11 @@ def test_ggml_codable_blocks_round_trip(name):
 def test_capabilities_are_the_expected_ones():
     codable = [n for n in scheme_names() if isinstance(get_scheme(n), GGMLCodable)]
     assert codable == ["mxfp4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k",
-                       "iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "tq1_0", "tq2_0"]
+                       "iq4_nl", "iq4_xs", "iq3_xxs", "iq3_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0"]
     recipes = [n for n in scheme_names() if isinstance(get_scheme(n), Recipe)]
-    assert recipes == ["q2_k-llama", "q3_k_s", "q3_k_m", "q3_k_l", "iq4_nl-llama", "iq4_xs-llama", "q4_k_s", "q4_k_m",
-                       "q5_k_s", "q5_k_m", "tq1_0-llama", "tq2_0-llama", "mxfp4_moe"]
+    assert recipes == ["iq1_s-llama", "iq1_m-llama", "iq2_xxs-llama", "iq2_xs-llama", "iq2_s-llama", "iq2_m", "q2_k-llama", "iq3_xxs-llama", "iq3_xs",
+                       "iq3_s-llama", "iq3_m", "q3_k_s", "q3_k_m", "q3_k_l", "iq4_nl-llama", "iq4_xs-llama", "q4_k_s",
+                       "q4_k_m", "q5_k_s", "q5_k_m", "tq1_0-llama", "tq2_0-llama", "mxfp4_moe"]
     assert all(isinstance(t, GGMLCodable) for r in recipes for t in get_scheme(r).types)
 
 

@@ -19,6 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import importance_for
+
 from qkit.errors import NonFiniteWeightError, SchemeError
 from qkit.granularity import PerGroup, PerRow, PerTensor
 from qkit.schemes import DEFAULT_SCHEMES, get_scheme, quantize_tensor, scheme_names
@@ -349,8 +351,9 @@ def test_a_weight_that_requires_grad_quantizes_like_its_detached_copy(name):
     (encoders with ``out=`` operations and the compiled kernels' numpy views both refused it before)."""
     w = torch.randn(8, 256, generator=torch.Generator().manual_seed(1), requires_grad=True)
     scheme = get_scheme(name)
-    a = quantize_tensor(w, scheme, name="model.layers.0.self_attn.q_proj.weight")
-    b = quantize_tensor(w.detach().clone(), scheme, name="model.layers.0.self_attn.q_proj.weight")
+    kw = importance_for(scheme, 256)
+    a = quantize_tensor(w, scheme, name="model.layers.0.self_attn.q_proj.weight", **kw)
+    b = quantize_tensor(w.detach().clone(), scheme, name="model.layers.0.self_attn.q_proj.weight", **kw)
     for key, part in a.parts.items():
         assert not part.requires_grad, key
         assert torch.equal(part, b.parts[key]), key

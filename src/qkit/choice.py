@@ -30,7 +30,7 @@ import torch
 from qkit.checkpoint import DEFAULT_MAX_SHARD_BYTES, tensor_dtypes, tensor_reader
 from qkit.errors import ExportError, InputError, QkitError
 from qkit.export import QKIT, activation_format, formats_that, get_format
-from qkit.head_types import Heads, unweighted
+from qkit.head_types import WHOLE_FILE, Heads, unweighted
 from qkit.methods import RTN, CalibratedOptions, Method, get_method, make_options
 from qkit.methods.calibration import check_fits
 from qkit.methods.expert_storage import virtual_experts
@@ -44,6 +44,8 @@ from qkit.models import ModelRef
 from qkit.plan import KEEP, Plan, PlanOptions, base_type, check_plan_matches, read_plan
 from qkit.plan.planfile import PLAN_METHODS
 from qkit.schemes import Recipe, Scheme, get_scheme, is_llama_type
+from qkit.schemes.ggml import needs_importance
+from qkit.schemes.recipes import tensor_category
 from qkit.schemes.base import GroupScaled
 from qkit.schemes.registry import DEFAULT_SCALE_DTYPE, DEFAULT_SCHEME
 from qkit.transform import Rules, TensorTypes, assign_schemes, fused_groups, new_manifest, shapes_fingerprint
@@ -264,6 +266,7 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
         raise InputError(f"--imatrix weights llama.cpp's block types' searches; {default.name} is not one (use q2_k ... q8_0, "
                          "iq4_nl, iq4_xs or a llama.cpp recipe such as q4_k_m)")
     weights = quant_weights_for(req.matrix, config, shapes, targets) if req.matrix is not None else {}
+    check_importance_reaches(targets, shapes, weights, isinstance(req.method, ImatrixMethod))
     if req.method is not None:
         # experts are calibrated on the tokens routed to them (gptq, imatrix); another method, refused
         check_method(config, req.method.name, req.method_options)
@@ -290,6 +293,21 @@ def compile_choice(req: Request, ref: ModelRef, shapes: Mapping[str, tuple[int, 
                      "their source dtype in this format; --format gguf quantizes them")
     return Choice(default, rules, targets, llama_names, weights, planned, manifest, notes, kept,
                   shared_amax(ref, config, targets))
+
+
+def check_importance_reaches(targets: Mapping[str, Scheme], shapes: Mapping[str, tuple[int, ...]],
+                             weights: Mapping[str, torch.Tensor], collecting: bool) -> None:
+    """Refuse, in one line, a tensor whose type llama.cpp quantizes only with an importance vector (iq2_xxs,
+    iq2_xs: ``needs_importance``) that none will reach: no ``--imatrix`` entry, and not one ``--method imatrix``
+    collects (``collecting``: every block projection; never ``token_embd`` / ``output``, as llama-imatrix)."""
+    for name, scheme in targets.items():
+        used = scheme.resolve(tuple(shapes[name]), name)
+        if not needs_importance(used) or name in weights or (collecting and tensor_category(name) not in WHOLE_FILE):
+            continue
+        how = ("give it another type (--token-embedding-type, --output-tensor-type, --keep) or --exclude it"
+               if collecting or weights else "give --imatrix FILE or --method imatrix, or choose iq2_s")
+        raise InputError(f"{name} would be {used.name}, which llama.cpp quantizes only with an importance matrix "
+                         f"(its quantizer asserts one), and no importance matrix entry reaches it; {how}")
 
 
 def shared_amax(ref: ModelRef, config: dict, targets: Mapping[str, Scheme]) -> dict[str, torch.Tensor]:

@@ -17,6 +17,8 @@ from qkit.schemes import ggml_weighted as _ggml_weighted  # noqa: F401  q4_0 ...
 from qkit.schemes import kquants_low as _kquants_low  # noqa: F401  q2_k, q3_k
 from qkit.schemes import iquants as _iquants  # noqa: F401  iq4_nl, iq4_xs
 from qkit.schemes import iquants3 as _iquants3  # noqa: F401  iq3_xxs, iq3_s
+from qkit.schemes import iquants2 as _iquants2  # noqa: F401  iq2_xxs, iq2_xs, iq2_s
+from qkit.schemes import iquants1 as _iquants1  # noqa: F401  iq1_s, iq1_m
 from qkit.schemes import tquants as _tquants  # noqa: F401  tq1_0, tq2_0
 from qkit.schemes import recipes as _recipes  # noqa: F401  q4_k_m and llama.cpp's other recipes
 from qkit.schemes import ggml_observer as _ggml_observer  # noqa: F401  the GPTQ observer of the llama.cpp types

@@ -95,6 +95,9 @@ class GGMLScheme(SchemeDefaults):
     bits: int
     description: str = field(default="", compare=False)  # one line, for --help and the docs' table
     kind = "ggml"
+    # llama.cpp's quantizer asserts an importance matrix (iq2_xxs, iq2_xs): encode refuses without one, and
+    # qkit.choice refuses such a tensor before any work where no matrix entry will reach it (needs_importance)
+    requires_importance = False
     scale_dtype = torch.float16  # fp16 d (and m / dmin) inside every block: part of the format
     fixed_scale_dtype = True  # get_scheme ignores --scale-dtype for these schemes
     parts = ("qweight", "scales")
@@ -429,6 +432,12 @@ def register_codec(ggml_type: gguf.GGMLQuantizationType, encode: Any, decode: An
 def register_weighted(ggml_type: gguf.GGMLQuantizationType, weighted: Any) -> None:
     """Add the importance-weighted row encoder of a block type whose plain codec is already registered."""
     _WEIGHTED[ggml_type] = weighted
+
+
+def needs_importance(scheme: object) -> bool:
+    """Whether ``scheme`` (as resolved for a tensor) cannot be encoded without an importance vector: llama.cpp's
+    quantizer asserts one (iq2_xxs, iq2_xs)."""
+    return isinstance(scheme, GGMLScheme) and scheme.requires_importance
 
 
 def uses_importance(ggml_type: gguf.GGMLQuantizationType) -> bool:

@@ -42,6 +42,8 @@ block whose largest magnitude is below ``1e-8``. A width that is not whole super
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
 
 import gguf
 import numpy as np
@@ -60,51 +62,66 @@ _NWANT = {T.IQ3_XXS: 2, T.IQ3_S: 3}  # iq3xs_init_impl: neighbours at the 2 / 3 
 _PACKAGE = {T.IQ3_XXS: gguf.quants.IQ3_XXS, T.IQ3_S: gguf.quants.IQ3_S}
 
 
+def lattice_tables(l: np.ndarray, bits: int, nwant: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(grid, kmap, neighbours)`` of ``iq3xs_init_impl`` / ``iq2xs_init_impl`` for the grid points ``l`` (int
+    ``[G, n]``, each coordinate's level): ``grid`` int8 ``[G, n]`` the coordinates ``2l + 1``; ``kmap`` int32
+    ``[2**(bits n)]``, for a packed code (``bits`` per coordinate, the first lowest) its grid index, or
+    ``-(offset + 1)`` of its neighbour list in ``neighbours`` (uint16: the count, then the grid indices at the
+    ``nwant`` smallest squared distances, sorted by distance then index, as the C's ``qsort``). Lists are made
+    for the codes a search can reach (every level ``<= top``: the C's clamp); any other code maps to -1,
+    which no search looks up."""
+    count, n = l.shape
+    shifts = bits * np.arange(n)
+    grid = (2 * l + 1).astype(np.int8)
+    kmap = np.full(1 << (bits * n), -1, np.int32)
+    kmap[(l.astype(np.int64) << shifts).sum(axis=1)] = np.arange(count, dtype=np.int32)
+    levels = np.stack(np.meshgrid(*[np.arange(top + 1)] * n, indexing="ij"), axis=-1).reshape(-1, n)
+    codes = (levels << shifts).sum(axis=1)
+    off, pos = codes[kmap[codes] < 0], 2 * levels[kmap[codes] < 0] + 1  # [m], [m, n]
+    counts, lists = [], []
+    for lo in range(0, len(off), 512):  # in chunks: [512, G, n] differences (16-32 MB)
+        d2 = ((grid[None, :, :].astype(np.int32) - pos[lo:lo + 512, None, :]) ** 2).sum(axis=2)  # [c, G]
+        order = np.argsort(d2 * count + np.arange(count), axis=1, kind="stable")  # qsort by (d2, index)
+        sd2 = np.take_along_axis(d2, order, axis=1)
+        rank = np.concatenate([np.zeros((len(sd2), 1), np.int64), np.cumsum(np.diff(sd2, axis=1) > 0, axis=1)], axis=1)
+        keep = rank < nwant  # a prefix of each row: row-major order keeps each list in place
+        counts.append(keep.sum(axis=1))
+        lists.append(order[keep])
+    per = np.concatenate(counts)
+    starts = np.concatenate([[0], np.cumsum(per + 1)[:-1]])
+    neighbours = np.empty(int((per + 1).sum()), np.uint16)
+    heads = np.zeros(len(neighbours), bool)
+    heads[starts] = True
+    neighbours[starts] = per
+    neighbours[~heads] = np.concatenate(lists)
+    kmap[off] = -(starts + 1)
+    return grid, kmap, neighbours
+
+
+def grid_levels(cls: type) -> tuple[np.ndarray, np.ndarray]:
+    """``(l, values)`` of a gguf-package i-quant class (``gguf.quants.IQ3_XXS``, ``IQ2_S``, ...): its decoder grid
+    fp32 ``[G, n]`` as each value's index in the class's ``grid_map`` (llama.cpp's ``kgrid_*`` levels), and the
+    grid itself."""
+    cls.init_grid()
+    values = np.ascontiguousarray(cls.grid.reshape(cls.grid_shape), dtype=np.float32)
+    levels = np.array(cls.grid_map, dtype=np.float32)
+    l = np.searchsorted(levels, values).astype(np.int64)  # noqa: E741  the decoder's value -> l
+    if not np.array_equal(levels[np.minimum(l, len(levels) - 1)], values):
+        raise SchemeError(f"the gguf package's {cls.__name__} grid holds values outside its grid_map; qkit cannot read it")
+    return l, values
+
+
 @functools.cache
 def grid_tables(t: T) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(grid, kmap, neighbours, values)`` of ``iq3xs_init_impl``: ``grid`` int8 ``[G, 4]`` the points'
-    coordinates ``2l + 1``; ``kmap`` int32 ``[4096]``, for a packed ``l`` code (3 bits per coordinate) its
-    grid index, or ``-(offset + 1)`` of its neighbour list in ``neighbours`` (uint16: the count, then the grid
-    indices at the ``nwant`` smallest squared distances, sorted by distance then index); ``values`` fp32
-    ``[G, 4]`` the decoder's grid (``gguf.quants``)."""
-    cls = _PACKAGE[t]
-    cls.init_grid()
-    values = np.ascontiguousarray(cls.grid.reshape(-1, 4), dtype=np.float32)
-    levels = np.array(cls.grid_map, dtype=np.float32)
-    l = np.searchsorted(levels, values).astype(np.int32)  # noqa: E741  the decoder's value -> l
-    if not np.array_equal(levels[l], values):
-        raise SchemeError(f"the gguf package's {t.name} grid holds values outside its grid_map; qkit cannot read it")
-    grid = (2 * l + 1).astype(np.int8)
-    code = (l << np.array([0, 3, 6, 9])).sum(axis=1)
-    kmap = np.full(4096, -1, np.int32)
-    kmap[code] = np.arange(len(code), dtype=np.int32)
-    off = np.flatnonzero(kmap < 0)
-    pos = 2 * ((off[:, None] >> np.array([0, 3, 6, 9])) & 7) + 1  # [n, 4]
-    d2 = ((grid[None, :, :].astype(np.int32) - pos[:, None, :]) ** 2).sum(axis=2)  # [n, G]
-    order = np.argsort(d2 * len(grid) + np.arange(len(grid)), axis=1, kind="stable")  # qsort by (d2, index)
-    sd2 = np.take_along_axis(d2, order, axis=1)
-    rank = np.concatenate([np.zeros((len(off), 1), np.int64), np.cumsum(np.diff(sd2, axis=1) > 0, axis=1)], axis=1)
-    keep = rank < _NWANT[t]
-    counts = keep.sum(axis=1)
-    starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]])
-    neighbours = np.empty(int((counts + 1).sum()), np.uint16)
-    neighbours[starts] = counts
-    for i in range(len(off)):  # one slice per point off the grid (3,840 / 3,584): no per-element work
-        neighbours[starts[i] + 1:starts[i] + 1 + counts[i]] = order[i, :counts[i]]
-    kmap[off] = -(starts + 1)
-    return grid, kmap, neighbours, values
+    """``(grid, kmap, neighbours, values)`` of ``iq3xs_init_impl`` (:func:`lattice_tables`, 3 bits per
+    coordinate, every code reachable) and ``values`` fp32 ``[G, 4]`` the decoder's grid (``gguf.quants``)."""
+    l, values = grid_levels(_PACKAGE[t])
+    return (*lattice_tables(l, 3, _NWANT[t], 7), values)
 
 
-def _jit():
-    try:
-        from qkit.schemes import _kernels_iq3  # local: imports numba (heavy), only when a tensor needs it
-    except ImportError as exc:
-        raise SchemeError(f"iq3_xxs and iq3_s are encoded by a numba kernel, and numba cannot be imported ({exc}); "
-                          "install numba or choose another type") from None
-    return _kernels_iq3
-
-
-def _weighted(t: T):
+def search_encoder(t: T, size: int, tables: Callable[[], tuple], kernel: Callable[[], Callable]):
+    """The importance-weighted row encoder of a grid type whose search is the numba ``kernel()(x, qw, cols,
+    grid, kmap, neighbours, lo, hi, out, bad)`` (its other arguments bound), ``size`` bytes per super-block."""
     def encode(x: torch.Tensor, qw: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 rows ``[rows, cols]`` (``cols % 256 == 0``) and the importance of each column (fp32 ``[cols]``,
         or None) -> block bytes uint8 ``[rows, cols / 256 * size]``."""
@@ -116,12 +133,12 @@ def _weighted(t: T):
         if qw is not None:
             check_importance(qw, t.name.lower())
         qn = np.empty(0, np.float32) if qw is None else qw.detach().to("cpu", torch.float32).contiguous().numpy()
-        grid, kmap, neighbours, _ = grid_tables(t)
-        out = np.empty((n, SIZES[t]), np.uint8)
+        grid, kmap, neighbours = tables()[:3]
+        out = np.empty((n, size), np.uint8)
         bad = np.zeros(n, np.uint8)
-        jit = _jit()
+        run_kernel = kernel()
         flat = xn.numpy().reshape(-1)
-        run = lambda lo, hi: jit.run_iq3(flat, qn, cols, t == T.IQ3_XXS, grid, kmap, neighbours, lo, hi, out, bad)  # noqa: E731
+        run = lambda lo, hi: run_kernel(flat, qn, cols, grid, kmap, neighbours, lo, hi, out, bad)  # noqa: E731
         with kernels.owning_the_cores():
             kernels._split(run, n, unit=64)  # noqa: SLF001  64 super-blocks: about a millisecond of the search
         if bad.any():
@@ -132,7 +149,24 @@ def _weighted(t: T):
     return encode
 
 
-def _signs(bits: torch.Tensor) -> torch.Tensor:
+def numba_module(name: str, what: str):
+    """``qkit.schemes.NAME``, a numba kernel module, imported on first use (numba is heavy), or ``SchemeError``."""
+    try:
+        return importlib.import_module(f"qkit.schemes.{name}")
+    except ImportError as exc:
+        raise SchemeError(f"{what} are encoded by a numba kernel, and numba cannot be imported ({exc}); "
+                          "install numba or choose another type") from None
+
+
+def _weighted(t: T):
+    def kernel():
+        run = numba_module("_kernels_iq3", "iq3_xxs and iq3_s").run_iq3
+        return lambda x, qw, cols, *rest: run(x, qw, cols, t == T.IQ3_XXS, *rest)
+
+    return search_encoder(t, SIZES[t], lambda: grid_tables(t), kernel)
+
+
+def signs_of(bits: torch.Tensor) -> torch.Tensor:
     """uint8 sign bytes ``[..., m]`` -> fp32 ``[..., m, 8]``: -1 where bit ``j`` is set, else 1."""
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
     return 1.0 - 2.0 * ((bits.unsqueeze(-1) >> shifts) & 1).float()
@@ -147,7 +181,7 @@ def decode_iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     parity = torch.zeros_like(seven)
     for j in range(7):  # ksigns_iq2xs: the 8th sign bit is the parity of the seven
         parity ^= (seven >> j) & 1
-    signs = _signs((seven | (parity << 7)).to(torch.uint8))  # [nb, 8, 4, 8]
+    signs = signs_of((seven | (parity << 7)).to(torch.uint8))  # [nb, 8, 4, 8]
     grid = values[b[:, 2:66].long()].view(nb, 8, 4, 8)  # two points per group of 8
     return (db.view(nb, 8, 1, 1) * grid * signs).reshape(nb, QK_K)
 
@@ -160,7 +194,7 @@ def decode_iq3_s(b: torch.Tensor) -> torch.Tensor:
     db = read_fp16(b, 0) * (1 + 2 * s).float()
     high = ((b[:, 66:74].long().unsqueeze(-1) >> torch.arange(8, device=b.device)) & 1).view(nb, 64)
     grid = values[b[:, 2:66].long() | (high << 8)].view(nb, 8, 4, 8)
-    signs = _signs(b[:, 74:106].view(nb, 8, 4))
+    signs = signs_of(b[:, 74:106].view(nb, 8, 4))
     return (db.view(nb, 8, 1, 1) * grid * signs).reshape(nb, QK_K)
 
 
@@ -178,7 +212,7 @@ for _t, _decode in ((T.IQ3_XXS, decode_iq3_xxs), (T.IQ3_S, decode_iq3_s)):
     register_codec(_t, _unweighted(_t), _decode, weighted=_weighted(_t))
 
 class GridScheme(KQuantScheme):
-    """An i-quant whose codes are grid points of 4 weights (iq3_xxs, iq3_s). Its own ``kind``: GPTQ rounds one
+    """An i-quant whose codes are grid points of 4 or 8 weights (iq3_xxs, iq3_s, iq2_*). Its own ``kind``: GPTQ rounds one
     weight at a time onto a scale's levels and has no observer for a search over whole groups, so
     ``--method gptq`` refuses it before any work; nor does a plan mix it in (``qkit_format.plan_types``)."""
 
@@ -194,4 +228,5 @@ IQ3_S = register(GridScheme(
     description="llama.cpp IQ3_S: groups of 4 weights as one of 512 grid points, sign bits, 4-bit block scales",
 ))
 
-__all__ = ["GridScheme", "IQ3_S", "IQ3_XXS", "SIZES", "decode_iq3_s", "decode_iq3_xxs", "grid_tables"]
+__all__ = ["GridScheme", "IQ3_S", "IQ3_XXS", "SIZES", "decode_iq3_s", "decode_iq3_xxs", "grid_levels", "grid_tables",
+           "lattice_tables", "numba_module", "search_encoder", "signs_of"]

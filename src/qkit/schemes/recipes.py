@@ -42,9 +42,13 @@ implement are refused there (other architectures, mixture-of-experts). A fact a 
 recipe was not given is refused when that tensor is resolved. Whether an importance matrix is used
 (``qs.has_imatrix``, read by the IQ4 rule): :meth:`LlamaRecipe.with_imatrix`; without it, none.
 
-**Names.** The ftypes whose name is no block type's are registered as such (``q3_k_s`` ... ``q5_k_m``);
-``mxfp4_moe`` for MXFP4_MOE; the others as ``q2_k-llama``, ``iq4_nl-llama``, ``iq4_xs-llama``,
-``tq1_0-llama``, ``tq2_0-llama`` (``q2_k``, ``iq4_nl``, ``iq4_xs``, ``tq1_0``, ``tq2_0`` are the uniform types). Q6_K and Q8_0 are not registered: for every tensor of a dense llama/qwen2 model they
+**Names.** The ftypes whose name is no block type's are registered as such (``q3_k_s`` ... ``q5_k_m``,
+``iq2_m``, ``iq3_xs``, ``iq3_m``); ``mxfp4_moe`` for MXFP4_MOE; the others as ``q2_k-llama``,
+``iq1_s-llama``, ``iq1_m-llama``, ``iq2_xxs-llama``, ``iq2_xs-llama``, ``iq2_s-llama``, ``iq3_xxs-llama``, ``iq3_s-llama``, ``iq4_nl-llama``,
+``iq4_xs-llama``, ``tq1_0-llama``, ``tq2_0-llama`` (``q2_k``, ``iq1_s``, ..., ``tq2_0`` are the uniform types;
+llama.cpp's IQ2_S file type is mostly IQ2_XS and its IQ2_M mostly IQ2_S). The IQ1, IQ2 and IQ3_XXS file types'
+own rules (Q5_K output, Q2_K / IQ3_S token_embd, attn_v, the first eighth of ffn_down, IQ2_S attn_q/k for
+IQ3_XXS) are in the descriptions below; the bullet list above covers the others. Q6_K and Q8_0 are not registered: for every tensor of a dense llama/qwen2 model they
 give what the uniform ``q6_k`` / ``q8_0`` give (the output rule yields the default type or its fallback,
 and no other rule names them).
 
@@ -107,6 +111,9 @@ DEFAULT_TYPES: dict[str, T] = {
     "Q2_K": T.Q2_K, "Q3_K_S": T.Q3_K, "Q3_K_M": T.Q3_K, "Q3_K_L": T.Q3_K, "IQ4_NL": T.IQ4_NL,
     "IQ4_XS": T.IQ4_XS, "Q4_K_S": T.Q4_K, "Q4_K_M": T.Q4_K, "Q5_K_S": T.Q5_K, "Q5_K_M": T.Q5_K,
     "Q6_K": T.Q6_K, "Q8_0": T.Q8_0, "TQ1_0": T.TQ1_0, "TQ2_0": T.TQ2_0, "MXFP4_MOE": T.MXFP4,
+    # the i-quant ftypes; IQ2_S's default type is IQ2_XS and IQ2_M's IQ2_S (llama.cpp's names)
+    "IQ1_S": T.IQ1_S, "IQ1_M": T.IQ1_M, "IQ2_XXS": T.IQ2_XXS, "IQ2_XS": T.IQ2_XS, "IQ2_S": T.IQ2_XS, "IQ2_M": T.IQ2_S, "IQ3_XXS": T.IQ3_XXS,
+    "IQ3_XS": T.IQ3_S, "IQ3_S": T.IQ3_S, "IQ3_M": T.IQ3_S,
 }
 # The types each ftype writes for some tensor (category, layer, n_gqa, 70B or not, imatrix or not, tied or
 # not, whole 256-blocks or only 32-blocks): the default first, then by ggml type number. The tests derive
@@ -129,9 +136,19 @@ WRITTEN = {
     # MXFP4 only for a 3-D expert tensor (a mixture-of-experts model's, through llama.cpp's converter): a
     # dense llama/qwen2 model gets Q8_0 throughout
     "MXFP4_MOE": "MXFP4 Q8_0",
+    "IQ1_S": "IQ1_S Q4_0 Q5_0 Q8_0 Q2_K Q4_K Q5_K IQ2_XXS IQ4_NL",
+    "IQ1_M": "IQ1_M Q4_0 Q5_0 Q8_0 Q2_K Q4_K Q5_K IQ2_XXS IQ4_NL",
+    "IQ2_XXS": "IQ2_XXS Q4_0 Q5_0 Q8_0 Q2_K Q4_K Q5_K IQ4_NL",
+    "IQ2_XS": "IQ2_XS Q4_0 Q5_0 Q8_0 Q2_K Q4_K Q5_K IQ4_NL",
+    "IQ2_S": "IQ2_XS Q5_0 Q8_0 Q4_K Q5_K IQ4_NL IQ3_S",
+    "IQ2_M": "IQ2_S Q5_0 Q8_0 Q4_K Q5_K IQ4_NL IQ3_S",
+    "IQ3_XXS": "IQ3_XXS Q4_0 Q5_0 Q5_1 Q8_0 Q3_K Q4_K Q5_K IQ4_NL IQ3_S IQ2_S",  # Q3_K, Q4_K: ffn_down without an imatrix
+    "IQ3_XS": "IQ3_S Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ3_XXS IQ4_NL",  # Q5_K, Q5_1: a 70B model's attn_v
+    "IQ3_S": "IQ3_S Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ4_NL",
+    "IQ3_M": "IQ3_S Q5_0 Q5_1 Q8_0 Q4_K Q5_K Q6_K IQ4_NL",
 }
 _BITS = {T.Q2_K: 2, T.Q3_K: 3, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.Q8_0: 8, T.IQ4_NL: 4, T.IQ4_XS: 4, T.TQ1_0: 2,
-         T.TQ2_0: 2, T.MXFP4: 4}
+         T.TQ2_0: 2, T.MXFP4: 4, T.IQ2_XXS: 2, T.IQ2_XS: 2, T.IQ2_S: 2, T.IQ3_XXS: 3, T.IQ3_S: 3, T.IQ1_S: 1, T.IQ1_M: 1}
 ARCHITECTURES = ("llama", "qwen2")
 _EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -233,10 +250,11 @@ class LlamaRecipe:
     def ggml_type_for(self, shape: tuple[int, ...], name: str) -> T:
         """The type ``llama_tensor_get_type_impl`` gives ``name``, before the width fallback: the rules of
         ``qkit.schemes.llama_rules`` with the counters standing at this tensor's layer (``counters_at``:
-        one attn_v and one ffn_down per layer in a dense llama/qwen2 model)."""
+        one attn_v and one of each ffn tensor per layer in a dense llama/qwen2 model)."""
         cols = shape[-1] if shape else 1
         cat = tensor_category(name)
-        i = self._layer(name) if cat in ("attn_v", "ffn_down") else 0
+        by_layer = ("attn_v", "ffn_down") + (("ffn_gate", "ffn_up") if self.ftype == "IQ3_XS" else ())  # IQ3_XS's middle layers
+        i = self._layer(name) if cat in by_layer else 0
         if cat == "attn_v" and self.ftype in ("Q2_K", "IQ4_NL", "IQ4_XS"):
             self._gqa(name)  # refuses a recipe not given the head counts these rules read
         if cat == "attn_v":
@@ -397,10 +415,39 @@ def llama_quantize_types(log_text: str) -> dict[str, T]:
     return out
 
 
+_IQ2_COMMON = ("Q2_K for attn_v (Q4_K at 4+ query heads per KV head), the first eighth of ffn_down and an untied "
+               "token_embd, Q5_K for the output; needs an imatrix; with the width fallbacks")
+_IQ2_SM_COMMON = ("IQ3_S for attn_v (Q4_K at 4+ query heads per KV head), attn_output, the first eighth of ffn_down and "
+                  "an untied token_embd, Q5_K for the output; needs an imatrix; with the width fallbacks")
+_IQ1_COMMON = ("IQ2_XXS for attn_output, Q2_K for attn_v (Q4_K at 4+ query heads per KV head), the first eighth of "
+               "ffn_down and an untied token_embd, Q5_K for the output; needs an imatrix; with the width fallbacks")
 _RECIPES = (
+    ("iq1_s-llama", "IQ1_S", "llama.cpp's IQ1_S file type: IQ1_S, with " + _IQ1_COMMON),
+    ("iq1_m-llama", "IQ1_M", "llama.cpp's IQ1_M file type: IQ1_M, with " + _IQ1_COMMON),
+    ("iq2_xxs-llama", "IQ2_XXS", "llama.cpp's IQ2_XXS file type: IQ2_XXS, with " + _IQ2_COMMON),
+    ("iq2_xs-llama", "IQ2_XS", "llama.cpp's IQ2_XS file type: IQ2_XS, with " + _IQ2_COMMON),
+    ("iq2_s-llama", "IQ2_S", "llama.cpp's IQ2_S file type: IQ2_XS, with " + _IQ2_SM_COMMON),
+    ("iq2_m", "IQ2_M", "llama.cpp's IQ2_M file type: IQ2_S, with " + _IQ2_SM_COMMON),
     ("q2_k-llama", "Q2_K", (
         "llama.cpp's Q2_K file type: Q2_K, with Q3_K for attn_v (Q4_K at 4+ query heads per KV head), "
         "ffn_down and attn_output, Q6_K for the output; with the width fallbacks"
+    )),
+    ("iq3_xxs-llama", "IQ3_XXS", (
+        "llama.cpp's IQ3_XXS file type: IQ3_XXS, with IQ2_S for attn_q and attn_k, IQ3_S for attn_output and an "
+        "untied token_embd, attn_v Q4_K at 4+ query heads per KV head (else IQ3_XXS with an imatrix, IQ3_S without), "
+        "ffn_down Q4_K/Q3_K without an imatrix, Q5_K for the output; needs an imatrix; with the width fallbacks"
+    )),
+    ("iq3_xs", "IQ3_XS", (
+        "llama.cpp's IQ3_XS file type: IQ3_S, with IQ3_XXS for attn_q, attn_k and the middle three quarters of "
+        "ffn_gate/ffn_up, Q4_K for attn_v at 4+ query heads per KV head, Q6_K for the output; with the width fallbacks"
+    )),
+    ("iq3_s-llama", "IQ3_S", (
+        "llama.cpp's IQ3_S file type: IQ3_S, with Q4_K for attn_v at 4+ query heads per KV head, Q6_K for the "
+        "output; with the width fallbacks"
+    )),
+    ("iq3_m", "IQ3_M", (
+        "llama.cpp's IQ3_M file type: IQ3_S, with Q4_K for attn_v, attn_output and the first eighth of ffn_down, "
+        "Q6_K for the output; with the width fallbacks"
     )),
     ("q3_k_s", "Q3_K_S", (
         "llama.cpp's Q3_K_S recipe: Q3_K, Q6_K for the output; with the width fallbacks"

@@ -323,7 +323,7 @@ class _Writer(gguf.GGUFWriter):
 # --------------------------------------------------------------------------- the values
 
 
-def _floats(path: Path, header: Header, info: TensorInfo) -> np.ndarray:
+def tensor_floats(path: Path, header: Header, info: TensorInfo) -> np.ndarray:
     """The tensor as float32 ``[rows, cols]`` (F16 and BF16 widened exactly), from a memory map."""
     rows = int(np.prod(info.ne[1:], dtype=np.int64))
     src = np.memmap(path, dtype=FLOATS[T(info.ggml_type)], mode="c", offset=header.data_offset + info.offset,
@@ -430,7 +430,7 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
                     raise SchemeError(f"{p.info.name}: {given.nbytes} bytes given for {p.ggml_type.name}, "
                                       f"which stores {p.nbytes}")
                 if p.converted:  # a method's codes (qkit.converted, placed by the row map), else qkit's encoder
-                    x = _floats(source, header, p.info)
+                    x = tensor_floats(source, header, p.info)
                     data = given if given is not None else encode(x, p)
                     if is_quantized(p.ggml_type):  # checked against its source before the file is in place
                         rows = torch.from_numpy(np.ascontiguousarray(data)).view(torch.uint8).reshape(x.shape[0], -1)
@@ -452,4 +452,4 @@ def quantize_gguf(source_f32: str | Path, out: str | Path, ftype_or_scheme: str 
 
 
 __all__ = ["FTYPES", "ImportanceMatrix", "Planned", "Requantized", "encode", "head_type", "llama_quantize_args",
-           "ftype_name", "output_fields", "plan", "quantize_gguf", "tensor_bytes", "to_bf16", "to_f16"]
+           "ftype_name", "output_fields", "plan", "quantize_gguf", "tensor_bytes", "tensor_floats", "to_bf16", "to_f16"]

@@ -132,7 +132,10 @@ def file_type(default: dict, resolved: list[Scheme]):
                T.Q8_0: F.MOSTLY_Q8_0, T.Q4_K: F.MOSTLY_Q4_K_S, T.Q5_K: F.MOSTLY_Q5_K_S, T.Q6_K: F.MOSTLY_Q6_K,
                T.Q2_K: F.MOSTLY_Q2_K, T.Q3_K: F.MOSTLY_Q3_K_M, T.IQ4_NL: F.MOSTLY_IQ4_NL, T.IQ4_XS: F.MOSTLY_IQ4_XS,
                T.F16: F.MOSTLY_F16, T.BF16: F.MOSTLY_BF16, T.MXFP4: F.MOSTLY_MXFP4_MOE,
-               T.TQ1_0: F.MOSTLY_TQ1_0, T.TQ2_0: F.MOSTLY_TQ2_0, T.IQ3_XXS: F.MOSTLY_IQ3_XXS, T.IQ3_S: F.MOSTLY_IQ3_S}
+               T.TQ1_0: F.MOSTLY_TQ1_0, T.TQ2_0: F.MOSTLY_TQ2_0, T.IQ3_XXS: F.MOSTLY_IQ3_XXS, T.IQ3_S: F.MOSTLY_IQ3_S,
+               # the ftypes whose default type these are (llama_ftype_get_default_type: IQ2_S's is IQ2_XS, IQ2_M's IQ2_S)
+               T.IQ2_XXS: F.MOSTLY_IQ2_XXS, T.IQ2_XS: F.MOSTLY_IQ2_XS, T.IQ2_S: F.MOSTLY_IQ2_M,
+               T.IQ1_S: F.MOSTLY_IQ1_S, T.IQ1_M: F.MOSTLY_IQ1_M}
     if default.get("ggml_type") in T.__members__ and T[default["ggml_type"]] in by_type:
         return by_type[T[default["ggml_type"]]]
     counts = Counter(T(int(s.ggml_type)) for s in resolved)
