@@ -43,7 +43,7 @@ from qkit.export.gguf.requantize import FTYPES, tensor_floats, encode, plan, qua
 from qkit.methods.imatrix import read, write_gguf
 from qkit.schemes import get_scheme
 from qkit.schemes.llama_rules import ModelFacts, Params, category, llama_order, tensor_types
-from qkit.schemes.recipes import llama_quantize_types
+from qkit.schemes.llama_log import llama_quantize_types
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "requantize.json"
 RECORD = os.environ.get("QKIT_RECORD_REQUANTIZE") == "1"

@@ -36,10 +36,10 @@ from qkit.schemes.recipes import (
     RECIPES,
     LlamaRecipe,
     assignment,
-    llama_quantize_types,
     llama_types,
     type_counts,
 )
+from qkit.schemes.llama_log import llama_quantize_types
 from qkit.schemes.llama_rules import ModelFacts, Params, tensor_type_fallback, tensor_types, use_more_bits
 from qkit.schemes.registry import REGISTRY, scheme_from_dict
 

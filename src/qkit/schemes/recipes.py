@@ -392,29 +392,6 @@ def llama_types(recipe: LlamaRecipe, shapes: Iterable[tuple[str, tuple[int, ...]
     return {name: recipe.llama_type(tuple(shape), name) for name, shape in shapes if len(shape) >= 2}
 
 
-# llama_model_quantize_impl's line per tensor: "[  12/ 272]  blk.1.attn_v.weight  - [  576,   192,     1,     1],
-# type =    f32, " then "converting to q6_K .. size = ... MiB ->  ... MiB" (quantized), "size = ... MiB" (copied,
-# type unchanged), or with --dry-run "size = ... MiB -> ... MiB (q6_K)". Other messages may come in between.
-_LOG_ENTRY = re.compile(r"\[\s*\d+/\s*\d+\]\s+(\S+)\s+-\s+\[[^\]]*\],\s+type\s*=\s*(\w+),")
-_CONVERTING = re.compile(r"converting to (\w+) \.\.")
-_DRY_RUN = re.compile(r"size =\s*[\d.]+ MiB ->\s*[\d.]+ MiB \((\w+)\)")
-
-
-def llama_quantize_types(log_text: str) -> dict[str, T]:
-    """``{gguf tensor name: type written}`` from llama-quantize's log (its per-tensor lines; a tensor
-    copied unchanged keeps its source type). Type names are ``ggml_type_name``'s (``q4_K``, ``iq4_nl``)."""
-    out: dict[str, T] = {}
-    entries = list(_LOG_ENTRY.finditer(log_text))
-    for k, m in enumerate(entries):
-        rest = log_text[m.end(): entries[k + 1].start() if k + 1 < len(entries) else len(log_text)]
-        found = _CONVERTING.search(rest) or _DRY_RUN.search(rest)
-        type_name = found.group(1) if found else m.group(2)
-        if type_name.upper() not in T.__members__:
-            raise SchemeError(f"llama-quantize log: tensor {m.group(1)} has type {type_name}, which gguf does not know")
-        out[m.group(1)] = T[type_name.upper()]
-    return out
-
-
 _IQ2_COMMON = ("Q2_K for attn_v (Q4_K at 4+ query heads per KV head), the first eighth of ffn_down and an untied "
                "token_embd, Q5_K for the output; needs an imatrix; with the width fallbacks")
 _IQ2_SM_COMMON = ("IQ3_S for attn_v (Q4_K at 4+ query heads per KV head), attn_output, the first eighth of ffn_down and "
@@ -509,7 +486,6 @@ __all__ = [
     "expert_count",
     "Q4KMRecipe",
     "assignment",
-    "llama_quantize_types",
     "llama_types",
     "scheme_for_type",
     "tensor_category",
