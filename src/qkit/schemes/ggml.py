@@ -77,6 +77,9 @@ from qkit.schemes.ggml_blocks import (  # the shared block helpers, also importe
 from qkit.schemes.quantized import QuantizedTensor
 from qkit.schemes.registry import register
 
+# the most weights ``GGMLScheme.encode`` converts to float32 at once (a run of whole rows; at least one row)
+ENCODE_ELEMENTS = 1 << 22
+
 T = gguf.GGMLQuantizationType
 QK = 32  # elements per block of the 32-block types (QK4_0 ... QK8_0 in ggml-common.h)
 
@@ -149,20 +152,34 @@ class GGMLScheme(SchemeDefaults):
                 f"{self.name} cannot take width {width} (blocks of {self.block_size}); quantize with "
                 f"quantize_tensor, which resolves it to {self.resolve(tuple(w.shape)).name} as llama.cpp does"
             )
+        qw = None
         if quant_weights is not None and self.ggml_type in _WEIGHTED:
             qw = quant_weights.detach().to(device=w.device, dtype=torch.float32).reshape(-1)
             if qw.numel() != cols:
                 raise SchemeError(f"{self.name}: an importance vector of {qw.numel()} values for rows of {cols}")
             check_importance(qw, self.name)
-            x2 = w.reshape(rows, cols)
-            x2 = x2.float() if x2.dtype != torch.float32 else x2
+        # every llama.cpp type codes each row by itself (ggml_quantize_chunk takes any run of rows), so a
+        # large tensor is encoded a run of rows at a time: its float32 copy is one run's, never the whole
+        # tensor's (a 7B model's 49,152 x 4096 embedding: 16 MiB instead of 805 MiB); the bytes are the same
+        x2 = w.reshape(rows, cols)
+        step = max(1, ENCODE_ELEMENTS // max(cols, 1))
+        if rows <= step:
+            return {"qweight": self._encode_rows(x2, qw), "scales": torch.empty(0, dtype=torch.float16, device=w.device)}
+        out = torch.empty(rows, cols // self.block_size * self.type_size, dtype=torch.uint8, device=w.device)
+        for r in range(0, rows, step):
+            out[r:r + step] = self._encode_rows(x2[r:r + step], qw)
+        return {"qweight": out, "scales": torch.empty(0, dtype=torch.float16, device=w.device)}
+
+    def _encode_rows(self, x2: torch.Tensor, qw: torch.Tensor | None) -> torch.Tensor:
+        """Rows ``[n, cols]`` -> their block bytes uint8 ``[n, cols / block * type_size]`` (``qw``: the importance
+        vector through llama.cpp's weighted path, or None)."""
+        x2 = x2.float() if x2.dtype != torch.float32 else x2
+        n, cols = x2.shape
+        if qw is not None:
             blocks = _WEIGHTED[self.ggml_type](x2.contiguous(), qw.contiguous())
-            return {"qweight": blocks.view(rows, cols // self.block_size * self.type_size), "scales": torch.empty(0, dtype=torch.float16, device=w.device)}
-        x = w.reshape(rows * cols // self.block_size, self.block_size)
-        if x.dtype != torch.float32:
-            x = x.float()
-        blocks = _ENCODERS[self.ggml_type](x.contiguous())
-        return {"qweight": blocks.view(rows, cols // self.block_size * self.type_size), "scales": torch.empty(0, dtype=torch.float16, device=w.device)}
+        else:
+            blocks = _ENCODERS[self.ggml_type](x2.reshape(n * cols // self.block_size, self.block_size).contiguous())
+        return blocks.view(n, cols // self.block_size * self.type_size)
 
     def decode(self, parts: dict[str, torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         blocks = parts["qweight"].reshape(-1, self.type_size)
