@@ -23,7 +23,7 @@ import numpy as np
 from numba import njit
 
 from qkit.schemes._kernels_fp16 import fp16_bits
-from qkit.schemes._kernels_search import make_qp_quants, nearest_int
+from qkit.schemes._kernels_search import best_neighbour, make_qp_quants, nearest_int
 
 _compiled = njit(nogil=True, cache=True, error_model="numpy")
 _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -36,32 +36,9 @@ _FIVE = np.float32(5.0)  # 2*kMaxQ - 1
 _THREE = np.float32(3.0)  # kMaxQ
 _EPS = np.float32(1e-15)  # GROUP_MAX_EPS
 _EPS_S = np.float32(1e-8)  # GROUP_MAX_EPS_IQ2_S
-_FLT_MAX = np.float32(3.4028234663852886e38)
 _FUDGE_S = np.float32(0.9875)
 _THIRTY_ONE = np.float32(31.0)
 _QK_K = np.float32(256.0)
-
-
-@_inline
-def _best_neighbour(neigh, at, grid, xval, waux, o, scale, L):
-    """``iq2_find_best_neighbour``: the neighbour list at ``neigh[at]`` (count, then grid indices), the group
-    ``xval[o:o+8]`` weighted by ``waux``; writes ``L[o:o+8]`` and returns the grid index (-1: none found,
-    where the C aborts)."""
-    best_d2 = _FLT_MAX
-    index = -1
-    for j in range(1, neigh[at] + 1):
-        g = neigh[at + j]
-        d2 = _F0
-        for i in range(8):
-            diff = scale * np.float32(grid[g, i]) - xval[o + i]
-            d2 += waux[o + i] * diff * diff
-        if d2 < best_d2:
-            best_d2 = d2
-            index = g
-    if index >= 0:
-        for i in range(8):
-            L[o + i] = (grid[index, i] - 1) // 2
-    return index
 
 
 @_inline
@@ -181,7 +158,7 @@ def run_iq2(x, qw, cols, kind, grid, kmap, neigh, lo, hi, out, bad):  # noqa: C9
                     on_aux[k] = True
                     if kmap[u] < 0:
                         on_aux[k] = False
-                        if _best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 8 * k, this_scale, Laux) < 0:
+                        if best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 8 * k, this_scale, Laux) < 0:
                             bad[b] = 1
                 sumqx, sumq2 = _sums(weight, xval, Laux, bs)
                 if sumq2 > _F0 and sumqx * sumqx > best * sumq2:
@@ -201,7 +178,7 @@ def run_iq2(x, qw, cols, kind, grid, kmap, neigh, lo, hi, out, bad):  # noqa: C9
                         continue
                     u = _code(id_, xval, 8 * k, L)
                     if kmap[u] < 0:
-                        if _best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 8 * k, scale, L) < 0:
+                        if best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 8 * k, scale, L) < 0:
                             bad[b] = 1
                 sumqx, sumq2 = _sums(weight, xval, L, bs)
                 if sumq2 > _F0:

@@ -22,7 +22,7 @@ import numpy as np
 from numba import njit
 
 from qkit.schemes._kernels_fp16 import fp16_bits
-from qkit.schemes._kernels_search import nearest_int
+from qkit.schemes._kernels_search import best_neighbour, nearest_int
 
 _compiled = njit(nogil=True, cache=True, error_model="numpy")
 _inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
@@ -32,32 +32,9 @@ _HALF = np.float32(0.5)
 _FIFTEEN = np.float32(15.0)  # 2*kMaxQ - 1
 _FIFTH = np.float32(0.2)
 _EPS_XXS = np.float32(1e-8)  # GROUP_MAX_EPS_IQ3_XXS
-_FLT_MAX = np.float32(3.4028234663852886e38)
 _FUDGE_XXS, _FUDGE_S = np.float32(1.0125), np.float32(1.033)
 _THIRTY_ONE = np.float32(31.0)
 _QK_K = np.float32(256.0)
-
-
-@_inline
-def _best_neighbour(neigh, at, grid, xval, waux, o, scale, L):
-    """``iq3_find_best_neighbour``: the neighbour list at ``neigh[at]`` (count, then grid indices), the group
-    ``xval[o:o+4]`` weighted by ``waux``; writes ``L[o:o+4]`` and returns the grid index (-1: none found,
-    where the C aborts)."""
-    best_d2 = _FLT_MAX
-    index = -1
-    for j in range(1, neigh[at] + 1):
-        g = neigh[at + j]
-        d2 = _F0
-        for i in range(4):
-            diff = scale * np.float32(grid[g, i]) - xval[o + i]
-            d2 += waux[o + i] * diff * diff
-        if d2 < best_d2:
-            best_d2 = d2
-            index = g
-    if index >= 0:
-        for i in range(4):
-            L[o + i] = (grid[index, i] - 1) // 2
-    return index
 
 
 @_inline
@@ -168,7 +145,7 @@ def run_iq3(x, qw, cols, xxs, grid, kmap, neigh, lo, hi, out, bad):  # noqa: C90
                     on_aux[k] = True
                     if kmap[u] < 0:
                         on_aux[k] = False
-                        if _best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 4 * k, this_scale, Laux) < 0:
+                        if best_neighbour(neigh, -kmap[u] - 1, grid, xval, waux, 4 * k, this_scale, Laux) < 0:
                             bad[b] = 1
                 sumqx, sumq2 = _sums(weight, xval, Laux)
                 if sumq2 > _F0 and sumqx * sumqx > best * sumq2:
@@ -189,7 +166,7 @@ def run_iq3(x, qw, cols, xxs, grid, kmap, neigh, lo, hi, out, bad):  # noqa: C90
                     u = _codes(id_, xval, 4 * k)
                     g = kmap[u]
                     if g < 0:
-                        g = _best_neighbour(neigh, -g - 1, grid, xval, waux, 4 * k, scale, L)
+                        g = best_neighbour(neigh, -g - 1, grid, xval, waux, 4 * k, scale, L)
                         if g < 0:
                             bad[b] = 1
                             g = 0

@@ -55,6 +55,33 @@ _FAST = np.float32(4194303.0)  # nearest_int's assert bound: there the trick is 
 _EPS = np.float32(1e-15)  # GROUP_MAX_EPS
 
 
+_inline = njit(nogil=True, cache=True, error_model="numpy", inline="always")
+_FLT_MAX = np.float32(3.4028234663852886e38)
+
+
+@_inline
+def best_neighbour(neigh, at, grid, xval, waux, o, scale, L):
+    """``iq2_find_best_neighbour`` / ``iq3_find_best_neighbour`` (one loop, the group width ``grid.shape[1]``:
+    8 / 4): the neighbour list at ``neigh[at]`` (count, then grid indices), the group ``xval[o:o+n]`` weighted
+    by ``waux``; writes ``L[o:o+n]`` and returns the grid index (-1: none found, where the C aborts)."""
+    n = grid.shape[1]
+    best_d2 = _FLT_MAX
+    index = -1
+    for j in range(1, neigh[at] + 1):
+        g = neigh[at + j]
+        d2 = _F0
+        for i in range(n):
+            diff = scale * np.float32(grid[g, i]) - xval[o + i]
+            d2 += waux[o + i] * diff * diff
+        if d2 < best_d2:
+            best_d2 = d2
+            index = g
+    if index >= 0:
+        for i in range(n):
+            L[o + i] = (grid[index, i] - 1) // 2
+    return index
+
+
 @_jit
 def _mantissa_bits(v):  # numba
     """The 23 mantissa bits of the fp32 ``v`` (``bits & 0x7fffff``), without reinterpreting memory."""
