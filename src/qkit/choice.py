@@ -301,6 +301,8 @@ def check_importance_reaches(targets: Mapping[str, Scheme], shapes: Mapping[str,
     iq2_xs: ``needs_importance``) that none will reach: no ``--imatrix`` entry, and not one ``--method imatrix``
     collects (``collecting``: every block projection; never ``token_embd`` / ``output``, as llama-imatrix)."""
     for name, scheme in targets.items():
+        if not is_llama_type(scheme):  # only llama.cpp's types need one; another format refuses its own widths
+            continue
         used = scheme.resolve(tuple(shapes[name]), name)
         if not needs_importance(used) or name in weights or (collecting and tensor_category(name) not in WHOLE_FILE):
             continue
