@@ -25,6 +25,7 @@ from qkit.schemes.llama_rules import (
     tensor_types,
     use_more_bits,
 )
+from qkit.schemes.recipes import scheme_for_type
 
 T, F = gguf.GGMLQuantizationType, gguf.LlamaFileType
 
@@ -219,13 +220,20 @@ def test_each_expert_is_quantized_with_its_own_row_of_the_matrix(moe, tmp_path):
     assert _bytes(s.path, "blk.0.attn_q.weight") == _bytes(r.path, "blk.0.attn_q.weight")
 
 
-def test_refusals_come_before_anything_is_written(moe, tmp_path):
+def test_refusals_come_before_anything_is_written(moe, tmp_path, monkeypatch):
     path, _ = moe
+    import qkit.export.gguf.requantize as requantize
+
+    def no_iq2_xxs(t, name="<tensor>"):  # every file type has an encoder now: one taken away, as a type without
+        if t == gguf.GGMLQuantizationType.IQ2_XXS:
+            raise SchemeError(f"{name}: no encoder")
+        return scheme_for_type(t, name)
     out = tmp_path / "o.gguf"
     rows = {"blk.0.attn_q.weight": np.ones((1, 256)), "blk.0.ffn_down_exps.weight": np.ones((2, 256))}
     cases = [
         (lambda: quantize_gguf(path, out, "Q9_K"), InputError, "not a file type of llama-quantize"),
-        (lambda: quantize_gguf(path, out, "IQ2_XXS", imatrix=_imatrix(rows)), SchemeError, "no llama.cpp encoder"),
+        (lambda: (monkeypatch.setattr(requantize, "scheme_for_type", no_iq2_xxs),
+                  quantize_gguf(path, out, "IQ2_XXS", imatrix=_imatrix(rows))), SchemeError, "no llama.cpp encoder"),
         (lambda: quantize_gguf(path, out, "IQ2_XXS"), QkitError, "IQ2_XXS"),
         (lambda: quantize_gguf(path, out, "Q4_K_M", imatrix=_imatrix({**rows, "blk.9.attn_q.weight": np.ones((1, 256))})),
          InputError, "name no tensor"),
@@ -239,6 +247,7 @@ def test_refusals_come_before_anything_is_written(moe, tmp_path):
     for call, error, words in cases:
         with pytest.raises(error, match=words):
             call()
+        monkeypatch.undo()
         assert not out.exists()
     q8 = quantize_gguf(path, tmp_path / "q8.gguf", "Q8_0")
     with pytest.raises(InputError, match="requantizing from it is disabled"):
