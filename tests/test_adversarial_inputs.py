@@ -209,6 +209,22 @@ def test_fuzzed_manifest_raises_checkpoint_error_or_loads_the_original(m, ckpt, 
             assert t.dtype == original[k].dtype and torch.equal(t, original[k]), k
 
 
+@pytest.mark.parametrize("dropped", ["all", "one"])
+def test_codes_the_manifest_does_not_list_are_refused_not_loaded_as_tensors(ckpt, tmp_path, dropped):
+    """A manifest whose ``tensors`` lose an entry (or all of them) leaves ``NAME.qweight`` parts that nothing
+    decodes: they were loaded as tensors of raw codes (hypothesis found ``"tensors": {}``); now refused."""
+    def fn(manifest, _t):
+        if dropped == "all":
+            manifest["tensors"] = {}
+        else:
+            del manifest["tensors"]["model.layers.0.mlp.down_proj.weight"]
+
+    _tamper(ckpt, tmp_path / "bad", fn)
+    with pytest.raises(CheckpointError, match=r"down_proj.weight.qweight holds the codes of tensor .* which the qkit "
+                                              "manifest does not list"):
+        dequantized_state_dict(tmp_path / "bad")
+
+
 # --------------------------------------------------------------------------- the index
 
 

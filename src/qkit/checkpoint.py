@@ -434,11 +434,13 @@ class _Stored:
     dtype: torch.dtype | str
 
 
-def _check_stored_parts(directory: Path, specs: dict[str, Spec]) -> None:
+def _check_stored_parts(directory: Path, specs: dict[str, Spec], listed: bool) -> None:
     """Every manifest entry's stored parts, from the headers alone: exactly the parts its scheme stores,
     each of the shape and dtype the scheme implies for the original shape (``check_parts``). Refuses
-    before any data is read: missing, extra, truncated, re-typed or re-shaped parts, and a weight stored
-    both whole and as parts. One ``CheckpointError`` naming the tensor."""
+    before any data is read: missing, extra, truncated, re-typed or re-shaped parts, a weight stored
+    both whole and as parts, and (``listed``: the checkpoint has a qkit manifest) the codes of a weight the
+    manifest does not list (``NAME.qweight``: every scheme stores one), which would otherwise load as a
+    tensor of raw codes. One ``CheckpointError`` naming the tensor."""
     parts: dict[str, dict[str, _Stored]] = {name: {} for name in specs}
     for path in weight_files(directory):
         with open_safetensors(path) as f:
@@ -446,6 +448,9 @@ def _check_stored_parts(directory: Path, specs: dict[str, Spec]) -> None:
                 if key in specs:
                     raise CheckpointError(f"checkpoint {directory}: tensor {key} is stored whole and listed as quantized; re-create it")
                 base, dot, part = key.rpartition(".")
+                if listed and part == "qweight" and base not in parts:
+                    raise CheckpointError(f"checkpoint {directory}: {key} holds the codes of tensor {base}, which the qkit "
+                                          "manifest does not list; re-create it")
                 if dot and base in parts:
                     info = f.get_slice(key)
                     parts[base][part] = _Stored(tuple(info.get_shape()), SAFETENSORS_DTYPES.get(info.get_dtype(), info.get_dtype()))
@@ -464,8 +469,8 @@ def iter_quantized(directory: Path, device: str = "cpu") -> Iterator[tuple[str, 
     decoded into other weights. Parts are held until the last of a weight's parts arrives (a writer may
     split them across shards).
     """
-    _, specs = _manifest(directory)
-    _check_stored_parts(directory, specs)
+    manifest, specs = _manifest(directory)
+    _check_stored_parts(directory, specs, listed=manifest is not None)
     held: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in iter_tensors(directory, device):
         base, dot, part = key.rpartition(".")
